@@ -1,0 +1,28 @@
+//! # voom-formats
+//!
+//! The on-disk formats vOOM reads and writes, as pure data: no caching, tiering or
+//! I/O policy lives here (that is `vpaged`'s job).
+//!
+//! - [`safetensors`]: single-file safetensors checkpoints, parsed and validated so a
+//!   malformed file is a clear [`FormatError`] naming the file and tensor, never a
+//!   panic or an out-of-bounds read; and a writer.
+//! - [`checkpoint`]: a Hugging Face model directory: one `model.safetensors` or shards
+//!   listed in `model.safetensors.index.json`, memory mapped.
+//! - [`manifest`]: the page manifest of a model store: every page (tensor) with dtype,
+//!   shape, location and the blake3 of its bytes. The manifest is the authority on
+//!   what a page's bytes must be.
+//! - [`gguf`]: the GGUF container (llama.cpp), its metadata and the dequantization of
+//!   the tensor types vOOM imports.
+//! - [`dtype`]: element types and exact conversions.
+
+pub mod checkpoint;
+pub mod dtype;
+pub mod error;
+pub mod gguf;
+pub mod manifest;
+pub mod safetensors;
+
+pub use checkpoint::Checkpoint;
+pub use dtype::DType;
+pub use error::FormatError;
+pub use manifest::Manifest;
