@@ -1,0 +1,213 @@
+//! Bench of the CPU matmul kernels against the machine's measured read bandwidth.
+//!
+//! `cargo run --release -p libvoom --example matmul_bench [-- --quick]`
+//!
+//! Decode (one token) is memory bound: it reports GB/s of weights streamed and the
+//! ratio to `read_bandwidth` measured in the same run on the same thread count.
+//! Weights are cycled over a set of copies much larger than the last-level cache, so
+//! every call reads DRAM. Prefill (64 tokens) is compute bound: it reports GFLOP/s.
+//! Every figure is the median of several timed passes.
+
+use std::time::{Duration, Instant};
+
+use libvoom::backend::cpu::matmul::{matmul, matmul_isa, Isa, WeightView};
+use libvoom::backend::cpu::membw::read_bandwidth;
+use libvoom::backend::cpu::threads::ThreadPool;
+use voom_formats::DType;
+
+/// Total bytes of weight copies cycled through: 16x a 32 MiB L3.
+const WORKING_SET: usize = 512 << 20;
+
+fn main() {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let reps = if quick { 3 } else { 7 };
+    let isa = Isa::detect();
+    println!("instruction set: {isa:?}");
+
+    let pools: Vec<ThreadPool> = [1, 2]
+        .iter()
+        .map(|&t| ThreadPool::new(t).expect("spawn pool threads"))
+        .collect();
+
+    let mut bw = Vec::new();
+    for pool in &pools {
+        let gbs = read_bandwidth(1 << 30, pool.threads(), reps);
+        println!("read bandwidth, {} thread(s): {gbs:.1} GB/s", pool.threads());
+        bw.push(gbs);
+    }
+    dispatch_overhead(&pools);
+
+    let small = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)];
+    let large = [(2048, 2048), (8192, 2048), (2048, 8192)];
+    println!(
+        "\n{:>12} {:>5} {:>3} | {:>9} {:>7} {:>6} | {:>13}",
+        "shape", "dtype", "thr", "decode us", "GB/s", "of bw", "prefill GF/s"
+    );
+    for &(rows, cols) in small.iter().chain(&large) {
+        let dtypes: &[DType] = if (rows, cols) == (2048, 8192) {
+            &[DType::BF16, DType::F16, DType::F32]
+        } else {
+            &[DType::BF16]
+        };
+        for &dtype in dtypes {
+            let set = WeightSet::new(dtype, rows, cols);
+            for (pool, &bound) in pools.iter().zip(&bw) {
+                let (us, gbs) = decode(&set, pool, isa, reps);
+                let gflops = prefill(&set, pool, isa, 64, reps);
+                println!(
+                    "{:>12} {:>5} {:>3} | {:>9.1} {:>7.2} {:>5.0}% | {:>13.1}",
+                    format!("{rows}x{cols}"),
+                    dtype.as_str(),
+                    pool.threads(),
+                    us,
+                    gbs,
+                    100.0 * gbs / bound,
+                    gflops
+                );
+            }
+        }
+    }
+}
+
+/// Copies of one matrix, adjacent in one buffer, totalling at least `WORKING_SET`.
+struct WeightSet {
+    dtype: DType,
+    rows: usize,
+    cols: usize,
+    copies: usize,
+    bytes: Vec<u8>,
+}
+
+impl WeightSet {
+    fn new(dtype: DType, rows: usize, cols: usize) -> WeightSet {
+        let one = rows * cols * dtype.size();
+        let copies = WORKING_SET.div_ceil(one).max(2);
+        let mut bytes = vec![0u8; one * copies];
+        // Finite values in [-1, 1): xorshift mantissa under a fixed exponent.
+        let mut s = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            let v = f32::from_bits(0x3f80_0000 | (s as u32 >> 9)) - 1.5;
+            v * 2.0
+        };
+        match dtype {
+            DType::BF16 => {
+                for c in bytes.chunks_exact_mut(2) {
+                    c.copy_from_slice(&((next().to_bits() >> 16) as u16).to_le_bytes());
+                }
+            }
+            DType::F16 => {
+                for c in bytes.chunks_exact_mut(2) {
+                    c.copy_from_slice(&half::f16::from_f32(next()).to_bits().to_le_bytes());
+                }
+            }
+            _ => {
+                for c in bytes.chunks_exact_mut(4) {
+                    c.copy_from_slice(&next().to_le_bytes());
+                }
+            }
+        }
+        WeightSet {
+            dtype,
+            rows,
+            cols,
+            copies,
+            bytes,
+        }
+    }
+
+    fn view(&self, i: usize) -> WeightView<'_> {
+        let one = self.bytes.len() / self.copies;
+        WeightView::new(
+            self.dtype,
+            self.rows,
+            self.cols,
+            &self.bytes[i * one..(i + 1) * one],
+        )
+        .expect("bench weights have the right length")
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Median over passes (each pass: one call per copy) of (µs per call, GB/s).
+fn decode(set: &WeightSet, pool: &ThreadPool, isa: Isa, reps: usize) -> (f64, f64) {
+    let x: Vec<f32> = (0..set.cols).map(|i| (i % 7) as f32 * 0.25 - 0.75).collect();
+    let mut out = vec![0.0f32; set.rows];
+    let per_call_bytes = (set.bytes.len() / set.copies) as f64;
+    let mut secs = Vec::new();
+    for rep in 0..=reps {
+        let start = Instant::now();
+        for i in 0..set.copies {
+            matmul_isa(isa, pool, &x, 1, set.view(i), &mut out).expect("valid shapes");
+        }
+        let t = start.elapsed().as_secs_f64() / set.copies as f64;
+        if rep > 0 {
+            secs.push(t); // the first pass warms pages and threads
+        }
+    }
+    std::hint::black_box(&out);
+    let t = median(secs);
+    (t * 1e6, per_call_bytes / t / 1e9)
+}
+
+/// Median GFLOP/s of `n`-token calls, cycling over the copies.
+fn prefill(set: &WeightSet, pool: &ThreadPool, isa: Isa, n: usize, reps: usize) -> f64 {
+    let x: Vec<f32> = (0..n * set.cols).map(|i| (i % 11) as f32 * 0.1 - 0.5).collect();
+    let mut out = vec![0.0f32; n * set.rows];
+    let flops = 2.0 * (set.rows * set.cols * n) as f64;
+    // Enough calls per pass for ~50 ms, at least one.
+    let calls = {
+        let start = Instant::now();
+        matmul(pool, &x, n, set.view(0), &mut out).expect("valid shapes");
+        let one = start.elapsed().max(Duration::from_micros(1));
+        ((0.05 / one.as_secs_f64()) as usize).clamp(1, set.copies * 4)
+    };
+    let mut rates = Vec::new();
+    for _ in 0..reps {
+        let start = Instant::now();
+        for i in 0..calls {
+            matmul_isa(isa, pool, &x, n, set.view(i % set.copies), &mut out)
+                .expect("valid shapes");
+        }
+        rates.push(flops * calls as f64 / start.elapsed().as_secs_f64() / 1e9);
+    }
+    std::hint::black_box(&out);
+    median(rates)
+}
+
+/// Cost of dispatching an empty two-chunk job, this pool vs rayon's.
+fn dispatch_overhead(pools: &[ThreadPool]) {
+    const CALLS: u32 = 20_000;
+    for pool in pools.iter().filter(|p| p.threads() > 1) {
+        let start = Instant::now();
+        for _ in 0..CALLS {
+            pool.for_each_chunk_grain(pool.threads(), 1, |r| {
+                std::hint::black_box(r);
+            });
+        }
+        let ours = start.elapsed() / CALLS;
+        let rp = rayon::ThreadPoolBuilder::new()
+            .num_threads(pool.threads())
+            .build()
+            .expect("rayon pool");
+        let start = Instant::now();
+        for _ in 0..CALLS {
+            rp.install(|| {
+                rayon::join(|| std::hint::black_box(1), || std::hint::black_box(2));
+            });
+        }
+        let rayon = start.elapsed() / CALLS;
+        println!(
+            "dispatch of an empty job on {} threads: voom pool {:.2} us, rayon install+join {:.2} us",
+            pool.threads(),
+            ours.as_secs_f64() * 1e6,
+            rayon.as_secs_f64() * 1e6
+        );
+    }
+}

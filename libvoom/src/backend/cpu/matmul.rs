@@ -1,0 +1,877 @@
+//! Matrix-vector and matrix-matrix products over weights read in place.
+//!
+//! `y = W·x` with `W` a row-major BF16/F16/F32 matrix viewed straight from the page
+//! bytes (no copy, no conversion ahead of time) and `x`, `y` in f32.
+//!
+//! # One accumulation order per output element (DESIGN.md invariant 6)
+//!
+//! Every output element `out[t][o] = Σ_k x[t][k]·W[o][k]` is computed in exactly this
+//! order, whatever the number of tokens, the thread count, the tile it falls in or
+//! the instruction set:
+//!
+//! 1. eight f32 lanes `acc[0..8]`, all `+0.0`; for each full block of eight
+//!    (`k0 = 0, 8, 16, ..` while `k0 + 8 <= cols`), lane `l` does
+//!    `acc[l] = fma(W[o][k0+l], x[t][k0+l], acc[l])` (fused, one rounding);
+//! 2. a fixed horizontal reduction: `h[l] = acc[l] + acc[l+4]` for `l < 4`, then
+//!    `(h[0] + h[2]) + (h[1] + h[3])`;
+//! 3. the tail `k = cols - cols % 8 .. cols` in increasing order, `s = fma(W, x, s)`.
+//!
+//! Weights are converted to f32 exactly (BF16 and F16 are subsets of f32), so the
+//! conversion never changes a value. The AVX2 path keeps one 8-lane register per
+//! output element; instruction-level parallelism comes from computing a tile of
+//! several rows and tokens at once, never from splitting one element's sum. The
+//! portable path emulates the same lanes with `f32::mul_add`, so it produces the same
+//! bits (it is what runs on CPUs without AVX2+FMA+F16C and, for now, on aarch64,
+//! where LLVM vectorises the lane arrays to NEON).
+//!
+//! Decode (one token) streams `W` once; prefill reuses each `W` tile from L1/L2
+//! across all tokens of the call, converting each 8-element block once per group of
+//! [`NR`] tokens.
+
+use std::ops::Range;
+
+use voom_formats::DType;
+
+use super::threads::ThreadPool;
+
+/// An error from the kernels' argument checks.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KernelError {
+    /// The weight dtype is not one the kernels compute on.
+    #[error("weight dtype {0} is not supported by the CPU matmul (BF16, F16, F32 are)")]
+    UnsupportedDType(DType),
+    /// `rows * cols * dtype size` overflows `usize`.
+    #[error("weight shape {rows}x{cols} of {dtype} overflows the address space")]
+    ShapeOverflow {
+        rows: usize,
+        cols: usize,
+        dtype: DType,
+    },
+    /// The weight bytes do not match the shape.
+    #[error("weight {rows}x{cols} of {dtype} needs {expected} bytes, got {actual}")]
+    WeightLen {
+        rows: usize,
+        cols: usize,
+        dtype: DType,
+        expected: usize,
+        actual: usize,
+    },
+    /// The activation or output slice does not match `n` and the weight shape.
+    #[error("{what} has {actual} elements, expected {expected} ({n} tokens x {per_token})")]
+    ActivationLen {
+        what: &'static str,
+        n: usize,
+        per_token: usize,
+        expected: usize,
+        actual: usize,
+    },
+}
+
+/// A row-major weight matrix `[rows = out features, cols = in features]` viewed in
+/// place. [`WeightView::new`] checks the invariants; [`matmul`] checks them again, so
+/// a view built from its public fields can never cause an out-of-bounds read.
+#[derive(Clone, Copy, Debug)]
+pub struct WeightView<'a> {
+    /// BF16, F16 or F32 (little-endian).
+    pub dtype: DType,
+    pub rows: usize,
+    pub cols: usize,
+    /// Exactly `rows * cols * dtype.size()` bytes; no alignment is required.
+    pub bytes: &'a [u8],
+}
+
+impl<'a> WeightView<'a> {
+    /// A checked view: `dtype` is BF16/F16/F32 and `bytes.len() == rows*cols*size`.
+    pub fn new(
+        dtype: DType,
+        rows: usize,
+        cols: usize,
+        bytes: &'a [u8],
+    ) -> Result<Self, KernelError> {
+        let w = WeightView {
+            dtype,
+            rows,
+            cols,
+            bytes,
+        };
+        w.check()?;
+        Ok(w)
+    }
+
+    /// Re-checks the invariants of a view (its fields are public).
+    pub fn check(&self) -> Result<(), KernelError> {
+        dtype_code(self.dtype)?;
+        let expected = self
+            .rows
+            .checked_mul(self.cols)
+            .and_then(|e| e.checked_mul(self.dtype.size()))
+            .ok_or(KernelError::ShapeOverflow {
+                rows: self.rows,
+                cols: self.cols,
+                dtype: self.dtype,
+            })?;
+        if self.bytes.len() != expected {
+            return Err(KernelError::WeightLen {
+                rows: self.rows,
+                cols: self.cols,
+                dtype: self.dtype,
+                expected,
+                actual: self.bytes.len(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Rows `range` of this matrix, as a view of the same bytes.
+    ///
+    /// # Panics
+    /// If `range` is not within `0..rows` (a caller bug, not bad input).
+    pub fn slice_rows(&self, range: Range<usize>) -> WeightView<'a> {
+        assert!(range.start <= range.end && range.end <= self.rows);
+        let row = self.cols * self.dtype.size();
+        WeightView {
+            dtype: self.dtype,
+            rows: range.len(),
+            cols: self.cols,
+            bytes: &self.bytes[range.start * row..range.end * row],
+        }
+    }
+}
+
+const DT_BF16: u8 = 0;
+const DT_F16: u8 = 1;
+const DT_F32: u8 = 2;
+
+fn dtype_code(d: DType) -> Result<u8, KernelError> {
+    match d {
+        DType::BF16 => Ok(DT_BF16),
+        DType::F16 => Ok(DT_F16),
+        DType::F32 => Ok(DT_F32),
+        other => Err(KernelError::UnsupportedDType(other)),
+    }
+}
+
+/// Rows per tile (output features computed together).
+pub const MR: usize = 4;
+/// Tokens per tile in prefill: each converted weight block is reused this many times
+/// from registers. 4 rows x 3 tokens = 12 accumulators + 4 weight registers = the 16
+/// AVX2 registers.
+pub const NR: usize = 3;
+
+/// Below this many multiply-adds a call runs on the caller alone: waking workers
+/// would cost more than it saves.
+const PARALLEL_MIN_MACS: usize = 1 << 15;
+
+/// The instruction set a kernel call uses. Every variant produces the same bits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    /// x86_64 with AVX2, FMA and F16C.
+    Avx2,
+    /// Lane-emulating scalar code (any CPU).
+    Portable,
+}
+
+impl Isa {
+    /// The best instruction set this CPU supports.
+    pub fn detect() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+                && std::arch::is_x86_feature_detected!("f16c")
+            {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Portable
+    }
+}
+
+/// `out[t*rows + o] = Σ_k x[t*cols + k] · W[o*cols + k]` for `t < n`, `o < rows`.
+///
+/// Batch invariant: each output element has the bits it would have in any other
+/// call, whatever `n`, the pool's thread count and the other rows (see module doc).
+pub fn matmul(
+    pool: &ThreadPool,
+    x: &[f32],
+    n: usize,
+    w: WeightView<'_>,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    matmul_isa(Isa::detect(), pool, x, n, w, out)
+}
+
+/// [`matmul`] with an explicit instruction set (for tests and benches).
+///
+/// # Panics
+/// If `isa` is [`Isa::Avx2`] and the CPU lacks AVX2, FMA or F16C.
+pub fn matmul_isa(
+    isa: Isa,
+    pool: &ThreadPool,
+    x: &[f32],
+    n: usize,
+    w: WeightView<'_>,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    w.check()?;
+    let dt = dtype_code(w.dtype)?;
+    check_len("x", x.len(), n, w.cols)?;
+    check_len("out", out.len(), n, w.rows)?;
+    assert!(
+        isa == Isa::Portable || Isa::detect() == Isa::Avx2,
+        "AVX2 kernels requested on a CPU without AVX2+FMA+F16C"
+    );
+    if n == 0 || w.rows == 0 {
+        return Ok(());
+    }
+    let dst = OutPtr(out.as_mut_ptr());
+    let job = |rows: Range<usize>| {
+        // SAFETY: lengths were checked above (x: n*cols, out: n*rows, W: rows*cols of
+        // `dt`), `rows` lies within 0..w.rows (pool chunks cover 0..w.rows), chunks
+        // are disjoint so no two threads write the same `out` element, and `out` is
+        // exclusively borrowed for the whole call. `isa` is Avx2 only if detected.
+        unsafe { compute_rows(isa, dt, x, n, &w, rows, dst) }
+    };
+    let macs = w.rows.saturating_mul(w.cols).saturating_mul(n);
+    if pool.threads() == 1 || macs < PARALLEL_MIN_MACS {
+        job(0..w.rows);
+    } else {
+        // About 8 chunks per thread (dynamic balance on a shared VM), in whole tiles.
+        let grain = w.rows.div_ceil(pool.threads() * 8).next_multiple_of(MR);
+        pool.for_each_chunk_grain(w.rows, grain, job);
+    }
+    Ok(())
+}
+
+fn check_len(what: &'static str, actual: usize, n: usize, per: usize) -> Result<(), KernelError> {
+    let expected = n.checked_mul(per);
+    if expected != Some(actual) {
+        return Err(KernelError::ActivationLen {
+            what,
+            n,
+            per_token: per,
+            expected: expected.unwrap_or(usize::MAX),
+            actual,
+        });
+    }
+    Ok(())
+}
+
+/// The output pointer shared by the threads of one call (each writes its own rows).
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: the threads of one `matmul` call write disjoint elements through it while
+// the caller holds the exclusive borrow of `out`.
+unsafe impl Send for OutPtr {}
+// SAFETY: as above.
+unsafe impl Sync for OutPtr {}
+
+/// Computes rows `rows` of `out` for all `n` tokens.
+///
+/// # Safety
+/// `x.len() == n*w.cols`, `w` checked with dtype code `dt`, `rows ⊆ 0..w.rows`,
+/// `out` valid for `n*w.rows` writes and no other thread writes these rows' elements;
+/// `isa == Avx2` only if the CPU has AVX2, FMA and F16C.
+unsafe fn compute_rows(
+    isa: Isa,
+    dt: u8,
+    x: &[f32],
+    n: usize,
+    w: &WeightView<'_>,
+    rows: Range<usize>,
+    out: OutPtr,
+) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: forwarded contract; the caller checked the CPU features.
+        Isa::Avx2 => unsafe {
+            match dt {
+                DT_BF16 => avx2::rows::<DT_BF16>(x, n, w, rows, out.0),
+                DT_F16 => avx2::rows::<DT_F16>(x, n, w, rows, out.0),
+                _ => avx2::rows::<DT_F32>(x, n, w, rows, out.0),
+            }
+        },
+        // SAFETY: forwarded contract.
+        _ => unsafe {
+            match dt {
+                DT_BF16 => portable::rows::<DT_BF16>(x, n, w, rows, out.0),
+                DT_F16 => portable::rows::<DT_F16>(x, n, w, rows, out.0),
+                _ => portable::rows::<DT_F32>(x, n, w, rows, out.0),
+            }
+        },
+    }
+}
+
+/// Dot product of two f32 slices in the kernels' fixed order (8 fused lanes, fixed
+/// reduction, fused tail): `dot_f32(w, x)` has the bits of `matmul` with a one-row
+/// F32 weight `w`. For attention scores.
+///
+/// # Panics
+/// If the lengths differ (a caller bug).
+pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "dot_f32 on slices of different lengths");
+    #[cfg(target_arch = "x86_64")]
+    if Isa::detect() == Isa::Avx2 {
+        // SAFETY: features checked; equal lengths checked.
+        return unsafe { avx2::dot_f32(a, b) };
+    }
+    portable::dot_f32(a, b)
+}
+
+/// `y[i] = fma(a, x[i], y[i])` for every `i` (one fused rounding per element).
+///
+/// # Panics
+/// If the lengths differ (a caller bug).
+pub fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
+    assert_eq!(y.len(), x.len(), "axpy on slices of different lengths");
+    #[cfg(target_arch = "x86_64")]
+    if Isa::detect() == Isa::Avx2 {
+        // SAFETY: features checked; equal lengths checked.
+        return unsafe { avx2::axpy(y, a, x) };
+    }
+    for (yi, &xi) in y.iter_mut().zip(x) {
+        *yi = a.mul_add(xi, *yi);
+    }
+}
+
+/// Reads weight element `i` (of a `DT` buffer) as f32, exactly.
+///
+/// # Safety
+/// `p` is valid for reads of element `i`.
+#[inline(always)]
+unsafe fn load1<const DT: u8>(p: *const u8, i: usize) -> f32 {
+    // SAFETY: the caller guarantees element `i` is in bounds; reads are unaligned.
+    unsafe {
+        match DT {
+            DT_BF16 => f32::from_bits((p.add(2 * i).cast::<u16>().read_unaligned() as u32) << 16),
+            DT_F16 => half::f16::from_bits(p.add(2 * i).cast::<u16>().read_unaligned()).to_f32(),
+            _ => p.add(4 * i).cast::<f32>().read_unaligned(),
+        }
+    }
+}
+
+/// The fixed horizontal reduction of eight lanes (step 2 of the module doc).
+#[inline(always)]
+fn hsum8(a: &[f32; 8]) -> f32 {
+    let h = [a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]];
+    (h[0] + h[2]) + (h[1] + h[3])
+}
+
+/// Scalar code with the exact lane structure of the SIMD kernels.
+mod portable {
+    use super::*;
+
+    /// # Safety
+    /// As [`compute_rows`].
+    pub(super) unsafe fn rows<const DT: u8>(
+        x: &[f32],
+        n: usize,
+        w: &WeightView<'_>,
+        rows: Range<usize>,
+        out: *mut f32,
+    ) {
+        let cols = w.cols;
+        let size = w.dtype.size();
+        let wp = w.bytes.as_ptr();
+        for o in rows {
+            // SAFETY: `o < w.rows`, so the row lies within the checked bytes.
+            let wrow = unsafe { wp.add(o * cols * size) };
+            for t in 0..n {
+                let xrow = &x[t * cols..(t + 1) * cols];
+                // SAFETY: the row has `cols` elements, as `xrow`.
+                let s = unsafe { dot_row::<DT>(wrow, xrow) };
+                // SAFETY: `t < n`, `o < rows`: within the `n*rows` output; this
+                // element belongs to this thread's rows.
+                unsafe { out.add(t * w.rows + o).write(s) };
+            }
+        }
+    }
+
+    /// # Safety
+    /// `w` is valid for `x.len()` elements of type `DT`.
+    #[inline]
+    pub(super) unsafe fn dot_row<const DT: u8>(w: *const u8, x: &[f32]) -> f32 {
+        let cols = x.len();
+        let k8 = cols - cols % 8;
+        let mut acc = [0.0f32; 8];
+        let mut k = 0;
+        while k < k8 {
+            for l in 0..8 {
+                // SAFETY: `k + l < k8 <= cols`.
+                let wv = unsafe { load1::<DT>(w, k + l) };
+                acc[l] = wv.mul_add(x[k + l], acc[l]);
+            }
+            k += 8;
+        }
+        let mut s = hsum8(&acc);
+        for (kk, &xv) in x.iter().enumerate().skip(k8) {
+            // SAFETY: `kk < cols`.
+            s = unsafe { load1::<DT>(w, kk) }.mul_add(xv, s);
+        }
+        s
+    }
+
+    pub(super) fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+        // SAFETY: `a` is valid for `b.len()` f32 elements (equal lengths).
+        unsafe { dot_row::<DT_F32>(a.as_ptr().cast::<u8>(), b) }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// Eight weights at `p` as f32 (exact).
+    ///
+    /// # Safety
+    /// `p` valid for 8 elements of `DT`; CPU has AVX2+F16C.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8<const DT: u8>(p: *const u8) -> __m256 {
+        // SAFETY: the caller guarantees 8 readable elements; loads are unaligned.
+        unsafe {
+            match DT {
+                DT_BF16 => {
+                    let h = _mm_loadu_si128(p.cast::<__m128i>());
+                    _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+                }
+                DT_F16 => _mm256_cvtph_ps(_mm_loadu_si128(p.cast::<__m128i>())),
+                _ => _mm256_loadu_ps(p.cast::<f32>()),
+            }
+        }
+    }
+
+    /// The fixed reduction of the module doc, on a register.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn hsum(v: __m256) -> f32 {
+        let lo = _mm256_castps256_ps128(v);
+        let hi = _mm256_extractf128_ps::<1>(v);
+        let h = _mm_add_ps(lo, hi); // h[l] = v[l] + v[l+4]
+        let q = _mm_add_ps(h, _mm_movehl_ps(h, h)); // q[0] = h0+h2, q[1] = h1+h3
+        let s = _mm_add_ss(q, _mm_shuffle_ps::<0b01>(q, q)); // q0 + q1
+        _mm_cvtss_f32(s)
+    }
+
+    /// One tile: rows `o0..o0+R` x tokens `t0..t0+T`.
+    ///
+    /// # Safety
+    /// As [`compute_rows`], with `o0 + R <= w.rows` and `t0 + T <= n`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tile<const DT: u8, const R: usize, const T: usize>(
+        x: &[f32],
+        w: &WeightView<'_>,
+        o0: usize,
+        t0: usize,
+        out: *mut f32,
+    ) {
+        let cols = w.cols;
+        let size = w.dtype.size();
+        let k8 = cols - cols % 8;
+        // SAFETY (pointer arithmetic below): rows o0..o0+R and tokens t0..t0+T are in
+        // bounds, each has `cols` elements, and every offset used is < cols.
+        let wp: [*const u8; R] =
+            std::array::from_fn(|r| unsafe { w.bytes.as_ptr().add((o0 + r) * cols * size) });
+        let xp: [*const f32; T] =
+            std::array::from_fn(|t| unsafe { x.as_ptr().add((t0 + t) * cols) });
+        let mut acc = [[_mm256_setzero_ps(); T]; R];
+        let mut k = 0;
+        while k < k8 {
+            // SAFETY: k + 8 <= cols for every row and token.
+            unsafe {
+                let wv: [__m256; R] = std::array::from_fn(|r| load8::<DT>(wp[r].add(k * size)));
+                for t in 0..T {
+                    let xv = _mm256_loadu_ps(xp[t].add(k));
+                    for r in 0..R {
+                        acc[r][t] = _mm256_fmadd_ps(wv[r], xv, acc[r][t]);
+                    }
+                }
+            }
+            k += 8;
+        }
+        for r in 0..R {
+            for t in 0..T {
+                let mut s = hsum(acc[r][t]);
+                for kk in k8..cols {
+                    // SAFETY: kk < cols.
+                    let (wv, xv) = unsafe { (load1::<DT>(wp[r], kk), *xp[t].add(kk)) };
+                    s = wv.mul_add(xv, s);
+                }
+                // SAFETY: (t0+t, o0+r) is within the output and owned by this thread.
+                unsafe { out.add((t0 + t) * w.rows + o0 + r).write(s) };
+            }
+        }
+    }
+
+    /// # Safety
+    /// As [`compute_rows`].
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn rows<const DT: u8>(
+        x: &[f32],
+        n: usize,
+        w: &WeightView<'_>,
+        rows: Range<usize>,
+        out: *mut f32,
+    ) {
+        let mut o = rows.start;
+        while o < rows.end {
+            let r = (rows.end - o).min(MR);
+            let mut t = 0;
+            while t < n {
+                let tn = (n - t).min(NR);
+                // SAFETY: o + r <= rows.end <= w.rows and t + tn <= n.
+                unsafe {
+                    match (r, tn) {
+                        (4, 3) => tile::<DT, 4, 3>(x, w, o, t, out),
+                        (4, 2) => tile::<DT, 4, 2>(x, w, o, t, out),
+                        (4, _) => tile::<DT, 4, 1>(x, w, o, t, out),
+                        (3, 3) => tile::<DT, 3, 3>(x, w, o, t, out),
+                        (3, 2) => tile::<DT, 3, 2>(x, w, o, t, out),
+                        (3, _) => tile::<DT, 3, 1>(x, w, o, t, out),
+                        (2, 3) => tile::<DT, 2, 3>(x, w, o, t, out),
+                        (2, 2) => tile::<DT, 2, 2>(x, w, o, t, out),
+                        (2, _) => tile::<DT, 2, 1>(x, w, o, t, out),
+                        (_, 3) => tile::<DT, 1, 3>(x, w, o, t, out),
+                        (_, 2) => tile::<DT, 1, 2>(x, w, o, t, out),
+                        (_, _) => tile::<DT, 1, 1>(x, w, o, t, out),
+                    }
+                }
+                t += tn;
+            }
+            o += r;
+        }
+    }
+
+    /// # Safety
+    /// CPU has AVX2+FMA+F16C; `a.len() == b.len()`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+        let cols = a.len();
+        let k8 = cols - cols % 8;
+        let mut acc = _mm256_setzero_ps();
+        let mut k = 0;
+        while k < k8 {
+            // SAFETY: k + 8 <= len of both slices.
+            unsafe {
+                let av = _mm256_loadu_ps(a.as_ptr().add(k));
+                let bv = _mm256_loadu_ps(b.as_ptr().add(k));
+                acc = _mm256_fmadd_ps(av, bv, acc);
+            }
+            k += 8;
+        }
+        let mut s = hsum(acc);
+        for kk in k8..cols {
+            s = a[kk].mul_add(b[kk], s);
+        }
+        s
+    }
+
+    /// # Safety
+    /// CPU has AVX2+FMA+F16C; `y.len() == x.len()`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
+        let len = y.len();
+        let k8 = len - len % 8;
+        let av = _mm256_set1_ps(a);
+        let mut k = 0;
+        while k < k8 {
+            // SAFETY: k + 8 <= len of both slices.
+            unsafe {
+                let yp = y.as_mut_ptr().add(k);
+                let xv = _mm256_loadu_ps(x.as_ptr().add(k));
+                _mm256_storeu_ps(yp, _mm256_fmadd_ps(av, xv, _mm256_loadu_ps(yp)));
+            }
+            k += 8;
+        }
+        for kk in k8..len {
+            y[kk] = a.mul_add(x[kk], y[kk]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    /// Independent exact decoding of one weight element (not the kernels' code).
+    fn decode(dtype: DType, b: &[u8], i: usize) -> f32 {
+        match dtype {
+            DType::BF16 => f32::from_bits(u32::from(u16::from_le_bytes([b[2 * i], b[2 * i + 1]])) << 16),
+            DType::F16 => {
+                let h = u16::from_le_bytes([b[2 * i], b[2 * i + 1]]);
+                let sign = if h & 0x8000 != 0 { -1.0f64 } else { 1.0 };
+                let e = i32::from((h >> 10) & 0x1f);
+                let m = f64::from(h & 0x3ff);
+                let v = match e {
+                    0 => m * 2f64.powi(-24),
+                    31 if m == 0.0 => f64::INFINITY,
+                    31 => f64::NAN,
+                    _ => (1.0 + m / 1024.0) * 2f64.powi(e - 15),
+                };
+                (sign * v) as f32
+            }
+            DType::F32 => f32::from_le_bytes(b[4 * i..4 * i + 4].try_into().unwrap()),
+            _ => unreachable!(),
+        }
+    }
+
+    /// The specified order, written directly from the module doc.
+    fn spec_dot(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
+        let cols = x.len();
+        let k8 = cols / 8 * 8;
+        let mut acc = [0.0f32; 8];
+        for k in 0..k8 {
+            acc[k % 8] = decode(dtype, row, k).mul_add(x[k], acc[k % 8]);
+        }
+        let h: Vec<f32> = (0..4).map(|l| acc[l] + acc[l + 4]).collect();
+        let mut s = (h[0] + h[2]) + (h[1] + h[3]);
+        for k in k8..cols {
+            s = decode(dtype, row, k).mul_add(x[k], s);
+        }
+        s
+    }
+
+    fn spec_matmul(x: &[f32], n: usize, w: &WeightView<'_>) -> Vec<f32> {
+        let row = w.cols * w.dtype.size();
+        let mut out = vec![0.0; n * w.rows];
+        for t in 0..n {
+            for o in 0..w.rows {
+                out[t * w.rows + o] = spec_dot(
+                    w.dtype,
+                    &w.bytes[o * row..(o + 1) * row],
+                    &x[t * w.cols..(t + 1) * w.cols],
+                );
+            }
+        }
+        out
+    }
+
+    /// Random finite weights spanning many exponents, with zeros and subnormals.
+    fn random_weights(rng: &mut ChaCha8Rng, dtype: DType, len: usize) -> Vec<u8> {
+        let mut b = Vec::with_capacity(len * dtype.size());
+        for _ in 0..len {
+            let sign = if rng.gen::<bool>() { -1.0f32 } else { 1.0 };
+            let v = match rng.gen_range(0..20) {
+                0 => 0.0,
+                1 => f32::MIN_POSITIVE * rng.gen::<f32>(),
+                _ => rng.gen::<f32>() * 2f32.powi(rng.gen_range(-20..4)),
+            } * sign;
+            match dtype {
+                DType::BF16 => b.extend_from_slice(&half::bf16::from_f32(v).to_bits().to_le_bytes()),
+                DType::F16 => {
+                    // Random bits cover F16 subnormals and the whole finite range.
+                    let mut h: u16 = rng.gen();
+                    if (h >> 10) & 0x1f == 0x1f {
+                        h &= !0x4000;
+                    }
+                    b.extend_from_slice(&h.to_le_bytes());
+                }
+                _ => b.extend_from_slice(&v.to_le_bytes()),
+            }
+        }
+        b
+    }
+
+    fn random_x(rng: &mut ChaCha8Rng, len: usize) -> Vec<f32> {
+        (0..len).map(|_| rng.gen_range(-2.0f32..2.0)).collect()
+    }
+
+    fn isas() -> Vec<Isa> {
+        let mut v = vec![Isa::Portable];
+        if Isa::detect() == Isa::Avx2 {
+            v.push(Isa::Avx2);
+        }
+        v
+    }
+
+    const DTYPES: [DType; 3] = [DType::BF16, DType::F16, DType::F32];
+
+    /// Close to an f64 reference: the error bound of a chain of `cols/8 + 11`
+    /// roundings relative to Σ|w·x|, plus subnormal slack.
+    #[test]
+    fn matches_f64_reference() {
+        let mut rng = ChaCha8Rng::seed_from_u64(1);
+        let pool = ThreadPool::new(2).unwrap();
+        for dtype in DTYPES {
+            for &(rows, cols) in &[(5, 1), (7, 8), (9, 37), (33, 300), (16, 576), (3, 2051)] {
+                let wb = random_weights(&mut rng, dtype, rows * cols);
+                let w = WeightView::new(dtype, rows, cols, &wb).unwrap();
+                let n = 3;
+                let x = random_x(&mut rng, n * cols);
+                for isa in isas() {
+                    let mut out = vec![f32::NAN; n * rows];
+                    matmul_isa(isa, &pool, &x, n, w, &mut out).unwrap();
+                    for t in 0..n {
+                        for o in 0..rows {
+                            let (mut exact, mut mag) = (0.0f64, 0.0f64);
+                            for k in 0..cols {
+                                let p = f64::from(decode(dtype, &wb[o * cols * dtype.size()..], k))
+                                    * f64::from(x[t * cols + k]);
+                                exact += p;
+                                mag += p.abs();
+                            }
+                            let bound = (cols / 8 + 11) as f64 * f64::from(f32::EPSILON) * mag
+                                + cols as f64 * f64::from(f32::MIN_POSITIVE);
+                            let got = f64::from(out[t * rows + o]);
+                            assert!(
+                                (got - exact).abs() <= bound,
+                                "{dtype} {rows}x{cols} {isa:?} t{t} o{o}: {got} vs {exact} (bound {bound})"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Batch invariance: every element has the spec's bits whatever n (1..=17), the
+    /// thread count (1, 2, 3), the instruction set, and the rows computed with it.
+    #[test]
+    fn bits_independent_of_batch_threads_isa_and_rows() {
+        let mut rng = ChaCha8Rng::seed_from_u64(2);
+        let pools: Vec<ThreadPool> = (1..=3).map(|t| ThreadPool::new(t).unwrap()).collect();
+        let mut shapes = vec![(1, 0), (1, 1), (4, 8), (3, 7), (5, 9), (67, 517), (130, 300), (8, 1031)];
+        for _ in 0..14 {
+            shapes.push((rng.gen_range(1..40), rng.gen_range(1..200)));
+        }
+        for dtype in DTYPES {
+            for &(rows, cols) in &shapes {
+                let wb = random_weights(&mut rng, dtype, rows * cols);
+                let w = WeightView::new(dtype, rows, cols, &wb).unwrap();
+                let x = random_x(&mut rng, 17 * cols);
+                let want = spec_matmul(&x, 17, &w);
+                for n in 1..=17 {
+                    // Tokens are taken from different offsets so each n sees new rows.
+                    let t0 = (n * 5) % (18 - n);
+                    let xs = &x[t0 * cols..(t0 + n) * cols];
+                    let want_n = &want[t0 * rows..(t0 + n) * rows];
+                    for isa in isas() {
+                        for pool in &pools {
+                            let mut out = vec![f32::NAN; n * rows];
+                            matmul_isa(isa, pool, xs, n, w, &mut out).unwrap();
+                            for (i, (g, e)) in out.iter().zip(want_n).enumerate() {
+                                assert_eq!(
+                                    g.to_bits(),
+                                    e.to_bits(),
+                                    "{dtype} {rows}x{cols} n={n} {isa:?} threads={} elem {i}",
+                                    pool.threads()
+                                );
+                            }
+                        }
+                    }
+                }
+                // A sub-range of rows computes the same bits as inside the full matrix.
+                let a = rng.gen_range(0..rows);
+                let b = rng.gen_range(a + 1..=rows);
+                let sub = w.slice_rows(a..b);
+                let n = 5;
+                let mut out = vec![0.0; n * (b - a)];
+                matmul(&pools[1], &x[..n * cols], n, sub, &mut out).unwrap();
+                for t in 0..n {
+                    for o in a..b {
+                        assert_eq!(out[t * (b - a) + o - a].to_bits(), want[t * rows + o].to_bits());
+                    }
+                }
+            }
+        }
+    }
+
+    /// Infinite and NaN weights propagate as IEEE arithmetic says, on every path.
+    #[test]
+    fn non_finite_weights_propagate() {
+        let pool = ThreadPool::single();
+        for dtype in DTYPES {
+            let (inf, nan): (Vec<u8>, Vec<u8>) = match dtype {
+                DType::BF16 => (0x7f80u16.to_le_bytes().into(), 0x7fc0u16.to_le_bytes().into()),
+                DType::F16 => (0x7c00u16.to_le_bytes().into(), 0x7e00u16.to_le_bytes().into()),
+                _ => (f32::INFINITY.to_le_bytes().into(), f32::NAN.to_le_bytes().into()),
+            };
+            let cols = 19;
+            let one = random_weights(&mut ChaCha8Rng::seed_from_u64(3), dtype, 1);
+            for pos in [0, 5, 17] {
+                let mut wb = Vec::new();
+                for row in 0..2 {
+                    for k in 0..cols {
+                        wb.extend_from_slice(match (row, k == pos) {
+                            (0, true) => &inf,
+                            (1, true) => &nan,
+                            _ => &one,
+                        });
+                    }
+                }
+                let w = WeightView::new(dtype, 2, cols, &wb).unwrap();
+                let x = vec![1.0f32; cols];
+                for isa in isas() {
+                    let mut out = vec![0.0; 2];
+                    matmul_isa(isa, &pool, &x, 1, w, &mut out).unwrap();
+                    assert_eq!(out[0], f32::INFINITY, "{dtype} {isa:?} pos {pos}");
+                    assert!(out[1].is_nan(), "{dtype} {isa:?} pos {pos}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bad_shapes_are_typed_errors() {
+        let pool = ThreadPool::single();
+        let b = vec![0u8; 24];
+        assert_eq!(
+            WeightView::new(DType::I32, 2, 3, &b).unwrap_err(),
+            KernelError::UnsupportedDType(DType::I32)
+        );
+        assert!(matches!(
+            WeightView::new(DType::BF16, 2, 3, &b),
+            Err(KernelError::WeightLen { expected: 12, actual: 24, .. })
+        ));
+        assert!(matches!(
+            WeightView::new(DType::F32, usize::MAX / 2, 3, &b),
+            Err(KernelError::ShapeOverflow { .. })
+        ));
+        let w = WeightView::new(DType::F32, 2, 3, &b).unwrap();
+        let mut out = vec![0.0; 4];
+        assert!(matches!(
+            matmul(&pool, &[0.0; 5], 2, w, &mut out),
+            Err(KernelError::ActivationLen { what: "x", expected: 6, actual: 5, .. })
+        ));
+        assert!(matches!(
+            matmul(&pool, &[0.0; 6], 2, w, &mut out[..3]),
+            Err(KernelError::ActivationLen { what: "out", expected: 4, actual: 3, .. })
+        ));
+        // A view built from its public fields with a wrong length is caught too.
+        let bad = WeightView { dtype: DType::F32, rows: 3, cols: 3, bytes: &b };
+        assert!(matches!(
+            matmul(&pool, &[0.0; 6], 2, bad, &mut [0.0; 6]),
+            Err(KernelError::WeightLen { expected: 36, actual: 24, .. })
+        ));
+        assert!(matches!(
+            matmul(&pool, &[0.0; 6], usize::MAX / 2, w, &mut out),
+            Err(KernelError::ActivationLen { what: "x", .. })
+        ));
+        // Empty calls are fine.
+        matmul(&pool, &[], 0, w, &mut []).unwrap();
+    }
+
+    #[test]
+    fn dot_f32_is_the_kernel_order_and_axpy_is_fused() {
+        let mut rng = ChaCha8Rng::seed_from_u64(4);
+        for len in [0usize, 1, 7, 8, 9, 64, 100, 128, 1001] {
+            let a = random_x(&mut rng, len);
+            let b = random_x(&mut rng, len);
+            let bytes: Vec<u8> = a.iter().flat_map(|v| v.to_le_bytes()).collect();
+            let want = spec_dot(DType::F32, &bytes, &b);
+            assert_eq!(dot_f32(&a, &b).to_bits(), want.to_bits(), "len {len}");
+            assert_eq!(portable::dot_f32(&a, &b).to_bits(), want.to_bits(), "len {len}");
+
+            let alpha = rng.gen_range(-3.0f32..3.0);
+            let mut y = b.clone();
+            axpy(&mut y, alpha, &a);
+            for i in 0..len {
+                assert_eq!(y[i].to_bits(), alpha.mul_add(a[i], b[i]).to_bits());
+            }
+        }
+    }
+}

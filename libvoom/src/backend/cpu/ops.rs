@@ -1,0 +1,160 @@
+//! Element-wise and row-wise ops of the CPU backend: norms, rotary embedding,
+//! attention, activations. Each output element is computed in one fixed order whatever
+//! the number of rows (batch invariance, DESIGN.md invariant 6).
+//!
+//! Reductions whose result feeds many elements (RMSNorm's mean square, softmax's sum)
+//! accumulate in f64: the f32 result is then the correctly rounded value, which is what
+//! PyTorch's float32 reductions (pairwise, very accurate) approximate best.
+
+use voom_formats::dtype::read_f32;
+use voom_formats::DType;
+
+/// A 1-D weight vector (norm scale, bias) viewed in place.
+#[derive(Clone, Copy)]
+pub struct VecView<'a> {
+    pub dtype: DType,
+    pub bytes: &'a [u8],
+}
+
+impl VecView<'_> {
+    pub fn len(&self) -> usize {
+        self.bytes.len() / self.dtype.size()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.bytes.is_empty()
+    }
+
+    #[inline]
+    pub fn get(&self, i: usize) -> f32 {
+        read_f32(self.dtype, self.bytes, i)
+    }
+
+    pub fn to_vec(&self) -> Vec<f32> {
+        (0..self.len()).map(|i| self.get(i)).collect()
+    }
+}
+
+/// RMSNorm of each row of `x` ([rows, dim]) into `out`, as transformers' LlamaRMSNorm:
+/// `weight * (x * rsqrt(mean(x^2) + eps))`.
+pub fn rms_norm(x: &[f32], dim: usize, weight: &[f32], eps: f32, out: &mut [f32]) {
+    debug_assert_eq!(weight.len(), dim);
+    debug_assert_eq!(x.len(), out.len());
+    for (xr, or) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
+        let ss: f64 = xr.iter().map(|&v| (v as f64) * (v as f64)).sum();
+        let mean = (ss / dim as f64) as f32;
+        let inv = 1.0f32 / (mean + eps).sqrt();
+        for ((o, &v), &w) in or.iter_mut().zip(xr).zip(weight) {
+            *o = w * (v * inv);
+        }
+    }
+}
+
+/// In-place RMSNorm of each `dim`-sized chunk of `x` (per-head q/k norm of Qwen3).
+pub fn rms_norm_inplace(x: &mut [f32], dim: usize, weight: &[f32], eps: f32) {
+    for r in x.chunks_exact_mut(dim) {
+        let ss: f64 = r.iter().map(|&v| (v as f64) * (v as f64)).sum();
+        let mean = (ss / dim as f64) as f32;
+        let inv = 1.0f32 / (mean + eps).sqrt();
+        for (v, &w) in r.iter_mut().zip(weight) {
+            *v = w * (*v * inv);
+        }
+    }
+}
+
+/// `x += y`
+pub fn add_inplace(x: &mut [f32], y: &[f32]) {
+    for (a, &b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
+
+/// Adds `bias` to every `bias.len()`-sized row of `x`.
+pub fn add_bias(x: &mut [f32], bias: &[f32]) {
+    for r in x.chunks_exact_mut(bias.len()) {
+        add_inplace(r, bias);
+    }
+}
+
+/// `gate = silu(gate) * up`, with silu(x) = x * sigmoid(x) = x / (1 + e^-x).
+pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    for (g, &u) in gate.iter_mut().zip(up) {
+        let s = *g / (1.0 + (-*g).exp());
+        *g = s * u;
+    }
+}
+
+/// Rotary embedding with `rotate_half` layout (Hugging Face): for a head vector of
+/// size d and i < d/2, `(x_i, x_{i+d/2})` is rotated by the angle `pos * inv_freq_i`.
+/// `cos`/`sin` hold the d/2 values for this position.
+pub fn rope_head(x: &mut [f32], cos: &[f32], sin: &[f32]) {
+    let half = x.len() / 2;
+    let (a, b) = x.split_at_mut(half);
+    for i in 0..half {
+        let (x1, x2) = (a[i], b[i]);
+        a[i] = x1 * cos[i] - x2 * sin[i];
+        b[i] = x2 * cos[i] + x1 * sin[i];
+    }
+}
+
+/// Softmax in place, f32 exponentials, f64 sum, like torch's float32 softmax
+/// (max subtracted first).
+pub fn softmax_inplace(x: &mut [f32]) {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0f64;
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v as f64;
+    }
+    let sum = sum as f32;
+    for v in x.iter_mut() {
+        *v /= sum;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rms_norm_matches_definition() {
+        let x = [1.0f32, -2.0, 3.0, 0.5];
+        let w = [1.0f32, 0.5, 2.0, -1.0];
+        let mut out = [0f32; 4];
+        rms_norm(&x, 4, &w, 1e-6, &mut out);
+        let ms = (1.0 + 4.0 + 9.0 + 0.25) / 4.0;
+        let inv = 1.0 / ((ms as f32) + 1e-6).sqrt();
+        for i in 0..4 {
+            assert_eq!(out[i], w[i] * (x[i] * inv));
+        }
+    }
+
+    #[test]
+    fn rope_rotates_pairs() {
+        let mut x = [1.0f32, 0.0, 0.0, 1.0];
+        let (c, s) = (0.0f32.cos(), 1.0f32.sin());
+        rope_head(&mut x, &[1.0, c], &[0.0, s]);
+        // pair (x0, x2) angle 0: unchanged; pair (x1, x3) = (0, 1) rotated by 1 rad.
+        assert_eq!(x[0], 1.0);
+        assert_eq!(x[2], 0.0);
+        assert_eq!(x[1], -s);
+        assert_eq!(x[3], c);
+    }
+
+    #[test]
+    fn softmax_sums_to_one_and_orders() {
+        let mut x = [1.0f32, 3.0, 2.0, -1.0];
+        softmax_inplace(&mut x);
+        let s: f32 = x.iter().sum();
+        assert!((s - 1.0).abs() < 1e-6);
+        assert!(x[1] > x[2] && x[2] > x[0] && x[0] > x[3]);
+    }
+
+    #[test]
+    fn silu_of_zero_is_zero() {
+        let mut g = [0.0f32, 1.0];
+        silu_mul(&mut g, &[5.0, 2.0]);
+        assert_eq!(g[0], 0.0);
+        assert!((g[1] - 2.0 * (1.0 / (1.0 + (-1.0f32).exp()))).abs() < 1e-7);
+    }
+}

@@ -1,0 +1,308 @@
+//! The engine: a model, its page source, its tokenizer and a thread pool; prefill of
+//! the prompt, then decode until a stop condition.
+
+use std::ops::ControlFlow;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use vpaged::{EmbeddedStore, PageSource, VerifyMode};
+
+use crate::backend::cpu::threads::ThreadPool;
+use crate::config::ModelConfig;
+use crate::kv::KvCache;
+use crate::model::llama::{LlamaModel, Logits};
+use crate::sampler::{Sampler, SamplingParams};
+use crate::text::Tokenizer;
+use crate::VoomError;
+
+#[derive(Debug, Clone)]
+pub struct EngineOptions {
+    /// Compute threads (0: all available cores).
+    pub threads: usize,
+    /// Verification of pages against the manifest (embedded store).
+    pub verify: VerifyMode,
+    /// Longest context (prompt + generated); defaults to the model's maximum.
+    pub max_context: Option<usize>,
+    /// Prompt tokens per forward pass during prefill. Results do not depend on it.
+    pub prefill_chunk: usize,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions {
+            threads: 0,
+            verify: VerifyMode::FirstUse,
+            max_context: None,
+            prefill_chunk: 256,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct GenerateParams {
+    pub max_new_tokens: usize,
+    pub sampling: SamplingParams,
+    /// Stop when an end-of-sequence token is generated (it is included in the output).
+    pub ignore_eos: bool,
+    /// Keep the logits of every generated step (for conformance tests and tools).
+    pub record_logits: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-sequence token was generated.
+    Eos,
+    /// `max_new_tokens` reached.
+    Length,
+    /// The context limit was reached.
+    ContextFull,
+    /// The caller's callback asked to stop.
+    Stopped,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Eos => "stop",
+            FinishReason::Length => "length",
+            FinishReason::ContextFull => "context_full",
+            FinishReason::Stopped => "stopped",
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Generation {
+    /// Generated token ids (an end-of-sequence token that stopped generation included).
+    pub ids: Vec<u32>,
+    pub finish: FinishReason,
+    pub prompt_tokens: usize,
+    pub prefill_secs: f64,
+    pub decode_secs: f64,
+    /// Logits of each generated step, when asked for.
+    pub logits: Vec<Vec<f32>>,
+}
+
+impl Generation {
+    pub fn prefill_tokens_per_sec(&self) -> f64 {
+        self.prompt_tokens as f64 / self.prefill_secs.max(1e-9)
+    }
+
+    /// Decode speed over the tokens after the first (the first comes from prefill).
+    pub fn decode_tokens_per_sec(&self) -> f64 {
+        let n = self.ids.len().saturating_sub(1);
+        if n == 0 {
+            0.0
+        } else {
+            n as f64 / self.decode_secs.max(1e-9)
+        }
+    }
+}
+
+pub struct Engine {
+    dir: PathBuf,
+    name: String,
+    model: LlamaModel,
+    source: Arc<dyn PageSource>,
+    tokenizer: Option<Tokenizer>,
+    pool: ThreadPool,
+    eos: Vec<u32>,
+    opts: EngineOptions,
+}
+
+fn generation_config_eos(dir: &Path) -> Vec<u32> {
+    let Ok(text) = std::fs::read_to_string(dir.join("generation_config.json")) else {
+        return vec![];
+    };
+    let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) else {
+        return vec![];
+    };
+    match v.get("eos_token_id") {
+        Some(serde_json::Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+        Some(serde_json::Value::Array(a)) => a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect(),
+        _ => vec![],
+    }
+}
+
+impl Engine {
+    /// Opens a model directory through the embedded store.
+    pub fn open(dir: &Path, opts: EngineOptions) -> Result<Self, VoomError> {
+        let store = EmbeddedStore::open(dir, opts.verify)?;
+        Self::with_source(dir, Arc::new(store), opts)
+    }
+
+    /// Opens a model directory (config, tokenizer) whose weights come from `source`.
+    pub fn with_source(
+        dir: &Path,
+        source: Arc<dyn PageSource>,
+        opts: EngineOptions,
+    ) -> Result<Self, VoomError> {
+        let cfg = ModelConfig::from_dir(dir)?;
+        let name = dir
+            .file_name()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| dir.display().to_string());
+        let model = LlamaModel::load(cfg, source.as_ref(), &name)?;
+        let tokenizer = if dir.join("tokenizer.json").exists() {
+            Some(Tokenizer::from_dir(dir)?)
+        } else {
+            None
+        };
+        // transformers stops on generation_config.json's eos ids (config.json's when
+        // there is none); a chat model's end-of-turn token (the tokenizer's eos) too.
+        let mut eos = generation_config_eos(dir);
+        if eos.is_empty() {
+            eos = model.cfg.eos_token_ids.clone();
+        }
+        if let Some(t) = &tokenizer {
+            eos.extend_from_slice(t.eos_ids());
+        }
+        eos.sort_unstable();
+        eos.dedup();
+        let threads = if opts.threads == 0 {
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        } else {
+            opts.threads
+        };
+        Ok(Engine {
+            dir: dir.to_path_buf(),
+            name,
+            model,
+            source,
+            tokenizer,
+            pool: ThreadPool::new(threads),
+            eos,
+            opts,
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.model.cfg
+    }
+
+    pub fn model(&self) -> &LlamaModel {
+        &self.model
+    }
+
+    pub fn tokenizer(&self) -> Option<&Tokenizer> {
+        self.tokenizer.as_ref()
+    }
+
+    pub fn source(&self) -> &dyn PageSource {
+        self.source.as_ref()
+    }
+
+    pub fn eos_ids(&self) -> &[u32] {
+        &self.eos
+    }
+
+    pub fn threads(&self) -> usize {
+        self.pool.threads()
+    }
+
+    /// The longest context this engine accepts.
+    pub fn max_context(&self) -> usize {
+        self.opts
+            .max_context
+            .unwrap_or(usize::MAX)
+            .min(self.model.cfg.max_position_embeddings)
+    }
+
+    /// A fresh KV cache for one sequence.
+    pub fn new_kv(&self) -> KvCache {
+        self.model.new_kv(self.max_context())
+    }
+
+    /// Runs `tokens` after what `kv` holds and returns the last position's logits.
+    /// Chunked by `prefill_chunk`; the result does not depend on the chunking.
+    pub fn prefill(&self, kv: &mut KvCache, tokens: &[u32]) -> Result<Vec<f32>, VoomError> {
+        let mut logits = Vec::new();
+        for chunk in tokens.chunks(self.opts.prefill_chunk.max(1)) {
+            logits = self
+                .model
+                .forward(self.source.as_ref(), &self.pool, chunk, kv, Logits::Last)?;
+        }
+        Ok(logits)
+    }
+
+    /// Logits of every position of `tokens` after what `kv` holds.
+    pub fn forward_all(&self, kv: &mut KvCache, tokens: &[u32]) -> Result<Vec<f32>, VoomError> {
+        self.model
+            .forward(self.source.as_ref(), &self.pool, tokens, kv, Logits::All)
+    }
+
+    /// Generates after `prompt`. `on_token` sees each new id as it is chosen and may
+    /// stop generation.
+    pub fn generate(
+        &self,
+        prompt: &[u32],
+        params: &GenerateParams,
+        on_token: &mut dyn FnMut(u32) -> ControlFlow<()>,
+    ) -> Result<Generation, VoomError> {
+        if prompt.is_empty() {
+            return Err(VoomError::Request("the prompt is empty".into()));
+        }
+        params.sampling.validate().map_err(VoomError::Request)?;
+        if prompt.len() >= self.max_context() {
+            return Err(VoomError::Request(format!(
+                "the prompt has {} tokens; the context limit is {}",
+                prompt.len(),
+                self.max_context()
+            )));
+        }
+        let mut kv = self.new_kv();
+        let mut sampler = Sampler::new(params.sampling.clone());
+        let mut out = Generation {
+            ids: Vec::new(),
+            finish: FinishReason::Length,
+            prompt_tokens: prompt.len(),
+            prefill_secs: 0.0,
+            decode_secs: 0.0,
+            logits: Vec::new(),
+        };
+        if params.max_new_tokens == 0 {
+            return Ok(out);
+        }
+        let t0 = Instant::now();
+        let mut logits = self.prefill(&mut kv, prompt)?;
+        out.prefill_secs = t0.elapsed().as_secs_f64();
+        let t1 = Instant::now();
+        loop {
+            let id = sampler.sample(&logits);
+            if params.record_logits {
+                out.logits.push(std::mem::take(&mut logits));
+            }
+            out.ids.push(id);
+            if on_token(id).is_break() {
+                out.finish = FinishReason::Stopped;
+                break;
+            }
+            if !params.ignore_eos && self.eos.contains(&id) {
+                out.finish = FinishReason::Eos;
+                break;
+            }
+            if out.ids.len() >= params.max_new_tokens {
+                out.finish = FinishReason::Length;
+                break;
+            }
+            if kv.len() + 1 > kv.capacity() {
+                out.finish = FinishReason::ContextFull;
+                break;
+            }
+            logits = self
+                .model
+                .forward(self.source.as_ref(), &self.pool, &[id], &mut kv, Logits::Last)?;
+        }
+        out.decode_secs = t1.elapsed().as_secs_f64();
+        Ok(out)
+    }
+}

@@ -1,0 +1,83 @@
+//! The KV cache: per layer, the rotated keys and the values of every position so far,
+//! in f32, laid out `[position][kv_head][head_dim]`.
+
+use crate::VoomError;
+
+pub struct KvCache {
+    /// Floats per position per layer (`kv_heads * head_dim`).
+    width: usize,
+    capacity: usize,
+    len: usize,
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+}
+
+impl KvCache {
+    /// An empty cache for `layers` layers of `width` floats per position, holding at most
+    /// `capacity` positions.
+    pub fn new(layers: usize, width: usize, capacity: usize) -> Self {
+        KvCache {
+            width,
+            capacity,
+            len: 0,
+            k: vec![Vec::new(); layers],
+            v: vec![Vec::new(); layers],
+        }
+    }
+
+    /// Positions stored (in every layer once a forward pass completes).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Bytes held by keys and values.
+    pub fn bytes(&self) -> usize {
+        self.k.iter().chain(&self.v).map(|x| x.len() * 4).sum()
+    }
+
+    /// Appends `n` positions of keys and values to `layer`. Positions `len..len+n`.
+    pub fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) -> Result<(), VoomError> {
+        let n = k.len() / self.width;
+        if self.len + n > self.capacity {
+            return Err(VoomError::Request(format!(
+                "context full: {} positions cached + {n} new exceed the limit of {}",
+                self.len, self.capacity
+            )));
+        }
+        debug_assert_eq!(self.k[layer].len(), self.len * self.width);
+        self.k[layer].extend_from_slice(k);
+        self.v[layer].extend_from_slice(v);
+        Ok(())
+    }
+
+    /// Marks `n` appended positions as committed (after every layer appended them).
+    pub fn commit(&mut self, n: usize) {
+        self.len += n;
+    }
+
+    /// Keys and values of `layer`, including positions appended but not yet committed.
+    pub fn layer(&self, layer: usize) -> (&[f32], &[f32]) {
+        (&self.k[layer], &self.v[layer])
+    }
+
+    /// Drops positions from `len` on (to reuse a prompt prefix).
+    pub fn truncate(&mut self, len: usize) {
+        let len = len.min(self.len);
+        for x in self.k.iter_mut().chain(self.v.iter_mut()) {
+            x.truncate(len * self.width);
+        }
+        self.len = len;
+    }
+
+    pub fn clear(&mut self) {
+        self.truncate(0);
+    }
+}

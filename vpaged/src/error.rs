@@ -1,0 +1,23 @@
+//! The typed error of the page store.
+
+use std::path::PathBuf;
+
+use voom_formats::FormatError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error(transparent)]
+    Format(#[from] FormatError),
+    #[error("no page {id} in model store {store}")]
+    NoSuchPage { id: u32, store: PathBuf },
+    /// The page's bytes failed verification on a tier; it is never served.
+    #[error("page '{page}' on tier '{tier}' fails verification: expected blake3 {expected}, got {actual}")]
+    Integrity {
+        page: String,
+        tier: String,
+        expected: String,
+        actual: String,
+    },
+    #[error("model store {store}: {detail}")]
+    Store { store: PathBuf, detail: String },
+}

@@ -1,0 +1,104 @@
+//! The seam between engines and page stores.
+
+use std::sync::Arc;
+
+use voom_formats::DType;
+
+use crate::StoreError;
+
+/// A page's index in its model store's page table (the manifest's `id`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PageId(pub u32);
+
+/// What an engine needs to know of a page before it has its bytes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PageMeta {
+    pub id: PageId,
+    /// Tensor name in the checkpoint.
+    pub name: String,
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    /// Decoded length in bytes.
+    pub len: u64,
+}
+
+/// A source of pages: the embedded store or the daemon.
+///
+/// Callers' obligations: hold the [`PageLease`] for as long as they read its bytes
+/// (the borrow checker enforces this) and drop it when done, so the store may evict the
+/// page. Implementations' obligations: a lease's bytes are exactly the page's decoded,
+/// verified bytes and stay valid and unchanged while the lease lives.
+pub trait PageSource: Send + Sync {
+    /// Every page of the model store, indexed by `PageId.0`.
+    fn pages(&self) -> &[PageMeta];
+
+    /// A page by tensor name.
+    fn find(&self, name: &str) -> Option<&PageMeta> {
+        self.pages().iter().find(|p| p.name == name)
+    }
+
+    /// Demand request: returns once the page is resident and verified.
+    fn acquire(&self, id: PageId) -> Result<PageLease, StoreError>;
+
+    /// Hint that these pages will be acquired soon. Never blocks for I/O.
+    fn prefetch(&self, _ids: &[PageId]) {}
+
+    /// A short description for logs and responses ("embedded", "vpaged:/run/...").
+    fn describe(&self) -> String;
+}
+
+/// Keeps a page's bytes alive (an mmap, a cache slot with a refcount...).
+pub trait LeaseHolder: Send + Sync {}
+impl<T: Send + Sync> LeaseHolder for T {}
+
+/// A lease on one page's bytes. The bytes are valid while the lease lives.
+pub struct PageLease {
+    ptr: *const u8,
+    len: usize,
+    id: PageId,
+    // Dropped last: releases the page.
+    _holder: Arc<dyn LeaseHolder>,
+}
+
+// SAFETY: a lease only exposes shared, immutable access to bytes kept alive by
+// `_holder` (which is Send + Sync); the pointer is never written through.
+unsafe impl Send for PageLease {}
+// SAFETY: as above: `&PageLease` only yields `&[u8]`.
+unsafe impl Sync for PageLease {}
+
+impl PageLease {
+    /// # Safety
+    /// `ptr..ptr+len` must be readable, initialised and unchanged for as long as
+    /// `holder` lives.
+    pub unsafe fn new(id: PageId, ptr: *const u8, len: usize, holder: Arc<dyn LeaseHolder>) -> Self {
+        PageLease {
+            ptr,
+            len,
+            id,
+            _holder: holder,
+        }
+    }
+
+    pub fn id(&self) -> PageId {
+        self.id
+    }
+
+    /// The page's bytes, in place.
+    pub fn bytes(&self) -> &[u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: `new`'s contract: the range is valid while `_holder` lives, and
+        // `_holder` lives at least as long as `self`.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl std::fmt::Debug for PageLease {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PageLease")
+            .field("id", &self.id)
+            .field("len", &self.len)
+            .finish()
+    }
+}
