@@ -314,9 +314,12 @@ mod tests {
         index(d.path(), &[("w", "s1.safetensors"), ("q", "s2.safetensors")]);
         let e = Checkpoint::open(d.path()).unwrap_err();
         assert!(e.to_string().contains("tensor 'q' listed in"), "{e}");
-        index(d.path(), &[("w", "s2.safetensors"), ("v", "s1.safetensors")]);
+        index(d.path(), &[("w", "s1.safetensors"), ("v", "s1.safetensors")]);
         let e = Checkpoint::open(d.path()).unwrap_err();
-        assert!(e.to_string().contains("(it is in s1.safetensors)"), "{e}");
+        assert!(e.to_string().contains("tensor 'v' listed in"), "{e}");
+        index(d.path(), &[("w", "s1.safetensors"), ("v", "s1.safetensors"), ("x", "s2.safetensors")]);
+        let e = Checkpoint::open(d.path()).unwrap_err();
+        assert!(e.to_string().contains("tensor 'v' listed in model.safetensors.index.json (it is in s2.safetensors)"), "{e}");
     }
 
     #[test]

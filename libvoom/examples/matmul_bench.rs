@@ -19,7 +19,16 @@ use voom_formats::DType;
 const WORKING_SET: usize = 512 << 20;
 
 fn main() {
-    let quick = std::env::args().any(|a| a == "--quick");
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    // `--shape RxC` restricts the table to one shape; `--no-prefill` skips prefill.
+    let only: Option<(usize, usize)> = args
+        .iter()
+        .position(|a| a == "--shape")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|s| s.split_once('x'))
+        .and_then(|(r, c)| Some((r.parse().ok()?, c.parse().ok()?)));
+    let no_prefill = args.iter().any(|a| a == "--no-prefill");
     let reps = if quick { 3 } else { 7 };
     let isa = Isa::detect();
     println!("instruction set: {isa:?}");
@@ -32,18 +41,30 @@ fn main() {
     let mut bw = Vec::new();
     for pool in &pools {
         let gbs = read_bandwidth(1 << 30, pool.threads(), reps);
-        println!("read bandwidth, {} thread(s): {gbs:.1} GB/s", pool.threads());
+        println!(
+            "read bandwidth, {} thread(s): {gbs:.1} GB/s",
+            pool.threads()
+        );
         bw.push(gbs);
     }
     dispatch_overhead(&pools);
 
-    let small = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)];
+    let small = [
+        (576, 576),
+        (192, 576),
+        (1536, 576),
+        (576, 1536),
+        (49152, 576),
+    ];
     let large = [(2048, 2048), (8192, 2048), (2048, 8192)];
     println!(
         "\n{:>12} {:>5} {:>3} | {:>9} {:>7} {:>6} | {:>13}",
         "shape", "dtype", "thr", "decode us", "GB/s", "of bw", "prefill GF/s"
     );
     for &(rows, cols) in small.iter().chain(&large) {
+        if only.is_some_and(|s| s != (rows, cols)) {
+            continue;
+        }
         let dtypes: &[DType] = if (rows, cols) == (2048, 8192) {
             &[DType::BF16, DType::F16, DType::F32]
         } else {
@@ -53,7 +74,11 @@ fn main() {
             let set = WeightSet::new(dtype, rows, cols);
             for (pool, &bound) in pools.iter().zip(&bw) {
                 let (us, gbs) = decode(&set, pool, isa, reps);
-                let gflops = prefill(&set, pool, isa, 64, reps);
+                let gflops = if no_prefill {
+                    f64::NAN
+                } else {
+                    prefill(&set, pool, isa, 64, reps)
+                };
                 println!(
                     "{:>12} {:>5} {:>3} | {:>9.1} {:>7.2} {:>5.0}% | {:>13.1}",
                     format!("{rows}x{cols}"),
@@ -137,7 +162,9 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 /// Median over passes (each pass: one call per copy) of (µs per call, GB/s).
 fn decode(set: &WeightSet, pool: &ThreadPool, isa: Isa, reps: usize) -> (f64, f64) {
-    let x: Vec<f32> = (0..set.cols).map(|i| (i % 7) as f32 * 0.25 - 0.75).collect();
+    let x: Vec<f32> = (0..set.cols)
+        .map(|i| (i % 7) as f32 * 0.25 - 0.75)
+        .collect();
     let mut out = vec![0.0f32; set.rows];
     let per_call_bytes = (set.bytes.len() / set.copies) as f64;
     let mut secs = Vec::new();
@@ -158,7 +185,9 @@ fn decode(set: &WeightSet, pool: &ThreadPool, isa: Isa, reps: usize) -> (f64, f6
 
 /// Median GFLOP/s of `n`-token calls, cycling over the copies.
 fn prefill(set: &WeightSet, pool: &ThreadPool, isa: Isa, n: usize, reps: usize) -> f64 {
-    let x: Vec<f32> = (0..n * set.cols).map(|i| (i % 11) as f32 * 0.1 - 0.5).collect();
+    let x: Vec<f32> = (0..n * set.cols)
+        .map(|i| (i % 11) as f32 * 0.1 - 0.5)
+        .collect();
     let mut out = vec![0.0f32; n * set.rows];
     let flops = 2.0 * (set.rows * set.cols * n) as f64;
     // Enough calls per pass for ~50 ms, at least one.
@@ -172,8 +201,7 @@ fn prefill(set: &WeightSet, pool: &ThreadPool, isa: Isa, n: usize, reps: usize) 
     for _ in 0..reps {
         let start = Instant::now();
         for i in 0..calls {
-            matmul_isa(isa, pool, &x, n, set.view(i % set.copies), &mut out)
-                .expect("valid shapes");
+            matmul_isa(isa, pool, &x, n, set.view(i % set.copies), &mut out).expect("valid shapes");
         }
         rates.push(flops * calls as f64 / start.elapsed().as_secs_f64() / 1e9);
     }

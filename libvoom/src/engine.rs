@@ -171,7 +171,9 @@ impl Engine {
             model,
             source,
             tokenizer,
-            pool: ThreadPool::new(threads),
+            pool: ThreadPool::new(threads).map_err(|e| {
+                VoomError::Request(format!("cannot start {threads} compute threads: {e}"))
+            })?,
             eos,
             opts,
         })

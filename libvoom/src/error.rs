@@ -9,6 +9,8 @@ pub enum VoomError {
     #[error(transparent)]
     Format(#[from] voom_formats::FormatError),
     #[error(transparent)]
+    Kernel(#[from] crate::backend::cpu::matmul::KernelError),
+    #[error(transparent)]
     Text(#[from] crate::text::TextError),
     /// `config.json` is missing, malformed, or asks for something vOOM does not do.
     #[error("{path}: {detail}")]

@@ -243,9 +243,9 @@ impl LlamaModel {
             let w = Leased::acquire(source, &layer.pages)?;
 
             ops::rms_norm(&x, h, &w.vector(&layer.attn_norm).to_vec(), cfg.rms_norm_eps, &mut xn);
-            apply_linear(pool, &w, &layer.q, &xn, n, &mut q);
-            apply_linear(pool, &w, &layer.k, &xn, n, &mut k);
-            apply_linear(pool, &w, &layer.v, &xn, n, &mut v);
+            apply_linear(pool, &w, &layer.q, &xn, n, &mut q)?;
+            apply_linear(pool, &w, &layer.k, &xn, n, &mut k)?;
+            apply_linear(pool, &w, &layer.v, &xn, n, &mut v)?;
             if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
                 ops::rms_norm_inplace(&mut q, hd, &w.vector(qn).to_vec(), cfg.rms_norm_eps);
                 ops::rms_norm_inplace(&mut k, hd, &w.vector(kn).to_vec(), cfg.rms_norm_eps);
@@ -262,14 +262,14 @@ impl LlamaModel {
             kv.append(li, &k, &v)?;
             let (kc, vc) = kv.layer(li);
             attention(pool, cfg, &q, kc, vc, pos0, n, cfg.sliding_window[li], &mut att);
-            apply_linear(pool, &w, &layer.o, &att, n, &mut o);
+            apply_linear(pool, &w, &layer.o, &att, n, &mut o)?;
             ops::add_inplace(&mut x, &o);
 
             ops::rms_norm(&x, h, &w.vector(&layer.mlp_norm).to_vec(), cfg.rms_norm_eps, &mut xn);
-            apply_linear(pool, &w, &layer.gate, &xn, n, &mut g);
-            apply_linear(pool, &w, &layer.up, &xn, n, &mut u);
+            apply_linear(pool, &w, &layer.gate, &xn, n, &mut g)?;
+            apply_linear(pool, &w, &layer.up, &xn, n, &mut u)?;
             ops::silu_mul(&mut g, &u);
-            apply_linear(pool, &w, &layer.down, &g, n, &mut o);
+            apply_linear(pool, &w, &layer.down, &g, n, &mut o)?;
             ops::add_inplace(&mut x, &o);
         }
 
@@ -283,7 +283,7 @@ impl LlamaModel {
         let mut hn = vec![0f32; m * h];
         ops::rms_norm(rows, h, &w.vector(&self.final_norm).to_vec(), cfg.rms_norm_eps, &mut hn);
         let mut logits = vec![0f32; m * cfg.vocab_size];
-        matmul(pool, &hn, m, w.matrix(&self.lm_head), &mut logits);
+        matmul(pool, &hn, m, w.matrix(&self.lm_head), &mut logits)?;
         Ok(logits)
     }
 }
@@ -300,11 +300,19 @@ fn layer_pages(l: &Layer) -> Vec<PageId> {
     p
 }
 
-fn apply_linear(pool: &ThreadPool, w: &Leased, lin: &Linear, x: &[f32], n: usize, out: &mut [f32]) {
-    matmul(pool, x, n, w.matrix(&lin.w), out);
+fn apply_linear(
+    pool: &ThreadPool,
+    w: &Leased,
+    lin: &Linear,
+    x: &[f32],
+    n: usize,
+    out: &mut [f32],
+) -> Result<(), VoomError> {
+    matmul(pool, x, n, w.matrix(&lin.w), out)?;
     if let Some(b) = &lin.bias {
         ops::add_bias(out, &w.vector(b).to_vec());
     }
+    Ok(())
 }
 
 /// Causal (optionally sliding-window) grouped-query attention of `n` new queries at
@@ -329,7 +337,8 @@ fn attention(
     // One task per (token, head): each output row is computed by one fixed loop.
     let tasks = n * heads;
     let out_ptr = SendPtr(out.as_mut_ptr());
-    pool.for_each(tasks, |task| {
+    pool.for_each_chunk(tasks, |range| {
+      for task in range {
         let (t, head) = (task / heads, task % heads);
         let pos = pos0 + t;
         let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
@@ -352,6 +361,7 @@ fn attention(
         // every task has finished.
         let dst = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(t * qd + head * hd), hd) };
         dst.copy_from_slice(&acc);
+      }
     });
 }
 

@@ -18,7 +18,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use minijinja::value::{Kwargs, Value, ValueKind};
+use minijinja::value::{from_args, Kwargs, Rest, Value, ValueKind};
 use minijinja::{Environment, Error, ErrorKind, State, UndefinedBehavior};
 use serde::{Deserialize, Serialize};
 
@@ -481,14 +481,17 @@ struct JsonOptions {
     sort_keys: bool,
 }
 
-fn tojson_filter(
-    value: Value,
-    ensure_ascii: Option<Value>,
-    indent: Option<Value>,
-    separators: Option<Value>,
-    sort_keys: Option<Value>,
-    kwargs: Kwargs,
-) -> Result<String, Error> {
+/// `tojson(ensure_ascii=False, indent=None, separators=None, sort_keys=False)`, by
+/// position or by keyword, as Python's signature allows.
+fn tojson_filter(value: Value, args: Rest<Value>) -> Result<String, Error> {
+    #[allow(clippy::type_complexity)]
+    let (ensure_ascii, indent, separators, sort_keys, kwargs): (
+        Option<Value>,
+        Option<Value>,
+        Option<Value>,
+        Option<Value>,
+        Kwargs,
+    ) = from_args(&args)?;
     let pick = |pos: Option<Value>, name: &str| -> Result<Option<Value>, Error> {
         let kw: Option<Value> = kwargs.get(name)?;
         if pos.is_some() && kw.is_some() {

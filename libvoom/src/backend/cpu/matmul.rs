@@ -142,6 +142,15 @@ const DT_BF16: u8 = 0;
 const DT_F16: u8 = 1;
 const DT_F32: u8 = 2;
 
+/// Bytes per element of dtype code `DT`.
+const fn elem_size(dt: u8) -> usize {
+    if dt == DT_F32 {
+        4
+    } else {
+        2
+    }
+}
+
 fn dtype_code(d: DType) -> Result<u8, KernelError> {
     match d {
         DType::BF16 => Ok(DT_BF16),
@@ -237,7 +246,8 @@ pub fn matmul_isa(
         job(0..w.rows);
     } else {
         // About 8 chunks per thread (dynamic balance on a shared VM), in whole tiles.
-        let grain = w.rows.div_ceil(pool.threads() * 8).next_multiple_of(MR);
+        let cpt: usize = std::env::var("VOOM_CPT").ok().and_then(|s| s.parse().ok()).unwrap_or(8);
+        let grain = w.rows.div_ceil(pool.threads() * cpt).next_multiple_of(MR);
         pool.for_each_chunk_grain(w.rows, grain, job);
     }
     Ok(())
@@ -357,7 +367,46 @@ fn hsum8(a: &[f32; 8]) -> f32 {
     (h[0] + h[2]) + (h[1] + h[3])
 }
 
-/// Scalar code with the exact lane structure of the SIMD kernels.
+/// The loop over tiles of [`MR`] rows x [`NR`] tokens shared by every instruction
+/// set: `$tile::<DT, R, T>(x, w, o0, t0, out)` computes one tile. Edge tiles use the
+/// smaller instantiations; the order inside each element is the same in all of them.
+macro_rules! tile_rows {
+    ($tile:ident, $dt:ident, $x:ident, $n:ident, $w:ident, $rows:ident, $out:ident) => {{
+        let mut o = $rows.start;
+        while o < $rows.end {
+            let r = ($rows.end - o).min(MR);
+            let mut t = 0;
+            while t < $n {
+                let tn = ($n - t).min(NR);
+                // SAFETY: o + r <= rows.end <= w.rows and t + tn <= n; the rest is
+                // the caller's contract.
+                unsafe {
+                    match (r, tn) {
+                        (4, 3) => $tile::<$dt, 4, 3>($x, $w, o, t, $out),
+                        (4, 2) => $tile::<$dt, 4, 2>($x, $w, o, t, $out),
+                        (4, _) => $tile::<$dt, 4, 1>($x, $w, o, t, $out),
+                        (3, 3) => $tile::<$dt, 3, 3>($x, $w, o, t, $out),
+                        (3, 2) => $tile::<$dt, 3, 2>($x, $w, o, t, $out),
+                        (3, _) => $tile::<$dt, 3, 1>($x, $w, o, t, $out),
+                        (2, 3) => $tile::<$dt, 2, 3>($x, $w, o, t, $out),
+                        (2, 2) => $tile::<$dt, 2, 2>($x, $w, o, t, $out),
+                        (2, _) => $tile::<$dt, 2, 1>($x, $w, o, t, $out),
+                        (_, 3) => $tile::<$dt, 1, 3>($x, $w, o, t, $out),
+                        (_, 2) => $tile::<$dt, 1, 2>($x, $w, o, t, $out),
+                        (_, _) => $tile::<$dt, 1, 1>($x, $w, o, t, $out),
+                    }
+                }
+                t += tn;
+            }
+            o += r;
+        }
+    }};
+}
+
+/// Scalar code with the exact lane structure of the SIMD kernels: each accumulator
+/// is an `[f32; 8]` updated lane by lane with `f32::mul_add` (fused, as the SIMD
+/// FMA). On aarch64 LLVM vectorises the lane arrays to NEON `fmla`, which is also
+/// fused, so the bits are unchanged.
 mod portable {
     use super::*;
 
@@ -370,50 +419,82 @@ mod portable {
         rows: Range<usize>,
         out: *mut f32,
     ) {
-        let cols = w.cols;
-        let size = w.dtype.size();
-        let wp = w.bytes.as_ptr();
-        for o in rows {
-            // SAFETY: `o < w.rows`, so the row lies within the checked bytes.
-            let wrow = unsafe { wp.add(o * cols * size) };
-            for t in 0..n {
-                let xrow = &x[t * cols..(t + 1) * cols];
-                // SAFETY: the row has `cols` elements, as `xrow`.
-                let s = unsafe { dot_row::<DT>(wrow, xrow) };
-                // SAFETY: `t < n`, `o < rows`: within the `n*rows` output; this
-                // element belongs to this thread's rows.
-                unsafe { out.add(t * w.rows + o).write(s) };
-            }
-        }
+        tile_rows!(tile, DT, x, n, w, rows, out)
     }
 
+    /// Eight weights starting at element `k`, exactly converted.
+    ///
     /// # Safety
-    /// `w` is valid for `x.len()` elements of type `DT`.
+    /// `w` is valid for elements `k..k + 8` of type `DT`.
+    #[inline(always)]
+    unsafe fn load8<const DT: u8>(w: *const u8, k: usize) -> [f32; 8] {
+        // SAFETY: forwarded.
+        std::array::from_fn(|l| unsafe { load1::<DT>(w, k + l) })
+    }
+
+    /// One tile: rows `o0..o0+R` x tokens `t0..t0+T`.
+    ///
+    /// # Safety
+    /// As [`compute_rows`], with `o0 + R <= w.rows` and `t0 + T <= n`.
     #[inline]
-    pub(super) unsafe fn dot_row<const DT: u8>(w: *const u8, x: &[f32]) -> f32 {
-        let cols = x.len();
+    unsafe fn tile<const DT: u8, const R: usize, const T: usize>(
+        x: &[f32],
+        w: &WeightView<'_>,
+        o0: usize,
+        t0: usize,
+        out: *mut f32,
+    ) {
+        let cols = w.cols;
         let k8 = cols - cols % 8;
-        let mut acc = [0.0f32; 8];
+        let row_bytes = cols * elem_size(DT);
+        let wr: [&[u8]; R] =
+            std::array::from_fn(|r| &w.bytes[(o0 + r) * row_bytes..(o0 + r + 1) * row_bytes]);
+        let xr: [&[f32]; T] = std::array::from_fn(|t| &x[(t0 + t) * cols..(t0 + t + 1) * cols]);
+        let mut acc = [[[0.0f32; 8]; T]; R];
         let mut k = 0;
         while k < k8 {
-            for l in 0..8 {
-                // SAFETY: `k + l < k8 <= cols`.
-                let wv = unsafe { load1::<DT>(w, k + l) };
-                acc[l] = wv.mul_add(x[k + l], acc[l]);
+            // SAFETY: each row slice holds `cols >= k + 8` elements.
+            let wv: [[f32; 8]; R] =
+                std::array::from_fn(|r| unsafe { load8::<DT>(wr[r].as_ptr(), k) });
+            for t in 0..T {
+                let xv = &xr[t][k..k + 8];
+                for r in 0..R {
+                    for l in 0..8 {
+                        acc[r][t][l] = wv[r][l].mul_add(xv[l], acc[r][t][l]);
+                    }
+                }
             }
             k += 8;
         }
-        let mut s = hsum8(&acc);
-        for (kk, &xv) in x.iter().enumerate().skip(k8) {
-            // SAFETY: `kk < cols`.
-            s = unsafe { load1::<DT>(w, kk) }.mul_add(xv, s);
+        for r in 0..R {
+            for t in 0..T {
+                let mut s = hsum8(&acc[r][t]);
+                for (kk, &xv) in xr[t].iter().enumerate().skip(k8) {
+                    // SAFETY: `kk < cols`, within the row slice.
+                    s = unsafe { load1::<DT>(wr[r].as_ptr(), kk) }.mul_add(xv, s);
+                }
+                // SAFETY: (t0+t, o0+r) is within the `n*rows` output and belongs to
+                // this thread's rows.
+                unsafe { out.add((t0 + t) * w.rows + o0 + r).write(s) };
+            }
         }
-        s
     }
 
     pub(super) fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
-        // SAFETY: `a` is valid for `b.len()` f32 elements (equal lengths).
-        unsafe { dot_row::<DT_F32>(a.as_ptr().cast::<u8>(), b) }
+        let mut out = 0.0f32;
+        let w = WeightView {
+            dtype: DType::F32,
+            rows: 1,
+            cols: a.len(),
+            // SAFETY: reinterpreting initialised f32s as bytes (alignment 1, same
+            // length in bytes, same lifetime).
+            bytes: unsafe {
+                std::slice::from_raw_parts(a.as_ptr().cast::<u8>(), std::mem::size_of_val(a))
+            },
+        };
+        // SAFETY: one row of `a.len() == b.len()` elements, one token, one output.
+        unsafe { tile::<DT_F32, 1, 1>(b, &w, 0, 0, &mut out) };
+        out
     }
 }
 
@@ -454,6 +535,22 @@ mod avx2 {
         _mm_cvtss_f32(s)
     }
 
+    static PF_DIST: std::sync::atomic::AtomicUsize =
+        std::sync::atomic::AtomicUsize::new(usize::MAX);
+    fn pf_dist() -> usize {
+        use std::sync::atomic::Ordering;
+        let v = PF_DIST.load(Ordering::Relaxed);
+        if v != usize::MAX {
+            return v;
+        }
+        let v = std::env::var("VOOM_PF")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(4096);
+        PF_DIST.store(v, Ordering::Relaxed);
+        v
+    }
+
     /// One tile: rows `o0..o0+R` x tokens `t0..t0+T`.
     ///
     /// # Safety
@@ -468,17 +565,33 @@ mod avx2 {
         out: *mut f32,
     ) {
         let cols = w.cols;
-        let size = w.dtype.size();
+        let size = elem_size(DT);
         let k8 = cols - cols % 8;
         // SAFETY (pointer arithmetic below): rows o0..o0+R and tokens t0..t0+T are in
         // bounds, each has `cols` elements, and every offset used is < cols.
-        let wp: [*const u8; R] =
-            std::array::from_fn(|r| unsafe { w.bytes.as_ptr().add((o0 + r) * cols * size) });
-        let xp: [*const f32; T] =
-            std::array::from_fn(|t| unsafe { x.as_ptr().add((t0 + t) * cols) });
+        let wp: [*const u8; R] = std::array::from_fn(|r| {
+            // SAFETY: row o0 + r < w.rows starts inside the checked bytes.
+            unsafe { w.bytes.as_ptr().add((o0 + r) * cols * size) }
+        });
+        let xp: [*const f32; T] = std::array::from_fn(|t| {
+            // SAFETY: token t0 + t < n starts inside `x` (n * cols elements).
+            unsafe { x.as_ptr().add((t0 + t) * cols) }
+        });
         let mut acc = [[_mm256_setzero_ps(); T]; R];
+        // Software prefetch of the bytes after this tile, one tile-step ahead per
+        // step: a tile of short rows is several short streams that the hardware
+        // prefetchers pick up too late. Prefetches never fault; the address is only
+        // computed (wrapping), never dereferenced.
+        let step = R * 8 * size;
+        let mut pf = wp[0].wrapping_add(pf_dist());
         let mut k = 0;
         while k < k8 {
+            let mut j = 0;
+            while j < step {
+                _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(j).cast::<i8>());
+                j += 64;
+            }
+            pf = pf.wrapping_add(step);
             // SAFETY: k + 8 <= cols for every row and token.
             unsafe {
                 let wv: [__m256; R] = std::array::from_fn(|r| load8::<DT>(wp[r].add(k * size)));
@@ -515,33 +628,7 @@ mod avx2 {
         rows: Range<usize>,
         out: *mut f32,
     ) {
-        let mut o = rows.start;
-        while o < rows.end {
-            let r = (rows.end - o).min(MR);
-            let mut t = 0;
-            while t < n {
-                let tn = (n - t).min(NR);
-                // SAFETY: o + r <= rows.end <= w.rows and t + tn <= n.
-                unsafe {
-                    match (r, tn) {
-                        (4, 3) => tile::<DT, 4, 3>(x, w, o, t, out),
-                        (4, 2) => tile::<DT, 4, 2>(x, w, o, t, out),
-                        (4, _) => tile::<DT, 4, 1>(x, w, o, t, out),
-                        (3, 3) => tile::<DT, 3, 3>(x, w, o, t, out),
-                        (3, 2) => tile::<DT, 3, 2>(x, w, o, t, out),
-                        (3, _) => tile::<DT, 3, 1>(x, w, o, t, out),
-                        (2, 3) => tile::<DT, 2, 3>(x, w, o, t, out),
-                        (2, 2) => tile::<DT, 2, 2>(x, w, o, t, out),
-                        (2, _) => tile::<DT, 2, 1>(x, w, o, t, out),
-                        (_, 3) => tile::<DT, 1, 3>(x, w, o, t, out),
-                        (_, 2) => tile::<DT, 1, 2>(x, w, o, t, out),
-                        (_, _) => tile::<DT, 1, 1>(x, w, o, t, out),
-                    }
-                }
-                t += tn;
-            }
-            o += r;
-        }
+        tile_rows!(tile, DT, x, n, w, rows, out)
     }
 
     /// # Safety
@@ -600,7 +687,9 @@ mod tests {
     /// Independent exact decoding of one weight element (not the kernels' code).
     fn decode(dtype: DType, b: &[u8], i: usize) -> f32 {
         match dtype {
-            DType::BF16 => f32::from_bits(u32::from(u16::from_le_bytes([b[2 * i], b[2 * i + 1]])) << 16),
+            DType::BF16 => {
+                f32::from_bits(u32::from(u16::from_le_bytes([b[2 * i], b[2 * i + 1]])) << 16)
+            }
             DType::F16 => {
                 let h = u16::from_le_bytes([b[2 * i], b[2 * i + 1]]);
                 let sign = if h & 0x8000 != 0 { -1.0f64 } else { 1.0 };
@@ -629,8 +718,8 @@ mod tests {
         }
         let h: Vec<f32> = (0..4).map(|l| acc[l] + acc[l + 4]).collect();
         let mut s = (h[0] + h[2]) + (h[1] + h[3]);
-        for k in k8..cols {
-            s = decode(dtype, row, k).mul_add(x[k], s);
+        for (k, &xk) in x.iter().enumerate().skip(k8) {
+            s = decode(dtype, row, k).mul_add(xk, s);
         }
         s
     }
@@ -661,7 +750,9 @@ mod tests {
                 _ => rng.gen::<f32>() * 2f32.powi(rng.gen_range(-20..4)),
             } * sign;
             match dtype {
-                DType::BF16 => b.extend_from_slice(&half::bf16::from_f32(v).to_bits().to_le_bytes()),
+                DType::BF16 => {
+                    b.extend_from_slice(&half::bf16::from_f32(v).to_bits().to_le_bytes())
+                }
                 DType::F16 => {
                     // Random bits cover F16 subnormals and the whole finite range.
                     let mut h: u16 = rng.gen();
@@ -734,7 +825,16 @@ mod tests {
     fn bits_independent_of_batch_threads_isa_and_rows() {
         let mut rng = ChaCha8Rng::seed_from_u64(2);
         let pools: Vec<ThreadPool> = (1..=3).map(|t| ThreadPool::new(t).unwrap()).collect();
-        let mut shapes = vec![(1, 0), (1, 1), (4, 8), (3, 7), (5, 9), (67, 517), (130, 300), (8, 1031)];
+        let mut shapes = vec![
+            (1, 0),
+            (1, 1),
+            (4, 8),
+            (3, 7),
+            (5, 9),
+            (67, 517),
+            (130, 300),
+            (8, 1031),
+        ];
         for _ in 0..14 {
             shapes.push((rng.gen_range(1..40), rng.gen_range(1..200)));
         }
@@ -773,7 +873,10 @@ mod tests {
                 matmul(&pools[1], &x[..n * cols], n, sub, &mut out).unwrap();
                 for t in 0..n {
                     for o in a..b {
-                        assert_eq!(out[t * (b - a) + o - a].to_bits(), want[t * rows + o].to_bits());
+                        assert_eq!(
+                            out[t * (b - a) + o - a].to_bits(),
+                            want[t * rows + o].to_bits()
+                        );
                     }
                 }
             }
@@ -786,9 +889,18 @@ mod tests {
         let pool = ThreadPool::single();
         for dtype in DTYPES {
             let (inf, nan): (Vec<u8>, Vec<u8>) = match dtype {
-                DType::BF16 => (0x7f80u16.to_le_bytes().into(), 0x7fc0u16.to_le_bytes().into()),
-                DType::F16 => (0x7c00u16.to_le_bytes().into(), 0x7e00u16.to_le_bytes().into()),
-                _ => (f32::INFINITY.to_le_bytes().into(), f32::NAN.to_le_bytes().into()),
+                DType::BF16 => (
+                    0x7f80u16.to_le_bytes().into(),
+                    0x7fc0u16.to_le_bytes().into(),
+                ),
+                DType::F16 => (
+                    0x7c00u16.to_le_bytes().into(),
+                    0x7e00u16.to_le_bytes().into(),
+                ),
+                _ => (
+                    f32::INFINITY.to_le_bytes().into(),
+                    f32::NAN.to_le_bytes().into(),
+                ),
             };
             let cols = 19;
             let one = random_weights(&mut ChaCha8Rng::seed_from_u64(3), dtype, 1);
@@ -825,7 +937,11 @@ mod tests {
         );
         assert!(matches!(
             WeightView::new(DType::BF16, 2, 3, &b),
-            Err(KernelError::WeightLen { expected: 12, actual: 24, .. })
+            Err(KernelError::WeightLen {
+                expected: 12,
+                actual: 24,
+                ..
+            })
         ));
         assert!(matches!(
             WeightView::new(DType::F32, usize::MAX / 2, 3, &b),
@@ -835,17 +951,36 @@ mod tests {
         let mut out = vec![0.0; 4];
         assert!(matches!(
             matmul(&pool, &[0.0; 5], 2, w, &mut out),
-            Err(KernelError::ActivationLen { what: "x", expected: 6, actual: 5, .. })
+            Err(KernelError::ActivationLen {
+                what: "x",
+                expected: 6,
+                actual: 5,
+                ..
+            })
         ));
         assert!(matches!(
             matmul(&pool, &[0.0; 6], 2, w, &mut out[..3]),
-            Err(KernelError::ActivationLen { what: "out", expected: 4, actual: 3, .. })
+            Err(KernelError::ActivationLen {
+                what: "out",
+                expected: 4,
+                actual: 3,
+                ..
+            })
         ));
         // A view built from its public fields with a wrong length is caught too.
-        let bad = WeightView { dtype: DType::F32, rows: 3, cols: 3, bytes: &b };
+        let bad = WeightView {
+            dtype: DType::F32,
+            rows: 3,
+            cols: 3,
+            bytes: &b,
+        };
         assert!(matches!(
             matmul(&pool, &[0.0; 6], 2, bad, &mut [0.0; 6]),
-            Err(KernelError::WeightLen { expected: 36, actual: 24, .. })
+            Err(KernelError::WeightLen {
+                expected: 36,
+                actual: 24,
+                ..
+            })
         ));
         assert!(matches!(
             matmul(&pool, &[0.0; 6], usize::MAX / 2, w, &mut out),
@@ -864,7 +999,11 @@ mod tests {
             let bytes: Vec<u8> = a.iter().flat_map(|v| v.to_le_bytes()).collect();
             let want = spec_dot(DType::F32, &bytes, &b);
             assert_eq!(dot_f32(&a, &b).to_bits(), want.to_bits(), "len {len}");
-            assert_eq!(portable::dot_f32(&a, &b).to_bits(), want.to_bits(), "len {len}");
+            assert_eq!(
+                portable::dot_f32(&a, &b).to_bits(),
+                want.to_bits(),
+                "len {len}"
+            );
 
             let alpha = rng.gen_range(-3.0f32..3.0);
             let mut y = b.clone();

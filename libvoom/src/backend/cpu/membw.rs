@@ -60,7 +60,10 @@ fn sum_u64_plain(v: &[u64]) -> u64 {
             acc[l] = acc[l].wrapping_add(c[l]);
         }
     }
-    let tail = chunks.remainder().iter().fold(0u64, |a, &b| a.wrapping_add(b));
+    let tail = chunks
+        .remainder()
+        .iter()
+        .fold(0u64, |a, &b| a.wrapping_add(b));
     acc.iter().fold(tail, |a, &b| a.wrapping_add(b))
 }
 

@@ -254,7 +254,7 @@ impl Shared {
             }
             std::hint::spin_loop();
             i = i.wrapping_add(1);
-            if i % 128 == 0 && start.elapsed() >= self.spin {
+            if i.is_multiple_of(128) && start.elapsed() >= self.spin {
                 break;
             }
         }

@@ -1,0 +1,258 @@
+//! Importing models from other formats into the Hugging Face layout vOOM runs.
+//!
+//! [`import_gguf`] turns a llama.cpp GGUF file into a model directory: `config.json`,
+//! `model.safetensors` (every tensor dequantized to f32 exactly as ggml does, then
+//! rounded to BF16 to nearest even), `tokenizer.json`, `tokenizer_config.json` and
+//! `generation_config.json`. Everything is written into a staging directory beside the
+//! destination and renamed into place at the end, so a failed import leaves nothing
+//! half-done. The output depends only on the GGUF's contents: importing twice gives
+//! byte-identical files.
+//!
+//! Supported: the `llama` architecture with a byte-level BPE (`gpt2`) vocabulary whose
+//! pre-tokenizer (`tokenizer.ggml.pre`) is `smollm` or `gpt-2`. Anything else is an
+//! [`ImportError::Unsupported`] naming what, rather than a silently wrong model.
+//! `docs/gguf-import.md` describes the mapping.
+
+mod llama;
+mod tokenizer;
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use voom_formats::gguf::GgufFile;
+use voom_formats::{DType, FormatError};
+
+/// Why an import failed. Every variant names the file it is about.
+#[derive(Debug, thiserror::Error)]
+pub enum ImportError {
+    /// The GGUF (or a file written) is malformed or unreadable.
+    #[error(transparent)]
+    Format(#[from] FormatError),
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A valid GGUF describing something the importer does not convert.
+    #[error("{path}: unsupported {what}")]
+    Unsupported { path: PathBuf, what: String },
+    /// The GGUF's metadata and tensors disagree (missing tensor, wrong shape, ...).
+    #[error("{path}: {detail}")]
+    Inconsistent { path: PathBuf, detail: String },
+    /// The vocabulary cannot make a tokenizer (duplicate token, bad merge, ...).
+    #[error("{path}: tokenizer: {detail}")]
+    Tokenizer { path: PathBuf, detail: String },
+    /// The destination already holds something.
+    #[error("{0}: output directory already exists and is not empty")]
+    OutputExists(PathBuf),
+}
+
+impl ImportError {
+    fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        ImportError::Io {
+            path: path.into(),
+            source,
+        }
+    }
+}
+
+/// What an import produced.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImportReport {
+    /// `general.architecture` (`"llama"`).
+    pub architecture: String,
+    /// `general.name`, when the file has one.
+    pub name: Option<String>,
+    /// Tensors written to `model.safetensors`.
+    pub tensors: usize,
+    /// Parameters (elements) written.
+    pub parameters: u64,
+    /// Elements whose dequantized f32 value is not a BF16 value, so rounding to BF16
+    /// changed them (0 for a GGUF made from a BF16 checkpoint without quantization).
+    pub rounded_elements: u64,
+    /// Bytes of all files written.
+    pub bytes_written: u64,
+    /// The directory written.
+    pub out_dir: PathBuf,
+}
+
+/// Imports a GGUF model into a Hugging Face directory `out_dir`, which must not exist
+/// or be empty. `progress(done, total)` is called as tensors are converted, in bytes of
+/// GGUF tensor data.
+pub fn import_gguf(
+    gguf_path: &Path,
+    out_dir: &Path,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<ImportReport, ImportError> {
+    let gguf = GgufFile::open(gguf_path)?;
+    let path = gguf_path.to_path_buf();
+
+    let architecture = gguf
+        .get_str("general.architecture")?
+        .ok_or_else(|| gguf.missing_key("general.architecture"))?
+        .to_string();
+    let name = gguf.get_str("general.name")?.map(str::to_string);
+    let params = match architecture.as_str() {
+        "llama" => llama::Params::from_gguf(&gguf)?,
+        other => {
+            return Err(ImportError::Unsupported {
+                path,
+                what: format!("architecture '{other}' (supported: llama)"),
+            })
+        }
+    };
+    // The tokenizer first: it is cheap and rejects unsupported vocabularies before the
+    // expensive tensor conversion.
+    let tok = tokenizer::build(&gguf, params.context_length)?;
+    if tok.vocab_len as u64 != params.vocab_size {
+        return Err(ImportError::Inconsistent {
+            path,
+            detail: format!(
+                "{} tokens in tokenizer.ggml.tokens but vocab_size is {}",
+                tok.vocab_len, params.vocab_size
+            ),
+        });
+    }
+    let converted = llama::convert_tensors(&gguf, &params, progress)?;
+
+    let staging = Staging::new(out_dir)?;
+    let dir = staging.path();
+    let mut bytes_written = 0u64;
+
+    let st_path = dir.join("model.safetensors");
+    let entries: Vec<(&str, DType, &[usize], &[u8])> = converted
+        .tensors
+        .iter()
+        .map(|t| (t.name.as_str(), DType::BF16, t.shape.as_slice(), t.data.as_slice()))
+        .collect();
+    let metadata = BTreeMap::from([("format".to_string(), "pt".to_string())]);
+    voom_formats::safetensors::write(&st_path, &entries, &metadata)?;
+    bytes_written += fs::metadata(&st_path)
+        .map_err(|e| ImportError::io(&st_path, e))?
+        .len();
+
+    let config = params.config_json(&tok.special_ids);
+    let generation = tok.special_ids.generation_config_json();
+    for (file, value) in [
+        ("config.json", &config),
+        ("generation_config.json", &generation),
+        ("tokenizer_config.json", &tok.tokenizer_config),
+    ] {
+        bytes_written += write_json(&dir.join(file), value)?;
+    }
+    let tok_path = dir.join("tokenizer.json");
+    write_file(&tok_path, tok.tokenizer_json.as_bytes())?;
+    bytes_written += tok.tokenizer_json.len() as u64;
+
+    staging.commit()?;
+    Ok(ImportReport {
+        architecture,
+        name,
+        tensors: converted.tensors.len(),
+        parameters: converted.parameters,
+        rounded_elements: converted.rounded_elements,
+        bytes_written,
+        out_dir: out_dir.to_path_buf(),
+    })
+}
+
+/// Pretty JSON with a trailing newline, as Hugging Face writes its config files.
+fn write_json(path: &Path, value: &serde_json::Value) -> Result<u64, ImportError> {
+    let mut text = serde_json::to_string_pretty(value).map_err(|e| ImportError::Io {
+        path: path.to_path_buf(),
+        source: e.into(),
+    })?;
+    text.push('\n');
+    write_file(path, text.as_bytes())?;
+    Ok(text.len() as u64)
+}
+
+fn write_file(path: &Path, bytes: &[u8]) -> Result<(), ImportError> {
+    use std::io::Write;
+    let mut f = fs::File::create(path).map_err(|e| ImportError::io(path, e))?;
+    f.write_all(bytes).map_err(|e| ImportError::io(path, e))?;
+    f.sync_all().map_err(|e| ImportError::io(path, e))
+}
+
+/// A directory beside the destination that becomes it on [`Staging::commit`] and is
+/// removed if dropped before.
+struct Staging {
+    tmp: PathBuf,
+    dest: PathBuf,
+    committed: bool,
+}
+
+impl Staging {
+    fn new(dest: &Path) -> Result<Staging, ImportError> {
+        match fs::read_dir(dest) {
+            Ok(mut entries) => {
+                if entries.next().is_some() {
+                    return Err(ImportError::OutputExists(dest.to_path_buf()));
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(ImportError::io(dest, e)),
+        }
+        let parent = match dest.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        fs::create_dir_all(&parent).map_err(|e| ImportError::io(&parent, e))?;
+        let file_name = dest
+            .file_name()
+            .ok_or_else(|| ImportError::io(dest, std::io::ErrorKind::InvalidInput.into()))?;
+        let mut tmp_name = std::ffi::OsString::from(".");
+        tmp_name.push(file_name);
+        tmp_name.push(format!(".importing-{}", std::process::id()));
+        let tmp = parent.join(tmp_name);
+        if tmp.exists() {
+            // Left by a killed import of this same process id: ours to replace.
+            fs::remove_dir_all(&tmp).map_err(|e| ImportError::io(&tmp, e))?;
+        }
+        fs::create_dir(&tmp).map_err(|e| ImportError::io(&tmp, e))?;
+        Ok(Staging {
+            tmp,
+            dest: dest.to_path_buf(),
+            committed: false,
+        })
+    }
+
+    fn path(&self) -> &Path {
+        &self.tmp
+    }
+
+    fn commit(mut self) -> Result<(), ImportError> {
+        let sync_dir = |p: &Path| {
+            fs::File::open(p)
+                .and_then(|d| d.sync_all())
+                .map_err(|e| ImportError::io(p, e))
+        };
+        sync_dir(&self.tmp)?;
+        // An empty destination directory is replaced (rename(2) allows it).
+        fs::rename(&self.tmp, &self.dest).map_err(|e| match e.kind() {
+            std::io::ErrorKind::DirectoryNotEmpty | std::io::ErrorKind::AlreadyExists => {
+                ImportError::OutputExists(self.dest.clone())
+            }
+            _ => ImportError::io(&self.dest, e),
+        })?;
+        self.committed = true;
+        if let Some(parent) = self.dest.parent().filter(|p| !p.as_os_str().is_empty()) {
+            sync_dir(parent)?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        if !self.committed {
+            // Best effort: the error being returned matters more than this cleanup.
+            let _ = fs::remove_dir_all(&self.tmp);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

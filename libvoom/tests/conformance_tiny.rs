@@ -1,0 +1,151 @@
+//! Conformance with Hugging Face transformers (DESIGN.md invariant 2): on tiny random
+//! BF16 checkpoints of every supported architecture, greedy ids equal transformers'
+//! (float32 arithmetic, eager attention) token for token, and the first step's logits
+//! agree to float32 noise. References: `tests/fixtures/tiny`, made by
+//! `tests/conformance/make_fixtures.py`.
+
+use std::ops::ControlFlow;
+use std::path::{Path, PathBuf};
+
+use libvoom::engine::{Engine, EngineOptions, GenerateParams};
+use serde_json::Value;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny")
+}
+
+fn cases() -> Vec<String> {
+    let index: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixtures().join("index.json")).unwrap()).unwrap();
+    let cases: Vec<String> = index["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["name"].as_str().unwrap().to_string())
+        .collect();
+    assert!(cases.len() >= 7, "the fixture index lists {} cases", cases.len());
+    cases
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+fn check_case(name: &str, opts: EngineOptions) {
+    let dir = fixtures().join(name);
+    let reference: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+    let engine = Engine::open(&dir, opts).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let max_new = reference["generation"]["max_new_tokens"].as_u64().unwrap() as usize;
+    for p in reference["prompts"].as_array().unwrap() {
+        let prompt = ids(&p["prompt_ids"]);
+        let want = ids(&p["generated_ids"]);
+        let params = GenerateParams {
+            max_new_tokens: max_new,
+            record_logits: true,
+            ..Default::default()
+        };
+        let g = engine
+            .generate(&prompt, &params, &mut |_| ControlFlow::Continue(()))
+            .unwrap();
+        assert_eq!(
+            g.ids,
+            want,
+            "{name}: prompt of {} tokens: generated ids differ from transformers'",
+            prompt.len()
+        );
+        let stopped = p["stopped_on_eos"].as_bool().unwrap();
+        assert_eq!(
+            g.finish == libvoom::engine::FinishReason::Eos,
+            stopped,
+            "{name}: prompt of {}: eos stop differs",
+            prompt.len()
+        );
+        let ref_logits: Vec<f32> = p["first_step_logits"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap() as f32)
+            .collect();
+        let ours = &g.logits[0];
+        assert_eq!(ours.len(), ref_logits.len());
+        let mut worst = 0f32;
+        for (a, b) in ours.iter().zip(&ref_logits) {
+            let d = (a - b).abs() / b.abs().max(1.0);
+            worst = worst.max(d);
+        }
+        assert!(
+            worst <= 1e-3,
+            "{name}: prompt of {}: first-step logits differ from transformers' by {worst} (relative)",
+            prompt.len()
+        );
+    }
+}
+
+#[test]
+fn greedy_ids_match_transformers_on_every_architecture() {
+    for case in cases() {
+        check_case(&case, EngineOptions::default());
+    }
+}
+
+#[test]
+fn single_threaded_and_chunked_prefill_match_transformers_too() {
+    for case in cases() {
+        check_case(
+            &case,
+            EngineOptions {
+                threads: 1,
+                prefill_chunk: 7,
+                ..Default::default()
+            },
+        );
+    }
+}
+
+/// Batch invariance (DESIGN.md invariant 6): a position's logits are bit-identical
+/// whatever the prefill chunk size and the thread count.
+#[test]
+fn logits_bits_do_not_depend_on_chunking_or_threads() {
+    for case in cases() {
+        let dir = fixtures().join(&case);
+        let reference: Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+        let prompt = ids(&reference["prompts"][2]["prompt_ids"]);
+        let mut seen: Option<Vec<u32>> = None;
+        for (threads, chunk) in [(1, 1), (2, 3), (3, 256), (2, 5)] {
+            let e = Engine::open(
+                &dir,
+                EngineOptions {
+                    threads,
+                    prefill_chunk: chunk,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+            let mut kv = e.new_kv();
+            let all = e.forward_all(&mut kv, &prompt).unwrap();
+            let mut kv2 = e.new_kv();
+            let last = e.prefill(&mut kv2, &prompt).unwrap();
+            let v = e.config().vocab_size;
+            assert_eq!(
+                bits(&all[all.len() - v..]),
+                bits(&last),
+                "{case}: all-positions and last-position logits differ (threads {threads}, chunk {chunk})"
+            );
+            let b = bits(&all);
+            match &seen {
+                None => seen = Some(b),
+                Some(s) => assert_eq!(s, &b, "{case}: logits bits change with threads {threads}, chunk {chunk}"),
+            }
+        }
+    }
+}
+
+fn bits(x: &[f32]) -> Vec<u32> {
+    x.iter().map(|v| v.to_bits()).collect()
+}
