@@ -52,18 +52,18 @@ impl Checkpoint {
     pub fn open(dir: &Path) -> Result<Self> {
         let single = dir.join(SINGLE_FILE);
         let index = dir.join(INDEX_FILE);
-        let (names, expected): (Vec<String>, Option<BTreeMap<String, String>>) =
-            if single.is_file() {
-                (vec![SINGLE_FILE.to_string()], None)
-            } else if index.is_file() {
-                let map = read_index(&index)?;
-                let mut names: Vec<String> = map.values().cloned().collect();
-                names.sort();
-                names.dedup();
-                (names, Some(map))
-            } else {
-                (list_safetensors(dir)?, None)
-            };
+        let (names, expected): (Vec<String>, Option<BTreeMap<String, String>>) = if single.is_file()
+        {
+            (vec![SINGLE_FILE.to_string()], None)
+        } else if index.is_file() {
+            let map = read_index(&index)?;
+            let mut names: Vec<String> = map.values().cloned().collect();
+            names.sort();
+            names.dedup();
+            (names, Some(map))
+        } else {
+            (list_safetensors(dir)?, None)
+        };
         if names.is_empty() {
             return Err(FormatError::Missing {
                 path: dir.to_path_buf(),
@@ -210,10 +210,13 @@ fn list_safetensors(dir: &Path) -> Result<Vec<String>> {
         if path.extension().is_none_or(|e| e != "safetensors") || !path.is_file() {
             continue;
         }
-        let name = entry.file_name().into_string().map_err(|n| FormatError::Unsupported {
-            path: dir.join(&n),
-            what: "file name that is not UTF-8".into(),
-        })?;
+        let name = entry
+            .file_name()
+            .into_string()
+            .map_err(|n| FormatError::Unsupported {
+                path: dir.join(&n),
+                what: "file name that is not UTF-8".into(),
+            })?;
         names.push(name);
     }
     names.sort();
@@ -231,8 +234,10 @@ mod tests {
             .iter()
             .map(|&(n, b)| (n, DType::U8, vec![b.len()], b))
             .collect();
-        let t: Vec<(&str, DType, &[usize], &[u8])> =
-            t.iter().map(|(n, d, s, b)| (*n, *d, s.as_slice(), *b)).collect();
+        let t: Vec<(&str, DType, &[usize], &[u8])> = t
+            .iter()
+            .map(|(n, d, s, b)| (*n, *d, s.as_slice(), *b))
+            .collect();
         write(&dir.join(file), &t, &BTreeMap::new()).unwrap();
     }
 
@@ -266,7 +271,11 @@ mod tests {
         put(d.path(), "s1.safetensors", &[("w", &[1, 2, 3])]);
         index(
             d.path(),
-            &[("x", "s2.safetensors"), ("y", "s2.safetensors"), ("w", "s1.safetensors")],
+            &[
+                ("x", "s2.safetensors"),
+                ("y", "s2.safetensors"),
+                ("w", "s1.safetensors"),
+            ],
         );
         let c = Checkpoint::open(d.path()).unwrap();
         assert_eq!(c.files.len(), 2);
@@ -301,9 +310,15 @@ mod tests {
     fn missing_shard_is_reported() {
         let d = tempfile::tempdir().unwrap();
         put(d.path(), "s1.safetensors", &[("w", &[1])]);
-        index(d.path(), &[("w", "s1.safetensors"), ("v", "s2.safetensors")]);
+        index(
+            d.path(),
+            &[("w", "s1.safetensors"), ("v", "s2.safetensors")],
+        );
         let e = Checkpoint::open(d.path()).unwrap_err();
-        assert!(matches!(e, FormatError::Missing { ref what, .. } if what == "shard 's2.safetensors'"), "{e}");
+        assert!(
+            matches!(e, FormatError::Missing { ref what, .. } if what == "shard 's2.safetensors'"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -311,15 +326,33 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         put(d.path(), "s1.safetensors", &[("w", &[1])]);
         put(d.path(), "s2.safetensors", &[("v", &[1])]);
-        index(d.path(), &[("w", "s1.safetensors"), ("q", "s2.safetensors")]);
+        index(
+            d.path(),
+            &[("w", "s1.safetensors"), ("q", "s2.safetensors")],
+        );
         let e = Checkpoint::open(d.path()).unwrap_err();
         assert!(e.to_string().contains("tensor 'q' listed in"), "{e}");
-        index(d.path(), &[("w", "s1.safetensors"), ("v", "s1.safetensors")]);
+        index(
+            d.path(),
+            &[("w", "s1.safetensors"), ("v", "s1.safetensors")],
+        );
         let e = Checkpoint::open(d.path()).unwrap_err();
         assert!(e.to_string().contains("tensor 'v' listed in"), "{e}");
-        index(d.path(), &[("w", "s1.safetensors"), ("v", "s1.safetensors"), ("x", "s2.safetensors")]);
+        index(
+            d.path(),
+            &[
+                ("w", "s1.safetensors"),
+                ("v", "s1.safetensors"),
+                ("x", "s2.safetensors"),
+            ],
+        );
         let e = Checkpoint::open(d.path()).unwrap_err();
-        assert!(e.to_string().contains("tensor 'v' listed in model.safetensors.index.json (it is in s2.safetensors)"), "{e}");
+        assert!(
+            e.to_string().contains(
+                "tensor 'v' listed in model.safetensors.index.json (it is in s2.safetensors)"
+            ),
+            "{e}"
+        );
     }
 
     #[test]

@@ -92,7 +92,13 @@ const EMBEDDING_SEGMENTS: &[&str] = &[
 /// First segments of output heads.
 const HEAD_SEGMENTS: &[&str] = &["lm_head", "embed_out", "output"];
 /// Segments naming a final norm when they occur outside a block.
-const FINAL_NORM_SEGMENTS: &[&str] = &["norm", "ln_f", "final_layernorm", "final_norm", "output_norm"];
+const FINAL_NORM_SEGMENTS: &[&str] = &[
+    "norm",
+    "ln_f",
+    "final_layernorm",
+    "final_norm",
+    "output_norm",
+];
 
 impl PageGroup {
     /// Classifies a tensor by name: `*.layers.N.*` is `Layer(N)`; `*embed_tokens*` is
@@ -433,7 +439,12 @@ mod tests {
             &dir.join("model.safetensors"),
             &[
                 ("model.embed_tokens.weight", DType::BF16, &[4, 8], &emb),
-                ("model.layers.0.self_attn.q_proj.weight", DType::BF16, &[4, 4], &q),
+                (
+                    "model.layers.0.self_attn.q_proj.weight",
+                    DType::BF16,
+                    &[4, 4],
+                    &q,
+                ),
                 ("model.norm.weight", DType::BF16, &[2], &norm),
                 ("lm_head.weight", DType::F32, &[1], &norm),
             ],
@@ -527,8 +538,7 @@ mod tests {
         m.save(d.path()).unwrap();
         assert_eq!(Manifest::load(d.path()).unwrap(), Some(m.clone()));
         let json: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(d.path().join(MANIFEST_FILE)).unwrap())
-                .unwrap();
+            serde_json::from_slice(&std::fs::read(d.path().join(MANIFEST_FILE)).unwrap()).unwrap();
         assert_eq!(json["pages"][0]["encoding"], "raw");
         assert_eq!(json["pages"][0]["group"], "final"); // lm_head.weight sorts first
         assert_eq!(json["pages"][2]["group"]["layer"], 0);
@@ -598,7 +608,10 @@ mod tests {
         let e = stale(&|m| {
             m.pages.remove(2);
         });
-        assert!(e.contains("tensor 'model.layers.0.self_attn.q_proj.weight' has no page"), "{e}");
+        assert!(
+            e.contains("tensor 'model.layers.0.self_attn.q_proj.weight' has no page"),
+            "{e}"
+        );
         let e = stale(&|m| {
             let mut extra = m.pages[0].clone();
             extra.name = "ghost".into();

@@ -74,7 +74,14 @@ fn metadata() -> impl Strategy<Value = BTreeMap<String, String>> {
 fn write_file(path: &Path, ts: &[Tensor], meta: &BTreeMap<String, String>) {
     let args: Vec<(&str, DType, &[usize], &[u8])> = ts
         .iter()
-        .map(|t| (t.name.as_str(), t.dtype, t.shape.as_slice(), t.bytes.as_slice()))
+        .map(|t| {
+            (
+                t.name.as_str(),
+                t.dtype,
+                t.shape.as_slice(),
+                t.bytes.as_slice(),
+            )
+        })
         .collect();
     safetensors::write(path, &args, meta).unwrap();
 }

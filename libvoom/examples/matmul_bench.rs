@@ -11,7 +11,7 @@
 use std::time::{Duration, Instant};
 
 use libvoom::backend::cpu::matmul::{matmul, matmul_isa, Isa, WeightView};
-use libvoom::backend::cpu::membw::read_bandwidth;
+use libvoom::backend::cpu::membw::ReadProbe;
 use libvoom::backend::cpu::threads::ThreadPool;
 use voom_formats::DType;
 
@@ -38,14 +38,15 @@ fn main() {
         .map(|&t| ThreadPool::new(t).expect("spawn pool threads"))
         .collect();
 
-    let mut bw = Vec::new();
+    // Bandwidth passes are interleaved with the kernel passes below so that both
+    // see the same load on a shared machine; this first figure is for reference.
+    let probe = ReadProbe::new(WORKING_SET);
     for pool in &pools {
-        let gbs = read_bandwidth(1 << 30, pool.threads(), reps);
+        let gbs = median((0..reps).map(|_| probe.pass(pool.threads())).collect());
         println!(
             "read bandwidth, {} thread(s): {gbs:.1} GB/s",
             pool.threads()
         );
-        bw.push(gbs);
     }
     dispatch_overhead(&pools);
 
@@ -58,8 +59,8 @@ fn main() {
     ];
     let large = [(2048, 2048), (8192, 2048), (2048, 8192)];
     println!(
-        "\n{:>12} {:>5} {:>3} | {:>9} {:>7} {:>6} | {:>13}",
-        "shape", "dtype", "thr", "decode us", "GB/s", "of bw", "prefill GF/s"
+        "\n{:>12} {:>5} {:>3} | {:>9} {:>7} {:>7} {:>6} | {:>13}",
+        "shape", "dtype", "thr", "decode us", "GB/s", "bw GB/s", "of bw", "prefill GF/s"
     );
     for &(rows, cols) in small.iter().chain(&large) {
         if only.is_some_and(|s| s != (rows, cols)) {
@@ -72,20 +73,21 @@ fn main() {
         };
         for &dtype in dtypes {
             let set = WeightSet::new(dtype, rows, cols);
-            for (pool, &bound) in pools.iter().zip(&bw) {
-                let (us, gbs) = decode(&set, pool, isa, reps);
+            for pool in &pools {
+                let (us, gbs, bound) = decode(&set, pool, isa, &probe, reps);
                 let gflops = if no_prefill {
                     f64::NAN
                 } else {
                     prefill(&set, pool, isa, 64, reps)
                 };
                 println!(
-                    "{:>12} {:>5} {:>3} | {:>9.1} {:>7.2} {:>5.0}% | {:>13.1}",
+                    "{:>12} {:>5} {:>3} | {:>9.1} {:>7.2} {:>7.2} {:>5.0}% | {:>13.1}",
                     format!("{rows}x{cols}"),
                     dtype.as_str(),
                     pool.threads(),
                     us,
                     gbs,
+                    bound,
                     100.0 * gbs / bound,
                     gflops
                 );
@@ -160,27 +162,37 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Median over passes (each pass: one call per copy) of (µs per call, GB/s).
-fn decode(set: &WeightSet, pool: &ThreadPool, isa: Isa, reps: usize) -> (f64, f64) {
+/// Medians over passes of (µs per call, GB/s of weights, GB/s of the bandwidth
+/// probe); each decode pass (one call per copy) follows a probe pass.
+fn decode(
+    set: &WeightSet,
+    pool: &ThreadPool,
+    isa: Isa,
+    probe: &ReadProbe,
+    reps: usize,
+) -> (f64, f64, f64) {
     let x: Vec<f32> = (0..set.cols)
         .map(|i| (i % 7) as f32 * 0.25 - 0.75)
         .collect();
     let mut out = vec![0.0f32; set.rows];
     let per_call_bytes = (set.bytes.len() / set.copies) as f64;
-    let mut secs = Vec::new();
+    let (mut secs, mut bw) = (Vec::new(), Vec::new());
     for rep in 0..=reps {
+        let b = probe.pass(pool.threads());
         let start = Instant::now();
         for i in 0..set.copies {
             matmul_isa(isa, pool, &x, 1, set.view(i), &mut out).expect("valid shapes");
         }
         let t = start.elapsed().as_secs_f64() / set.copies as f64;
         if rep > 0 {
-            secs.push(t); // the first pass warms pages and threads
+            // The first pass warms pages and threads.
+            secs.push(t);
+            bw.push(b);
         }
     }
     std::hint::black_box(&out);
     let t = median(secs);
-    (t * 1e6, per_call_bytes / t / 1e9)
+    (t * 1e6, per_call_bytes / t / 1e9, median(bw))
 }
 
 /// Median GFLOP/s of `n`-token calls, cycling over the copies.

@@ -18,7 +18,8 @@ fn opt_string(v: &Value) -> Option<String> {
 #[test]
 fn renders_match_transformers_byte_for_byte() {
     let cases: Vec<Value> =
-        serde_json::from_str(&std::fs::read_to_string(chat_dir().join("cases.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(chat_dir().join("cases.json")).unwrap())
+            .unwrap();
     assert!(cases.len() >= 15);
     let mut failures = Vec::new();
     let mut rendered = 0;
@@ -27,14 +28,26 @@ fn renders_match_transformers_byte_for_byte() {
         let name = c["name"].as_str().unwrap();
         let file = chat_dir().join(format!("{}.jinja", c["template"].as_str().unwrap()));
         let src = std::fs::read_to_string(&file).unwrap();
-        let t = ChatTemplate::new(&src, opt_string(&c["bos_token"]), opt_string(&c["eos_token"])).unwrap();
+        let t = ChatTemplate::new(
+            &src,
+            opt_string(&c["bos_token"]),
+            opt_string(&c["eos_token"]),
+        )
+        .unwrap();
         let messages = c["messages"].as_array().unwrap();
         let tools = c["tools"].as_array().map(Vec::as_slice);
         let extra = c["extra"].as_object();
-        let result = t.render(messages, tools, c["add_generation_prompt"].as_bool().unwrap(), extra);
+        let result = t.render(
+            messages,
+            tools,
+            c["add_generation_prompt"].as_bool().unwrap(),
+            extra,
+        );
         match (&result, c.get("expected"), c.get("expected_error")) {
             (Ok(out), Some(Value::String(want)), _) if out == want => rendered += 1,
-            (Err(TextError::TemplateRaised { message, .. }), _, Some(Value::String(want))) if message == want => {
+            (Err(TextError::TemplateRaised { message, .. }), _, Some(Value::String(want)))
+                if message == want =>
+            {
                 raised += 1
             }
             _ => failures.push(format!(
@@ -43,8 +56,17 @@ fn renders_match_transformers_byte_for_byte() {
             )),
         }
     }
-    assert!(failures.is_empty(), "{} of {} cases differ:\n{}", failures.len(), cases.len(), failures.join("\n"));
-    assert!(rendered >= 13 && raised >= 2, "{rendered} rendered, {raised} raised");
+    assert!(
+        failures.is_empty(),
+        "{} of {} cases differ:\n{}",
+        failures.len(),
+        cases.len(),
+        failures.join("\n")
+    );
+    assert!(
+        rendered >= 13 && raised >= 2,
+        "{rendered} rendered, {raised} raised"
+    );
 }
 
 #[test]

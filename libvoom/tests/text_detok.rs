@@ -10,7 +10,10 @@ use proptest::prelude::*;
 fn tok() -> &'static Tokenizer {
     static TOK: OnceLock<Tokenizer> = OnceLock::new();
     TOK.get_or_init(|| {
-        Tokenizer::from_dir(&Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/text/bpe_tiny")).unwrap()
+        Tokenizer::from_dir(
+            &Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/text/bpe_tiny"),
+        )
+        .unwrap()
     })
 }
 
@@ -19,7 +22,9 @@ fn partial_ids() -> &'static Vec<u32> {
     static IDS: OnceLock<Vec<u32>> = OnceLock::new();
     IDS.get_or_init(|| {
         let t = tok();
-        (0..t.vocab_size() as u32).filter(|&i| t.decode(&[i], false).unwrap().contains('\u{FFFD}')).collect()
+        (0..t.vocab_size() as u32)
+            .filter(|&i| t.decode(&[i], false).unwrap().contains('\u{FFFD}'))
+            .collect()
     })
 }
 
@@ -36,8 +41,34 @@ fn stream(ids: &[u32], skip: bool) -> String {
 }
 
 const ALPHABET: &[&str] = &[
-    "a", "b", " ", "the", "\n", "é", "ß", "ж", "中", "文", "東京", "の", "한", "😀", "🦊", "👍🏽", "🇯🇵",
-    "👨‍👩‍👧‍👦", "❤️", "∑", "𝔘", "ไ", "ع", "<|im_start|>", "<|im_end|>", "<s>", "?", "1",
+    "a",
+    "b",
+    " ",
+    "the",
+    "\n",
+    "é",
+    "ß",
+    "ж",
+    "中",
+    "文",
+    "東京",
+    "の",
+    "한",
+    "😀",
+    "🦊",
+    "👍🏽",
+    "🇯🇵",
+    "👨‍👩‍👧‍👦",
+    "❤️",
+    "∑",
+    "𝔘",
+    "ไ",
+    "ع",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<s>",
+    "?",
+    "1",
 ];
 
 proptest! {

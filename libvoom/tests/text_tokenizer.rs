@@ -16,7 +16,11 @@ fn expected() -> Value {
 }
 
 fn ids(v: &Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
 }
 
 #[test]
@@ -28,7 +32,11 @@ fn encodes_like_python() {
     for c in cases {
         let text = c["text"].as_str().unwrap();
         assert_eq!(tok.encode(text, false).unwrap(), ids(&c["ids"]), "{text:?}");
-        assert_eq!(tok.encode(text, true).unwrap(), ids(&c["ids_with_special"]), "{text:?}");
+        assert_eq!(
+            tok.encode(text, true).unwrap(),
+            ids(&c["ids_with_special"]),
+            "{text:?}"
+        );
     }
 }
 
@@ -38,27 +46,48 @@ fn decodes_like_python() {
     let exp = expected();
     let encode_cases = exp["encode"].as_array().unwrap();
     let raw_cases = exp["decode"].as_array().unwrap();
-    for c in encode_cases.iter().map(|c| (&c["ids_with_special"], c)).chain(raw_cases.iter().map(|c| (&c["ids"], c))) {
+    for c in encode_cases
+        .iter()
+        .map(|c| (&c["ids_with_special"], c))
+        .chain(raw_cases.iter().map(|c| (&c["ids"], c)))
+    {
         let (seq, case) = c;
         let seq = ids(seq);
-        assert_eq!(tok.decode(&seq, false).unwrap(), case["decode_keep_special"].as_str().unwrap(), "{seq:?}");
-        assert_eq!(tok.decode(&seq, true).unwrap(), case["decode_skip_special"].as_str().unwrap(), "{seq:?}");
+        assert_eq!(
+            tok.decode(&seq, false).unwrap(),
+            case["decode_keep_special"].as_str().unwrap(),
+            "{seq:?}"
+        );
+        assert_eq!(
+            tok.decode(&seq, true).unwrap(),
+            case["decode_skip_special"].as_str().unwrap(),
+            "{seq:?}"
+        );
     }
     // The raw cases hold lone partial characters: the full decode shows U+FFFD.
-    assert!(raw_cases[0]["decode_keep_special"].as_str().unwrap().contains('\u{FFFD}'));
+    assert!(raw_cases[0]["decode_keep_special"]
+        .as_str()
+        .unwrap()
+        .contains('\u{FFFD}'));
 }
 
 #[test]
 fn special_tokens_and_eos_ids_from_all_configs() {
     let tok = Tokenizer::from_dir(&fixture_dir()).unwrap();
     let exp = expected();
-    assert_eq!(tok.vocab_size(), exp["vocab_size"].as_u64().unwrap() as usize);
+    assert_eq!(
+        tok.vocab_size(),
+        exp["vocab_size"].as_u64().unwrap() as usize
+    );
     // generation_config [im_end, endoftext], then config.json </s>, then eos_token (im_end, a duplicate).
     assert_eq!(tok.eos_ids(), ids(&exp["eos_ids"]).as_slice());
     assert_eq!(tok.bos_token(), Some("<s>")); // from the AddedToken object form
     assert_eq!(tok.eos_token(), Some("<|im_end|>"));
     assert_eq!(tok.bos_id(), tok.token_to_id("<s>"));
-    assert_eq!(tok.token_to_id("<s>"), exp["special_ids"]["<s>"].as_u64().map(|v| v as u32));
+    assert_eq!(
+        tok.token_to_id("<s>"),
+        exp["special_ids"]["<s>"].as_u64().map(|v| v as u32)
+    );
     assert_eq!(tok.add_bos_token(), Some(true));
     assert!(!tok.cleans_up_spaces());
 }
@@ -66,10 +95,15 @@ fn special_tokens_and_eos_ids_from_all_configs() {
 #[test]
 fn config_chat_template_renders() {
     let tok = Tokenizer::from_dir(&fixture_dir()).unwrap();
-    let t = tok.chat_template().expect("tokenizer_config.json has a chat_template");
+    let t = tok
+        .chat_template()
+        .expect("tokenizer_config.json has a chat_template");
     let msgs = [serde_json::json!({"role": "user", "content": "héllo 😀"})];
     let out = t.render(&msgs, None, true, None).unwrap();
-    assert_eq!(out, "<|im_start|>user\nhéllo 😀<|im_end|>\n<|im_start|>assistant\n");
+    assert_eq!(
+        out,
+        "<|im_start|>user\nhéllo 😀<|im_end|>\n<|im_start|>assistant\n"
+    );
     // The rendered prompt encodes with its special tokens as single ids.
     let ids = tok.encode(&out, false).unwrap();
     assert_eq!(ids[0], tok.token_to_id("<|im_start|>").unwrap());

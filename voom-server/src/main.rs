@@ -6,6 +6,7 @@
 mod cli;
 mod registry;
 mod store;
+mod synth;
 
 use clap::{Parser, Subcommand};
 

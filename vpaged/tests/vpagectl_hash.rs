@@ -36,8 +36,18 @@ fn write_model(dir: &Path) {
         &dir.join("model-00001-of-00002.safetensors"),
         &[
             ("model.embed_tokens.weight", DType::BF16, &[32, 16], &emb),
-            ("model.layers.0.self_attn.q_proj.weight", DType::BF16, &[16, 16], &q0),
-            ("model.layers.0.input_layernorm.weight", DType::BF16, &[16], &n0),
+            (
+                "model.layers.0.self_attn.q_proj.weight",
+                DType::BF16,
+                &[16, 16],
+                &q0,
+            ),
+            (
+                "model.layers.0.input_layernorm.weight",
+                DType::BF16,
+                &[16],
+                &n0,
+            ),
         ],
         &meta,
     )
@@ -45,7 +55,12 @@ fn write_model(dir: &Path) {
     safetensors::write(
         &dir.join("model-00002-of-00002.safetensors"),
         &[
-            ("model.layers.1.self_attn.q_proj.weight", DType::BF16, &[16, 16], &q1),
+            (
+                "model.layers.1.self_attn.q_proj.weight",
+                DType::BF16,
+                &[16, 16],
+                &q1,
+            ),
             ("model.norm.weight", DType::BF16, &[16], &norm),
         ],
         &meta,
@@ -80,7 +95,11 @@ fn hash_writes_a_manifest_and_verify_names_a_flipped_byte() {
     write_model(d.path());
 
     let out = vpagectl(&["hash", "--json"], d.path());
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let report = stdout_json(&out);
     assert_eq!(report["pages"], 5);
     assert_eq!(report["files"], 2);
@@ -93,16 +112,28 @@ fn hash_writes_a_manifest_and_verify_names_a_flipped_byte() {
     assert_eq!(m.pages.len(), 5);
     for p in &m.pages {
         let bytes = ckpt.tensor_bytes(&p.name).unwrap();
-        assert_eq!(p.blake3, blake3::hash(bytes).to_hex().as_str(), "{}", p.name);
+        assert_eq!(
+            p.blake3,
+            blake3::hash(bytes).to_hex().as_str(),
+            "{}",
+            p.name
+        );
     }
     let q1 = m.page("model.layers.1.self_attn.q_proj.weight").unwrap();
     assert_eq!(q1.file, "model-00002-of-00002.safetensors");
     assert_eq!(q1.group, PageGroup::Layer(1));
-    assert_eq!(m.page("model.embed_tokens.weight").unwrap().group, PageGroup::Embedding);
+    assert_eq!(
+        m.page("model.embed_tokens.weight").unwrap().group,
+        PageGroup::Embedding
+    );
     assert_eq!(m.page("model.norm.weight").unwrap().group, PageGroup::Final);
 
     let out = vpagectl(&["verify"], d.path());
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
     assert!(String::from_utf8_lossy(&out.stdout).contains("verified 5 pages"));
 
     // Flip one byte inside layer 1's q_proj, in place (same length, same header).
@@ -150,8 +181,18 @@ fn verify_fails_on_a_stale_manifest_and_errors_without_one() {
     safetensors::write(
         &d.path().join("model-00002-of-00002.safetensors"),
         &[
-            ("model.layers.1.self_attn.q_proj.weight", DType::BF16, &[16, 16], &bf16_bytes(256, 0.4)),
-            ("model.norm.weight", DType::BF16, &[16], &bf16_bytes(16, 0.5)),
+            (
+                "model.layers.1.self_attn.q_proj.weight",
+                DType::BF16,
+                &[16, 16],
+                &bf16_bytes(256, 0.4),
+            ),
+            (
+                "model.norm.weight",
+                DType::BF16,
+                &[16],
+                &bf16_bytes(16, 0.5),
+            ),
         ],
         &BTreeMap::new(),
     )
@@ -160,7 +201,10 @@ fn verify_fails_on_a_stale_manifest_and_errors_without_one() {
     assert_eq!(out.status.code(), Some(1));
     let report = stdout_json(&out);
     assert_eq!(report["ok"], false);
-    assert!(report["error"].as_str().unwrap().contains("stale"), "{report}");
+    assert!(
+        report["error"].as_str().unwrap().contains("stale"),
+        "{report}"
+    );
 }
 
 #[test]

@@ -17,7 +17,10 @@ fuzz_target!(|data: &[u8]| {
     let mut furthest = h.data_start;
     for t in &h.tensors {
         let end = t.offset.checked_add(t.len).expect("range overflows");
-        assert!(t.offset >= h.data_start && end <= len, "tensor outside the file");
+        assert!(
+            t.offset >= h.data_start && end <= len,
+            "tensor outside the file"
+        );
         assert_eq!(t.len, (t.numel() * t.dtype.size()) as u64);
         if t.len > 0 {
             assert!(t.offset >= furthest, "overlapping tensors accepted");

@@ -115,7 +115,7 @@ fn check(ty: GgmlType, bytes: &[u8], n_elements: usize) -> Result<(), DequantErr
     }
     let (block, block_bytes) = ty.block();
     let (block, block_bytes) = (block as usize, block_bytes as usize);
-    if n_elements % block != 0 {
+    if !n_elements.is_multiple_of(block) {
         return Err(DequantError::PartialBlock {
             ty,
             n_elements,
@@ -193,7 +193,10 @@ mod tests {
         assert!(y[1] == 0.0 && y[1].is_sign_negative());
         assert_eq!(y[2], f32::INFINITY);
         // F16 subnormal 2^-24 and BF16 1.0.
-        assert_eq!(dequantize(GgmlType::F16, &[1, 0], 1).unwrap(), [2f32.powi(-24)]);
+        assert_eq!(
+            dequantize(GgmlType::F16, &[1, 0], 1).unwrap(),
+            [2f32.powi(-24)]
+        );
         assert_eq!(dequantize(GgmlType::BF16, &[0x80, 0x3f], 1).unwrap(), [1.0]);
     }
 
@@ -213,6 +216,46 @@ mod tests {
         );
         let mut out = [0f32; 2];
         assert!(dequantize_into(GgmlType::F32, &[0; 4], &mut out).is_err());
+    }
+
+    /// Real blocks of SmolLM2-135M-Instruct.Q4_1.gguf with the values the `gguf` Python
+    /// package dequantizes them to (tests/conformance/smollm2_dequant_blocks.py).
+    #[test]
+    fn matches_gguf_python_on_real_blocks() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../tests/fixtures/smollm2/dequant_blocks.json"
+        );
+        let doc: serde_json::Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+        let cases = doc["cases"].as_array().unwrap();
+        assert!(cases.len() >= 12);
+        let mut seen = std::collections::HashSet::new();
+        for case in cases {
+            let ty = match case["type"].as_str().unwrap() {
+                "Q4_1" => GgmlType::Q4_1,
+                "Q8_0" => GgmlType::Q8_0,
+                other => panic!("fixture type {other}"),
+            };
+            seen.insert(ty);
+            let hex = case["bytes_hex"].as_str().unwrap();
+            let bytes: Vec<u8> = (0..hex.len())
+                .step_by(2)
+                .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
+                .collect();
+            let want: Vec<u32> = case["f32_bits"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap() as u32)
+                .collect();
+            let got: Vec<u32> = dequantize(ty, &bytes, want.len())
+                .unwrap()
+                .iter()
+                .map(|x| x.to_bits())
+                .collect();
+            assert_eq!(got, want, "{} block {}", case["tensor"], case["block"]);
+        }
+        assert_eq!(seen.len(), 2);
     }
 
     proptest! {

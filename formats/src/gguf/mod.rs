@@ -200,7 +200,7 @@ impl GgmlType {
     /// number of blocks or the size overflows.
     pub fn bytes_for(self, n_elements: u64) -> Option<u64> {
         let (block, bytes) = self.block();
-        if n_elements % block != 0 {
+        if !n_elements.is_multiple_of(block) {
             return None;
         }
         (n_elements / block).checked_mul(bytes)

@@ -457,11 +457,13 @@ impl GgufFile {
             return Ok(None);
         };
         match v.as_integer() {
-            Some(x) => T::try_from(x).map(Some).map_err(|_| FormatError::Malformed {
-                path: self.path.clone(),
-                what: "GGUF metadata",
-                detail: format!("key '{key}': value {x} does not fit {want}"),
-            }),
+            Some(x) => T::try_from(x)
+                .map(Some)
+                .map_err(|_| FormatError::Malformed {
+                    path: self.path.clone(),
+                    what: "GGUF metadata",
+                    detail: format!("key '{key}': value {x} does not fit {want}"),
+                }),
             None => Err(self.wrong_type(key, want, v)),
         }
     }
@@ -847,7 +849,10 @@ impl<'a> Parser<'a> {
             metadata.push((key, value));
         }
 
-        let alignment = match metadata_index.get("general.alignment").map(|&i| &metadata[i].1) {
+        let alignment = match metadata_index
+            .get("general.alignment")
+            .map(|&i| &metadata[i].1)
+        {
             None => DEFAULT_ALIGNMENT,
             Some(GgufValue::U32(a)) if a.is_power_of_two() => u64::from(*a),
             Some(v) => {
@@ -872,7 +877,10 @@ impl<'a> Parser<'a> {
         let mut tensor_index = HashMap::with_capacity(n_tensors as usize);
         for i in 0..n_tensors {
             let info = self.tensor_info(i)?;
-            if tensor_index.insert(info.name.clone(), tensors.len()).is_some() {
+            if tensor_index
+                .insert(info.name.clone(), tensors.len())
+                .is_some()
+            {
                 return Err(FormatError::BadTensor {
                     path: self.path.to_path_buf(),
                     tensor: info.name,
@@ -937,7 +945,9 @@ impl<'a> Parser<'a> {
         };
         let n_dims = self.u32(T, &ctx)?;
         if n_dims > MAX_DIMS {
-            return Err(bad(format!("{n_dims} dims, ggml allows at most {MAX_DIMS}")));
+            return Err(bad(format!(
+                "{n_dims} dims, ggml allows at most {MAX_DIMS}"
+            )));
         }
         let mut dims = Vec::with_capacity(n_dims as usize);
         for _ in 0..n_dims {
@@ -965,9 +975,11 @@ impl<'a> Parser<'a> {
                 )));
             }
         }
-        let n_bytes = ggml_type
-            .bytes_for(n_elements)
-            .ok_or_else(|| bad(format!("{n_elements} elements of {ggml_type} do not make whole blocks or overflow")))?;
+        let n_bytes = ggml_type.bytes_for(n_elements).ok_or_else(|| {
+            bad(format!(
+                "{n_elements} elements of {ggml_type} do not make whole blocks or overflow"
+            ))
+        })?;
         Ok(GgufTensorInfo {
             name,
             dims,
@@ -1006,7 +1018,10 @@ mod tests {
                 GgufArray::F64(vec![0.5]),
             ])),
         );
-        let f32s: Vec<u8> = [1.0f32, -2.0, 3.5].iter().flat_map(|x| x.to_le_bytes()).collect();
+        let f32s: Vec<u8> = [1.0f32, -2.0, 3.5]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
         w.add_tensor("t.f32", &[3], GgmlType::F32, &f32s);
         let q8 = [vec![0x00, 0x3c], vec![1u8; 32]].concat(); // d = 1.0, q = 1
         w.add_tensor("t.q8", &[32, 1], GgmlType::Q8_0, &q8);
@@ -1035,7 +1050,10 @@ mod tests {
         assert_eq!(nested.elem_type(), GgufValueType::Array);
         // Wrong type is an error naming the key, not a None.
         let e = f.get_u32("general.architecture").unwrap_err().to_string();
-        assert!(e.contains("mem.gguf") && e.contains("general.architecture"), "{e}");
+        assert!(
+            e.contains("mem.gguf") && e.contains("general.architecture"),
+            "{e}"
+        );
 
         let t = f.tensor("t.f32").unwrap();
         assert_eq!(t.dims(), [3]);
@@ -1079,7 +1097,9 @@ mod tests {
     }
 
     fn err(bytes: Vec<u8>) -> String {
-        GgufFile::from_bytes("bad.gguf", bytes).unwrap_err().to_string()
+        GgufFile::from_bytes("bad.gguf", bytes)
+            .unwrap_err()
+            .to_string()
     }
 
     fn header(n_tensors: u64, n_kv: u64) -> Vec<u8> {
@@ -1138,7 +1158,10 @@ mod tests {
         kv(&mut b, "k", 13);
         b.extend([0u8; 8]);
         let e = err(b);
-        assert!(e.contains("'k'") && e.contains("unknown value type 13"), "{e}");
+        assert!(
+            e.contains("'k'") && e.contains("unknown value type 13"),
+            "{e}"
+        );
 
         // Deeply nested arrays.
         let mut b = header(0, 1);
@@ -1194,7 +1217,10 @@ mod tests {
         let e = err(tensor_file(&[1 << 62, 1], 0, 0, 32));
         assert!(e.contains("overflow"), "{e}");
         let e = err(tensor_file(&[4, 2], 31, 0, 32));
-        assert!(e.contains("'w0'") && e.contains("unknown ggml type id 31"), "{e}");
+        assert!(
+            e.contains("'w0'") && e.contains("unknown ggml type id 31"),
+            "{e}"
+        );
         let e = err(tensor_file(&[16, 2], 3, 0, 64));
         assert!(e.contains("block size"), "{e}");
         let e = err(tensor_file(&[1, 1, 1, 1, 1], 0, 0, 32));

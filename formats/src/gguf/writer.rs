@@ -26,7 +26,13 @@ impl GgufWriter {
     }
 
     /// Adds a tensor with ggml dims (ne0 first) and its raw bytes.
-    pub fn add_tensor(&mut self, name: &str, dims: &[u64], ty: GgmlType, bytes: &[u8]) -> &mut Self {
+    pub fn add_tensor(
+        &mut self,
+        name: &str,
+        dims: &[u64],
+        ty: GgmlType,
+        bytes: &[u8],
+    ) -> &mut Self {
         self.tensors
             .push((name.to_string(), dims.to_vec(), ty, bytes.to_vec()));
         self

@@ -263,7 +263,9 @@ fn parse_tensor(
             .map(|d| {
                 d.as_u64()
                     .and_then(|d| usize::try_from(d).ok())
-                    .ok_or_else(|| bad(format!("shape dimension {d} is not a non-negative integer")))
+                    .ok_or_else(|| {
+                        bad(format!("shape dimension {d} is not a non-negative integer"))
+                    })
             })
             .collect::<Result<Vec<usize>>>()?,
         Some(other) => return Err(bad(format!("shape is {}, not an array", json_kind(other)))),
@@ -271,11 +273,19 @@ fn parse_tensor(
     let numel = shape
         .iter()
         .try_fold(1usize, |acc, &d| acc.checked_mul(d))
-        .ok_or_else(|| bad(format!("shape {shape:?} has more elements than fit in usize")))?;
+        .ok_or_else(|| {
+            bad(format!(
+                "shape {shape:?} has more elements than fit in usize"
+            ))
+        })?;
     let expected_len = numel
         .checked_mul(dtype.size())
         .and_then(|b| u64::try_from(b).ok())
-        .ok_or_else(|| bad(format!("shape {shape:?} of {dtype} overflows the byte length")))?;
+        .ok_or_else(|| {
+            bad(format!(
+                "shape {shape:?} of {dtype} overflows the byte length"
+            ))
+        })?;
 
     let (begin, end) = match fields.get("data_offsets") {
         None => return Err(bad("missing field 'data_offsets'".into())),
@@ -303,7 +313,9 @@ fn parse_tensor(
         }
     };
     if begin > end {
-        return Err(bad(format!("data_offsets [{begin}, {end}] have begin > end")));
+        return Err(bad(format!(
+            "data_offsets [{begin}, {end}] have begin > end"
+        )));
     }
     if end - begin != expected_len {
         return Err(bad(format!(
@@ -350,7 +362,10 @@ impl<'de> Deserialize<'de> for OrderedEntries {
             fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
                 f.write_str("a JSON object")
             }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> std::result::Result<Self::Value, A::Error> {
+            fn visit_map<A: MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> std::result::Result<Self::Value, A::Error> {
                 let mut seen = HashSet::new();
                 let mut out = Vec::new();
                 while let Some((k, v)) = map.next_entry::<String, Value>()? {

@@ -189,7 +189,11 @@ fn rejects_non_json_and_non_object_headers() {
 
 #[test]
 fn rejects_duplicate_keys() {
-    let h = format!("{{{},{}}}", t("a", "U8", "[1]", 0, 1), t("a", "U8", "[1]", 1, 2));
+    let h = format!(
+        "{{{},{}}}",
+        t("a", "U8", "[1]", 0, 1),
+        t("a", "U8", "[1]", 1, 2)
+    );
     assert_malformed(err(&h, 2), "duplicate key 'a'");
 }
 
@@ -216,7 +220,10 @@ fn rejects_missing_and_unknown_fields() {
         "missing field 'data_offsets'",
     );
     assert_bad(
-        err(r#"{"w":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"x":0}}"#, 1),
+        err(
+            r#"{"w":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"x":0}}"#,
+            1,
+        ),
         "w",
         "unknown field 'x'",
     );
@@ -280,7 +287,11 @@ fn rejects_malformed_data_offsets() {
 #[test]
 fn rejects_length_not_matching_shape() {
     let h = format!("{{{}}}", t("w", "BF16", "[3]", 0, 5));
-    assert_bad(err(&h, 8), "w", "hold 5 bytes but shape [3] of BF16 needs 6");
+    assert_bad(
+        err(&h, 8),
+        "w",
+        "hold 5 bytes but shape [3] of BF16 needs 6",
+    );
 }
 
 #[test]
@@ -301,10 +312,18 @@ fn rejects_overlapping_tensors() {
     );
     assert_bad(err(&h, 14), "c", "overlap tensor 'b' at [4, 14)");
     // Identical ranges overlap too.
-    let h = format!("{{{},{}}}", t("a", "U8", "[4]", 0, 4), t("b", "U8", "[4]", 0, 4));
+    let h = format!(
+        "{{{},{}}}",
+        t("a", "U8", "[4]", 0, 4),
+        t("b", "U8", "[4]", 0, 4)
+    );
     assert_bad(err(&h, 4), "b", "overlap tensor 'a'");
     // An empty tensor inside another one holds no bytes, so does not overlap.
-    let h = format!("{{{},{}}}", t("a", "U8", "[4]", 0, 4), t("z", "U8", "[0]", 2, 2));
+    let h = format!(
+        "{{{},{}}}",
+        t("a", "U8", "[4]", 0, 4),
+        t("z", "U8", "[0]", 2, 2)
+    );
     parse(&h, 4).unwrap();
 }
 
@@ -337,7 +356,15 @@ fn parses_a_file_written_by_the_reference_implementation() {
     let got: Vec<_> = h
         .tensors
         .iter()
-        .map(|t| (t.name.as_str(), t.dtype, t.shape.clone(), t.offset - h.data_start, t.len))
+        .map(|t| {
+            (
+                t.name.as_str(),
+                t.dtype,
+                t.shape.clone(),
+                t.offset - h.data_start,
+                t.len,
+            )
+        })
         .collect();
     assert_eq!(
         got,
@@ -379,7 +406,10 @@ fn writer_pads_the_header_to_8_bytes_and_round_trips() {
     let data: Vec<u8> = (0..30u8).collect();
     write(
         &path,
-        &[("w", DType::BF16, &[3, 5], &data), ("v", DType::U8, &[], &[9])],
+        &[
+            ("w", DType::BF16, &[3, 5], &data),
+            ("v", DType::U8, &[], &[9]),
+        ],
         &BTreeMap::new(),
     )
     .unwrap();
@@ -403,7 +433,10 @@ fn writer_rejects_bad_input_and_leaves_nothing_behind() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("x.safetensors");
     let e = write(&path, &[("w", DType::F32, &[2], &[0; 7])], &BTreeMap::new()).unwrap_err();
-    assert!(matches!(e, FormatError::BadTensor { ref tensor, .. } if tensor == "w"), "{e}");
+    assert!(
+        matches!(e, FormatError::BadTensor { ref tensor, .. } if tensor == "w"),
+        "{e}"
+    );
     let e = write(
         &path,
         &[("w", DType::U8, &[1], &[0]), ("w", DType::U8, &[1], &[0])],
@@ -411,7 +444,12 @@ fn writer_rejects_bad_input_and_leaves_nothing_behind() {
     )
     .unwrap_err();
     assert!(e.to_string().contains("given twice"), "{e}");
-    let e = write(&path, &[("__metadata__", DType::U8, &[1], &[0])], &BTreeMap::new()).unwrap_err();
+    let e = write(
+        &path,
+        &[("__metadata__", DType::U8, &[1], &[0])],
+        &BTreeMap::new(),
+    )
+    .unwrap_err();
     assert!(e.to_string().contains("reserved"), "{e}");
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
 }
@@ -441,5 +479,8 @@ fn open_reports_short_and_missing_files() {
     let e = SafetensorsFile::open(&dir.path().join("absent")).unwrap_err();
     assert!(matches!(e, FormatError::Io { .. }), "{e}");
     let e = SafetensorsFile::open(dir.path()).unwrap_err();
-    assert!(matches!(e, FormatError::Malformed { .. } | FormatError::Io { .. }), "{e}");
+    assert!(
+        matches!(e, FormatError::Malformed { .. } | FormatError::Io { .. }),
+        "{e}"
+    );
 }

@@ -42,7 +42,9 @@ impl Params {
         let n_embd = req("embedding_length")?;
         let n_ff = req("feed_forward_length")?;
         let n_head = req("attention.head_count")?;
-        let n_head_kv = g.get_u64("llama.attention.head_count_kv")?.unwrap_or(n_head);
+        let n_head_kv = g
+            .get_u64("llama.attention.head_count_kv")?
+            .unwrap_or(n_head);
         let context_length = req("context_length")?;
         if n_head == 0 || n_head_kv == 0 || n_head % n_head_kv != 0 {
             return Err(ImportError::Inconsistent {
@@ -56,7 +58,9 @@ impl Params {
             None => {
                 return Err(ImportError::Inconsistent {
                     path,
-                    detail: format!("embedding length {n_embd} is not a multiple of {n_head} heads"),
+                    detail: format!(
+                        "embedding length {n_embd} is not a multiple of {n_head} heads"
+                    ),
                 })
             }
         };
@@ -184,7 +188,9 @@ fn hf_name(p: &Params, name: &str) -> Option<(String, Vec<u64>, Rope)> {
     let q_rows = p.n_head * p.head_dim;
     let kv_rows = p.n_head_kv * p.head_dim;
     match name {
-        "token_embd.weight" => return Some(("model.embed_tokens.weight".into(), vec![v, e], Rope::None)),
+        "token_embd.weight" => {
+            return Some(("model.embed_tokens.weight".into(), vec![v, e], Rope::None))
+        }
         "output_norm.weight" => return Some(("model.norm.weight".into(), vec![e], Rope::None)),
         "output.weight" => return Some(("lm_head.weight".into(), vec![v, e], Rope::None)),
         _ => {}
@@ -192,15 +198,26 @@ fn hf_name(p: &Params, name: &str) -> Option<(String, Vec<u64>, Rope)> {
     let rest = name.strip_prefix("blk.")?;
     let (layer, tail) = rest.split_once('.')?;
     // Canonical decimal only ("01" would alias "1").
-    let n: u64 = layer.parse().ok().filter(|n: &u64| n.to_string() == layer)?;
+    let n: u64 = layer
+        .parse()
+        .ok()
+        .filter(|n: &u64| n.to_string() == layer)?;
     if n >= p.n_layer {
         return None;
     }
     let (hf, shape, rope) = match tail {
         "attn_norm.weight" => ("input_layernorm.weight", vec![e], Rope::None),
         "ffn_norm.weight" => ("post_attention_layernorm.weight", vec![e], Rope::None),
-        "attn_q.weight" => ("self_attn.q_proj.weight", vec![q_rows, e], Rope::Heads(p.n_head)),
-        "attn_k.weight" => ("self_attn.k_proj.weight", vec![kv_rows, e], Rope::Heads(p.n_head_kv)),
+        "attn_q.weight" => (
+            "self_attn.q_proj.weight",
+            vec![q_rows, e],
+            Rope::Heads(p.n_head),
+        ),
+        "attn_k.weight" => (
+            "self_attn.k_proj.weight",
+            vec![kv_rows, e],
+            Rope::Heads(p.n_head_kv),
+        ),
         "attn_v.weight" => ("self_attn.v_proj.weight", vec![kv_rows, e], Rope::None),
         "attn_output.weight" => ("self_attn.o_proj.weight", vec![e, q_rows], Rope::None),
         "ffn_gate.weight" => ("mlp.gate_proj.weight", vec![ff, e], Rope::None),
@@ -213,14 +230,24 @@ fn hf_name(p: &Params, name: &str) -> Option<(String, Vec<u64>, Rope)> {
 
 /// Every tensor a llama model of these parameters must have, by GGUF name.
 fn expected_names(p: &Params) -> Vec<String> {
-    let mut names = vec!["token_embd.weight".to_string(), "output_norm.weight".to_string()];
+    let mut names = vec![
+        "token_embd.weight".to_string(),
+        "output_norm.weight".to_string(),
+    ];
     if !p.tied {
         names.push("output.weight".into());
     }
     for i in 0..p.n_layer {
         for t in [
-            "attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
-            "ffn_up", "ffn_down",
+            "attn_norm",
+            "ffn_norm",
+            "attn_q",
+            "attn_k",
+            "attn_v",
+            "attn_output",
+            "ffn_gate",
+            "ffn_up",
+            "ffn_down",
         ] {
             names.push(format!("blk.{i}.{t}.weight"));
         }
@@ -289,7 +316,12 @@ pub(super) fn convert_tensors(
     let mut tensors = Vec::with_capacity(plan.len());
     let (mut parameters, mut rounded) = (0u64, 0u64);
     for (info, hf, shape, rope) in plan {
-        let too_big = || inconsistent(format!("tensor '{}' is too large for this platform", info.name()));
+        let too_big = || {
+            inconsistent(format!(
+                "tensor '{}' is too large for this platform",
+                info.name()
+            ))
+        };
         let shape: Vec<usize> = shape
             .iter()
             .map(|&d| usize::try_from(d).map_err(|_| too_big()))
@@ -395,7 +427,13 @@ mod tests {
         assert!(hf_name(&p, "rope_freqs.weight").is_none());
         let names = hf_names(&p);
         assert_eq!(names.len(), 2 + 2 * 9);
-        assert_eq!(names["blk.0.ffn_norm.weight"], "model.layers.0.post_attention_layernorm.weight");
-        assert_eq!(names["blk.1.attn_output.weight"], "model.layers.1.self_attn.o_proj.weight");
+        assert_eq!(
+            names["blk.0.ffn_norm.weight"],
+            "model.layers.0.post_attention_layernorm.weight"
+        );
+        assert_eq!(
+            names["blk.1.attn_output.weight"],
+            "model.layers.1.self_attn.o_proj.weight"
+        );
     }
 }

@@ -115,17 +115,25 @@ pub fn import_gguf(
             ),
         });
     }
-    let converted = llama::convert_tensors(&gguf, &params, progress)?;
-
+    // Claim the destination before the expensive conversion.
     let staging = Staging::new(out_dir)?;
     let dir = staging.path();
+    let converted = llama::convert_tensors(&gguf, &params, progress)?;
+
     let mut bytes_written = 0u64;
 
     let st_path = dir.join("model.safetensors");
     let entries: Vec<(&str, DType, &[usize], &[u8])> = converted
         .tensors
         .iter()
-        .map(|t| (t.name.as_str(), DType::BF16, t.shape.as_slice(), t.data.as_slice()))
+        .map(|t| {
+            (
+                t.name.as_str(),
+                DType::BF16,
+                t.shape.as_slice(),
+                t.data.as_slice(),
+            )
+        })
         .collect();
     let metadata = BTreeMap::from([("format".to_string(), "pt".to_string())]);
     voom_formats::safetensors::write(&st_path, &entries, &metadata)?;

@@ -86,16 +86,34 @@ fn tiny_llama(pre: &str, arch: &str) -> Tiny {
     w.add_kv("llama.embedding_length", GgufValue::U32(N_EMBD as u32));
     w.add_kv("llama.feed_forward_length", GgufValue::U32(N_FF as u32));
     w.add_kv("llama.attention.head_count", GgufValue::U32(N_HEAD as u32));
-    w.add_kv("llama.attention.head_count_kv", GgufValue::U32(N_HEAD_KV as u32));
+    w.add_kv(
+        "llama.attention.head_count_kv",
+        GgufValue::U32(N_HEAD_KV as u32),
+    );
     w.add_kv("llama.rope.freq_base", GgufValue::F32(100000.0));
-    w.add_kv("llama.attention.layer_norm_rms_epsilon", GgufValue::F32(1e-5));
+    w.add_kv(
+        "llama.attention.layer_norm_rms_epsilon",
+        GgufValue::F32(1e-5),
+    );
     w.add_kv("llama.vocab_size", GgufValue::U32(n_vocab as u32));
-    w.add_kv("llama.rope.dimension_count", GgufValue::U32(HEAD_DIM as u32));
+    w.add_kv(
+        "llama.rope.dimension_count",
+        GgufValue::U32(HEAD_DIM as u32),
+    );
     w.add_kv("tokenizer.ggml.model", s("gpt2"));
     w.add_kv("tokenizer.ggml.pre", s(pre));
-    w.add_kv("tokenizer.ggml.tokens", GgufValue::Array(GgufArray::String(tokens)));
-    w.add_kv("tokenizer.ggml.token_type", GgufValue::Array(GgufArray::I32(types)));
-    w.add_kv("tokenizer.ggml.merges", GgufValue::Array(GgufArray::String(merges)));
+    w.add_kv(
+        "tokenizer.ggml.tokens",
+        GgufValue::Array(GgufArray::String(tokens)),
+    );
+    w.add_kv(
+        "tokenizer.ggml.token_type",
+        GgufValue::Array(GgufArray::I32(types)),
+    );
+    w.add_kv(
+        "tokenizer.ggml.merges",
+        GgufValue::Array(GgufArray::String(merges)),
+    );
     w.add_kv("tokenizer.ggml.bos_token_id", GgufValue::U32(1));
     w.add_kv("tokenizer.ggml.eos_token_id", GgufValue::U32(2));
     w.add_kv("tokenizer.ggml.unknown_token_id", GgufValue::U32(0));
@@ -124,7 +142,12 @@ fn tiny_llama(pre: &str, arch: &str) -> Tiny {
     );
     hf.push(("model.embed_tokens.weight".to_string(), embed));
     let norm = values(1, N_EMBD);
-    w.add_tensor("output_norm.weight", &[N_EMBD as u64], GgmlType::F32, &f32_bytes(&norm));
+    w.add_tensor(
+        "output_norm.weight",
+        &[N_EMBD as u64],
+        GgmlType::F32,
+        &f32_bytes(&norm),
+    );
     hf.push(("model.norm.weight".into(), norm));
 
     let q_rows = N_HEAD * HEAD_DIM;
@@ -154,7 +177,12 @@ fn tiny_llama(pre: &str, arch: &str) -> Tiny {
             } else {
                 vec![cols as u64, rows as u64]
             };
-            w.add_tensor(&format!("blk.{l}.{gguf}.weight"), &dims, GgmlType::F32, &f32_bytes(&stored));
+            w.add_tensor(
+                &format!("blk.{l}.{gguf}.weight"),
+                &dims,
+                GgmlType::F32,
+                &f32_bytes(&stored),
+            );
             hf.push((format!("model.layers.{l}.{hf_name}.weight"), v));
         }
     }
@@ -189,8 +217,15 @@ fn imports_a_tiny_llama_exactly() {
 
     // Weights: HF names, HF layout (Q/K un-permuted), BF16 bits equal to the source.
     let st = SafetensorsFile::open(&out.join("model.safetensors")).unwrap();
-    assert_eq!(st.header.tensors.len(), tiny.hf.len(), "no lm_head when tied");
-    assert_eq!(st.header.metadata.get("format").map(String::as_str), Some("pt"));
+    assert_eq!(
+        st.header.tensors.len(),
+        tiny.hf.len(),
+        "no lm_head when tied"
+    );
+    assert_eq!(
+        st.header.metadata.get("format").map(String::as_str),
+        Some("pt")
+    );
     for (name, want) in &tiny.hf {
         let t = st.tensor(name).unwrap_or_else(|| panic!("{name} missing"));
         assert_eq!(t.dtype, DType::BF16);
@@ -203,10 +238,17 @@ fn imports_a_tiny_llama_exactly() {
         assert_eq!(&got, want, "{name}");
     }
     assert_eq!(
-        st.tensor("model.layers.1.self_attn.k_proj.weight").unwrap().shape,
+        st.tensor("model.layers.1.self_attn.k_proj.weight")
+            .unwrap()
+            .shape,
         [N_HEAD_KV * HEAD_DIM, N_EMBD]
     );
-    assert_eq!(st.tensor("model.layers.0.mlp.down_proj.weight").unwrap().shape, [N_EMBD, N_FF]);
+    assert_eq!(
+        st.tensor("model.layers.0.mlp.down_proj.weight")
+            .unwrap()
+            .shape,
+        [N_EMBD, N_FF]
+    );
 
     let config = read_json(&out.join("config.json"));
     assert_eq!(config["architectures"][0], "LlamaForCausalLM");
@@ -223,16 +265,25 @@ fn imports_a_tiny_llama_exactly() {
     assert_eq!(tc["add_bos_token"], false);
     assert_eq!(tc["chat_template"], "{{ messages }}");
     let gc = read_json(&out.join("generation_config.json"));
-    assert_eq!(gc, serde_json::json!({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}));
+    assert_eq!(
+        gc,
+        serde_json::json!({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2})
+    );
 
     // Tokenizer: merges apply, control tokens stay whole, digits split one by one.
     let tok = tokenizers::Tokenizer::from_file(out.join("tokenizer.json")).unwrap();
     let enc = tok.encode("hello<|im_start|> w12<think>", false).unwrap();
     let pieces: Vec<&str> = enc.get_tokens().iter().map(String::as_str).collect();
-    assert_eq!(pieces, ["hell", "o", "<|im_start|>", "Ġw", "1", "2", "<think>"]);
+    assert_eq!(
+        pieces,
+        ["hell", "o", "<|im_start|>", "Ġw", "1", "2", "<think>"]
+    );
     let ids = enc.get_ids();
     assert_eq!(ids[2], 1);
-    assert_eq!(tok.decode(ids, false).unwrap(), "hello<|im_start|> w12<think>");
+    assert_eq!(
+        tok.decode(ids, false).unwrap(),
+        "hello<|im_start|> w12<think>"
+    );
     assert_eq!(tok.decode(ids, true).unwrap(), "hello w12<think>");
     assert_eq!(report.bytes_written, dir_bytes(&out));
     // Nothing left beside the output.
@@ -254,7 +305,11 @@ fn dir_bytes(dir: &Path) -> u64 {
 #[test]
 fn importing_twice_gives_identical_files() {
     let tmp = tempfile::tempdir().unwrap();
-    let gguf = write_gguf(tmp.path(), "tiny.gguf", &tiny_llama("gpt-2", "llama").writer);
+    let gguf = write_gguf(
+        tmp.path(),
+        "tiny.gguf",
+        &tiny_llama("gpt-2", "llama").writer,
+    );
     let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
     import_gguf(&gguf, &a, &mut |_, _| {}).unwrap();
     import_gguf(&gguf, &b, &mut |_, _| {}).unwrap();
@@ -265,7 +320,11 @@ fn importing_twice_gives_identical_files() {
     files.sort();
     assert_eq!(files.len(), 5);
     for f in files {
-        assert_eq!(std::fs::read(a.join(&f)).unwrap(), std::fs::read(b.join(&f)).unwrap(), "{f:?}");
+        assert_eq!(
+            std::fs::read(a.join(&f)).unwrap(),
+            std::fs::read(b.join(&f)).unwrap(),
+            "{f:?}"
+        );
     }
 }
 
@@ -285,8 +344,14 @@ fn untied_model_gets_lm_head() {
     let out = tmp.path().join("out");
     import_gguf(&gguf, &out, &mut |_, _| {}).unwrap();
     let st = SafetensorsFile::open(&out.join("model.safetensors")).unwrap();
-    assert_eq!(st.tensor("lm_head.weight").unwrap().shape, [n_vocab, N_EMBD]);
-    assert_eq!(read_json(&out.join("config.json"))["tie_word_embeddings"], false);
+    assert_eq!(
+        st.tensor("lm_head.weight").unwrap().shape,
+        [n_vocab, N_EMBD]
+    );
+    assert_eq!(
+        read_json(&out.join("config.json"))["tie_word_embeddings"],
+        false
+    );
 }
 
 fn import_err(w: &GgufWriter) -> (ImportError, PathBuf) {
@@ -309,17 +374,23 @@ fn unsupported_inputs_are_clear_errors() {
     assert!(e.to_string().contains("pre-tokenizer 'llama-bpe'"), "{e}");
 
     let mut tiny = tiny_llama("smollm", "llama");
-    tiny.writer.add_tensor("rope_freqs.weight", &[8], GgmlType::F32, &[0; 32]);
+    tiny.writer
+        .add_tensor("rope_freqs.weight", &[8], GgmlType::F32, &[0; 32]);
     let (e, _) = import_err(&tiny.writer);
     assert!(e.to_string().contains("tensor 'rope_freqs.weight'"), "{e}");
 
-    let w = replace_kv(&tiny_llama("smollm", "llama").writer, "tokenizer.ggml.model", GgufValue::String("llama".into()));
+    let w = replace_kv(
+        &tiny_llama("smollm", "llama").writer,
+        "tokenizer.ggml.model",
+        GgufValue::String("llama".into()),
+    );
     let (e, _) = import_err(&w);
     assert!(e.to_string().contains("tokenizer model 'llama'"), "{e}");
 
     // A duplicate key: the GGUF itself is rejected.
     let mut tiny = tiny_llama("smollm", "llama");
-    tiny.writer.add_kv("tokenizer.ggml.pre", GgufValue::String("gpt-2".into()));
+    tiny.writer
+        .add_kv("tokenizer.ggml.pre", GgufValue::String("gpt-2".into()));
     let (e, _) = import_err(&tiny.writer);
     assert!(matches!(e, ImportError::Format(_)), "{e}");
 }
@@ -332,7 +403,12 @@ fn replace_kv(w: &GgufWriter, key: &str, value: GgufValue) -> GgufWriter {
         out.add_kv(k, if k == key { value.clone() } else { v.clone() });
     }
     for t in f.tensors() {
-        out.add_tensor(t.name(), t.dims(), t.ggml_type(), f.tensor_bytes(t).unwrap());
+        out.add_tensor(
+            t.name(),
+            t.dims(),
+            t.ggml_type(),
+            f.tensor_bytes(t).unwrap(),
+        );
     }
     out
 }
@@ -340,9 +416,17 @@ fn replace_kv(w: &GgufWriter, key: &str, value: GgufValue) -> GgufWriter {
 #[test]
 fn inconsistent_models_are_clear_errors() {
     // A layer too many claimed by the metadata: its tensors are missing.
-    let tiny2 = replace_kv(&tiny_llama("smollm", "llama").writer, "llama.block_count", GgufValue::U32(3));
+    let tiny2 = replace_kv(
+        &tiny_llama("smollm", "llama").writer,
+        "llama.block_count",
+        GgufValue::U32(3),
+    );
     let (e, _) = import_err(&tiny2);
-    assert!(e.to_string().contains("'blk.2.attn_norm.weight' is missing"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("'blk.2.attn_norm.weight' is missing"),
+        "{e}"
+    );
 
     // A Q projection of the wrong shape.
     let full = tiny_llama("smollm", "llama");
@@ -353,13 +437,27 @@ fn inconsistent_models_are_clear_errors() {
     }
     for t in f.tensors() {
         if t.name() == "blk.0.attn_q.weight" {
-            w.add_tensor(t.name(), &[N_EMBD as u64, 16], GgmlType::F32, &vec![0u8; N_EMBD * 16 * 4]);
+            w.add_tensor(
+                t.name(),
+                &[N_EMBD as u64, 16],
+                GgmlType::F32,
+                &vec![0u8; N_EMBD * 16 * 4],
+            );
         } else {
-            w.add_tensor(t.name(), t.dims(), t.ggml_type(), f.tensor_bytes(t).unwrap());
+            w.add_tensor(
+                t.name(),
+                t.dims(),
+                t.ggml_type(),
+                f.tensor_bytes(t).unwrap(),
+            );
         }
     }
     let (e, _) = import_err(&w);
-    assert!(e.to_string().contains("'blk.0.attn_q.weight' has shape [16, 32]"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("'blk.0.attn_q.weight' has shape [16, 32]"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -413,6 +511,10 @@ fn smollm2_tokenizer_matches_transformers() {
         let got = tok.encode(text, false).unwrap();
         assert_eq!(got.get_ids(), want.as_slice(), "text {text:?}");
         let decoded = tok.decode(got.get_ids(), false).unwrap();
-        assert_eq!(decoded, case["decoded"].as_str().unwrap(), "decode of {text:?}");
+        assert_eq!(
+            decoded,
+            case["decoded"].as_str().unwrap(),
+            "decode of {text:?}"
+        );
     }
 }

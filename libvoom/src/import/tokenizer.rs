@@ -6,7 +6,7 @@
 //! its own splitting regexes; a name without a known equivalent is refused rather than
 //! guessed, because a wrong pre-tokenizer silently changes token ids.
 
-use std::path::PathBuf;
+use std::path::Path;
 
 use serde_json::json;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
@@ -77,7 +77,7 @@ pub(super) fn byte_alphabet() -> [char; 256] {
 }
 
 /// The pre-tokenizer equivalent to llama.cpp's splitting for `pre`.
-fn pre_tokenizer(path: &PathBuf, pre: &str) -> Result<PreTokenizerWrapper, ImportError> {
+fn pre_tokenizer(path: &Path, pre: &str) -> Result<PreTokenizerWrapper, ImportError> {
     // GPT-2's regex, which `ByteLevel(use_regex = true)` applies.
     let byte_level = || PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, true));
     match pre {
@@ -90,7 +90,7 @@ fn pre_tokenizer(path: &PathBuf, pre: &str) -> Result<PreTokenizerWrapper, Impor
         // llama.cpp spells GPT-2's pre-tokenizer "gpt-2".
         "gpt-2" | "gpt2" => Ok(byte_level()),
         other => Err(ImportError::Unsupported {
-            path: path.clone(),
+            path: path.to_path_buf(),
             what: format!("tokenizer pre-tokenizer '{other}' (supported: smollm, gpt-2)"),
         }),
     }
@@ -172,7 +172,9 @@ pub(super) fn build(g: &GgufFile, context_length: u64) -> Result<Built, ImportEr
         match id {
             None => Ok(None),
             Some(i) if i < n_tokens => Ok(Some(tokens[i as usize].clone())),
-            Some(i) => Err(tok_err(format!("{key} {i} is not below the {n_tokens} tokens"))),
+            Some(i) => Err(tok_err(format!(
+                "{key} {i} is not below the {n_tokens} tokens"
+            ))),
         }
     };
     let bos = token_of("bos_token_id", ids.bos)?;
@@ -197,7 +199,9 @@ pub(super) fn build(g: &GgufFile, context_length: u64) -> Result<Built, ImportEr
                 continue;
             }
             let (Some(tok), Some(id)) = (tok, id) else {
-                return Err(tok_err(format!("add_{key}_token is set but there is no {key} token")));
+                return Err(tok_err(format!(
+                    "add_{key}_token is set but there is no {key} token"
+                )));
             };
             specials.push((tok.clone(), id));
             single.push(format!("{tok}:0"));
@@ -245,7 +249,9 @@ pub(super) fn build(g: &GgufFile, context_length: u64) -> Result<Built, ImportEr
     config.insert("add_prefix_space".into(), false.into());
     config.insert("clean_up_tokenization_spaces".into(), false.into());
     config.insert("model_max_length".into(), context_length.into());
-    config.insert("tokenizer_class".into(), "GPT2Tokenizer".into());
+    // Not "GPT2Tokenizer": transformers 5 rebuilds that class's pre-tokenizer (dropping
+    // SmolLM2's digit split) instead of loading tokenizer.json as written.
+    config.insert("tokenizer_class".into(), "PreTrainedTokenizerFast".into());
     for (k, v) in [
         ("bos_token", bos),
         ("eos_token", eos),

@@ -232,7 +232,11 @@ impl ChatTemplate {
     }
 
     /// transformers' `_normalize_chat_messages` and `_alias_reasoning_fields`.
-    fn normalize_message(&self, index: usize, message: &serde_json::Value) -> Result<Value, TextError> {
+    fn normalize_message(
+        &self,
+        index: usize,
+        message: &serde_json::Value,
+    ) -> Result<Value, TextError> {
         let obj = message
             .as_object()
             .ok_or_else(|| TextError::InvalidChatInput {
@@ -311,7 +315,11 @@ fn raise_exception(message: String) -> Result<Value, Error> {
 /// Prints `{{ value }}` as jinja2 does, i.e. with Python's `str()`: strings as they
 /// are, `True`/`False`/`None`, containers with `repr()` of their items; undefined
 /// prints nothing. No autoescaping (transformers' environment has none).
-fn python_formatter(out: &mut minijinja::Output, _state: &State, value: &Value) -> Result<(), Error> {
+fn python_formatter(
+    out: &mut minijinja::Output,
+    _state: &State,
+    value: &Value,
+) -> Result<(), Error> {
     let mut s = String::new();
     python_str(value, &mut s);
     out.write_str(&s).map_err(Error::from)
@@ -438,7 +446,11 @@ fn python_non_printable(c: char) -> bool {
 
 /// Python's `repr(str)`: single quotes unless the text holds `'` and no `"`.
 fn python_str_repr(s: &str, out: &mut String) {
-    let quote = if s.contains('\'') && !s.contains('"') { '"' } else { '\'' };
+    let quote = if s.contains('\'') && !s.contains('"') {
+        '"'
+    } else {
+        '\''
+    };
     out.push(quote);
     for c in s.chars() {
         match c {
@@ -505,13 +517,18 @@ fn tojson_filter(value: Value, args: Rest<Value>) -> Result<String, Error> {
     let ensure_ascii = pick(ensure_ascii, "ensure_ascii")?.is_some_and(|v| v.is_true());
     let indent = match pick(indent, "indent")? {
         None => None,
-        Some(v) if v.kind() == ValueKind::String => Some(v.as_str().unwrap_or_default().to_string()),
+        Some(v) if v.kind() == ValueKind::String => {
+            Some(v.as_str().unwrap_or_default().to_string())
+        }
         Some(v) => match v.as_i64() {
             Some(n) => Some(" ".repeat(n.max(0) as usize)),
             None => {
                 return Err(Error::new(
                     ErrorKind::InvalidOperation,
-                    format!("tojson: indent must be an integer or a string, not {}", v.kind()),
+                    format!(
+                        "tojson: indent must be an integer or a string, not {}",
+                        v.kind()
+                    ),
                 ))
             }
         },
@@ -519,7 +536,10 @@ fn tojson_filter(value: Value, args: Rest<Value>) -> Result<String, Error> {
     let (item_sep, key_sep) = match pick(separators, "separators")? {
         Some(v) => {
             let parts: Vec<Value> = v.try_iter()?.collect();
-            match (parts.first().and_then(|p| p.as_str()), parts.get(1).and_then(|p| p.as_str())) {
+            match (
+                parts.first().and_then(|p| p.as_str()),
+                parts.get(1).and_then(|p| p.as_str()),
+            ) {
                 (Some(a), Some(b)) if parts.len() == 2 => (a.to_string(), b.to_string()),
                 _ => {
                     return Err(Error::new(
@@ -556,7 +576,12 @@ fn json_newline(opts: &JsonOptions, level: usize, out: &mut String) {
     }
 }
 
-fn json_dump(value: &Value, opts: &JsonOptions, level: usize, out: &mut String) -> Result<(), Error> {
+fn json_dump(
+    value: &Value,
+    opts: &JsonOptions,
+    level: usize,
+    out: &mut String,
+) -> Result<(), Error> {
     match value.kind() {
         ValueKind::None => out.push_str("null"),
         ValueKind::Bool => out.push_str(if value.is_true() { "true" } else { "false" }),
@@ -574,7 +599,9 @@ fn json_dump(value: &Value, opts: &JsonOptions, level: usize, out: &mut String) 
                 }
             }
         }
-        ValueKind::String => json_string(value.as_str().unwrap_or_default(), opts.ensure_ascii, out),
+        ValueKind::String => {
+            json_string(value.as_str().unwrap_or_default(), opts.ensure_ascii, out)
+        }
         ValueKind::Seq | ValueKind::Iterable => {
             let items: Vec<Value> = value.try_iter()?.collect();
             if items.is_empty() {
@@ -679,15 +706,25 @@ fn json_string(s: &str, ensure_ascii: bool, out: &mut String) {
 // ---------------------------------------------------------------------------------
 // Python methods on values: minijinja-contrib's pycompat plus the few it lacks.
 
-fn python_methods(state: &State, value: &Value, method: &str, args: &[Value]) -> Result<Value, Error> {
+fn python_methods(
+    state: &State,
+    value: &Value,
+    method: &str,
+    args: &[Value],
+) -> Result<Value, Error> {
     if let Some(s) = value.as_str().filter(|_| value.kind() == ValueKind::String) {
         match method {
             "isdigit" | "isdecimal" | "isnumeric" if args.is_empty() => {
-                return Ok(Value::from(!s.is_empty() && s.chars().all(|c| c.is_numeric())));
+                return Ok(Value::from(
+                    !s.is_empty() && s.chars().all(|c| c.is_numeric()),
+                ));
             }
             "removeprefix" | "removesuffix" => {
                 let [affix] = args else {
-                    return Err(Error::new(ErrorKind::InvalidOperation, format!("{method}() takes one argument")));
+                    return Err(Error::new(
+                        ErrorKind::InvalidOperation,
+                        format!("{method}() takes one argument"),
+                    ));
                 };
                 let affix = affix.as_str().unwrap_or_default();
                 let out = if method == "removeprefix" {
@@ -706,15 +743,28 @@ fn python_methods(state: &State, value: &Value, method: &str, args: &[Value]) ->
 
 /// Python's `str.rsplit(sep=None, maxsplit=-1)`.
 fn python_rsplit(s: &str, args: &[Value]) -> Result<Value, Error> {
-    let sep = args.first().filter(|v| !v.is_none()).map(|v| v.as_str().unwrap_or_default().to_string());
+    let sep = args
+        .first()
+        .filter(|v| !v.is_none())
+        .map(|v| v.as_str().unwrap_or_default().to_string());
     let maxsplit = args.get(1).and_then(Value::as_i64).unwrap_or(-1);
     if args.len() > 2 {
-        return Err(Error::new(ErrorKind::TooManyArguments, "rsplit() takes at most 2 arguments"));
+        return Err(Error::new(
+            ErrorKind::TooManyArguments,
+            "rsplit() takes at most 2 arguments",
+        ));
     }
-    let limit = if maxsplit < 0 { usize::MAX } else { maxsplit as usize };
+    let limit = if maxsplit < 0 {
+        usize::MAX
+    } else {
+        maxsplit as usize
+    };
     let mut parts: Vec<String> = match &sep {
         Some(sep) if sep.is_empty() => {
-            return Err(Error::new(ErrorKind::InvalidOperation, "rsplit(): empty separator"));
+            return Err(Error::new(
+                ErrorKind::InvalidOperation,
+                "rsplit(): empty separator",
+            ));
         }
         Some(sep) => {
             let mut v: Vec<String> = Vec::new();
@@ -763,10 +813,28 @@ fn python_rsplit(s: &str, args: &[Value]) -> Result<Value, Error> {
 // ---------------------------------------------------------------------------------
 // strftime for `strftime_now`, as glibc formats a naive datetime.
 
-const WEEKDAYS: [&str; 7] = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"];
+const WEEKDAYS: [&str; 7] = [
+    "Monday",
+    "Tuesday",
+    "Wednesday",
+    "Thursday",
+    "Friday",
+    "Saturday",
+    "Sunday",
+];
 const MONTHS: [&str; 12] = [
-    "January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
-    "November", "December",
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
 ];
 
 /// Civil date of a day count since 1970-01-01 (Howard Hinnant's algorithm).
@@ -900,26 +968,47 @@ mod tests {
     fn render_one(src: &str, ctx: serde_json::Value) -> Result<String, TextError> {
         let t = ChatTemplate::new(src, Some("<s>".into()), Some("</s>".into()))?;
         let extra = ctx.as_object().cloned().unwrap_or_default();
-        t.render(&[json!({"role": "user", "content": "hi"})], None, false, Some(&extra))
+        t.render(
+            &[json!({"role": "user", "content": "hi"})],
+            None,
+            false,
+            Some(&extra),
+        )
     }
 
     #[test]
     fn strftime_matches_python_reference() {
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/text/strftime.json");
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/text/strftime.json"
+        );
         let cases: Vec<serde_json::Value> =
             serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
         assert!(cases.len() >= 30);
         for c in cases {
             let ts = c["timestamp"].as_i64().unwrap();
             let fmt = c["format"].as_str().unwrap();
-            assert_eq!(strftime(fmt, ts), c["expected"].as_str().unwrap(), "{fmt} at {ts}");
+            assert_eq!(
+                strftime(fmt, ts),
+                c["expected"].as_str().unwrap(),
+                "{fmt} at {ts}"
+            );
         }
     }
 
     #[test]
     fn strftime_now_renders_current_year() {
-        let year = strftime("%Y", SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs() as i64);
-        assert_eq!(render_one("{{ strftime_now('%Y') }}", json!({})).unwrap(), year);
+        let year = strftime(
+            "%Y",
+            SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .unwrap()
+                .as_secs() as i64,
+        );
+        assert_eq!(
+            render_one("{{ strftime_now('%Y') }}", json!({})).unwrap(),
+            year
+        );
         assert!(year.parse::<i32>().unwrap() >= 2025);
     }
 
@@ -958,8 +1047,12 @@ mod tests {
 
     #[test]
     fn syntax_error_names_template_and_line() {
-        let err = ChatTemplate::with_special_tokens("t.jinja", "line one\n{% if x %}\n{{ y }", Vec::new())
-            .unwrap_err();
+        let err = ChatTemplate::with_special_tokens(
+            "t.jinja",
+            "line one\n{% if x %}\n{{ y }",
+            Vec::new(),
+        )
+        .unwrap_err();
         match err {
             TextError::TemplateSyntax { template, line, .. } => {
                 assert_eq!(template, "t.jinja");
@@ -971,8 +1064,12 @@ mod tests {
 
     #[test]
     fn generation_tag_is_a_syntax_error_not_a_wrong_render() {
-        let err = ChatTemplate::new("{% generation %}x{% endgeneration %}", None, None).unwrap_err();
-        assert!(matches!(err, TextError::TemplateSyntax { line: 1, .. }), "{err}");
+        let err =
+            ChatTemplate::new("{% generation %}x{% endgeneration %}", None, None).unwrap_err();
+        assert!(
+            matches!(err, TextError::TemplateSyntax { line: 1, .. }),
+            "{err}"
+        );
     }
 
     #[test]
@@ -987,7 +1084,10 @@ mod tests {
     #[test]
     fn render_error_has_line() {
         let err = render_one("ok\n{{ messages[0].content + 1 }}", json!({})).unwrap_err();
-        assert!(matches!(err, TextError::TemplateRender { line: Some(2), .. }), "{err}");
+        assert!(
+            matches!(err, TextError::TemplateRender { line: Some(2), .. }),
+            "{err}"
+        );
     }
 
     #[test]
@@ -1000,7 +1100,10 @@ mod tests {
     fn non_object_message_is_rejected() {
         let t = ChatTemplate::new("x", None, None).unwrap();
         let err = t.render(&[json!("hello")], None, false, None).unwrap_err();
-        assert!(err.to_string().contains("message 0 is not a JSON object"), "{err}");
+        assert!(
+            err.to_string().contains("message 0 is not a JSON object"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -1041,12 +1144,30 @@ mod tests {
     }
 
     #[test]
+    fn tojson_takes_pythons_positional_order_and_rejects_unknown_kwargs() {
+        let out = render_one("{{ {'a': 'é'} | tojson(true, 1) }}", json!({})).unwrap();
+        assert_eq!(out, "{\n \"a\": \"\\u00e9\"\n}");
+        let err = render_one("{{ 1 | tojson(indnt=2) }}", json!({})).unwrap_err();
+        assert!(matches!(err, TextError::TemplateRender { .. }), "{err}");
+        let err = render_one("{{ 1 | tojson(4, ensure_ascii=true) }}", json!({})).unwrap_err();
+        assert!(err.to_string().contains("multiple values"), "{err}");
+    }
+
+    #[test]
+    fn templates_and_tokenizers_are_shareable_across_threads() {
+        fn assert_send_sync<T: Send + Sync>() {}
+        assert_send_sync::<ChatTemplate>();
+        assert_send_sync::<super::super::Tokenizer>();
+    }
+
+    #[test]
     fn chat_message_serializes_without_nones() {
         let m = ChatMessage::new("user", "hello");
         assert_eq!(m.to_value(), json!({"role": "user", "content": "hello"}));
-        let parsed: ChatMessage =
-            serde_json::from_value(json!({"role": "tool", "content": "r", "tool_call_id": "c1", "x": 1}))
-                .unwrap();
+        let parsed: ChatMessage = serde_json::from_value(
+            json!({"role": "tool", "content": "r", "tool_call_id": "c1", "x": 1}),
+        )
+        .unwrap();
         assert_eq!(parsed.tool_call_id.as_deref(), Some("c1"));
         assert_eq!(parsed.extra["x"], json!(1));
     }

@@ -48,7 +48,9 @@ impl<'a> StreamDecoder<'a> {
             });
         }
         self.ids.push(id);
-        let prefix_text = self.tok.decode_raw(&self.ids[..self.read], self.skip_special_tokens)?;
+        let prefix_text = self
+            .tok
+            .decode_raw(&self.ids[..self.read], self.skip_special_tokens)?;
         let new_text = self.tok.decode_raw(&self.ids, self.skip_special_tokens)?;
         if new_text.len() > prefix_text.len() && !new_text.ends_with('\u{FFFD}') {
             let out = suffix_after(&new_text, &prefix_text);
@@ -63,7 +65,9 @@ impl<'a> StreamDecoder<'a> {
     /// Releases what is still held (bytes of an incomplete character decode as
     /// U+FFFD, as in the full decode) and resets for a new sequence.
     pub fn finish(&mut self) -> Result<String, TextError> {
-        let prefix_text = self.tok.decode_raw(&self.ids[..self.read], self.skip_special_tokens)?;
+        let prefix_text = self
+            .tok
+            .decode_raw(&self.ids[..self.read], self.skip_special_tokens)?;
         let new_text = self.tok.decode_raw(&self.ids, self.skip_special_tokens)?;
         let out = if new_text.len() > prefix_text.len() {
             suffix_after(&new_text, &prefix_text)
@@ -122,7 +126,10 @@ mod tests {
             pieces.push(piece);
         }
         pieces.push(dec.finish().unwrap());
-        assert!(held > 0, "the fixture must split some character over tokens");
+        assert!(
+            held > 0,
+            "the fixture must split some character over tokens"
+        );
         assert_eq!(pieces.concat(), text);
     }
 
@@ -133,7 +140,10 @@ mod tests {
         let a = tok.encode("a", false).unwrap()[0];
         assert_eq!(dec.push(a).unwrap(), "a");
         let err = dec.push(u32::MAX).unwrap_err();
-        assert!(matches!(err, TextError::UnknownTokenId { id: u32::MAX, .. }));
+        assert!(matches!(
+            err,
+            TextError::UnknownTokenId { id: u32::MAX, .. }
+        ));
         assert_eq!(dec.push(a).unwrap(), "a");
         assert_eq!(dec.finish().unwrap(), "");
     }

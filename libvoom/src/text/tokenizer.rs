@@ -220,10 +220,12 @@ impl Tokenizer {
             }
         }
         if let Some(eos) = &special.eos {
-            let id = inner.token_to_id(eos).ok_or_else(|| TextError::InvalidConfig {
-                path: cfg_path.clone(),
-                what: format!("eos_token {eos:?} is not in the vocabulary of tokenizer.json"),
-            })?;
+            let id = inner
+                .token_to_id(eos)
+                .ok_or_else(|| TextError::InvalidConfig {
+                    path: cfg_path.clone(),
+                    what: format!("eos_token {eos:?} is not in the vocabulary of tokenizer.json"),
+                })?;
             eos_ids.push(id);
         }
         let mut seen = std::collections::HashSet::new();
@@ -354,7 +356,11 @@ impl Tokenizer {
     }
 
     /// The tokenizer's decode without transformers' clean-up step.
-    pub(crate) fn decode_raw(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, TextError> {
+    pub(crate) fn decode_raw(
+        &self,
+        ids: &[u32],
+        skip_special_tokens: bool,
+    ) -> Result<String, TextError> {
         if let Some(&id) = ids.iter().find(|&&id| self.inner.id_to_token(id).is_none()) {
             return Err(TextError::UnknownTokenId {
                 id,
@@ -474,7 +480,10 @@ mod tests {
     use super::*;
 
     fn fixture() -> PathBuf {
-        PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/text/bpe_tiny"))
+        PathBuf::from(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/text/bpe_tiny"
+        ))
     }
 
     #[test]
@@ -495,7 +504,12 @@ mod tests {
 
     fn copy_fixture() -> tempfile::TempDir {
         let dir = tempfile::tempdir().unwrap();
-        for f in ["tokenizer.json", "tokenizer_config.json", "generation_config.json", "config.json"] {
+        for f in [
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "generation_config.json",
+            "config.json",
+        ] {
             std::fs::copy(fixture().join(f), dir.path().join(f)).unwrap();
         }
         dir
@@ -504,7 +518,11 @@ mod tests {
     #[test]
     fn corrupt_files_are_typed_errors_naming_them() {
         let dir = copy_fixture();
-        std::fs::write(dir.path().join("generation_config.json"), "{\"eos_token_id\": \"x\"}").unwrap();
+        std::fs::write(
+            dir.path().join("generation_config.json"),
+            "{\"eos_token_id\": \"x\"}",
+        )
+        .unwrap();
         let err = Tokenizer::from_dir(dir.path()).unwrap_err();
         assert!(matches!(err, TextError::InvalidConfig { .. }), "{err}");
         assert!(err.to_string().contains("generation_config.json"), "{err}");
@@ -523,14 +541,21 @@ mod tests {
         let dir = copy_fixture();
         std::fs::write(dir.path().join("chat_template.jinja"), "{% for %}").unwrap();
         let err = Tokenizer::from_dir(dir.path()).unwrap_err();
-        assert!(matches!(err, TextError::TemplateSyntax { line: 1, .. }), "{err}");
+        assert!(
+            matches!(err, TextError::TemplateSyntax { line: 1, .. }),
+            "{err}"
+        );
         assert!(err.to_string().contains("chat_template.jinja"), "{err}");
     }
 
     #[test]
     fn template_files_take_priority_and_named_templates_load() {
         let dir = copy_fixture();
-        std::fs::write(dir.path().join("chat_template.jinja"), "J{{ bos_token }}{{ pad_token }}").unwrap();
+        std::fs::write(
+            dir.path().join("chat_template.jinja"),
+            "J{{ bos_token }}{{ pad_token }}",
+        )
+        .unwrap();
         std::fs::create_dir(dir.path().join("additional_chat_templates")).unwrap();
         std::fs::write(
             dir.path().join("additional_chat_templates/tool_use.jinja"),
@@ -554,9 +579,17 @@ mod tests {
         )
         .unwrap();
         let tok = Tokenizer::from_dir(dir.path()).unwrap();
-        assert_eq!(tok.chat_template().unwrap().render(&[], None, false, None).unwrap(), "D");
+        assert_eq!(
+            tok.chat_template()
+                .unwrap()
+                .render(&[], None, false, None)
+                .unwrap(),
+            "D"
+        );
         let rag = tok.chat_template_named("rag").unwrap();
         assert_eq!(rag.render(&[], None, false, None).unwrap(), "R</s>");
-        assert!(rag.name().ends_with("tokenizer_config.json:chat_template[rag]"));
+        assert!(rag
+            .name()
+            .ends_with("tokenizer_config.json:chat_template[rag]"));
     }
 }

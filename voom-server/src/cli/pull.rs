@@ -74,7 +74,13 @@ pub fn import_into(gguf: &Path, out: &Path) -> Result<()> {
     })
     .with_context(|| format!("importing {}", gguf.display()))?;
     pb.finish_and_clear();
-    eprintln!("voom: imported {report}");
+    eprintln!(
+        "voom: imported {} ({}): {} tensors, {:.1}M parameters as BF16",
+        report.name.as_deref().unwrap_or("unnamed"),
+        report.architecture,
+        report.tensors,
+        report.parameters as f64 / 1e6
+    );
     let ckpt = Checkpoint::open(out)?;
     let pb = bar(ckpt.total_bytes(), "hash");
     let manifest = Manifest::build(&ckpt, &mut |done, _| pb.set_position(done));

@@ -21,7 +21,11 @@ use voom_formats::manifest::{Manifest, MANIFEST_FILE};
 use voom_formats::{Checkpoint, FormatError};
 
 #[derive(Parser)]
-#[command(name = "vpagectl", version, about = "Control tool of the vOOM page store")]
+#[command(
+    name = "vpagectl",
+    version,
+    about = "Control tool of the vOOM page store"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -7,23 +7,42 @@
 use std::time::Instant;
 
 /// Read bandwidth in GB/s (10^9 bytes per second): the median over `reps` passes of
-/// summing a `bytes`-byte buffer (rounded down to whole `u64`s per thread) on
-/// `threads` threads. The buffer is allocated and written once before timing, so
-/// page faults are not measured. `threads` and `reps` of 0 count as 1; returns 0.0 if
-/// the buffer holds fewer than one `u64` per thread.
+/// summing a `bytes`-byte buffer on `threads` threads (see [`ReadProbe`]). `threads`
+/// and `reps` of 0 count as 1; returns 0.0 if the buffer holds fewer than one `u64`.
 pub fn read_bandwidth(bytes: usize, threads: usize, reps: usize) -> f64 {
-    let threads = threads.max(1);
-    let reps = reps.max(1);
-    let per_thread = bytes / 8 / threads;
-    if per_thread == 0 {
-        return 0.0;
+    let probe = ReadProbe::new(bytes);
+    let mut rates: Vec<f64> = (0..reps.max(1)).map(|_| probe.pass(threads)).collect();
+    rates.sort_by(f64::total_cmp);
+    rates[rates.len() / 2]
+}
+
+/// A buffer to time read passes over, allocated and written once (so page faults
+/// are not measured). Lets a bench interleave bandwidth passes with kernel passes,
+/// so that both see the same machine load.
+pub struct ReadProbe {
+    buf: Vec<u64>,
+}
+
+impl ReadProbe {
+    /// A probe over `bytes` bytes (rounded down to whole `u64`s).
+    pub fn new(bytes: usize) -> ReadProbe {
+        ReadProbe {
+            buf: (0..bytes / 8).map(|i| i as u64).collect(),
+        }
     }
-    let buf: Vec<u64> = (0..per_thread * threads).map(|i| i as u64).collect();
-    let mut rates = Vec::with_capacity(reps);
-    for _ in 0..reps {
+
+    /// One timed pass on `threads` threads (0 counts as 1), each summing an equal
+    /// share of the buffer; GB/s of the bytes read. 0.0 for an empty buffer.
+    pub fn pass(&self, threads: usize) -> f64 {
+        let threads = threads.max(1);
+        let per_thread = self.buf.len() / threads;
+        if per_thread == 0 {
+            return 0.0;
+        }
+        let used = &self.buf[..per_thread * threads];
         let start = Instant::now();
         let total = std::thread::scope(|s| {
-            let handles: Vec<_> = buf
+            let handles: Vec<_> = used
                 .chunks(per_thread)
                 .map(|part| s.spawn(move || sum_u64(part)))
                 .collect();
@@ -34,10 +53,8 @@ pub fn read_bandwidth(bytes: usize, threads: usize, reps: usize) -> f64 {
         });
         let secs = start.elapsed().as_secs_f64();
         std::hint::black_box(total);
-        rates.push((per_thread * threads * 8) as f64 / secs / 1e9);
+        (used.len() * 8) as f64 / secs / 1e9
     }
-    rates.sort_by(f64::total_cmp);
-    rates[rates.len() / 2]
 }
 
 /// Wrapping sum with independent accumulators, so the loop is load bound, not bound
@@ -99,5 +116,6 @@ mod tests {
             assert!(gbs.is_finite() && gbs > 0.1, "{gbs} GB/s");
         }
         assert_eq!(read_bandwidth(8, 2, 1), 0.0);
+        assert_eq!(ReadProbe::new(0).pass(1), 0.0);
     }
 }

@@ -1,0 +1,127 @@
+//! Synthetic Llama-shaped checkpoints with random BF16 weights, for benchmarks of
+//! models larger than the real ones this machine has. Deterministic for a seed.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use voom_formats::dtype::f32_to_bf16;
+use voom_formats::DType;
+
+/// Shape of a synthetic model.
+#[derive(Debug, Clone, Copy)]
+pub struct SynthShape {
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub vocab: usize,
+}
+
+impl SynthShape {
+    /// A Llama shape of about `gb` GB of BF16 weights (hidden 2048, GQA 32/4, untied).
+    pub fn of_size(gb: f64) -> SynthShape {
+        let (hidden, intermediate, heads, kv_heads, vocab) = (2048, 5632, 32, 4, 32000);
+        let head_dim = hidden / heads;
+        let per_layer = 2 * hidden * hidden + 2 * hidden * kv_heads * head_dim + 3 * hidden * intermediate;
+        let fixed = 2 * vocab * hidden;
+        let params = (gb * 1e9 / 2.0) as usize;
+        let layers = (params.saturating_sub(fixed) / per_layer).max(1);
+        SynthShape {
+            hidden,
+            intermediate,
+            layers,
+            heads,
+            kv_heads,
+            vocab,
+        }
+    }
+
+    pub fn params(&self) -> usize {
+        let hd = self.hidden / self.heads;
+        let per_layer = 2 * self.hidden * self.hidden
+            + 2 * self.hidden * self.kv_heads * hd
+            + 3 * self.hidden * self.intermediate
+            + 2 * self.hidden;
+        self.layers * per_layer + 2 * self.vocab * self.hidden + self.hidden
+    }
+}
+
+/// xorshift64*: fast, deterministic, good enough for random weights.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    /// Uniform in [-a, a).
+    fn uniform(&mut self, a: f32) -> f32 {
+        let u = (self.next() >> 40) as f32 / (1u64 << 24) as f32;
+        (2.0 * u - 1.0) * a
+    }
+}
+
+fn random_bf16(rng: &mut Rng, n: usize, scale: f32, offset: f32) -> Vec<u8> {
+    let mut out = Vec::with_capacity(n * 2);
+    for _ in 0..n {
+        out.extend_from_slice(&f32_to_bf16(offset + rng.uniform(scale)).to_le_bytes());
+    }
+    out
+}
+
+/// Writes `config.json` and `model.safetensors` of a random Llama into `dir`.
+pub fn write_llama(dir: &Path, shape: SynthShape, seed: u64) -> Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let hd = shape.hidden / shape.heads;
+    let kvd = shape.kv_heads * hd;
+    let mut rng = Rng(seed | 1);
+    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    let lin = |rng: &mut Rng, rows: usize, cols: usize| random_bf16(rng, rows * cols, (3.0 / cols as f32).sqrt(), 0.0);
+    tensors.push(("model.embed_tokens.weight".into(), vec![shape.vocab, shape.hidden], random_bf16(&mut rng, shape.vocab * shape.hidden, 0.05, 0.0)));
+    for i in 0..shape.layers {
+        let p = format!("model.layers.{i}");
+        let h = shape.hidden;
+        tensors.push((format!("{p}.input_layernorm.weight"), vec![h], random_bf16(&mut rng, h, 0.1, 1.0)));
+        tensors.push((format!("{p}.post_attention_layernorm.weight"), vec![h], random_bf16(&mut rng, h, 0.1, 1.0)));
+        tensors.push((format!("{p}.self_attn.q_proj.weight"), vec![h, h], lin(&mut rng, h, h)));
+        tensors.push((format!("{p}.self_attn.k_proj.weight"), vec![kvd, h], lin(&mut rng, kvd, h)));
+        tensors.push((format!("{p}.self_attn.v_proj.weight"), vec![kvd, h], lin(&mut rng, kvd, h)));
+        tensors.push((format!("{p}.self_attn.o_proj.weight"), vec![h, h], lin(&mut rng, h, h)));
+        tensors.push((format!("{p}.mlp.gate_proj.weight"), vec![shape.intermediate, h], lin(&mut rng, shape.intermediate, h)));
+        tensors.push((format!("{p}.mlp.up_proj.weight"), vec![shape.intermediate, h], lin(&mut rng, shape.intermediate, h)));
+        tensors.push((format!("{p}.mlp.down_proj.weight"), vec![h, shape.intermediate], lin(&mut rng, h, shape.intermediate)));
+    }
+    tensors.push(("model.norm.weight".into(), vec![shape.hidden], random_bf16(&mut rng, shape.hidden, 0.1, 1.0)));
+    tensors.push(("lm_head.weight".into(), vec![shape.vocab, shape.hidden], lin(&mut rng, shape.vocab, shape.hidden)));
+    let refs: Vec<(&str, DType, &[usize], &[u8])> = tensors
+        .iter()
+        .map(|(n, s, b)| (n.as_str(), DType::BF16, s.as_slice(), b.as_slice()))
+        .collect();
+    let mut meta = BTreeMap::new();
+    meta.insert("format".to_string(), "pt".to_string());
+    voom_formats::safetensors::write(&dir.join("model.safetensors"), &refs, &meta)?;
+    let config = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": shape.hidden,
+        "intermediate_size": shape.intermediate,
+        "num_hidden_layers": shape.layers,
+        "num_attention_heads": shape.heads,
+        "num_key_value_heads": shape.kv_heads,
+        "vocab_size": shape.vocab,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": false,
+        "hidden_act": "silu",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "dtype": "bfloat16",
+        "voom_synthetic": {"seed": seed},
+    });
+    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config)?)?;
+    Ok(())
+}
