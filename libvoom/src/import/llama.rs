@@ -99,6 +99,17 @@ impl Params {
             .ok_or_else(|| g.missing_key("llama.attention.layer_norm_rms_epsilon"))?;
         // llama.cpp's default when the key is absent.
         let rope_theta = g.get_f32("llama.rope.freq_base")?.unwrap_or(10000.0);
+        for (key, x) in [
+            ("attention.layer_norm_rms_epsilon", rms_norm_eps),
+            ("rope.freq_base", rope_theta),
+        ] {
+            if !(x.is_finite() && x > 0.0) {
+                return Err(ImportError::Inconsistent {
+                    path,
+                    detail: format!("llama.{key} is {x}, not a positive number"),
+                });
+            }
+        }
         let vocab_size = match g.get_u64("llama.vocab_size")? {
             Some(v) => v,
             None => g
@@ -106,6 +117,32 @@ impl Params {
                 .ok_or_else(|| g.missing_key("tokenizer.ggml.tokens"))?
                 .len() as u64,
         };
+        // Sizes are bounded so that products of two of them fit u64, and the layer
+        // count by the tensors present, before anything is computed or allocated from
+        // them.
+        for (key, x) in [
+            ("embedding_length", n_embd),
+            ("feed_forward_length", n_ff),
+            ("attention.head_count", n_head),
+            ("attention.key_length", head_dim),
+            ("vocab_size", vocab_size),
+        ] {
+            if x == 0 || x > u64::from(u32::MAX) {
+                return Err(ImportError::Inconsistent {
+                    path,
+                    detail: format!("llama.{key} = {x} is out of range"),
+                });
+            }
+        }
+        let n_tensors = g.tensors().len() as u64;
+        if n_layer == 0 || n_layer > n_tensors / 9 {
+            return Err(ImportError::Inconsistent {
+                path,
+                detail: format!(
+                    "llama.block_count = {n_layer} but the file has {n_tensors} tensors (9 per layer)"
+                ),
+            });
+        }
         Ok(Params {
             n_layer,
             n_embd,

@@ -428,6 +428,30 @@ fn inconsistent_models_are_clear_errors() {
         "{e}"
     );
 
+    // Absurd sizes are refused before anything is sized by them.
+    let base = tiny_llama("smollm", "llama").writer;
+    for (key, value, want) in [
+        ("llama.block_count", GgufValue::U64(u64::MAX), "block_count"),
+        (
+            "llama.attention.head_count",
+            GgufValue::U64(1 << 40),
+            "head_count",
+        ),
+        (
+            "llama.feed_forward_length",
+            GgufValue::U32(0),
+            "feed_forward_length",
+        ),
+        (
+            "llama.attention.layer_norm_rms_epsilon",
+            GgufValue::F32(f32::NAN),
+            "epsilon",
+        ),
+    ] {
+        let (e, _) = import_err(&replace_kv(&base, key, value));
+        assert!(e.to_string().contains(want), "{key}: {e}");
+    }
+
     // A Q projection of the wrong shape.
     let full = tiny_llama("smollm", "llama");
     let f = voom_formats::gguf::GgufFile::from_bytes("x", full.writer.to_bytes()).unwrap();

@@ -34,7 +34,11 @@ use std::sync::{Arc, Condvar, Mutex, TryLockError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// How long an idle worker spins waiting for the next job before it parks.
+/// Busy-wait iterations (a few microseconds) before an idle worker starts yielding.
+const PAUSE_SPINS: u32 = 2000;
+
+/// How long an idle worker keeps polling (yielding in between) for the next job
+/// before it parks.
 pub const DEFAULT_SPIN: Duration = Duration::from_micros(200);
 
 /// The body of a job as the workers see it: a borrowed closure whose lifetime the
@@ -196,9 +200,10 @@ impl ThreadPool {
         let mut spins = 0u32;
         while s.active.load(Ordering::SeqCst) != 0 {
             spins = spins.saturating_add(1);
-            if spins < 1 << 16 {
+            if spins < PAUSE_SPINS {
                 std::hint::spin_loop();
             } else {
+                // A worker preempted mid-chunk may need this CPU to finish.
                 std::thread::yield_now();
             }
         }
@@ -243,20 +248,27 @@ impl Shared {
         }
     }
 
-    /// Waits until `epoch != seen`: spins for `self.spin`, then parks.
+    /// Waits until `epoch != seen`: spins briefly, then yields the CPU between checks
+    /// until `self.spin` has passed, then parks.
+    ///
+    /// Yielding matters on a loaded machine: when the calling thread shares this
+    /// worker's CPU, pure spinning takes its time slices from the caller, which then
+    /// runs at half speed while the worker spins on an epoch that cannot change.
     fn wait_epoch(&self, seen: u64) -> u64 {
-        let start = Instant::now();
-        let mut i = 0u32;
-        loop {
+        for _ in 0..PAUSE_SPINS {
             let e = self.epoch.load(Ordering::Acquire);
             if e != seen {
                 return e;
             }
             std::hint::spin_loop();
-            i = i.wrapping_add(1);
-            if i.is_multiple_of(128) && start.elapsed() >= self.spin {
-                break;
+        }
+        let start = Instant::now();
+        while start.elapsed() < self.spin {
+            let e = self.epoch.load(Ordering::Acquire);
+            if e != seen {
+                return e;
             }
+            std::thread::yield_now();
         }
         let mut g = self.lock.lock().unwrap_or_else(|p| p.into_inner());
         self.sleepers.fetch_add(1, Ordering::SeqCst);

@@ -1,0 +1,207 @@
+//! The `voom` binary end to end: real processes, real files.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+use serde_json::Value;
+
+fn voom() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_voom"));
+    c.env_remove("VOOM_THREADS").env_remove("VOOM_VERIFY");
+    c
+}
+
+fn tiny(case: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny").join(case)
+}
+
+fn reference(case: &str) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(tiny(case).join("reference.json")).unwrap()).unwrap()
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn last_json(o: &Output) -> Value {
+    let out = stdout(o);
+    let line = out.lines().last().unwrap_or_else(|| panic!("no output; stderr: {}", stderr(o)));
+    serde_json::from_str(line).unwrap_or_else(|e| panic!("last line is not JSON ({e}): {line}"))
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+}
+
+#[test]
+fn generate_json_gives_transformers_ids() {
+    let r = reference("qwen3_qk_norm_eos_list");
+    let p = &r["prompts"][2];
+    let ids: Vec<String> = p["prompt_ids"].as_array().unwrap().iter().map(|x| x.to_string()).collect();
+    let o = voom()
+        .args(["generate", "--model"])
+        .arg(tiny("qwen3_qk_norm_eos_list"))
+        .args(["--prompt-ids", &ids.join(","), "--max-new-tokens", "32", "--json"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let j = last_json(&o);
+    assert_eq!(j["ids"], p["generated_ids"]);
+    assert_eq!(j["finish_reason"], if p["stopped_on_eos"].as_bool().unwrap() { "stop" } else { "length" });
+    assert_eq!(j["profile"], "exact");
+    assert!(j["timing"]["decode_tokens_per_sec"].as_f64().unwrap() >= 0.0);
+}
+
+#[test]
+fn missing_model_is_a_clear_error() {
+    let home = tempfile::tempdir().unwrap();
+    let o = voom()
+        .env("VOOM_HOME", home.path())
+        .args(["generate", "--model", "no-such-model", "--prompt-ids", "1"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    let e = stderr(&o);
+    assert!(e.contains("no model 'no-such-model'") && e.contains("smollm2-135m-instruct"), "{e}");
+}
+
+#[test]
+fn truncated_checkpoint_names_the_file_and_never_panics() {
+    let d = tempfile::tempdir().unwrap();
+    copy_dir(&tiny("llama_gqa_untied"), d.path());
+    let f = d.path().join("model.safetensors");
+    let len = std::fs::metadata(&f).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&f).unwrap().set_len(len - 1000).unwrap();
+    let o = voom()
+        .args(["generate", "--model"])
+        .arg(d.path())
+        .args(["--prompt-ids", "1,2,3"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert!(e.contains("model.safetensors") && !e.contains("panicked"), "{e}");
+}
+
+#[test]
+fn a_flipped_byte_is_detected_before_use_and_named() {
+    let d = tempfile::tempdir().unwrap();
+    copy_dir(&tiny("llama_gqa_untied"), d.path());
+    let ckpt = voom_formats::Checkpoint::open(d.path()).unwrap();
+    voom_formats::Manifest::build(&ckpt, &mut |_, _| {}).save(d.path()).unwrap();
+    let loc = ckpt.get("model.layers.1.mlp.up_proj.weight").unwrap();
+    let off = loc.info.offset + 10;
+    drop(ckpt);
+    let f = d.path().join("model.safetensors");
+    let mut bytes = std::fs::read(&f).unwrap();
+    bytes[off as usize] ^= 0x40;
+    std::fs::write(&f, &bytes).unwrap();
+    let o = voom()
+        .args(["generate", "--model"])
+        .arg(d.path())
+        .args(["--prompt-ids", "1,2,3", "--max-new-tokens", "2"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert!(
+        e.contains("model.layers.1.mlp.up_proj.weight") && e.contains("blake3"),
+        "{e}"
+    );
+    // The manifest is skipped only when asked to.
+    let o = voom()
+        .args(["generate", "--model"])
+        .arg(d.path())
+        .args(["--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--verify", "off"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
+#[test]
+fn bad_flags_are_errors() {
+    let o = voom()
+        .args(["generate", "--model"])
+        .arg(tiny("llama_gqa_untied"))
+        .args(["--prompt-ids", "1,x"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("'x'"));
+    let o = voom()
+        .args(["generate", "--model"])
+        .arg(tiny("llama_gqa_untied"))
+        .args(["--prompt-ids", "1,999999"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("999999"), "{}", stderr(&o));
+    let o = voom()
+        .args(["generate", "--model"])
+        .arg(tiny("llama_gqa_untied"))
+        .args(["--prompt-ids", "1", "--top-p", "0"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("top_p"), "{}", stderr(&o));
+}
+
+/// The real model, provided by scripts/test (`voom pull smollm2-135m-instruct`).
+fn smollm2() -> Option<PathBuf> {
+    match std::env::var_os("VOOM_SMOLLM2_DIR") {
+        Some(d) if Path::new(&d).join("config.json").exists() => Some(PathBuf::from(d)),
+        _ => {
+            if std::env::var("VOOM_REQUIRE_SMOLLM2").as_deref() == Ok("1") {
+                panic!("VOOM_REQUIRE_SMOLLM2=1 but VOOM_SMOLLM2_DIR does not hold the model");
+            }
+            eprintln!("skipping: set VOOM_SMOLLM2_DIR (scripts/test does)");
+            None
+        }
+    }
+}
+
+#[test]
+fn smollm2_knows_the_capital_of_france() {
+    let Some(dir) = smollm2() else { return };
+    let o = voom()
+        .arg("run")
+        .arg(&dir)
+        .arg("What is the capital of France?")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(stdout(&o).trim(), "The capital of France is Paris.");
+}
+
+#[test]
+fn smollm2_interactive_chat_keeps_the_conversation() {
+    let Some(dir) = smollm2() else { return };
+    let mut child = voom()
+        .arg("run")
+        .arg(&dir)
+        .args(["--max-new-tokens", "40"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write;
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(b"What is the capital of France?\nAnd of Germany?\n").unwrap();
+    drop(stdin);
+    let o = child.wait_with_output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    let lines: Vec<&str> = out.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert!(lines.len() >= 2, "{out}");
+    assert_eq!(lines[0], "The capital of France is Paris.");
+    assert!(out.contains("Berlin"), "{out}");
+}
