@@ -64,6 +64,30 @@ impl Params {
                 })
             }
         };
+        let vocab_size = match g.get_u64("llama.vocab_size")? {
+            Some(v) => v,
+            None => g
+                .get_str_array("tokenizer.ggml.tokens")?
+                .ok_or_else(|| g.missing_key("tokenizer.ggml.tokens"))?
+                .len() as u64,
+        };
+        // Sizes are bounded so that products of two of them fit u64, and the layer
+        // count by the tensors present, before anything is computed or allocated from
+        // them.
+        for (key, x) in [
+            ("embedding_length", n_embd),
+            ("feed_forward_length", n_ff),
+            ("attention.head_count", n_head),
+            ("attention.key_length", head_dim),
+            ("vocab_size", vocab_size),
+        ] {
+            if x == 0 || x > u64::from(u32::MAX) {
+                return Err(ImportError::Inconsistent {
+                    path,
+                    detail: format!("llama.{key} = {x} is out of range"),
+                });
+            }
+        }
         if let Some(v) = g.get_u64("llama.attention.value_length")? {
             if v != head_dim {
                 return Err(unsupported(format!(
@@ -107,30 +131,6 @@ impl Params {
                 return Err(ImportError::Inconsistent {
                     path,
                     detail: format!("llama.{key} is {x}, not a positive number"),
-                });
-            }
-        }
-        let vocab_size = match g.get_u64("llama.vocab_size")? {
-            Some(v) => v,
-            None => g
-                .get_str_array("tokenizer.ggml.tokens")?
-                .ok_or_else(|| g.missing_key("tokenizer.ggml.tokens"))?
-                .len() as u64,
-        };
-        // Sizes are bounded so that products of two of them fit u64, and the layer
-        // count by the tensors present, before anything is computed or allocated from
-        // them.
-        for (key, x) in [
-            ("embedding_length", n_embd),
-            ("feed_forward_length", n_ff),
-            ("attention.head_count", n_head),
-            ("attention.key_length", head_dim),
-            ("vocab_size", vocab_size),
-        ] {
-            if x == 0 || x > u64::from(u32::MAX) {
-                return Err(ImportError::Inconsistent {
-                    path,
-                    detail: format!("llama.{key} = {x} is out of range"),
                 });
             }
         }

@@ -415,16 +415,37 @@ fn replace_kv(w: &GgufWriter, key: &str, value: GgufValue) -> GgufWriter {
 
 #[test]
 fn inconsistent_models_are_clear_errors() {
-    // A layer too many claimed by the metadata: its tensors are missing.
+    // A layer too many claimed by the metadata.
     let tiny2 = replace_kv(
         &tiny_llama("smollm", "llama").writer,
         "llama.block_count",
         GgufValue::U32(3),
     );
     let (e, _) = import_err(&tiny2);
+    assert!(e.to_string().contains("block_count = 3"), "{e}");
+
+    // A missing tensor.
+    let full = tiny_llama("smollm", "llama").writer;
+    let f = voom_formats::gguf::GgufFile::from_bytes("x", full.to_bytes()).unwrap();
+    let mut w = GgufWriter::new();
+    for (k, v) in f.metadata_entries() {
+        w.add_kv(k, v.clone());
+    }
+    for t in f
+        .tensors()
+        .iter()
+        .filter(|t| t.name() != "blk.1.ffn_up.weight")
+    {
+        w.add_tensor(
+            t.name(),
+            t.dims(),
+            t.ggml_type(),
+            f.tensor_bytes(t).unwrap(),
+        );
+    }
+    let (e, _) = import_err(&w);
     assert!(
-        e.to_string()
-            .contains("'blk.2.attn_norm.weight' is missing"),
+        e.to_string().contains("'blk.1.ffn_up.weight' is missing"),
         "{e}"
     );
 
