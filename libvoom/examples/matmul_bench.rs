@@ -1,6 +1,7 @@
 //! Bench of the CPU matmul kernels against the machine's measured read bandwidth.
 //!
-//! `cargo run --release -p libvoom --example matmul_bench [-- --quick]`
+//! `cargo run --release -p libvoom --example matmul_bench [-- --quick] [--shape RxC]
+//! [--no-prefill] [--portable]`
 //!
 //! Decode (one token) is memory bound: it reports GB/s of weights streamed and the
 //! ratio to `read_bandwidth` measured in the same run on the same thread count.
@@ -10,7 +11,7 @@
 
 use std::time::{Duration, Instant};
 
-use libvoom::backend::cpu::matmul::{matmul, matmul_isa, Isa, WeightView};
+use libvoom::backend::cpu::matmul::{matmul_isa, Isa, WeightView};
 use libvoom::backend::cpu::membw::ReadProbe;
 use libvoom::backend::cpu::threads::ThreadPool;
 use voom_formats::DType;
@@ -30,7 +31,12 @@ fn main() {
         .and_then(|(r, c)| Some((r.parse().ok()?, c.parse().ok()?)));
     let no_prefill = args.iter().any(|a| a == "--no-prefill");
     let reps = if quick { 3 } else { 7 };
-    let isa = Isa::detect();
+    // `--portable` measures the lane-emulating fallback instead of the best kernels.
+    let isa = if args.iter().any(|a| a == "--portable") {
+        Isa::Portable
+    } else {
+        Isa::detect()
+    };
     println!("instruction set: {isa:?}");
 
     let pools: Vec<ThreadPool> = [1, 2]
@@ -205,7 +211,7 @@ fn prefill(set: &WeightSet, pool: &ThreadPool, isa: Isa, n: usize, reps: usize) 
     // Enough calls per pass for ~50 ms, at least one.
     let calls = {
         let start = Instant::now();
-        matmul(pool, &x, n, set.view(0), &mut out).expect("valid shapes");
+        matmul_isa(isa, pool, &x, n, set.view(0), &mut out).expect("valid shapes");
         let one = start.elapsed().max(Duration::from_micros(1));
         ((0.05 / one.as_secs_f64()) as usize).clamp(1, set.copies * 4)
     };

@@ -171,13 +171,16 @@ impl ModelConfig {
         if let Some(q) = &hf.quantization_config {
             if !q.is_null() {
                 return Err(err(
-                    "quantized checkpoints ('quantization_config') are not supported in exact mode".into(),
+                    "quantized checkpoints ('quantization_config') are not supported in exact mode"
+                        .into(),
                 ));
             }
         }
         let act = hf.hidden_act.as_deref().unwrap_or("silu");
         if act != "silu" {
-            return Err(err(format!("unsupported hidden_act '{act}' (supported: silu)")));
+            return Err(err(format!(
+                "unsupported hidden_act '{act}' (supported: silu)"
+            )));
         }
         if let Some(f) = hf.partial_rotary_factor {
             if f != 1.0 {
@@ -194,7 +197,10 @@ impl ModelConfig {
         let intermediate_size = need(hf.intermediate_size, "intermediate_size")?;
         let num_layers = need(hf.num_hidden_layers, "num_hidden_layers")?;
         let num_heads = need(hf.num_attention_heads, "num_attention_heads")?;
-        let num_kv_heads = need(hf.num_key_value_heads.or(Some(num_heads)), "num_key_value_heads")?;
+        let num_kv_heads = need(
+            hf.num_key_value_heads.or(Some(num_heads)),
+            "num_key_value_heads",
+        )?;
         if num_heads % num_kv_heads != 0 {
             return Err(err(format!(
                 "num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}"
@@ -212,7 +218,9 @@ impl ModelConfig {
             }
         };
         if head_dim % 2 != 0 {
-            return Err(err(format!("head_dim {head_dim} must be even for rotary embeddings")));
+            return Err(err(format!(
+                "head_dim {head_dim} must be even for rotary embeddings"
+            )));
         }
         let vocab_size = need(hf.vocab_size, "vocab_size")?;
         let max_position_embeddings = need(hf.max_position_embeddings, "max_position_embeddings")?;
@@ -228,14 +236,14 @@ impl ModelConfig {
                 .ok_or_else(|| err("'rope_parameters' must be an object".into()))?;
             if obj.values().any(|v| v.is_object()) {
                 return Err(err(
-                    "per-layer-type 'rope_parameters' are not supported".into(),
+                    "per-layer-type 'rope_parameters' are not supported".into()
                 ));
             }
             if let Some(t) = obj.get("rope_theta") {
-                rope_theta = Some(
-                    t.as_f64()
-                        .ok_or_else(|| err("'rope_parameters.rope_theta' must be a number".into()))?,
-                );
+                rope_theta =
+                    Some(t.as_f64().ok_or_else(|| {
+                        err("'rope_parameters.rope_theta' must be a number".into())
+                    })?);
             }
             scaling = Some(p);
         }
@@ -326,15 +334,16 @@ fn parse_rope_scaling(s: &Value, max_pos: usize) -> Result<RopeScaling, String> 
     }
 }
 
-fn sliding_windows(hf: &HfConfig, arch: Arch, num_layers: usize) -> Result<Vec<Option<usize>>, String> {
+fn sliding_windows(
+    hf: &HfConfig,
+    arch: Arch,
+    num_layers: usize,
+) -> Result<Vec<Option<usize>>, String> {
     let window = match &hf.sliding_window {
         None | Some(Value::Null) => None,
-        Some(v) => Some(
-            v.as_u64()
-                .filter(|&w| w > 0)
-                .ok_or_else(|| format!("'sliding_window' must be a positive integer or null, got {v}"))?
-                as usize,
-        ),
+        Some(v) => Some(v.as_u64().filter(|&w| w > 0).ok_or_else(|| {
+            format!("'sliding_window' must be a positive integer or null, got {v}")
+        })? as usize),
     };
     if let Some(types) = &hf.layer_types {
         if types.len() != num_layers {
@@ -348,9 +357,9 @@ fn sliding_windows(hf: &HfConfig, arch: Arch, num_layers: usize) -> Result<Vec<O
             .enumerate()
             .map(|(i, t)| match t.as_str() {
                 "full_attention" => Ok(None),
-                "sliding_attention" => window
-                    .map(Some)
-                    .ok_or_else(|| format!("layer {i} is 'sliding_attention' but 'sliding_window' is not set")),
+                "sliding_attention" => window.map(Some).ok_or_else(|| {
+                    format!("layer {i} is 'sliding_attention' but 'sliding_window' is not set")
+                }),
                 other => Err(format!("unsupported layer type '{other}' at layer {i}")),
             })
             .collect();
@@ -361,7 +370,8 @@ fn sliding_windows(hf: &HfConfig, arch: Arch, num_layers: usize) -> Result<Vec<O
         // Qwen2/3 apply a window only with use_sliding_window, from max_window_layers on.
         Arch::Qwen2 | Arch::Qwen3 => {
             if hf.use_sliding_window.unwrap_or(false) {
-                let w = window.ok_or("'use_sliding_window' is true but 'sliding_window' is not set")?;
+                let w =
+                    window.ok_or("'use_sliding_window' is true but 'sliding_window' is not set")?;
                 let from = hf.max_window_layers.unwrap_or(num_layers);
                 Ok((0..num_layers).map(|i| (i >= from).then_some(w)).collect())
             } else {
@@ -418,17 +428,26 @@ mod tests {
 
     #[test]
     fn qwen_flags() {
-        let c = parse(&format!(r#"{{"model_type": "qwen2", {BASE}, "num_key_value_heads": 1}}"#)).unwrap();
+        let c = parse(&format!(
+            r#"{{"model_type": "qwen2", {BASE}, "num_key_value_heads": 1}}"#
+        ))
+        .unwrap();
         assert!(c.qkv_bias && !c.o_bias && !c.qk_norm);
         assert_eq!(c.num_kv_heads, 1);
-        let c = parse(&format!(r#"{{"model_type": "qwen3", {BASE}, "head_dim": 32}}"#)).unwrap();
+        let c = parse(&format!(
+            r#"{{"model_type": "qwen3", {BASE}, "head_dim": 32}}"#
+        ))
+        .unwrap();
         assert!(c.qk_norm && !c.qkv_bias);
         assert_eq!(c.head_dim, 32);
     }
 
     #[test]
     fn mistral_window_on_every_layer() {
-        let c = parse(&format!(r#"{{"model_type": "mistral", {BASE}, "sliding_window": 16}}"#)).unwrap();
+        let c = parse(&format!(
+            r#"{{"model_type": "mistral", {BASE}, "sliding_window": 16}}"#
+        ))
+        .unwrap();
         assert_eq!(c.sliding_window, vec![Some(16), Some(16)]);
     }
 
@@ -436,7 +455,10 @@ mod tests {
     fn unsupported_things_are_errors_naming_them() {
         let e = parse(&format!(r#"{{"model_type": "gpt2", {BASE}}}"#)).unwrap_err();
         assert!(e.to_string().contains("gpt2"), "{e}");
-        let e = parse(&format!(r#"{{"model_type": "llama", {BASE}, "hidden_act": "gelu"}}"#)).unwrap_err();
+        let e = parse(&format!(
+            r#"{{"model_type": "llama", {BASE}, "hidden_act": "gelu"}}"#
+        ))
+        .unwrap_err();
         assert!(e.to_string().contains("gelu"), "{e}");
         let e = parse(&format!(
             r#"{{"model_type": "llama", {BASE}, "rope_scaling": {{"rope_type": "yarn", "factor": 4.0}}}}"#
@@ -445,7 +467,10 @@ mod tests {
         assert!(e.to_string().contains("yarn"), "{e}");
         let e = parse(r#"{"model_type": "llama", "hidden_size": 64}"#).unwrap_err();
         assert!(e.to_string().contains("intermediate_size"), "{e}");
-        let e = parse(&format!(r#"{{"model_type": "llama", {BASE}, "num_key_value_heads": 3}}"#)).unwrap_err();
+        let e = parse(&format!(
+            r#"{{"model_type": "llama", {BASE}, "num_key_value_heads": 3}}"#
+        ))
+        .unwrap_err();
         assert!(e.to_string().contains("multiple"), "{e}");
         let e = parse("{not json").unwrap_err();
         assert!(e.to_string().contains("config.json"), "{e}");

@@ -119,8 +119,14 @@ fn generation_config_eos(dir: &Path) -> Vec<u32> {
         return vec![];
     };
     match v.get("eos_token_id") {
-        Some(serde_json::Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-        Some(serde_json::Value::Array(a)) => a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect(),
+        Some(serde_json::Value::Number(n)) => {
+            n.as_u64().map(|x| vec![x as u32]).unwrap_or_default()
+        }
+        Some(serde_json::Value::Array(a)) => a
+            .iter()
+            .filter_map(|x| x.as_u64())
+            .map(|x| x as u32)
+            .collect(),
         _ => vec![],
     }
 }
@@ -229,9 +235,9 @@ impl Engine {
     pub fn prefill(&self, kv: &mut KvCache, tokens: &[u32]) -> Result<Vec<f32>, VoomError> {
         let mut logits = Vec::new();
         for chunk in tokens.chunks(self.opts.prefill_chunk.max(1)) {
-            logits = self
-                .model
-                .forward(self.source.as_ref(), &self.pool, chunk, kv, Logits::Last)?;
+            logits =
+                self.model
+                    .forward(self.source.as_ref(), &self.pool, chunk, kv, Logits::Last)?;
         }
         Ok(logits)
     }
@@ -300,9 +306,13 @@ impl Engine {
                 out.finish = FinishReason::ContextFull;
                 break;
             }
-            logits = self
-                .model
-                .forward(self.source.as_ref(), &self.pool, &[id], &mut kv, Logits::Last)?;
+            logits = self.model.forward(
+                self.source.as_ref(),
+                &self.pool,
+                &[id],
+                &mut kv,
+                Logits::Last,
+            )?;
         }
         out.decode_secs = t1.elapsed().as_secs_f64();
         Ok(out)

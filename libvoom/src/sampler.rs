@@ -35,7 +35,10 @@ impl SamplingParams {
     /// Checks ranges; the message names the bad parameter.
     pub fn validate(&self) -> Result<(), String> {
         if !self.temperature.is_finite() || self.temperature < 0.0 {
-            return Err(format!("temperature must be >= 0, got {}", self.temperature));
+            return Err(format!(
+                "temperature must be >= 0, got {}",
+                self.temperature
+            ));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
@@ -87,7 +90,10 @@ impl Sampler {
         }
         let t = self.params.temperature as f64;
         let max = cand[0].1 as f64;
-        let mut probs: Vec<f64> = cand.iter().map(|c| ((c.1 as f64 - max) / t).exp()).collect();
+        let mut probs: Vec<f64> = cand
+            .iter()
+            .map(|c| ((c.1 as f64 - max) / t).exp())
+            .collect();
         let sum: f64 = probs.iter().sum();
         probs.iter_mut().for_each(|p| *p /= sum);
         if self.params.top_p < 1.0 {

@@ -16,14 +16,19 @@ fn fixtures() -> PathBuf {
 
 fn cases() -> Vec<String> {
     let index: Value =
-        serde_json::from_str(&std::fs::read_to_string(fixtures().join("index.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(fixtures().join("index.json")).unwrap())
+            .unwrap();
     let cases: Vec<String> = index["cases"]
         .as_array()
         .unwrap()
         .iter()
         .map(|c| c["name"].as_str().unwrap().to_string())
         .collect();
-    assert!(cases.len() >= 7, "the fixture index lists {} cases", cases.len());
+    assert!(
+        cases.len() >= 7,
+        "the fixture index lists {} cases",
+        cases.len()
+    );
     cases
 }
 
@@ -38,7 +43,8 @@ fn ids(v: &Value) -> Vec<u32> {
 fn check_case(name: &str, opts: EngineOptions) {
     let dir = fixtures().join(name);
     let reference: Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+            .unwrap();
     let engine = Engine::open(&dir, opts).unwrap_or_else(|e| panic!("{name}: {e}"));
     let max_new = reference["generation"]["max_new_tokens"].as_u64().unwrap() as usize;
     for p in reference["prompts"].as_array().unwrap() {
@@ -114,7 +120,8 @@ fn logits_bits_do_not_depend_on_chunking_or_threads() {
     for case in cases() {
         let dir = fixtures().join(&case);
         let reference: Value =
-            serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+            serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+                .unwrap();
         let prompt = ids(&reference["prompts"][2]["prompt_ids"]);
         let mut seen: Option<Vec<u32>> = None;
         for (threads, chunk) in [(1, 1), (2, 3), (3, 256), (2, 5)] {
@@ -140,7 +147,10 @@ fn logits_bits_do_not_depend_on_chunking_or_threads() {
             let b = bits(&all);
             match &seen {
                 None => seen = Some(b),
-                Some(s) => assert_eq!(s, &b, "{case}: logits bits change with threads {threads}, chunk {chunk}"),
+                Some(s) => assert_eq!(
+                    s, &b,
+                    "{case}: logits bits change with threads {threads}, chunk {chunk}"
+                ),
             }
         }
     }

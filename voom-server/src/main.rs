@@ -11,7 +11,11 @@ mod synth;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "voom", version, about = "Run released language models exactly, larger than memory")]
+#[command(
+    name = "voom",
+    version,
+    about = "Run released language models exactly, larger than memory"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -24,7 +24,8 @@ impl SynthShape {
     pub fn of_size(gb: f64) -> SynthShape {
         let (hidden, intermediate, heads, kv_heads, vocab) = (2048, 5632, 32, 4, 32000);
         let head_dim = hidden / heads;
-        let per_layer = 2 * hidden * hidden + 2 * hidden * kv_heads * head_dim + 3 * hidden * intermediate;
+        let per_layer =
+            2 * hidden * hidden + 2 * hidden * kv_heads * head_dim + 3 * hidden * intermediate;
         let fixed = 2 * vocab * hidden;
         let params = (gb * 1e9 / 2.0) as usize;
         let layers = (params.saturating_sub(fixed) / per_layer).max(1);
@@ -79,23 +80,73 @@ pub fn write_llama(dir: &Path, shape: SynthShape, seed: u64) -> Result<()> {
     let kvd = shape.kv_heads * hd;
     let mut rng = Rng(seed | 1);
     let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
-    let lin = |rng: &mut Rng, rows: usize, cols: usize| random_bf16(rng, rows * cols, (3.0 / cols as f32).sqrt(), 0.0);
-    tensors.push(("model.embed_tokens.weight".into(), vec![shape.vocab, shape.hidden], random_bf16(&mut rng, shape.vocab * shape.hidden, 0.05, 0.0)));
+    let lin = |rng: &mut Rng, rows: usize, cols: usize| {
+        random_bf16(rng, rows * cols, (3.0 / cols as f32).sqrt(), 0.0)
+    };
+    tensors.push((
+        "model.embed_tokens.weight".into(),
+        vec![shape.vocab, shape.hidden],
+        random_bf16(&mut rng, shape.vocab * shape.hidden, 0.05, 0.0),
+    ));
     for i in 0..shape.layers {
         let p = format!("model.layers.{i}");
         let h = shape.hidden;
-        tensors.push((format!("{p}.input_layernorm.weight"), vec![h], random_bf16(&mut rng, h, 0.1, 1.0)));
-        tensors.push((format!("{p}.post_attention_layernorm.weight"), vec![h], random_bf16(&mut rng, h, 0.1, 1.0)));
-        tensors.push((format!("{p}.self_attn.q_proj.weight"), vec![h, h], lin(&mut rng, h, h)));
-        tensors.push((format!("{p}.self_attn.k_proj.weight"), vec![kvd, h], lin(&mut rng, kvd, h)));
-        tensors.push((format!("{p}.self_attn.v_proj.weight"), vec![kvd, h], lin(&mut rng, kvd, h)));
-        tensors.push((format!("{p}.self_attn.o_proj.weight"), vec![h, h], lin(&mut rng, h, h)));
-        tensors.push((format!("{p}.mlp.gate_proj.weight"), vec![shape.intermediate, h], lin(&mut rng, shape.intermediate, h)));
-        tensors.push((format!("{p}.mlp.up_proj.weight"), vec![shape.intermediate, h], lin(&mut rng, shape.intermediate, h)));
-        tensors.push((format!("{p}.mlp.down_proj.weight"), vec![h, shape.intermediate], lin(&mut rng, h, shape.intermediate)));
+        tensors.push((
+            format!("{p}.input_layernorm.weight"),
+            vec![h],
+            random_bf16(&mut rng, h, 0.1, 1.0),
+        ));
+        tensors.push((
+            format!("{p}.post_attention_layernorm.weight"),
+            vec![h],
+            random_bf16(&mut rng, h, 0.1, 1.0),
+        ));
+        tensors.push((
+            format!("{p}.self_attn.q_proj.weight"),
+            vec![h, h],
+            lin(&mut rng, h, h),
+        ));
+        tensors.push((
+            format!("{p}.self_attn.k_proj.weight"),
+            vec![kvd, h],
+            lin(&mut rng, kvd, h),
+        ));
+        tensors.push((
+            format!("{p}.self_attn.v_proj.weight"),
+            vec![kvd, h],
+            lin(&mut rng, kvd, h),
+        ));
+        tensors.push((
+            format!("{p}.self_attn.o_proj.weight"),
+            vec![h, h],
+            lin(&mut rng, h, h),
+        ));
+        tensors.push((
+            format!("{p}.mlp.gate_proj.weight"),
+            vec![shape.intermediate, h],
+            lin(&mut rng, shape.intermediate, h),
+        ));
+        tensors.push((
+            format!("{p}.mlp.up_proj.weight"),
+            vec![shape.intermediate, h],
+            lin(&mut rng, shape.intermediate, h),
+        ));
+        tensors.push((
+            format!("{p}.mlp.down_proj.weight"),
+            vec![h, shape.intermediate],
+            lin(&mut rng, h, shape.intermediate),
+        ));
     }
-    tensors.push(("model.norm.weight".into(), vec![shape.hidden], random_bf16(&mut rng, shape.hidden, 0.1, 1.0)));
-    tensors.push(("lm_head.weight".into(), vec![shape.vocab, shape.hidden], lin(&mut rng, shape.vocab, shape.hidden)));
+    tensors.push((
+        "model.norm.weight".into(),
+        vec![shape.hidden],
+        random_bf16(&mut rng, shape.hidden, 0.1, 1.0),
+    ));
+    tensors.push((
+        "lm_head.weight".into(),
+        vec![shape.vocab, shape.hidden],
+        lin(&mut rng, shape.vocab, shape.hidden),
+    ));
     let refs: Vec<(&str, DType, &[usize], &[u8])> = tensors
         .iter()
         .map(|(n, s, b)| (n.as_str(), DType::BF16, s.as_slice(), b.as_slice()))
@@ -122,6 +173,9 @@ pub fn write_llama(dir: &Path, shape: SynthShape, seed: u64) -> Result<()> {
         "dtype": "bfloat16",
         "voom_synthetic": {"seed": seed},
     });
-    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config)?)?;
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_string_pretty(&config)?,
+    )?;
     Ok(())
 }

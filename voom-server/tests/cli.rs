@@ -12,11 +12,14 @@ fn voom() -> Command {
 }
 
 fn tiny(case: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny").join(case)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures/tiny")
+        .join(case)
 }
 
 fn reference(case: &str) -> Value {
-    serde_json::from_str(&std::fs::read_to_string(tiny(case).join("reference.json")).unwrap()).unwrap()
+    serde_json::from_str(&std::fs::read_to_string(tiny(case).join("reference.json")).unwrap())
+        .unwrap()
 }
 
 fn stdout(o: &Output) -> String {
@@ -29,7 +32,10 @@ fn stderr(o: &Output) -> String {
 
 fn last_json(o: &Output) -> Value {
     let out = stdout(o);
-    let line = out.lines().last().unwrap_or_else(|| panic!("no output; stderr: {}", stderr(o)));
+    let line = out
+        .lines()
+        .last()
+        .unwrap_or_else(|| panic!("no output; stderr: {}", stderr(o)));
     serde_json::from_str(line).unwrap_or_else(|e| panic!("last line is not JSON ({e}): {line}"))
 }
 
@@ -45,17 +51,35 @@ fn copy_dir(from: &Path, to: &Path) {
 fn generate_json_gives_transformers_ids() {
     let r = reference("qwen3_qk_norm_eos_list");
     let p = &r["prompts"][2];
-    let ids: Vec<String> = p["prompt_ids"].as_array().unwrap().iter().map(|x| x.to_string()).collect();
+    let ids: Vec<String> = p["prompt_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.to_string())
+        .collect();
     let o = voom()
         .args(["generate", "--model"])
         .arg(tiny("qwen3_qk_norm_eos_list"))
-        .args(["--prompt-ids", &ids.join(","), "--max-new-tokens", "32", "--json"])
+        .args([
+            "--prompt-ids",
+            &ids.join(","),
+            "--max-new-tokens",
+            "32",
+            "--json",
+        ])
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", stderr(&o));
     let j = last_json(&o);
     assert_eq!(j["ids"], p["generated_ids"]);
-    assert_eq!(j["finish_reason"], if p["stopped_on_eos"].as_bool().unwrap() { "stop" } else { "length" });
+    assert_eq!(
+        j["finish_reason"],
+        if p["stopped_on_eos"].as_bool().unwrap() {
+            "stop"
+        } else {
+            "length"
+        }
+    );
     assert_eq!(j["profile"], "exact");
     assert!(j["timing"]["decode_tokens_per_sec"].as_f64().unwrap() >= 0.0);
 }
@@ -70,7 +94,10 @@ fn missing_model_is_a_clear_error() {
         .unwrap();
     assert_eq!(o.status.code(), Some(1));
     let e = stderr(&o);
-    assert!(e.contains("no model 'no-such-model'") && e.contains("smollm2-135m-instruct"), "{e}");
+    assert!(
+        e.contains("no model 'no-such-model'") && e.contains("smollm2-135m-instruct"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -79,7 +106,12 @@ fn truncated_checkpoint_names_the_file_and_never_panics() {
     copy_dir(&tiny("llama_gqa_untied"), d.path());
     let f = d.path().join("model.safetensors");
     let len = std::fs::metadata(&f).unwrap().len();
-    std::fs::OpenOptions::new().write(true).open(&f).unwrap().set_len(len - 1000).unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&f)
+        .unwrap()
+        .set_len(len - 1000)
+        .unwrap();
     let o = voom()
         .args(["generate", "--model"])
         .arg(d.path())
@@ -88,7 +120,10 @@ fn truncated_checkpoint_names_the_file_and_never_panics() {
         .unwrap();
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     let e = stderr(&o);
-    assert!(e.contains("model.safetensors") && !e.contains("panicked"), "{e}");
+    assert!(
+        e.contains("model.safetensors") && !e.contains("panicked"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -96,7 +131,9 @@ fn a_flipped_byte_is_detected_before_use_and_named() {
     let d = tempfile::tempdir().unwrap();
     copy_dir(&tiny("llama_gqa_untied"), d.path());
     let ckpt = voom_formats::Checkpoint::open(d.path()).unwrap();
-    voom_formats::Manifest::build(&ckpt, &mut |_, _| {}).save(d.path()).unwrap();
+    voom_formats::Manifest::build(&ckpt, &mut |_, _| {})
+        .save(d.path())
+        .unwrap();
     let loc = ckpt.get("model.layers.1.mlp.up_proj.weight").unwrap();
     let off = loc.info.offset + 10;
     drop(ckpt);
@@ -120,7 +157,14 @@ fn a_flipped_byte_is_detected_before_use_and_named() {
     let o = voom()
         .args(["generate", "--model"])
         .arg(d.path())
-        .args(["--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--verify", "off"])
+        .args([
+            "--prompt-ids",
+            "1,2,3",
+            "--max-new-tokens",
+            "2",
+            "--verify",
+            "off",
+        ])
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", stderr(&o));
@@ -195,7 +239,9 @@ fn smollm2_interactive_chat_keeps_the_conversation() {
         .unwrap();
     use std::io::Write;
     let mut stdin = child.stdin.take().unwrap();
-    stdin.write_all(b"What is the capital of France?\nAnd of Germany?\n").unwrap();
+    stdin
+        .write_all(b"What is the capital of France?\nAnd of Germany?\n")
+        .unwrap();
     drop(stdin);
     let o = child.wait_with_output().unwrap();
     assert!(o.status.success(), "{}", stderr(&o));

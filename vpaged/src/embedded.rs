@@ -52,7 +52,10 @@ impl EmbeddedStore {
                     if e.id as usize != i {
                         return Err(StoreError::Store {
                             store: dir.to_path_buf(),
-                            detail: format!("manifest page '{}' has id {} at index {i}", e.name, e.id),
+                            detail: format!(
+                                "manifest page '{}' has id {} at index {i}",
+                                e.name, e.id
+                            ),
                         });
                     }
                     pages.push(PageMeta {
@@ -79,7 +82,9 @@ impl EmbeddedStore {
                 }
             }
         }
-        let verified = (0..pages.len()).map(|_| AtomicU8::new(UNVERIFIED)).collect();
+        let verified = (0..pages.len())
+            .map(|_| AtomicU8::new(UNVERIFIED))
+            .collect();
         let store = EmbeddedStore {
             dir: dir.to_path_buf(),
             ckpt: Arc::new(ckpt),
@@ -105,10 +110,13 @@ impl EmbeddedStore {
     }
 
     fn bytes_of(&self, id: PageId) -> Result<&[u8], StoreError> {
-        let meta = self.pages.get(id.0 as usize).ok_or_else(|| StoreError::NoSuchPage {
-            id: id.0,
-            store: self.dir.clone(),
-        })?;
+        let meta = self
+            .pages
+            .get(id.0 as usize)
+            .ok_or_else(|| StoreError::NoSuchPage {
+                id: id.0,
+                store: self.dir.clone(),
+            })?;
         self.ckpt
             .tensor_bytes(&meta.name)
             .ok_or_else(|| StoreError::Store {

@@ -70,7 +70,12 @@ impl PageLease {
     /// # Safety
     /// `ptr..ptr+len` must be readable, initialised and unchanged for as long as
     /// `holder` lives.
-    pub unsafe fn new(id: PageId, ptr: *const u8, len: usize, holder: Arc<dyn LeaseHolder>) -> Self {
+    pub unsafe fn new(
+        id: PageId,
+        ptr: *const u8,
+        len: usize,
+        holder: Arc<dyn LeaseHolder>,
+    ) -> Self {
         PageLease {
             ptr,
             len,

@@ -395,12 +395,15 @@ fn unsupported_inputs_are_clear_errors() {
     assert!(matches!(e, ImportError::Format(_)), "{e}");
 }
 
-/// A copy of the GGUF `w` builds, with `key` set to `value`.
+/// A copy of the GGUF `w` builds, with `key` set to `value` (added if absent).
 fn replace_kv(w: &GgufWriter, key: &str, value: GgufValue) -> GgufWriter {
     let f = voom_formats::gguf::GgufFile::from_bytes("x", w.to_bytes()).unwrap();
     let mut out = GgufWriter::new();
     for (k, v) in f.metadata_entries() {
         out.add_kv(k, if k == key { value.clone() } else { v.clone() });
+    }
+    if f.metadata(key).is_none() {
+        out.add_kv(key, value);
     }
     for t in f.tensors() {
         out.add_tensor(
@@ -456,7 +459,12 @@ fn inconsistent_models_are_clear_errors() {
         (
             "llama.attention.head_count",
             GgufValue::U64(1 << 40),
-            "head_count",
+            "heads",
+        ),
+        (
+            "llama.attention.key_length",
+            GgufValue::U64(1 << 40),
+            "key_length",
         ),
         (
             "llama.feed_forward_length",

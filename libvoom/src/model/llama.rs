@@ -60,16 +60,17 @@ impl LlamaModel {
         let f = WeightFinder::new(source, model);
         let (h, hd) = (cfg.hidden_size, cfg.head_dim);
         let (qd, kvd) = (cfg.num_heads * hd, cfg.num_kv_heads * hd);
-        let linear = |name: &str, rows: usize, cols: usize, bias: bool| -> Result<Linear, VoomError> {
-            Ok(Linear {
-                w: f.matrix(&format!("{name}.weight"), rows, cols)?,
-                bias: if bias {
-                    Some(f.vector(&format!("{name}.bias"), rows)?)
-                } else {
-                    None
-                },
-            })
-        };
+        let linear =
+            |name: &str, rows: usize, cols: usize, bias: bool| -> Result<Linear, VoomError> {
+                Ok(Linear {
+                    w: f.matrix(&format!("{name}.weight"), rows, cols)?,
+                    bias: if bias {
+                        Some(f.vector(&format!("{name}.bias"), rows)?)
+                    } else {
+                        None
+                    },
+                })
+            };
         let embed = f.matrix("model.embed_tokens.weight", cfg.vocab_size, h)?;
         let lm_head = if cfg.tie_word_embeddings {
             embed
@@ -99,9 +100,24 @@ impl LlamaModel {
                     None
                 },
                 mlp_norm: f.vector(&format!("{p}.post_attention_layernorm.weight"), h)?,
-                gate: linear(&format!("{m}.gate_proj"), cfg.intermediate_size, h, cfg.mlp_bias)?,
-                up: linear(&format!("{m}.up_proj"), cfg.intermediate_size, h, cfg.mlp_bias)?,
-                down: linear(&format!("{m}.down_proj"), h, cfg.intermediate_size, cfg.mlp_bias)?,
+                gate: linear(
+                    &format!("{m}.gate_proj"),
+                    cfg.intermediate_size,
+                    h,
+                    cfg.mlp_bias,
+                )?,
+                up: linear(
+                    &format!("{m}.up_proj"),
+                    cfg.intermediate_size,
+                    h,
+                    cfg.mlp_bias,
+                )?,
+                down: linear(
+                    &format!("{m}.down_proj"),
+                    h,
+                    cfg.intermediate_size,
+                    cfg.mlp_bias,
+                )?,
                 pages: Vec::new(),
             };
             layer.pages = layer_pages(&layer);
@@ -124,7 +140,9 @@ impl LlamaModel {
         let mat = |m: &Matrix| (m.rows * m.cols * m.dtype.size()) as u64;
         let vec = |v: &Vector| (v.len * v.dtype.size()) as u64;
         let lin = |l: &Linear| mat(&l.w) + l.bias.as_ref().map_or(0, vec);
-        let mut total = (self.embed.cols * self.embed.dtype.size()) as u64 + vec(&self.final_norm) + mat(&self.lm_head);
+        let mut total = (self.embed.cols * self.embed.dtype.size()) as u64
+            + vec(&self.final_norm)
+            + mat(&self.lm_head);
         for l in &self.layers {
             total += vec(&l.attn_norm) + vec(&l.mlp_norm);
             total += lin(&l.q) + lin(&l.k) + lin(&l.v) + lin(&l.o);
@@ -204,7 +222,8 @@ impl LlamaModel {
                 }
                 let row = VecView {
                     dtype: e.dtype,
-                    bytes: &e.bytes[tok as usize * h * e.dtype.size()..(tok as usize + 1) * h * e.dtype.size()],
+                    bytes: &e.bytes[tok as usize * h * e.dtype.size()
+                        ..(tok as usize + 1) * h * e.dtype.size()],
                 };
                 for (j, v) in x[t * h..(t + 1) * h].iter_mut().enumerate() {
                     *v = row.get(j);
@@ -242,7 +261,13 @@ impl LlamaModel {
             }
             let w = Leased::acquire(source, &layer.pages)?;
 
-            ops::rms_norm(&x, h, &w.vector(&layer.attn_norm).to_vec(), cfg.rms_norm_eps, &mut xn);
+            ops::rms_norm(
+                &x,
+                h,
+                &w.vector(&layer.attn_norm).to_vec(),
+                cfg.rms_norm_eps,
+                &mut xn,
+            );
             apply_linear(pool, &w, &layer.q, &xn, n, &mut q)?;
             apply_linear(pool, &w, &layer.k, &xn, n, &mut k)?;
             apply_linear(pool, &w, &layer.v, &xn, n, &mut v)?;
@@ -251,7 +276,10 @@ impl LlamaModel {
                 ops::rms_norm_inplace(&mut k, hd, &w.vector(kn).to_vec(), cfg.rms_norm_eps);
             }
             for t in 0..n {
-                let (c, s) = (&cos[t * half..(t + 1) * half], &sin[t * half..(t + 1) * half]);
+                let (c, s) = (
+                    &cos[t * half..(t + 1) * half],
+                    &sin[t * half..(t + 1) * half],
+                );
                 for head in q[t * qd..(t + 1) * qd].chunks_exact_mut(hd) {
                     ops::rope_head(head, c, s);
                 }
@@ -261,11 +289,27 @@ impl LlamaModel {
             }
             kv.append(li, &k, &v)?;
             let (kc, vc) = kv.layer(li);
-            attention(pool, cfg, &q, kc, vc, pos0, n, cfg.sliding_window[li], &mut att);
+            attention(
+                pool,
+                cfg,
+                &q,
+                kc,
+                vc,
+                pos0,
+                n,
+                cfg.sliding_window[li],
+                &mut att,
+            );
             apply_linear(pool, &w, &layer.o, &att, n, &mut o)?;
             ops::add_inplace(&mut x, &o);
 
-            ops::rms_norm(&x, h, &w.vector(&layer.mlp_norm).to_vec(), cfg.rms_norm_eps, &mut xn);
+            ops::rms_norm(
+                &x,
+                h,
+                &w.vector(&layer.mlp_norm).to_vec(),
+                cfg.rms_norm_eps,
+                &mut xn,
+            );
             apply_linear(pool, &w, &layer.gate, &xn, n, &mut g)?;
             apply_linear(pool, &w, &layer.up, &xn, n, &mut u)?;
             ops::silu_mul(&mut g, &u);
@@ -281,7 +325,13 @@ impl LlamaModel {
         let m = rows.len() / h;
         let w = Leased::acquire(source, &[self.final_norm.page, self.lm_head.page])?;
         let mut hn = vec![0f32; m * h];
-        ops::rms_norm(rows, h, &w.vector(&self.final_norm).to_vec(), cfg.rms_norm_eps, &mut hn);
+        ops::rms_norm(
+            rows,
+            h,
+            &w.vector(&self.final_norm).to_vec(),
+            cfg.rms_norm_eps,
+            &mut hn,
+        );
         let mut logits = vec![0f32; m * cfg.vocab_size];
         matmul(pool, &hn, m, w.matrix(&self.lm_head), &mut logits)?;
         Ok(logits)
@@ -338,30 +388,32 @@ fn attention(
     let tasks = n * heads;
     let out_ptr = SendPtr(out.as_mut_ptr());
     pool.for_each_chunk(tasks, |range| {
-      for task in range {
-        let (t, head) = (task / heads, task % heads);
-        let pos = pos0 + t;
-        let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
-        let kvh = head / group;
-        let qv = &q[t * qd + head * hd..t * qd + (head + 1) * hd];
-        let mut scores: Vec<f32> = (lo..=pos)
-            .map(|j| {
-                let kj = &kc[j * kvd + kvh * hd..j * kvd + (kvh + 1) * hd];
-                crate::backend::cpu::matmul::dot_f32(qv, kj) * scale
-            })
-            .collect();
-        ops::softmax_inplace(&mut scores);
-        let mut acc = vec![0f32; hd];
-        for (j, &p) in (lo..=pos).zip(&scores) {
-            let vj = &vc[j * kvd + kvh * hd..j * kvd + (kvh + 1) * hd];
-            crate::backend::cpu::matmul::axpy(&mut acc, p, vj);
+        for task in range {
+            let (t, head) = (task / heads, task % heads);
+            let pos = pos0 + t;
+            let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+            let kvh = head / group;
+            let qv = &q[t * qd + head * hd..t * qd + (head + 1) * hd];
+            let mut scores: Vec<f32> = (lo..=pos)
+                .map(|j| {
+                    let kj = &kc[j * kvd + kvh * hd..j * kvd + (kvh + 1) * hd];
+                    crate::backend::cpu::matmul::dot_f32(qv, kj) * scale
+                })
+                .collect();
+            ops::softmax_inplace(&mut scores);
+            let mut acc = vec![0f32; hd];
+            for (j, &p) in (lo..=pos).zip(&scores) {
+                let vj = &vc[j * kvd + kvh * hd..j * kvd + (kvh + 1) * hd];
+                crate::backend::cpu::matmul::axpy(&mut acc, p, vj);
+            }
+            // SAFETY: each task writes only its own disjoint `hd`-sized slice of `out`
+            // (row t, head `head`), and `out` outlives `for_each`, which returns only after
+            // every task has finished.
+            let dst = unsafe {
+                std::slice::from_raw_parts_mut(out_ptr.get().add(t * qd + head * hd), hd)
+            };
+            dst.copy_from_slice(&acc);
         }
-        // SAFETY: each task writes only its own disjoint `hd`-sized slice of `out`
-        // (row t, head `head`), and `out` outlives `for_each`, which returns only after
-        // every task has finished.
-        let dst = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(t * qd + head * hd), hd) };
-        dst.copy_from_slice(&acc);
-      }
     });
 }
 

@@ -26,8 +26,13 @@ pub fn inv_freq(cfg: &ModelConfig) -> Vec<f32> {
                 .iter()
                 .map(|&f| {
                     let wavelen = 2.0 * std::f32::consts::PI / f;
-                    let scaled = if wavelen > low_freq_wavelen { f / factor } else { f };
-                    let is_medium = !(wavelen < high_freq_wavelen) && !(wavelen > low_freq_wavelen);
+                    let scaled = if wavelen > low_freq_wavelen {
+                        f / factor
+                    } else {
+                        f
+                    };
+                    // wavelen is finite and positive, so this is transformers' `~(w < high) & ~(w > low)`.
+                    let is_medium = wavelen >= high_freq_wavelen && wavelen <= low_freq_wavelen;
                     if is_medium {
                         let smooth = (old_ctx / wavelen - low_freq_factor)
                             / (high_freq_factor - low_freq_factor);

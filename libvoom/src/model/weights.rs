@@ -58,7 +58,10 @@ impl<'a> WeightFinder<'a> {
         if meta.shape != shape {
             return Err(self.err(
                 name,
-                format!("shape {:?}, expected {:?} from config.json", meta.shape, shape),
+                format!(
+                    "shape {:?}, expected {:?} from config.json",
+                    meta.shape, shape
+                ),
             ));
         }
         Ok((id, meta.dtype))

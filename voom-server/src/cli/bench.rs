@@ -64,9 +64,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     if a.synthetic_gb > 0.0 {
         let shape = SynthShape::of_size(a.synthetic_gb);
-        let dir = crate::store::voom_home()?
-            .join("bench")
-            .join(format!("llama-synthetic-{}l-{}h", shape.layers, shape.hidden));
+        let dir = crate::store::voom_home()?.join("bench").join(format!(
+            "llama-synthetic-{}l-{}h",
+            shape.layers, shape.hidden
+        ));
         if !dir.join("config.json").exists() {
             eprintln!(
                 "voom bench: writing a synthetic Llama ({} layers, {:.2} GB BF16) to {}",
@@ -158,7 +159,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
         }
     }
     if a.json {
-        println!("{}", serde_json::json!({ "bench": "decode", "results": results }));
+        println!(
+            "{}",
+            serde_json::json!({ "bench": "decode", "results": results })
+        );
     }
     Ok(())
 }

@@ -191,7 +191,12 @@ pub fn generate_streaming(
 }
 
 /// The `--json` result object.
-pub fn result_json(engine: &Engine, prompt_ids: &[u32], g: &Generation, text: &str) -> serde_json::Value {
+pub fn result_json(
+    engine: &Engine,
+    prompt_ids: &[u32],
+    g: &Generation,
+    text: &str,
+) -> serde_json::Value {
     serde_json::json!({
         "model": engine.name(),
         "profile": "exact",

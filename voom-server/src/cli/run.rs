@@ -50,7 +50,11 @@ pub fn run(a: RunArgs) -> Result<()> {
         return Ok(());
     }
     // Interactive chat.
-    eprintln!("voom: chatting with {} (exact, {}). Ctrl-D to quit.", engine.name(), engine.source().describe());
+    eprintln!(
+        "voom: chatting with {} (exact, {}). Ctrl-D to quit.",
+        engine.name(),
+        engine.source().describe()
+    );
     let stdin = std::io::stdin();
     let mut lines = stdin.lock().lines();
     loop {
@@ -71,7 +75,9 @@ pub fn run(a: RunArgs) -> Result<()> {
             common::text_ids(&engine, &line)?
         };
         match common::generate_streaming(&engine, &ids, &params, true) {
-            Ok((_, text)) => messages.push(serde_json::json!({"role": "assistant", "content": text})),
+            Ok((_, text)) => {
+                messages.push(serde_json::json!({"role": "assistant", "content": text}))
+            }
             Err(e) => {
                 eprintln!("voom: error: {e:#}");
                 messages.pop();

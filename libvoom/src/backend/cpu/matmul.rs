@@ -629,7 +629,7 @@ mod avx2 {
                 _mm_prefetch::<_MM_HINT_T0>(p.cast::<i8>());
                 *p = p.wrapping_add(pf_step);
             }
-            for j in 0..blocks_per_line - 1 {
+            for j in 0..blocks_per_line {
                 block(&mut acc, k + 8 * j);
             }
             k += line_k;
