@@ -546,7 +546,12 @@ mod portable {
         let mut acc = [[[0.0f32; 8]; T]; R];
         let mut k = 0;
         while k < k8 {
-            let wv: [[f32; 8]; R] = std::array::from_fn(|r| load8::<DT>(&wr[r][k * size..]));
+            // Plain loops, not `array::from_fn`, whose closure LLVM may leave
+            // out of line (and the lanes then go through memory).
+            let mut wv = [[0.0f32; 8]; R];
+            for r in 0..R {
+                wv[r] = load8::<DT>(&wr[r][k * size..]);
+            }
             for t in 0..T {
                 let xv = load8_f32(&xr[t][k..]);
                 for r in 0..R {
@@ -656,7 +661,10 @@ mod avx2 {
         let block = |acc: &mut [[__m256; T]; R], k: usize| {
             // SAFETY: callers pass k + 8 <= cols, so every load is in bounds.
             unsafe {
-                let wv: [__m256; R] = std::array::from_fn(|r| load8::<DT>(wp[r].add(k * size)));
+                let mut wv = [_mm256_setzero_ps(); R];
+                for r in 0..R {
+                    wv[r] = load8::<DT>(wp[r].add(k * size));
+                }
                 for t in 0..T {
                     let xv = _mm256_loadu_ps(xp[t].add(k));
                     for r in 0..R {
