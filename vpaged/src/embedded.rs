@@ -168,3 +168,94 @@ impl PageSource for EmbeddedStore {
         format!("embedded:{}", self.dir.display())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use voom_formats::DType;
+
+    use super::*;
+
+    fn write_store(dir: &Path) {
+        let a: Vec<u8> = (0..64u8).collect();
+        let b: Vec<u8> = (0..32u8).map(|x| x.wrapping_mul(7)).collect();
+        voom_formats::safetensors::write(
+            &dir.join("model.safetensors"),
+            &[("a", DType::BF16, &[4, 8], &a), ("b", DType::F32, &[8], &b)],
+            &BTreeMap::new(),
+        )
+        .unwrap();
+    }
+
+    #[test]
+    fn serves_pages_in_place_without_a_manifest() {
+        let d = tempfile::tempdir().unwrap();
+        write_store(d.path());
+        let s = EmbeddedStore::open(d.path(), VerifyMode::FirstUse).unwrap();
+        let a = s.find("a").unwrap().clone();
+        assert_eq!(
+            (a.dtype, a.shape.clone(), a.len),
+            (DType::BF16, vec![4, 8], 64)
+        );
+        let lease = s.acquire(a.id).unwrap();
+        assert_eq!(lease.bytes(), (0..64u8).collect::<Vec<_>>().as_slice());
+        // In place: the lease points into the checkpoint's mapping.
+        let mapped = s.checkpoint().tensor_bytes("a").unwrap();
+        assert_eq!(lease.bytes().as_ptr(), mapped.as_ptr());
+        assert!(matches!(
+            s.acquire(PageId(99)),
+            Err(StoreError::NoSuchPage { id: 99, .. })
+        ));
+    }
+
+    #[test]
+    fn a_flipped_byte_is_never_served_and_names_page_and_tier() {
+        let d = tempfile::tempdir().unwrap();
+        write_store(d.path());
+        let ckpt = Checkpoint::open(d.path()).unwrap();
+        Manifest::build(&ckpt, &mut |_, _| {})
+            .save(d.path())
+            .unwrap();
+        let off = ckpt.get("b").unwrap().info.offset as usize;
+        drop(ckpt);
+        let f = d.path().join("model.safetensors");
+        let mut bytes = std::fs::read(&f).unwrap();
+        bytes[off + 3] ^= 1;
+        std::fs::write(&f, bytes).unwrap();
+
+        let s = EmbeddedStore::open(d.path(), VerifyMode::FirstUse).unwrap();
+        assert!(s.acquire(s.find("a").unwrap().id).is_ok());
+        let err = s.acquire(s.find("b").unwrap().id).unwrap_err();
+        match &err {
+            StoreError::Integrity {
+                page,
+                tier,
+                expected,
+                actual,
+            } => {
+                assert_eq!(page, "b");
+                assert!(tier.contains("model.safetensors"), "{tier}");
+                assert_ne!(expected, actual);
+            }
+            other => panic!("expected an integrity error, got {other}"),
+        }
+        // Eager verification refuses to open the store at all.
+        assert!(EmbeddedStore::open(d.path(), VerifyMode::Eager).is_err());
+        // Verification off serves the bytes as they are.
+        let s = EmbeddedStore::open(d.path(), VerifyMode::Off).unwrap();
+        assert!(s.acquire(s.find("b").unwrap().id).is_ok());
+    }
+
+    #[test]
+    fn a_stale_manifest_is_an_error() {
+        let d = tempfile::tempdir().unwrap();
+        write_store(d.path());
+        let ckpt = Checkpoint::open(d.path()).unwrap();
+        let mut m = Manifest::build(&ckpt, &mut |_, _| {});
+        drop(ckpt);
+        m.pages[0].shape = vec![8, 4];
+        m.save(d.path()).unwrap();
+        assert!(EmbeddedStore::open(d.path(), VerifyMode::FirstUse).is_err());
+    }
+}

@@ -2,8 +2,11 @@
 //!
 //! A decode step issues a few hundred small matmuls (0.1-2 MB of weights each, tens
 //! of microseconds at memory bandwidth), so dispatch must cost far less than that.
-//! Workers are long-lived, spin on an epoch counter for a short while after each job
-//! (the next matmul usually follows within microseconds) and then park on a condvar.
+//! Workers are long-lived and poll an epoch counter after each job (the next matmul
+//! usually follows within microseconds): a few microseconds of pure spinning, then
+//! polling with `yield_now` in between for [`DEFAULT_SPIN`], then they park on a
+//! condvar. Measured here: an empty two-chunk job costs 0.2-0.7 µs (rayon's
+//! `install` + `join`: 12-24 µs).
 //! The calling thread always takes part in the work, so a pool of `n` threads spawns
 //! `n - 1` workers.
 //!
