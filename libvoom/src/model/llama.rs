@@ -7,7 +7,7 @@
 
 use vpaged::{PageId, PageSource};
 
-use crate::backend::cpu::matmul::matmul;
+use crate::backend::cpu::matmul::{self, matmul};
 use crate::backend::cpu::ops::{self, VecView};
 use crate::backend::cpu::threads::ThreadPool;
 use crate::config::ModelConfig;
@@ -387,32 +387,26 @@ fn attention(
     // One task per (token, head): each output row is computed by one fixed loop.
     let tasks = n * heads;
     let out_ptr = SendPtr(out.as_mut_ptr());
+    let max_keys = window.map_or(pos0 + n, |w| w.min(pos0 + n));
     pool.for_each_chunk(tasks, |range| {
+        let mut scores = vec![0f32; max_keys];
         for task in range {
             let (t, head) = (task / heads, task % heads);
             let pos = pos0 + t;
             let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
             let kvh = head / group;
             let qv = &q[t * qd + head * hd..t * qd + (head + 1) * hd];
-            let mut scores: Vec<f32> = (lo..=pos)
-                .map(|j| {
-                    let kj = &kc[j * kvd + kvh * hd..j * kvd + (kvh + 1) * hd];
-                    crate::backend::cpu::matmul::dot_f32(qv, kj) * scale
-                })
-                .collect();
-            ops::softmax_inplace(&mut scores);
-            let mut acc = vec![0f32; hd];
-            for (j, &p) in (lo..=pos).zip(&scores) {
-                let vj = &vc[j * kvd + kvh * hd..j * kvd + (kvh + 1) * hd];
-                crate::backend::cpu::matmul::axpy(&mut acc, p, vj);
-            }
+            let s = &mut scores[..pos + 1 - lo];
+            let base = lo * kvd + kvh * hd;
+            matmul::attention_scores(qv, &kc[base..], kvd, scale, s);
+            ops::softmax_inplace(s);
             // SAFETY: each task writes only its own disjoint `hd`-sized slice of `out`
-            // (row t, head `head`), and `out` outlives `for_each`, which returns only after
-            // every task has finished.
+            // (row t, head `head`), and `out` outlives `for_each_chunk`, which returns
+            // only after every task has finished.
             let dst = unsafe {
                 std::slice::from_raw_parts_mut(out_ptr.get().add(t * qd + head * hd), hd)
             };
-            dst.copy_from_slice(&acc);
+            matmul::weighted_sum(s, &vc[base..], kvd, dst);
         }
     });
 }

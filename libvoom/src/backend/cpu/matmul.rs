@@ -342,6 +342,71 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     portable::dot_f32(a, b)
 }
 
+/// Attention scores of one query against `scores.len()` keys laid out with `stride`
+/// floats between consecutive keys (the key of position `j` starts at `j * stride`):
+/// `scores[j] = dot_f32(q, key_j) * scale`, each with [`dot_f32`]'s bits. One dispatch
+/// per call, so the per-key work is inlined.
+///
+/// # Panics
+/// If `keys` is too short for `scores.len()` keys of `q.len()` floats.
+pub fn attention_scores(q: &[f32], keys: &[f32], stride: usize, scale: f32, scores: &mut [f32]) {
+    let n = scores.len();
+    if n == 0 {
+        return;
+    }
+    assert!(
+        (n - 1) * stride + q.len() <= keys.len(),
+        "attention_scores: {n} keys of {} floats at stride {stride} exceed {} floats",
+        q.len(),
+        keys.len()
+    );
+    #[cfg(target_arch = "x86_64")]
+    if Isa::detect() == Isa::Avx2 {
+        // SAFETY: features checked; every key slice is in bounds (asserted above).
+        unsafe {
+            return avx2::attention_scores(q, keys, stride, scale, scores);
+        }
+    }
+    let d = q.len();
+    for (j, s) in scores.iter_mut().enumerate() {
+        *s = portable::dot_f32(q, &keys[j * stride..j * stride + d]) * scale;
+    }
+}
+
+/// `out = Σ_j fma(p[j], value_j, out)` from `out = 0`, in increasing `j`, with the
+/// value of position `j` at `j * stride` (each element with [`axpy`]'s bits).
+///
+/// # Panics
+/// If `values` is too short for `p.len()` values of `out.len()` floats.
+pub fn weighted_sum(p: &[f32], values: &[f32], stride: usize, out: &mut [f32]) {
+    out.fill(0.0);
+    let n = p.len();
+    if n == 0 {
+        return;
+    }
+    let d = out.len();
+    assert!(
+        (n - 1) * stride + d <= values.len(),
+        "weighted_sum: {n} values of {d} floats at stride {stride} exceed {} floats",
+        values.len()
+    );
+    #[cfg(target_arch = "x86_64")]
+    if Isa::detect() == Isa::Avx2 {
+        // SAFETY: features checked; every value slice is in bounds (asserted above).
+        unsafe {
+            for (j, &pj) in p.iter().enumerate() {
+                avx2::axpy(out, pj, &values[j * stride..j * stride + d]);
+            }
+        }
+        return;
+    }
+    for (j, &pj) in p.iter().enumerate() {
+        for (o, &v) in out.iter_mut().zip(&values[j * stride..j * stride + d]) {
+            *o = pj.mul_add(v, *o);
+        }
+    }
+}
+
 /// `y[i] = fma(a, x[i], y[i])` for every `i` (one fused rounding per element).
 ///
 /// # Panics
@@ -760,6 +825,23 @@ mod avx2 {
     }
 
     /// # Safety
+    /// CPU has AVX2+FMA+F16C; `(scores.len() - 1) * stride + q.len() <= keys.len()`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn attention_scores(
+        q: &[f32],
+        keys: &[f32],
+        stride: usize,
+        scale: f32,
+        scores: &mut [f32],
+    ) {
+        let d = q.len();
+        for (j, s) in scores.iter_mut().enumerate() {
+            // SAFETY: the caller's bound covers key j; features as the caller's.
+            *s = unsafe { dot_f32(q, keys.get_unchecked(j * stride..j * stride + d)) } * scale;
+        }
+    }
+
+    /// # Safety
     /// CPU has AVX2+FMA+F16C; `y.len() == x.len()`.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
@@ -1096,6 +1178,35 @@ mod tests {
         ));
         // Empty calls are fine.
         matmul(&pool, &[], 0, w, &mut []).unwrap();
+    }
+
+    #[test]
+    fn attention_kernels_have_dot_and_axpy_bits() {
+        let mut rng = ChaCha8Rng::seed_from_u64(11);
+        for d in [8usize, 13, 64] {
+            let stride = d + 5;
+            let n = 9;
+            let q: Vec<f32> = (0..d).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            let kv: Vec<f32> = (0..n * stride).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            let mut s = vec![0f32; n];
+            attention_scores(&q, &kv, stride, 0.125, &mut s);
+            for j in 0..n {
+                assert_eq!(
+                    s[j].to_bits(),
+                    (dot_f32(&q, &kv[j * stride..j * stride + d]) * 0.125).to_bits()
+                );
+            }
+            let mut out = vec![1f32; d];
+            weighted_sum(&s, &kv, stride, &mut out);
+            let mut want = vec![0f32; d];
+            for j in 0..n {
+                axpy(&mut want, s[j], &kv[j * stride..j * stride + d]);
+            }
+            assert_eq!(
+                out.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                want.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+            );
+        }
     }
 
     #[test]
