@@ -13,6 +13,7 @@
 pub mod embedded;
 pub mod error;
 pub mod source;
+pub mod tier;
 
 pub use embedded::{EmbeddedStore, VerifyMode};
 pub use error::StoreError;
