@@ -18,6 +18,11 @@ pub enum StoreError {
         expected: String,
         actual: String,
     },
+    #[error(transparent)]
+    Tier(crate::tier::TierError),
+    /// No tier could serve the page's bytes.
+    #[error("page '{page}' is unavailable on every tier: {}", reasons.join("; "))]
+    Unavailable { page: String, reasons: Vec<String> },
     #[error("model store {store}: {detail}")]
     Store { store: PathBuf, detail: String },
 }

@@ -12,6 +12,7 @@
 
 pub mod embedded;
 pub mod error;
+pub mod loader;
 pub mod source;
 pub mod tier;
 

@@ -1,0 +1,283 @@
+//! Filling a page's bytes from the fastest tier that holds a verified copy.
+//!
+//! Order: the fast tier's staged copy (by blake3), then the primary store, then the
+//! NAS copy of the model. Every copy is hashed after it is read (and decoded) and
+//! before the caller may use it; a copy that fails is recorded as an integrity
+//! failure on its tier and the next tier is tried. Only when no tier yields the
+//! manifest's bytes does the load fail, with every tier's reason.
+
+use voom_formats::manifest::PageEntry;
+
+use crate::tier::{Extent, FastTier, FileTier, NasTier, TierError};
+use crate::StoreError;
+
+/// The tier a page was served from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Served {
+    Fast,
+    Primary,
+    Nas,
+}
+
+/// The tiers of one model store.
+pub struct PageLoader<'a> {
+    pub fast: Option<&'a FastTier>,
+    pub primary: &'a FileTier,
+    pub nas: Option<&'a NasTier>,
+}
+
+impl PageLoader<'_> {
+    /// Fills `buf` (the page's decoded length) with the page's verified bytes.
+    pub fn load(&self, entry: &PageEntry, buf: &mut [u8]) -> Result<Served, StoreError> {
+        let mut failures: Vec<String> = Vec::new();
+        let mut integrity: Option<StoreError> = None;
+
+        if let Some(fast) = self.fast.filter(|f| f.contains(&entry.blake3)) {
+            match fast.read(&entry.blake3, buf) {
+                Ok(()) => match check(entry, buf, fast.name()) {
+                    Ok(()) => return Ok(Served::Fast),
+                    Err(e) => {
+                        fast.counters().record_integrity_failure();
+                        failures.push(e.to_string());
+                        integrity = Some(e);
+                    }
+                },
+                Err(e) => failures.push(e.to_string()),
+            }
+        }
+
+        let raw = Extent {
+            file: entry.file.clone(),
+            offset: entry.offset,
+            len: entry.len,
+        };
+        match self.primary.read_extent(&raw, buf) {
+            Ok(()) => match check(entry, buf, self.primary.name()) {
+                Ok(()) => return Ok(Served::Primary),
+                Err(e) => {
+                    self.primary.counters().record_integrity_failure();
+                    failures.push(e.to_string());
+                    integrity = Some(e);
+                }
+            },
+            Err(e) => failures.push(e.to_string()),
+        }
+
+        if let Some(nas) = self.nas {
+            match nas.read_extent(&raw, buf) {
+                Ok(()) => match check(entry, buf, nas.name()) {
+                    Ok(()) => return Ok(Served::Nas),
+                    Err(e) => {
+                        failures.push(e.to_string());
+                        integrity = Some(e);
+                    }
+                },
+                Err(e) => failures.push(e.to_string()),
+            }
+        }
+
+        // Every tier failed. A single integrity failure with no other tier to try
+        // is reported as such; otherwise every tier's reason is listed.
+        match integrity {
+            Some(e) if failures.len() == 1 => Err(e),
+            _ => Err(StoreError::Unavailable {
+                page: entry.name.clone(),
+                reasons: failures,
+            }),
+        }
+    }
+}
+
+fn check(entry: &PageEntry, bytes: &[u8], tier: &str) -> Result<(), StoreError> {
+    let actual = blake3::hash(bytes).to_hex();
+    if actual.as_str() == entry.blake3 {
+        Ok(())
+    } else {
+        Err(StoreError::Integrity {
+            page: entry.name.clone(),
+            tier: tier.to_string(),
+            expected: entry.blake3.clone(),
+            actual: actual.to_string(),
+        })
+    }
+}
+
+impl From<TierError> for StoreError {
+    fn from(e: TierError) -> Self {
+        StoreError::Tier(e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+    use std::path::{Path, PathBuf};
+    use std::time::Duration;
+
+    use voom_formats::{Checkpoint, DType, Manifest};
+
+    use super::*;
+    use crate::tier::NasConfig;
+
+    struct Fixture {
+        _dir: tempfile::TempDir,
+        primary_dir: PathBuf,
+        nas_mount: PathBuf,
+        fast_dir: PathBuf,
+        manifest: Manifest,
+    }
+
+    fn fixture() -> Fixture {
+        let d = tempfile::tempdir().unwrap();
+        let primary_dir = d.path().join("primary/m");
+        std::fs::create_dir_all(&primary_dir).unwrap();
+        let a: Vec<u8> = (0..=255u8).cycle().take(4096).collect();
+        let b: Vec<u8> = (0..64u8).map(|x| x.wrapping_mul(13)).collect();
+        voom_formats::safetensors::write(
+            &primary_dir.join("model.safetensors"),
+            &[
+                ("a", DType::BF16, &[64, 32], &a),
+                ("b", DType::F32, &[16], &b),
+            ],
+            &BTreeMap::new(),
+        )
+        .unwrap();
+        let manifest = Manifest::build(&Checkpoint::open(&primary_dir).unwrap(), &mut |_, _| {});
+        let nas_mount = d.path().join("nas");
+        std::fs::create_dir_all(nas_mount.join("m")).unwrap();
+        std::fs::copy(
+            primary_dir.join("model.safetensors"),
+            nas_mount.join("m/model.safetensors"),
+        )
+        .unwrap();
+        Fixture {
+            fast_dir: d.path().join("fast"),
+            primary_dir,
+            nas_mount,
+            manifest,
+            _dir: d,
+        }
+    }
+
+    fn flip(path: &Path, at: u64) {
+        let mut bytes = std::fs::read(path).unwrap();
+        bytes[at as usize] ^= 0x10;
+        std::fs::write(path, bytes).unwrap();
+    }
+
+    fn nas(f: &Fixture) -> NasTier {
+        NasTier::new(
+            "nas",
+            NasConfig {
+                mount: f.nas_mount.clone(),
+                model: "m".into(),
+                timeout: Duration::from_secs(2),
+                recheck: Duration::ZERO,
+                remount_command: None,
+            },
+        )
+    }
+
+    #[test]
+    fn serves_from_the_fastest_verified_copy_and_skips_bad_ones() {
+        let f = fixture();
+        let primary = FileTier::new("primary", &f.primary_dir);
+        let fast = FastTier::open("fast", &f.fast_dir, 1 << 20).unwrap();
+        let nas = nas(&f);
+        let loader = PageLoader {
+            fast: Some(&fast),
+            primary: &primary,
+            nas: Some(&nas),
+        };
+        let a = f.manifest.page("a").unwrap();
+        let mut buf = vec![0u8; a.len as usize];
+        assert_eq!(loader.load(a, &mut buf).unwrap(), Served::Primary);
+        let good = buf.clone();
+
+        fast.stage(&a.blake3, &good).unwrap();
+        buf.fill(0);
+        assert_eq!(loader.load(a, &mut buf).unwrap(), Served::Fast);
+        assert_eq!(buf, good);
+
+        // A flipped byte in the fast copy: detected, and the primary serves.
+        let staged = f
+            .fast_dir
+            .join(&a.blake3[..2])
+            .join(format!("{}.page", a.blake3));
+        flip(&staged, 100);
+        buf.fill(0);
+        assert_eq!(loader.load(a, &mut buf).unwrap(), Served::Primary);
+        assert_eq!(buf, good);
+        assert_eq!(fast.stats().integrity_failures, 1);
+
+        // And in the primary too: the NAS copy serves.
+        flip(&f.primary_dir.join("model.safetensors"), a.offset + 7);
+        primary.reopen();
+        buf.fill(0);
+        assert_eq!(loader.load(a, &mut buf).unwrap(), Served::Nas);
+        assert_eq!(buf, good);
+        assert_eq!(primary.stats().integrity_failures, 1);
+
+        // Everywhere: an error naming the page and every tier's reason.
+        flip(&f.nas_mount.join("m/model.safetensors"), a.offset + 9);
+        let e = loader.load(a, &mut buf).unwrap_err().to_string();
+        assert!(
+            e.contains("'a'") && e.contains("fast") && e.contains("primary") && e.contains("nas"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_lone_tier_reports_integrity_with_both_hashes() {
+        let f = fixture();
+        let primary = FileTier::new("primary", &f.primary_dir);
+        let loader = PageLoader {
+            fast: None,
+            primary: &primary,
+            nas: None,
+        };
+        let b = f.manifest.page("b").unwrap();
+        flip(&f.primary_dir.join("model.safetensors"), b.offset);
+        let mut buf = vec![0u8; b.len as usize];
+        match loader.load(b, &mut buf).unwrap_err() {
+            StoreError::Integrity {
+                page,
+                tier,
+                expected,
+                actual,
+            } => {
+                assert_eq!((page.as_str(), tier.as_str()), ("b", "primary"));
+                assert_eq!(expected, b.blake3);
+                assert_ne!(actual, expected);
+            }
+            other => panic!("{other}"),
+        }
+    }
+
+    #[test]
+    fn a_truncated_file_is_an_error_not_a_panic() {
+        let f = fixture();
+        let p = f.primary_dir.join("model.safetensors");
+        let len = std::fs::metadata(&p).unwrap().len();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&p)
+            .unwrap()
+            .set_len(len - 10)
+            .unwrap();
+        let primary = FileTier::new("primary", &f.primary_dir);
+        let loader = PageLoader {
+            fast: None,
+            primary: &primary,
+            nas: None,
+        };
+        let b = f.manifest.page("b").unwrap();
+        let mut buf = vec![0u8; b.len as usize];
+        let e = loader.load(b, &mut buf).unwrap_err().to_string();
+        assert!(
+            e.contains("model.safetensors") && e.contains("ends before"),
+            "{e}"
+        );
+    }
+}
