@@ -1,0 +1,288 @@
+//! The daemon's configuration: command-line flags, environment variables and a TOML
+//! config file, in that order of precedence, over built-in defaults.
+//!
+//! ```toml
+//! socket = "/run/user/1000/vpaged.sock"
+//! cache_size = "2GiB"
+//! fast_tier = "/Volumes/fast/vpaged"
+//! fast_tier_size = "20GiB"
+//! pin_first_layers = 1
+//! pin_last_layers = 1
+//!
+//! [[nas]]
+//! mount = "/Volumes/nas"
+//! timeout = "5s"
+//! remount_command = "mount -a"
+//! ```
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+/// A byte count written as `123`, `512MiB`, `8GiB`, `1.5GB` (binary and decimal
+/// suffixes, case-insensitive; `B` optional).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct ByteSize(pub u64);
+
+impl std::str::FromStr for ByteSize {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let t = s.trim();
+        let split = t
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .unwrap_or(t.len());
+        let (num, unit) = t.split_at(split);
+        let num: f64 = num
+            .parse()
+            .map_err(|_| format!("'{s}' is not a byte size (e.g. 512MiB, 8GiB)"))?;
+        let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+            "" | "b" => 1,
+            "k" | "kb" => 1_000,
+            "m" | "mb" => 1_000_000,
+            "g" | "gb" => 1_000_000_000,
+            "t" | "tb" => 1_000_000_000_000,
+            "ki" | "kib" => 1 << 10,
+            "mi" | "mib" => 1 << 20,
+            "gi" | "gib" => 1 << 30,
+            "ti" | "tib" => 1 << 40,
+            other => return Err(format!("unknown byte unit '{other}' in '{s}'")),
+        };
+        let v = num * mult as f64;
+        if !v.is_finite() || v < 0.0 || v > u64::MAX as f64 {
+            return Err(format!("byte size '{s}' is out of range"));
+        }
+        Ok(ByteSize(v.round() as u64))
+    }
+}
+
+impl<'de> Deserialize<'de> for ByteSize {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            N(u64),
+            S(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::N(n) => Ok(ByteSize(n)),
+            Raw::S(s) => s.parse().map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+/// A duration written as `250ms`, `5s`, `2m`.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("'{s}' is not a duration (e.g. 500ms, 5s)"))?;
+    let secs = match unit.trim() {
+        "ms" => n / 1000.0,
+        "" | "s" => n,
+        "m" | "min" => n * 60.0,
+        other => return Err(format!("unknown duration unit '{other}' in '{s}'")),
+    };
+    Duration::try_from_secs_f64(secs).map_err(|e| format!("duration '{s}': {e}"))
+}
+
+fn de_duration<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+    let s: Option<String> = Option::deserialize(d)?;
+    s.map(|s| parse_duration(&s).map_err(serde::de::Error::custom))
+        .transpose()
+}
+
+/// A NAS mount holding model stores.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NasMount {
+    pub mount: PathBuf,
+    #[serde(default, deserialize_with = "de_duration")]
+    pub timeout: Option<Duration>,
+    #[serde(default)]
+    pub remount_command: Option<String>,
+}
+
+/// The config file's contents; every key optional.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    pub socket: Option<PathBuf>,
+    pub cache_size: Option<ByteSize>,
+    pub fast_tier: Option<PathBuf>,
+    pub fast_tier_size: Option<ByteSize>,
+    pub pin_first_layers: Option<u32>,
+    pub pin_last_layers: Option<u32>,
+    #[serde(default)]
+    pub nas: Vec<NasMount>,
+}
+
+impl FileConfig {
+    pub fn load(path: &Path) -> Result<Self, String> {
+        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
+    }
+}
+
+/// Flags and environment variables (both optional: unset ones fall back to the file).
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct DaemonArgs {
+    /// Unix socket to listen on.
+    #[arg(long, env = "VPAGED_SOCKET")]
+    pub socket: Option<PathBuf>,
+    /// Shared page cache size (e.g. 2GiB).
+    #[arg(long, env = "VPAGED_CACHE_SIZE")]
+    pub cache_size: Option<ByteSize>,
+    /// Fast tier directory (staged copies of hot pages).
+    #[arg(long, env = "VPAGED_FAST_TIER")]
+    pub fast_tier: Option<PathBuf>,
+    /// Fast tier capacity (e.g. 20GiB).
+    #[arg(long, env = "VPAGED_FAST_TIER_SIZE")]
+    pub fast_tier_size: Option<ByteSize>,
+    /// Keep the first N decoder layers of each model resident.
+    #[arg(long, env = "VPAGED_PIN_FIRST_LAYERS")]
+    pub pin_first_layers: Option<u32>,
+    /// Keep the last N decoder layers of each model resident.
+    #[arg(long, env = "VPAGED_PIN_LAST_LAYERS")]
+    pub pin_last_layers: Option<u32>,
+    /// TOML config file.
+    #[arg(long, env = "VPAGED_CONFIG")]
+    pub config: Option<PathBuf>,
+}
+
+/// The resolved configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DaemonConfig {
+    pub socket: PathBuf,
+    pub cache_size: u64,
+    pub fast_tier: Option<PathBuf>,
+    pub fast_tier_size: u64,
+    pub pin_first_layers: u32,
+    pub pin_last_layers: u32,
+    pub nas: Vec<NasMount>,
+}
+
+/// `$XDG_RUNTIME_DIR/vpaged.sock`, else `$HOME/.voom/vpaged.sock`.
+pub fn default_socket() -> PathBuf {
+    if let Some(d) = std::env::var_os("XDG_RUNTIME_DIR") {
+        return PathBuf::from(d).join("vpaged.sock");
+    }
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/tmp"));
+    home.join(".voom").join("vpaged.sock")
+}
+
+impl DaemonConfig {
+    /// Flags/environment over the config file over defaults.
+    pub fn resolve(args: &DaemonArgs) -> Result<Self, String> {
+        let file = match &args.config {
+            Some(p) => FileConfig::load(p)?,
+            None => FileConfig::default(),
+        };
+        Self::merge(args, &file)
+    }
+
+    pub fn merge(args: &DaemonArgs, file: &FileConfig) -> Result<Self, String> {
+        let fast_tier = args.fast_tier.clone().or_else(|| file.fast_tier.clone());
+        let fast_tier_size = args.fast_tier_size.or(file.fast_tier_size).map(|b| b.0);
+        if fast_tier.is_some() && fast_tier_size.is_none() {
+            return Err("a fast tier needs a size (--fast-tier-size, VPAGED_FAST_TIER_SIZE or fast_tier_size)".into());
+        }
+        let cache_size = args.cache_size.or(file.cache_size).map_or(2 << 30, |b| b.0);
+        if cache_size < (16 << 10) {
+            return Err(format!(
+                "cache size {cache_size} bytes is below one 16 KiB slot"
+            ));
+        }
+        Ok(DaemonConfig {
+            socket: args
+                .socket
+                .clone()
+                .or_else(|| file.socket.clone())
+                .unwrap_or_else(default_socket),
+            cache_size,
+            fast_tier,
+            fast_tier_size: fast_tier_size.unwrap_or(0),
+            pin_first_layers: args.pin_first_layers.or(file.pin_first_layers).unwrap_or(0),
+            pin_last_layers: args.pin_last_layers.or(file.pin_last_layers).unwrap_or(0),
+            nas: file.nas.clone(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_sizes() {
+        assert_eq!("8GiB".parse::<ByteSize>().unwrap().0, 8 << 30);
+        assert_eq!("512mib".parse::<ByteSize>().unwrap().0, 512 << 20);
+        assert_eq!("1.5GB".parse::<ByteSize>().unwrap().0, 1_500_000_000);
+        assert_eq!("4096".parse::<ByteSize>().unwrap().0, 4096);
+        assert!("12 parsecs"
+            .parse::<ByteSize>()
+            .unwrap_err()
+            .contains("parsecs"));
+        assert!("GiB".parse::<ByteSize>().is_err());
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
+        assert_eq!(parse_duration("5s").unwrap(), Duration::from_secs(5));
+        assert!(parse_duration("5 fortnights").is_err());
+    }
+
+    #[test]
+    fn flags_override_the_file_which_overrides_defaults() {
+        let file: FileConfig = toml::from_str(
+            r#"
+            cache_size = "1GiB"
+            fast_tier = "/fast"
+            fast_tier_size = "20GiB"
+            pin_last_layers = 2
+            [[nas]]
+            mount = "/mnt/nas"
+            timeout = "3s"
+            remount_command = "mount -a"
+            "#,
+        )
+        .unwrap();
+        let args = DaemonArgs {
+            cache_size: Some(ByteSize(3 << 30)),
+            ..Default::default()
+        };
+        let c = DaemonConfig::merge(&args, &file).unwrap();
+        assert_eq!(c.cache_size, 3 << 30);
+        assert_eq!(c.fast_tier.as_deref(), Some(Path::new("/fast")));
+        assert_eq!(c.fast_tier_size, 20 << 30);
+        assert_eq!((c.pin_first_layers, c.pin_last_layers), (0, 2));
+        assert_eq!(c.nas[0].timeout, Some(Duration::from_secs(3)));
+        let c = DaemonConfig::merge(&DaemonArgs::default(), &FileConfig::default()).unwrap();
+        assert_eq!(c.cache_size, 2 << 30);
+    }
+
+    #[test]
+    fn bad_configs_are_clear_errors() {
+        let e = toml::from_str::<FileConfig>("cache_sise = \"1GiB\"")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("cache_sise"), "{e}");
+        let e = DaemonConfig::merge(
+            &DaemonArgs {
+                fast_tier: Some("/f".into()),
+                ..Default::default()
+            },
+            &FileConfig::default(),
+        )
+        .unwrap_err();
+        assert!(e.contains("fast-tier-size"), "{e}");
+    }
+}
