@@ -10,11 +10,14 @@
 //! checkpoint files in the engine's own process, verified against the page manifest
 //! when there is one). The daemon and its shared page cache plug into the same seam.
 
+pub mod arena;
+pub mod cache;
 pub mod config;
 pub mod embedded;
 pub mod error;
 pub mod loader;
 pub mod source;
+pub mod store;
 pub mod tier;
 
 pub use embedded::{EmbeddedStore, VerifyMode};

@@ -1,0 +1,135 @@
+//! DESIGN.md invariant 1: paging is invisible to arithmetic. The same model gives
+//! the same ids and the same logits bits whether its pages come from the embedded
+//! mapping or through the store core's shared page cache, with an ample budget or
+//! one smaller than a decoder layer (streaming), and from the fast tier.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use libvoom::engine::{Engine, EngineOptions};
+use vpaged::store::{Store, StoreConfig, StoreSource};
+
+fn fixture_copy(case: &str) -> (tempfile::TempDir, PathBuf) {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures/tiny")
+        .join(case);
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path().join(case);
+    std::fs::create_dir_all(&dir).unwrap();
+    for e in std::fs::read_dir(&src).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), dir.join(e.file_name())).unwrap();
+    }
+    let ckpt = voom_formats::Checkpoint::open(&dir).unwrap();
+    voom_formats::Manifest::build(&ckpt, &mut |_, _| {})
+        .save(&dir)
+        .unwrap();
+    (d, dir)
+}
+
+fn run(engine: &Engine, prompt: &[u32]) -> (Vec<u32>, Vec<u32>) {
+    let mut kv = engine.new_kv();
+    let logits = engine.forward_all(&mut kv, prompt).unwrap();
+    let params = libvoom::engine::GenerateParams {
+        max_new_tokens: 12,
+        ..Default::default()
+    };
+    let g = engine
+        .generate(
+            prompt,
+            &params,
+            &mut |_| std::ops::ControlFlow::Continue(()),
+        )
+        .unwrap();
+    (logits.iter().map(|v| v.to_bits()).collect(), g.ids)
+}
+
+fn largest_layer_bytes(dir: &Path) -> usize {
+    let m = voom_formats::Manifest::load(dir).unwrap().unwrap();
+    let mut per_layer = std::collections::HashMap::new();
+    for p in &m.pages {
+        if let voom_formats::manifest::PageGroup::Layer(l) = p.group {
+            *per_layer.entry(l).or_insert(0usize) += p.len as usize;
+        }
+    }
+    per_layer.into_values().max().unwrap()
+}
+
+#[test]
+fn store_core_gives_the_embedded_bits_at_any_budget() {
+    for case in ["llama_gqa_untied", "qwen2_bias_tied", "llama_sharded"] {
+        let (_d, dir) = fixture_copy(case);
+        let prompt: Vec<u32> = (0..21).map(|i| (i * 17 + 3) % 200).collect();
+        let reference = run(
+            &Engine::open(&dir, EngineOptions::default()).unwrap(),
+            &prompt,
+        );
+
+        let layer = largest_layer_bytes(&dir);
+        let largest_page = voom_formats::Manifest::load(&dir)
+            .unwrap()
+            .unwrap()
+            .pages
+            .iter()
+            .map(|p| p.len as usize)
+            .max()
+            .unwrap();
+        // Ample, and smaller than one layer (but room for the largest page and a
+        // layer's small pages: the engine leases a layer's pages together).
+        for budget in [
+            64 << 20,
+            (layer / 2).max(largest_page * 2).next_multiple_of(16 << 10) + (256 << 10),
+        ] {
+            let store = Store::new(StoreConfig {
+                cache_bytes: budget,
+                ..Default::default()
+            })
+            .unwrap();
+            let src = StoreSource::open(Arc::clone(&store), &dir).unwrap();
+            let e = Engine::with_source(&dir, Arc::new(src), EngineOptions::default()).unwrap();
+            assert_eq!(run(&e, &prompt), reference, "{case}: budget {budget}");
+            let s = store.cache_stats();
+            assert!(s.misses > 0 && s.bytes_loaded > 0, "{case}: {s:?}");
+        }
+    }
+}
+
+#[test]
+fn pages_from_the_fast_tier_give_the_same_bits() {
+    let (d, dir) = fixture_copy("llama_gqa_untied");
+    let prompt: Vec<u32> = (0..9).map(|i| (i * 5 + 1) % 200).collect();
+    let reference = run(
+        &Engine::open(&dir, EngineOptions::default()).unwrap(),
+        &prompt,
+    );
+    let fast = d.path().join("fast");
+    {
+        let store = Store::new(StoreConfig {
+            cache_bytes: 64 << 20,
+            fast_tier: Some((fast.clone(), 64 << 20)),
+            ..Default::default()
+        })
+        .unwrap();
+        let src = StoreSource::open(Arc::clone(&store), &dir).unwrap();
+        let e = Engine::with_source(&dir, Arc::new(src), EngineOptions::default()).unwrap();
+        run(&e, &prompt);
+        let (pages, bytes) = store.stage_hot(0, u64::MAX).unwrap();
+        assert!(pages > 0 && bytes > 0);
+    }
+    // A new store (cold cache) over the same fast tier: pages come from it.
+    let store = Store::new(StoreConfig {
+        cache_bytes: 64 << 20,
+        fast_tier: Some((fast, 64 << 20)),
+        ..Default::default()
+    })
+    .unwrap();
+    let src = StoreSource::open(Arc::clone(&store), &dir).unwrap();
+    let e = Engine::with_source(&dir, Arc::new(src), EngineOptions::default()).unwrap();
+    assert_eq!(run(&e, &prompt), reference);
+    let m = store.model(0).unwrap();
+    let [fast_served, primary_served, _] = m.served_counts();
+    assert!(
+        fast_served > 0,
+        "fast {fast_served}, primary {primary_served}"
+    );
+}

@@ -1,0 +1,403 @@
+//! The shared-memory arena that holds the page cache's slots.
+//!
+//! One region of `capacity` bytes backed by an anonymous shared-memory file: a sealed
+//! `memfd` on Linux, a POSIX `shm_open` object (unlinked at once) on macOS and other
+//! Unixes. The owner (the daemon or the embedded store) maps it read-write through
+//! [`Arena`]; an engine in another process receives the file descriptor (SCM_RIGHTS,
+//! done by the protocol layer) and maps it read-only through [`ArenaView`].
+//!
+//! Invariants:
+//! - The capacity is a multiple of [`SLOT_ALIGN`] (16 KiB), so every slot offset handed
+//!   out by the cache is 16 KiB aligned in both mappings (Apple's Metal can wrap such
+//!   memory without copying).
+//! - On Linux the size is sealed (`F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL`): no
+//!   process holding the descriptor can shrink it under another's mapping (which would
+//!   turn reads into SIGBUS). [`ArenaView::map_readonly`] refuses an unsealed memfd.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsFd, BorrowedFd, FromRawFd, OwnedFd};
+
+use memmap2::{MmapOptions, MmapRaw};
+
+/// Alignment and granularity of cache slots: 16 KiB (Apple Silicon's page size, the
+/// unit Metal's no-copy buffers need).
+pub const SLOT_ALIGN: usize = 16 * 1024;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ArenaError {
+    #[error("arena capacity {capacity} bytes is smaller than one {SLOT_ALIGN}-byte slot")]
+    TooSmall { capacity: usize },
+    #[error("cannot {what} for the shared-memory arena of {capacity} bytes: {source}")]
+    Os {
+        what: &'static str,
+        capacity: usize,
+        #[source]
+        source: io::Error,
+    },
+    #[error("arena file holds {actual} bytes, fewer than the {expected} bytes to map")]
+    Short { expected: usize, actual: u64 },
+    #[error("arena file descriptor is not sealed against shrinking (seals {seals:#x}); mapping it could fault")]
+    NotSealed { seals: i32 },
+    #[error("arena range {offset}+{len} is outside the {capacity}-byte arena")]
+    OutOfRange {
+        offset: usize,
+        len: usize,
+        capacity: usize,
+    },
+}
+
+/// The owner's read-write mapping of the shared arena.
+pub struct Arena {
+    file: File,
+    map: MmapRaw,
+    capacity: usize,
+}
+
+impl std::fmt::Debug for Arena {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Arena")
+            .field("capacity", &self.capacity)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Arena {
+    /// Creates a shared arena of `budget` bytes rounded *down* to a multiple of
+    /// [`SLOT_ALIGN`] (the budget is a ceiling). Memory is committed lazily by the OS.
+    pub fn new(budget: usize) -> Result<Arena, ArenaError> {
+        let capacity = budget / SLOT_ALIGN * SLOT_ALIGN;
+        if capacity == 0 {
+            return Err(ArenaError::TooSmall { capacity: budget });
+        }
+        let os = |what: &'static str| {
+            move |source: io::Error| ArenaError::Os {
+                what,
+                capacity,
+                source,
+            }
+        };
+        let fd = create_shared_fd(capacity).map_err(os("create shared memory"))?;
+        let file = File::from(fd);
+        let map = MmapOptions::new()
+            .len(capacity)
+            .map_raw(&file)
+            .map_err(os("map"))?;
+        Ok(Arena {
+            file,
+            map,
+            capacity,
+        })
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// The descriptor to pass to engines (they map it with [`ArenaView::map_readonly`]).
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.file.as_fd()
+    }
+
+    /// Base address of the owner's mapping.
+    pub fn as_ptr(&self) -> *const u8 {
+        self.map.as_ptr()
+    }
+
+    fn check(&self, offset: usize, len: usize) -> Result<(), ArenaError> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.capacity => Ok(()),
+            _ => Err(ArenaError::OutOfRange {
+                offset,
+                len,
+                capacity: self.capacity,
+            }),
+        }
+    }
+
+    /// Shared view of `offset..offset+len`.
+    ///
+    /// # Safety
+    /// No one may write the range while the returned slice lives (the page cache
+    /// guarantees this for a leased slot).
+    pub unsafe fn bytes(&self, offset: usize, len: usize) -> Result<&[u8], ArenaError> {
+        self.check(offset, len)?;
+        // SAFETY: the range is inside the live mapping (checked); the caller guarantees
+        // that nothing writes it while the slice lives.
+        Ok(unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(offset), len) })
+    }
+
+    /// Exclusive view of `offset..offset+len`, to fill a slot.
+    ///
+    /// # Safety
+    /// The caller must have exclusive access to the range for the slice's lifetime: no
+    /// other slice (shared or mutable) of an overlapping range may exist in this process
+    /// (the page cache guarantees this for a slot being loaded). Other processes only
+    /// map the arena read-only and never read a slot that is not yet visible.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn bytes_mut(&self, offset: usize, len: usize) -> Result<&mut [u8], ArenaError> {
+        self.check(offset, len)?;
+        // SAFETY: the range is inside the live, writable mapping (checked); the caller
+        // guarantees exclusive access to it.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.map.as_mut_ptr().add(offset), len) })
+    }
+}
+
+/// A read-only mapping of an arena received from its owner.
+pub struct ArenaView {
+    map: MmapRaw,
+    len: usize,
+    // Kept open so the descriptor can be inspected or re-passed; the mapping itself
+    // stays valid after close.
+    _file: File,
+}
+
+impl std::fmt::Debug for ArenaView {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ArenaView")
+            .field("len", &self.len)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ArenaView {
+    /// Maps `len` bytes of the arena behind `fd` read-only. Fails if the file is
+    /// shorter than `len` or (on Linux) not sealed against shrinking.
+    pub fn map_readonly(fd: OwnedFd, len: usize) -> Result<ArenaView, ArenaError> {
+        let os = |what: &'static str| {
+            move |source: io::Error| ArenaError::Os {
+                what,
+                capacity: len,
+                source,
+            }
+        };
+        if len == 0 {
+            return Err(ArenaError::TooSmall { capacity: 0 });
+        }
+        let file = File::from(fd);
+        #[cfg(target_os = "linux")]
+        {
+            // SAFETY: fcntl(F_GET_SEALS) only reads the descriptor's seal set.
+            let seals = unsafe { libc::fcntl(file.as_fd_raw(), libc::F_GET_SEALS) };
+            // EINVAL: not a file that supports seals (not a memfd): unsealed.
+            let seals = if seals < 0 {
+                let err = io::Error::last_os_error();
+                if err.raw_os_error() != Some(libc::EINVAL) {
+                    return Err(os("read the seals")(err));
+                }
+                0
+            } else {
+                seals
+            };
+            if seals & libc::F_SEAL_SHRINK == 0 {
+                return Err(ArenaError::NotSealed { seals });
+            }
+        }
+        let actual = file.metadata().map_err(os("stat"))?.len();
+        if actual < len as u64 {
+            return Err(ArenaError::Short {
+                expected: len,
+                actual,
+            });
+        }
+        let map = MmapOptions::new()
+            .len(len)
+            .map_raw_read_only(&file)
+            .map_err(os("map read-only"))?;
+        Ok(ArenaView {
+            map,
+            len,
+            _file: file,
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Base address of the read-only mapping (for wrapping by a GPU API).
+    pub fn as_ptr(&self) -> *const u8 {
+        self.map.as_ptr()
+    }
+
+    /// The bytes of `offset..offset+len`, checked against the mapping's length.
+    ///
+    /// The daemon only names ranges of leased pages, which it does not write while
+    /// the lease lives; the engine must hold the lease while it reads.
+    pub fn bytes(&self, offset: usize, len: usize) -> Result<&[u8], ArenaError> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => {}
+            _ => {
+                return Err(ArenaError::OutOfRange {
+                    offset,
+                    len,
+                    capacity: self.len,
+                })
+            }
+        }
+        // SAFETY: the range lies inside the live read-only mapping (checked above); the
+        // memory is shared with the owner, which by protocol does not write a slot while
+        // it is leased (the same contract as a `PageLease`).
+        Ok(unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(offset), len) })
+    }
+}
+
+#[cfg(target_os = "linux")]
+trait AsFdRaw {
+    fn as_fd_raw(&self) -> i32;
+}
+#[cfg(target_os = "linux")]
+impl AsFdRaw for File {
+    fn as_fd_raw(&self) -> i32 {
+        use std::os::fd::AsRawFd;
+        self.as_raw_fd()
+    }
+}
+
+/// Linux: a memfd, sized then sealed so its size can never change.
+#[cfg(target_os = "linux")]
+fn create_shared_fd(capacity: usize) -> io::Result<OwnedFd> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: the name is a valid NUL-terminated string; flags are valid.
+    let raw = unsafe {
+        libc::memfd_create(
+            c"vpaged-arena".as_ptr(),
+            libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+        )
+    };
+    if raw < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `raw` is a fresh descriptor that nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    let file = File::from(fd);
+    file.set_len(capacity as u64)?;
+    // SAFETY: F_ADD_SEALS on our own memfd with valid seal flags.
+    let rc = unsafe {
+        libc::fcntl(
+            file.as_raw_fd(),
+            libc::F_ADD_SEALS,
+            libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL,
+        )
+    };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(OwnedFd::from(file))
+}
+
+/// macOS and other Unixes: a POSIX shared-memory object with a unique name, unlinked
+/// at once so only descriptors reach it.
+#[cfg(not(target_os = "linux"))]
+fn create_shared_fd(capacity: usize) -> io::Result<OwnedFd> {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static COUNTER: AtomicU32 = AtomicU32::new(0);
+    let mut attempt = 0;
+    loop {
+        // macOS limits names to 31 bytes (PSHMNAMLEN).
+        let name = std::ffi::CString::new(format!(
+            "/vpaged.{}.{}",
+            std::process::id(),
+            COUNTER.fetch_add(1, Ordering::Relaxed)
+        ))
+        .expect("no NUL in a formatted name");
+        // SAFETY: valid NUL-terminated name; O_EXCL makes the object ours alone; the
+        // mode is passed as the promoted c_uint the variadic prototype expects.
+        let raw = unsafe {
+            libc::shm_open(
+                name.as_ptr(),
+                libc::O_RDWR | libc::O_CREAT | libc::O_EXCL,
+                0o600 as libc::c_uint,
+            )
+        };
+        if raw < 0 {
+            let err = io::Error::last_os_error();
+            attempt += 1;
+            if err.kind() == io::ErrorKind::AlreadyExists && attempt < 16 {
+                continue;
+            }
+            return Err(err);
+        }
+        // SAFETY: `raw` is a fresh descriptor that nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        // SAFETY: unlinking the name we just created; the object lives on through `fd`.
+        unsafe { libc::shm_unlink(name.as_ptr()) };
+        let file = File::from(fd);
+        file.set_len(capacity as u64)?;
+        return Ok(OwnedFd::from(file));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn capacity_is_rounded_down_to_slots() {
+        let a = Arena::new(3 * SLOT_ALIGN + 100).unwrap();
+        assert_eq!(a.capacity(), 3 * SLOT_ALIGN);
+        assert!(matches!(
+            Arena::new(SLOT_ALIGN - 1),
+            Err(ArenaError::TooSmall { .. })
+        ));
+        assert_eq!(a.as_ptr() as usize % 4096, 0);
+    }
+
+    #[test]
+    fn readonly_view_sees_owner_writes_and_checks_ranges() {
+        let a = Arena::new(4 * SLOT_ALIGN).unwrap();
+        // SAFETY: no other slice of the arena exists in this test.
+        let w = unsafe { a.bytes_mut(SLOT_ALIGN, 8) }.unwrap();
+        w.copy_from_slice(b"vpaged!!");
+        let fd = a.fd().try_clone_to_owned().unwrap();
+        let v = ArenaView::map_readonly(fd, a.capacity()).unwrap();
+        assert_eq!(v.bytes(SLOT_ALIGN, 8).unwrap(), b"vpaged!!");
+        assert_eq!(v.bytes(0, 4).unwrap(), &[0, 0, 0, 0]);
+        assert!(matches!(
+            v.bytes(4 * SLOT_ALIGN - 1, 2),
+            Err(ArenaError::OutOfRange { .. })
+        ));
+        assert!(v.bytes(usize::MAX, 2).is_err());
+        // SAFETY: shared read of a range nothing writes now.
+        assert!(unsafe { a.bytes(4 * SLOT_ALIGN, 1) }.is_err());
+        // A later owner write is visible through the shared mapping.
+        // SAFETY: exclusive: the view's earlier slices are dead.
+        unsafe { a.bytes_mut(SLOT_ALIGN, 1) }.unwrap()[0] = b'V';
+        assert_eq!(v.bytes(SLOT_ALIGN, 1).unwrap(), b"V");
+    }
+
+    #[test]
+    fn view_longer_than_the_arena_is_refused() {
+        let a = Arena::new(2 * SLOT_ALIGN).unwrap();
+        let fd = a.fd().try_clone_to_owned().unwrap();
+        assert!(matches!(
+            ArenaView::map_readonly(fd, 3 * SLOT_ALIGN),
+            Err(ArenaError::Short { .. })
+        ));
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn arena_size_is_sealed_and_unsealed_fds_are_refused() {
+        let a = Arena::new(2 * SLOT_ALIGN).unwrap();
+        let f = File::from(a.fd().try_clone_to_owned().unwrap());
+        assert!(
+            f.set_len(SLOT_ALIGN as u64).is_err(),
+            "shrink must be sealed"
+        );
+        assert!(
+            f.set_len(8 * SLOT_ALIGN as u64).is_err(),
+            "grow must be sealed"
+        );
+        let tmp = tempfile::tempfile().unwrap();
+        tmp.set_len(SLOT_ALIGN as u64).unwrap();
+        assert!(matches!(
+            ArenaView::map_readonly(OwnedFd::from(tmp), SLOT_ALIGN),
+            Err(ArenaError::NotSealed { .. })
+        ));
+    }
+}

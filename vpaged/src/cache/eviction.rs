@@ -1,0 +1,379 @@
+//! Eviction and admission: TinyLFU admission in front of an LFU main region, with a
+//! FIFO window for pages that were not admitted.
+//!
+//! The policy follows TinyLFU (Einziger, Friedman and Manes, "TinyLFU: A Highly
+//! Efficient Cache Admission Policy", 2017): a page missing from the cache displaces a
+//! resident page only if it has been requested more often than that page. Frequencies
+//! are kept exactly (page keys are bounded by the model manifests, so an exact table
+//! costs a few bytes a key and has none of a count-min sketch's collisions) and age
+//! like TinyLFU's: every `10 x resident pages` recorded accesses all counts halve.
+//!
+//! Regions:
+//! - **Main**: admitted pages. Victims are taken lowest frequency first, least
+//!   recently used among equals.
+//! - **Window**: pages served on demand that lost the admission test (and prefetched
+//!   pages that lost it). They are evicted first: used ones oldest first, then
+//!   prefetched pages not yet requested; a second demand request while still in the
+//!   window proves reuse and promotes the page to main (as in S3-FIFO's small queue). The window has no fixed size: it is what streaming needs (the pages an
+//!   engine holds at once), carved out of main by eviction when it must grow.
+//!
+//! Why it resists what defeats LRU:
+//! - *Cyclic sweeps* (a model larger than the cache read layer 0..N, 0..N, ...): the
+//!   requested page was last used a full cycle ago, exactly like every resident page not
+//!   yet reused in this cycle, so its frequency ties with main's victim and it is not
+//!   admitted. It streams through the window while main keeps a stable subset, which
+//!   hits on every cycle: the hit ratio tends to (cache - window) / working set, where
+//!   LRU scores zero.
+//! - *Scans* (a burst of one-use pages): a page never seen before has frequency 0 and
+//!   never displaces a main page that was used; scans churn only the window.
+//!
+//! The frequency a missing page brings to the admission test is its count *before* the
+//! current request; a resident page's is its count so far. Both count the requests
+//! strictly before now, so the phase of a cycle does not bias the comparison.
+//!
+//! Caller's obligations: the policy indexes only *evictable* pages (resident, ready,
+//! unleased, unpinned); the cache calls [`Policy::set_evictable`] on every transition
+//! and removes every evicted page with [`Policy::remove`].
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use super::PageKey;
+
+/// Where a resident page sits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Region {
+    Window,
+    Main,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum IndexPos {
+    /// Key into `window`: (pending, insertion tick).
+    Window(bool, u64),
+    /// Key into `main`: (frequency when indexed, last access tick).
+    Main(u32, u64),
+}
+
+#[derive(Debug, Clone)]
+struct Meta {
+    region: Region,
+    /// Slot bytes.
+    size: u64,
+    inserted: u64,
+    last_access: u64,
+    /// Demand requests served while in the window.
+    window_demands: u32,
+    indexed: Option<IndexPos>,
+}
+
+/// Smallest aging period, so a near-empty cache still accumulates history.
+const MIN_AGING_PERIOD: u64 = 1024;
+
+#[derive(Debug, Default)]
+pub struct Policy {
+    freq: HashMap<PageKey, u32>,
+    samples: u64,
+    tick: u64,
+    entries: HashMap<PageKey, Meta>,
+    /// Evictable window pages by (pending, insertion tick): used pages first, FIFO; then
+    /// prefetched pages not yet requested ("pending"), FIFO.
+    window: BTreeMap<(bool, u64), PageKey>,
+    /// Evictable main pages by (frequency, last access): first is the victim.
+    main: BTreeSet<(u32, u64, PageKey)>,
+    window_bytes: u64,
+    pending_bytes: u64,
+    main_bytes: u64,
+    agings: u64,
+}
+
+impl Policy {
+    pub fn new() -> Policy {
+        Policy::default()
+    }
+
+    /// Requests of `key` recorded so far (after aging).
+    pub fn frequency(&self, key: PageKey) -> u32 {
+        self.freq.get(&key).copied().unwrap_or(0)
+    }
+
+    /// Number of times the counts were halved.
+    pub fn agings(&self) -> u64 {
+        self.agings
+    }
+
+    /// Records one demand request of `key` (resident or not).
+    pub fn record_access(&mut self, key: PageKey) {
+        let f = self.freq.entry(key).or_insert(0);
+        *f = f.saturating_add(1);
+        self.samples += 1;
+        let period = (10 * self.entries.len() as u64).max(MIN_AGING_PERIOD);
+        if self.samples >= period {
+            self.age();
+        }
+    }
+
+    /// Halves every count, forgets zeros, and re-sorts main by the new counts.
+    fn age(&mut self) {
+        self.samples = 0;
+        self.agings += 1;
+        self.freq.retain(|_, f| {
+            *f /= 2;
+            *f > 0
+        });
+        let indexed: Vec<PageKey> = self.main.iter().map(|&(_, _, k)| k).collect();
+        for key in indexed {
+            self.unindex(key);
+            self.index(key);
+        }
+    }
+
+    fn next_tick(&mut self) -> u64 {
+        self.tick += 1;
+        self.tick
+    }
+
+    /// A page became resident (its load finished). `demand`: it was loaded for a demand
+    /// request (not a prefetch).
+    pub fn insert(&mut self, key: PageKey, size: u64, region: Region, demand: bool) {
+        let t = self.next_tick();
+        let old = self.entries.insert(
+            key,
+            Meta {
+                region,
+                size,
+                inserted: t,
+                last_access: t,
+                window_demands: u32::from(demand),
+                indexed: None,
+            },
+        );
+        debug_assert!(old.is_none(), "page inserted twice");
+    }
+
+    /// A page left the cache (evicted, or its residency ended).
+    pub fn remove(&mut self, key: PageKey) {
+        self.unindex(key);
+        self.entries.remove(&key);
+    }
+
+    pub fn region(&self, key: PageKey) -> Option<Region> {
+        self.entries.get(&key).map(|m| m.region)
+    }
+
+    /// A demand hit on a resident page: refreshes its recency; a second demand hit in
+    /// the window promotes it to main.
+    pub fn touch(&mut self, key: PageKey) {
+        let t = self.next_tick();
+        let was_indexed = self.unindex(key);
+        if let Some(m) = self.entries.get_mut(&key) {
+            m.last_access = t;
+            if m.region == Region::Window {
+                m.window_demands += 1;
+                if m.window_demands >= 2 {
+                    m.region = Region::Main;
+                }
+            }
+        }
+        if was_indexed {
+            self.index(key);
+        }
+    }
+
+    /// Adds or removes `key` from the victim indexes.
+    pub fn set_evictable(&mut self, key: PageKey, evictable: bool) {
+        let indexed = self.entries.get(&key).is_some_and(|m| m.indexed.is_some());
+        if evictable && !indexed {
+            self.index(key);
+        } else if !evictable && indexed {
+            self.unindex(key);
+        }
+    }
+
+    fn index(&mut self, key: PageKey) {
+        let f = self.frequency(key);
+        let Some(m) = self.entries.get_mut(&key) else {
+            return;
+        };
+        let pos = match m.region {
+            Region::Window => {
+                let pending = m.window_demands == 0;
+                self.window.insert((pending, m.inserted), key);
+                self.window_bytes += m.size;
+                if pending {
+                    self.pending_bytes += m.size;
+                }
+                IndexPos::Window(pending, m.inserted)
+            }
+            Region::Main => {
+                self.main.insert((f, m.last_access, key));
+                self.main_bytes += m.size;
+                IndexPos::Main(f, m.last_access)
+            }
+        };
+        m.indexed = Some(pos);
+    }
+
+    /// Returns whether the key was indexed.
+    fn unindex(&mut self, key: PageKey) -> bool {
+        let Some(m) = self.entries.get_mut(&key) else {
+            return false;
+        };
+        match m.indexed.take() {
+            Some(IndexPos::Window(pending, t)) => {
+                self.window.remove(&(pending, t));
+                self.window_bytes -= m.size;
+                if pending {
+                    self.pending_bytes -= m.size;
+                }
+                true
+            }
+            Some(IndexPos::Main(f, t)) => {
+                self.main.remove(&(f, t, key));
+                self.main_bytes -= m.size;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The window page to evict for a demand load: the oldest used one, else the
+    /// oldest prefetched page still waiting for its request.
+    pub fn window_victim(&self) -> Option<PageKey> {
+        self.window.first_key_value().map(|(_, &k)| k)
+    }
+
+    /// The window page a prefetch may evict: the oldest used one. A prefetch never
+    /// evicts another prefetch still waiting for its request (that would waste the
+    /// read and, with read-ahead, evict the next page to be used).
+    pub fn window_victim_for_prefetch(&self) -> Option<PageKey> {
+        self.window
+            .first_key_value()
+            .filter(|((pending, _), _)| !pending)
+            .map(|(_, &k)| k)
+    }
+
+    /// Evictable main page with the lowest frequency (least recently used among
+    /// equals), and that frequency.
+    pub fn main_victim(&self) -> Option<(PageKey, u32)> {
+        self.main.first().map(|&(_, _, k)| (k, self.frequency(k)))
+    }
+
+    /// TinyLFU's test: is a missing page requested `candidate_freq` times before now
+    /// worth more than main's current victim? With no evictable main page there is
+    /// nothing to displace, and the page is not admitted.
+    pub fn admits(&self, candidate_freq: u32) -> bool {
+        self.main_victim()
+            .is_some_and(|(_, victim_freq)| candidate_freq > victim_freq)
+    }
+
+    /// Bytes a prefetch of a page with `candidate_freq` may free: all evictable window
+    /// pages plus main pages requested no more often, counted until `need` is reached.
+    pub fn reclaimable_for_prefetch(&self, candidate_freq: u32, need: u64) -> u64 {
+        let mut total = self.window_bytes - self.pending_bytes;
+        for &(_, _, k) in &self.main {
+            if total >= need || self.frequency(k) > candidate_freq {
+                break;
+            }
+            total += self.entries[&k].size;
+        }
+        total
+    }
+
+    /// Bytes of all evictable pages.
+    pub fn evictable_bytes(&self) -> u64 {
+        self.window_bytes + self.main_bytes
+    }
+
+    /// Number of resident pages known to the policy.
+    pub fn resident_pages(&self) -> usize {
+        self.entries.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn k(page: u32) -> PageKey {
+        PageKey { model: 0, page }
+    }
+
+    #[test]
+    fn window_is_fifo_and_main_is_lfu_then_lru() {
+        let mut p = Policy::new();
+        for i in 0..3 {
+            p.record_access(k(i));
+            p.insert(k(i), 1, Region::Main, true);
+            p.set_evictable(k(i), true);
+        }
+        p.record_access(k(0));
+        p.touch(k(0));
+        // k(1) and k(2) have 1 request; k(1) is older.
+        assert_eq!(p.main_victim(), Some((k(1), 1)));
+        p.insert(k(10), 1, Region::Window, true);
+        p.insert(k(11), 1, Region::Window, false);
+        p.set_evictable(k(11), true);
+        p.set_evictable(k(10), true);
+        assert_eq!(
+            p.window_victim(),
+            Some(k(10)),
+            "insertion order, not index order"
+        );
+        assert_eq!(p.window_victim_for_prefetch(), Some(k(10)));
+        p.set_evictable(k(10), false);
+        assert_eq!(p.window_victim(), Some(k(11)));
+        assert_eq!(
+            p.window_victim_for_prefetch(),
+            None,
+            "pending prefetch is spared"
+        );
+        assert_eq!(p.evictable_bytes(), 4);
+        p.remove(k(11));
+        p.remove(k(1));
+        assert_eq!(p.evictable_bytes(), 2);
+        assert_eq!(p.main_victim(), Some((k(2), 1)));
+    }
+
+    #[test]
+    fn admission_needs_strictly_more_requests_than_the_victim() {
+        let mut p = Policy::new();
+        p.record_access(k(0));
+        p.insert(k(0), 1, Region::Main, true);
+        p.set_evictable(k(0), true);
+        assert!(!p.admits(0));
+        assert!(!p.admits(1));
+        assert!(p.admits(2));
+    }
+
+    #[test]
+    fn second_demand_in_the_window_promotes() {
+        let mut p = Policy::new();
+        p.insert(k(5), 1, Region::Window, false); // prefetched
+        p.set_evictable(k(5), true);
+        p.touch(k(5)); // the demand the prefetch anticipated
+        assert_eq!(p.region(k(5)), Some(Region::Window));
+        p.touch(k(5));
+        assert_eq!(p.region(k(5)), Some(Region::Main));
+        assert_eq!(p.window_victim(), None);
+        assert_eq!(p.main_victim().map(|v| v.0), Some(k(5)));
+    }
+
+    #[test]
+    fn aging_halves_counts_and_keeps_the_index_consistent() {
+        let mut p = Policy::new();
+        for _ in 0..7 {
+            p.record_access(k(1));
+        }
+        p.insert(k(1), 1, Region::Main, true);
+        p.set_evictable(k(1), true);
+        for i in 0..(MIN_AGING_PERIOD as u32 - 7) {
+            p.record_access(k(100 + i));
+        }
+        assert_eq!(p.agings(), 1);
+        assert_eq!(p.frequency(k(1)), 3);
+        assert_eq!(p.frequency(k(100)), 0, "one-use keys are forgotten");
+        assert_eq!(p.main_victim(), Some((k(1), 3)));
+        p.remove(k(1));
+        assert_eq!(p.evictable_bytes(), 0);
+    }
+}

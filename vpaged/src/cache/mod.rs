@@ -1,0 +1,911 @@
+//! The page cache: pages of one or more models held in slots of the shared [`Arena`].
+//!
+//! One mutex guards the whole state (slot allocator, page table, eviction policy,
+//! pins, counters); loads run outside it, so the lock is held only for bookkeeping.
+//! A page is in one of two states:
+//! - `Loading`: a slot is reserved and one thread (the loader) fills it; concurrent
+//!   requests for the page wait for that load (see [`inflight`]). Nothing reads the
+//!   slot, so the loader has it exclusively.
+//! - `Ready`: the bytes are complete and immutable until eviction. A page is evicted
+//!   only when it has no lease and no pin; its slot is then reused.
+//!
+//! So a leased page's bytes never change, and nothing half-loaded is ever visible: a
+//! failed or panicking load frees its slot and reports the failure to every waiter.
+//!
+//! When everything that could be evicted is leased, pinned or loading, a demand request
+//! fails at once with [`CacheError::Full`] rather than waiting: an engine holding
+//! leases on part of a layer while it asks for more could otherwise wait on itself.
+//! The caller decides (release and retry, or stream one page at a time).
+//!
+//! Eviction and admission are described in [`eviction`].
+
+pub mod eviction;
+mod inflight;
+pub mod slots;
+
+use std::collections::{HashMap, HashSet};
+use std::error::Error;
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use crate::arena::{Arena, SLOT_ALIGN};
+use eviction::{Policy, Region};
+use inflight::{Failure, InFlight, Outcome};
+use slots::SlotAllocator;
+
+/// A page in the cache: a store-assigned model index and the page's index in that
+/// model's manifest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PageKey {
+    pub model: u32,
+    pub page: u32,
+}
+
+impl fmt::Display for PageKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "model {} page {}", self.model, self.page)
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CacheError<E: Error + Send + Sync + 'static> {
+    #[error("{key}: {len} bytes can never fit in the {capacity}-byte page cache")]
+    TooLarge {
+        key: PageKey,
+        len: usize,
+        capacity: usize,
+    },
+    #[error(
+        "{key}: no room for {len} bytes in the {capacity}-byte page cache: {leased} bytes \
+         leased, {pinned} pinned and unleased, {loading} loading; {free} free, longest free run {largest_free}"
+    )]
+    Full {
+        key: PageKey,
+        len: usize,
+        capacity: usize,
+        leased: usize,
+        pinned: usize,
+        loading: usize,
+        free: usize,
+        largest_free: usize,
+    },
+    #[error("{key} is cached with {resident} bytes but was requested with {requested}")]
+    LengthMismatch {
+        key: PageKey,
+        resident: usize,
+        requested: usize,
+    },
+    #[error("{key}: load failed: {source}")]
+    Load {
+        key: PageKey,
+        #[source]
+        source: Arc<E>,
+    },
+    /// A concurrent load of the page, started with another error type, failed.
+    #[error("{key}: a concurrent load failed: {source}")]
+    PeerLoad {
+        key: PageKey,
+        #[source]
+        source: Arc<dyn Error + Send + Sync>,
+    },
+    #[error("{key}: the load panicked")]
+    LoadPanicked { key: PageKey },
+}
+
+/// A snapshot of the cache's counters. Byte figures are slot bytes (rounded up to
+/// 16 KiB per page) except `bytes_loaded` (page bytes).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    pub capacity: usize,
+    /// Slots allocated (ready or loading).
+    pub used: usize,
+    /// Slots of pages with at least one lease.
+    pub leased_bytes: usize,
+    /// Slots of resident pinned pages.
+    pub pinned_bytes: usize,
+    pub resident_pages: usize,
+    pub loading_pages: usize,
+    /// Demand requests served from a resident page.
+    pub hits: u64,
+    /// Demand requests that started a load.
+    pub misses: u64,
+    /// Demand requests that waited for another request's load (one read, many users).
+    pub inflight_dedups: u64,
+    /// Demand requests refused with [`CacheError::Full`].
+    pub full_refusals: u64,
+    pub evictions: u64,
+    /// Page bytes written by successful loads (demand and prefetch).
+    pub bytes_loaded: u64,
+    pub loads: u64,
+    pub load_failures: u64,
+    pub prefetch_loads: u64,
+    /// Prefetches dropped because room would have cost more valuable pages.
+    pub prefetch_skipped: u64,
+    /// Loads placed in the main region (admitted) and in the window (not admitted).
+    pub admitted: u64,
+    pub not_admitted: u64,
+}
+
+/// What a prefetch did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Prefetched {
+    /// The page was already resident.
+    Resident,
+    /// Another request is loading it.
+    InFlight,
+    /// Loaded now (not leased).
+    Loaded,
+    /// Not loaded: making room would have evicted pages requested more often, or
+    /// everything is leased.
+    Skipped,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Slot {
+    unit: u32,
+    units: u32,
+}
+
+impl Slot {
+    fn offset(self) -> usize {
+        self.unit as usize * SLOT_ALIGN
+    }
+    fn bytes(self) -> usize {
+        self.units as usize * SLOT_ALIGN
+    }
+}
+
+enum Entry {
+    Loading {
+        slot: Slot,
+        len: usize,
+        region: Region,
+        demand: bool,
+        /// Requests waiting for this load; each gets a reference when it completes.
+        waiters: u32,
+        cell: Arc<InFlight>,
+    },
+    Ready {
+        slot: Slot,
+        len: usize,
+        refs: u32,
+    },
+}
+
+struct State {
+    slots: SlotAllocator,
+    pages: HashMap<PageKey, Entry>,
+    policy: Policy,
+    pins: HashSet<PageKey>,
+    stats: CacheStats,
+}
+
+struct Inner {
+    arena: Arena,
+    state: Mutex<State>,
+}
+
+/// The page cache. Cheap to clone (a shared handle); `Send + Sync`.
+#[derive(Clone)]
+pub struct PageCache {
+    inner: Arc<Inner>,
+}
+
+impl fmt::Debug for PageCache {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PageCache")
+            .field("capacity", &self.inner.arena.capacity())
+            .finish_non_exhaustive()
+    }
+}
+
+/// A lease on a resident page: its bytes stay in place and unchanged until the lease is
+/// dropped (which releases it).
+pub struct Lease {
+    key: PageKey,
+    offset: usize,
+    len: usize,
+    inner: Arc<Inner>,
+}
+
+impl fmt::Debug for Lease {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Lease")
+            .field("key", &self.key)
+            .field("offset", &self.offset)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl Lease {
+    pub fn key(&self) -> PageKey {
+        self.key
+    }
+    /// Offset of the page in the arena: a multiple of [`SLOT_ALIGN`].
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// The page's bytes in the owner's mapping.
+    pub fn bytes(&self) -> &[u8] {
+        // SAFETY: the slot lies inside the arena (it came from the allocator over the
+        // arena's units) and is `Ready` with this lease counted, so nothing writes it
+        // until the lease is dropped, which cannot happen while `&self` is borrowed.
+        unsafe { std::slice::from_raw_parts(self.inner.arena.as_ptr().add(self.offset), self.len) }
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.inner.release(self.key);
+    }
+}
+
+/// How a load was requested.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// `freq`: the page's requests before this one.
+    Demand {
+        freq: u32,
+    },
+    Prefetch {
+        freq: u32,
+    },
+}
+
+enum Room {
+    Slot(Slot, Region),
+    /// A prefetch declined to evict what it does not outrank.
+    Declined,
+    Full,
+}
+
+impl Inner {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // No user code runs under the lock, so poisoning can only follow a bug in this
+        // module's bookkeeping; the state is still the best information there is.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn release(&self, key: PageKey) {
+        let mut st = self.lock();
+        let pinned = st.pins.contains(&key);
+        let Some(Entry::Ready { refs, slot, .. }) = st.pages.get_mut(&key) else {
+            debug_assert!(false, "release of a page that is not ready");
+            return;
+        };
+        debug_assert!(*refs > 0, "release without a lease");
+        *refs = refs.saturating_sub(1);
+        if *refs == 0 {
+            let bytes = slot.bytes();
+            st.stats.leased_bytes -= bytes;
+            if !pinned {
+                st.policy.set_evictable(key, true);
+            }
+        }
+    }
+
+    /// Finds a slot of `units`, evicting per policy. Demand loads may evict anything
+    /// evictable (window first, then main's victims); prefetches only window pages and
+    /// main pages with no more requests than theirs.
+    fn make_room(&self, st: &mut State, units: u32, mode: Mode) -> Room {
+        let freq = match mode {
+            Mode::Demand { freq } | Mode::Prefetch { freq } => freq,
+        };
+        if let Some(unit) = st.slots.alloc(units) {
+            // Free space: warming up, nothing is displaced, so admit.
+            return Room::Slot(Slot { unit, units }, Region::Main);
+        }
+        let region = if st.policy.admits(freq) {
+            Region::Main
+        } else {
+            Region::Window
+        };
+        let need = units as u64 * SLOT_ALIGN as u64;
+        let free = st.slots.free_units() as u64 * SLOT_ALIGN as u64;
+        match mode {
+            Mode::Demand { .. } => {
+                if free + st.policy.evictable_bytes() < need {
+                    return Room::Full;
+                }
+            }
+            Mode::Prefetch { .. } => {
+                if free
+                    + st.policy
+                        .reclaimable_for_prefetch(freq, need.saturating_sub(free))
+                    < need
+                {
+                    return Room::Declined;
+                }
+            }
+        }
+        loop {
+            let window_victim = match mode {
+                Mode::Demand { .. } => st.policy.window_victim(),
+                Mode::Prefetch { .. } => st.policy.window_victim_for_prefetch(),
+            };
+            let victim = match window_victim {
+                Some(v) => v,
+                None => match (st.policy.main_victim(), mode) {
+                    (Some((v, _)), Mode::Demand { .. }) => v,
+                    (Some((v, f)), Mode::Prefetch { .. }) if f <= freq => v,
+                    (_, Mode::Prefetch { .. }) => return Room::Declined,
+                    (None, Mode::Demand { .. }) => return Room::Full,
+                },
+            };
+            Self::evict(st, victim);
+            if let Some(unit) = st.slots.alloc(units) {
+                return Room::Slot(Slot { unit, units }, region);
+            }
+        }
+    }
+
+    fn evict(st: &mut State, key: PageKey) {
+        match st.pages.remove(&key) {
+            Some(Entry::Ready { slot, refs: 0, .. }) => {
+                st.policy.remove(key);
+                st.slots.free(slot.unit, slot.units);
+                st.stats.evictions += 1;
+            }
+            other => {
+                // The policy only indexes evictable pages; keep the state intact.
+                debug_assert!(false, "policy offered a page that is not evictable");
+                if let Some(e) = other {
+                    st.pages.insert(key, e);
+                }
+                st.policy.set_evictable(key, false);
+            }
+        }
+    }
+
+    fn full_error<E: Error + Send + Sync + 'static>(
+        &self,
+        st: &State,
+        key: PageKey,
+        len: usize,
+    ) -> CacheError<E> {
+        let loading = st
+            .pages
+            .values()
+            .map(|e| match e {
+                Entry::Loading { slot, .. } => slot.bytes(),
+                Entry::Ready { .. } => 0,
+            })
+            .sum();
+        let pinned_unleased = st
+            .pins
+            .iter()
+            .filter_map(|k| match st.pages.get(k) {
+                Some(Entry::Ready { slot, refs: 0, .. }) => Some(slot.bytes()),
+                _ => None,
+            })
+            .sum();
+        CacheError::Full {
+            key,
+            len,
+            capacity: self.arena.capacity(),
+            leased: st.stats.leased_bytes,
+            pinned: pinned_unleased,
+            loading,
+            free: st.slots.free_units() as usize * SLOT_ALIGN,
+            largest_free: st.slots.largest_free() as usize * SLOT_ALIGN,
+        }
+    }
+
+    /// Marks a finished load `Ready` with `refs` references, or removes it on failure,
+    /// then wakes its waiters.
+    fn finish(&self, key: PageKey, result: Result<(), Failure>, loader_refs: u32) -> Outcome {
+        let mut st = self.lock();
+        let Some(Entry::Loading {
+            slot,
+            len,
+            region,
+            demand,
+            waiters,
+            cell,
+        }) = st.pages.remove(&key)
+        else {
+            unreachable!("a loading page is only removed by its loader");
+        };
+        let outcome = match result {
+            Ok(()) => {
+                let pinned = st.pins.contains(&key);
+                let refs = loader_refs + waiters;
+                let region = if pinned { Region::Main } else { region };
+                st.pages.insert(key, Entry::Ready { slot, len, refs });
+                st.policy.insert(key, slot.bytes() as u64, region, demand);
+                st.stats.loads += 1;
+                st.stats.bytes_loaded += len as u64;
+                if !demand {
+                    st.stats.prefetch_loads += 1;
+                }
+                match region {
+                    Region::Main => st.stats.admitted += 1,
+                    Region::Window => st.stats.not_admitted += 1,
+                }
+                if pinned {
+                    st.stats.pinned_bytes += slot.bytes();
+                }
+                if refs > 0 {
+                    st.stats.leased_bytes += slot.bytes();
+                } else if !pinned {
+                    st.policy.set_evictable(key, true);
+                }
+                Outcome::Ready {
+                    offset: slot.offset(),
+                }
+            }
+            Err(f) => {
+                st.slots.free(slot.unit, slot.units);
+                st.stats.load_failures += 1;
+                Outcome::Failed(f)
+            }
+        };
+        drop(st);
+        cell.complete(outcome.clone());
+        outcome
+    }
+}
+
+/// Ends a load: on unwind (the load closure panicked) it frees the slot and tells the
+/// waiters, so no request waits forever and nothing half-loaded stays.
+struct LoadGuard<'a> {
+    inner: &'a Inner,
+    key: PageKey,
+    armed: bool,
+}
+
+impl Drop for LoadGuard<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.inner.finish(self.key, Err(Failure::Panicked), 0);
+        }
+    }
+}
+
+fn units_for(len: usize) -> Option<u32> {
+    u32::try_from(len.div_ceil(SLOT_ALIGN).max(1)).ok()
+}
+
+impl PageCache {
+    /// A cache over `arena`: slots are 16 KiB-aligned runs of it.
+    pub fn new(arena: Arena) -> PageCache {
+        let units = u32::try_from(arena.capacity() / SLOT_ALIGN).unwrap_or(u32::MAX);
+        let stats = CacheStats {
+            capacity: units as usize * SLOT_ALIGN,
+            ..CacheStats::default()
+        };
+        PageCache {
+            inner: Arc::new(Inner {
+                arena,
+                state: Mutex::new(State {
+                    slots: SlotAllocator::new(units),
+                    pages: HashMap::new(),
+                    policy: Policy::new(),
+                    pins: HashSet::new(),
+                    stats,
+                }),
+            }),
+        }
+    }
+
+    /// The arena (its descriptor goes to engines).
+    pub fn arena(&self) -> &Arena {
+        &self.inner.arena
+    }
+
+    /// Usable bytes: the arena's capacity.
+    pub fn capacity(&self) -> usize {
+        self.inner.lock().stats.capacity
+    }
+
+    /// Leases page `key` of `len` bytes, loading it with `load` if it is not resident.
+    ///
+    /// - Resident: a hit; the page is leased at once.
+    /// - Being loaded by another request: waits for that load and shares its result.
+    /// - Missing: reserves a slot (evicting unleased, unpinned pages per policy), calls
+    ///   `load` on it outside the cache lock, and only then makes the page visible.
+    ///
+    /// `load` must write all `len` bytes (the slot holds a previous page's bytes) and
+    /// should verify them: whatever it returns `Ok` for is served. An `Err` or a panic
+    /// frees the slot and fails every waiter; a later request loads afresh.
+    pub fn acquire<E, F>(&self, key: PageKey, len: usize, load: F) -> Result<Lease, CacheError<E>>
+    where
+        E: Error + Send + Sync + 'static,
+        F: FnOnce(&mut [u8]) -> Result<(), E>,
+    {
+        let inner = &self.inner;
+        let units = self.units_checked(key, len)?;
+        let mut st = inner.lock();
+        let pinned = st.pins.contains(&key);
+        match st.pages.get_mut(&key) {
+            Some(Entry::Ready {
+                slot,
+                len: resident,
+                refs,
+            }) => {
+                if *resident != len {
+                    return Err(CacheError::LengthMismatch {
+                        key,
+                        resident: *resident,
+                        requested: len,
+                    });
+                }
+                let slot = *slot;
+                *refs += 1;
+                let first = *refs == 1;
+                if first {
+                    st.stats.leased_bytes += slot.bytes();
+                    if !pinned {
+                        st.policy.set_evictable(key, false);
+                    }
+                }
+                st.stats.hits += 1;
+                st.policy.record_access(key);
+                st.policy.touch(key);
+                return Ok(self.lease(key, slot.offset(), len));
+            }
+            Some(Entry::Loading {
+                len: loading,
+                waiters,
+                cell,
+                ..
+            }) => {
+                if *loading != len {
+                    return Err(CacheError::LengthMismatch {
+                        key,
+                        resident: *loading,
+                        requested: len,
+                    });
+                }
+                *waiters += 1;
+                let cell = cell.clone();
+                st.stats.inflight_dedups += 1;
+                st.policy.record_access(key);
+                drop(st);
+                return match cell.wait() {
+                    Outcome::Ready { offset } => Ok(self.lease(key, offset, len)),
+                    Outcome::Failed(f) => Err(f.into_error(key)),
+                };
+            }
+            None => {}
+        }
+        st.policy.record_access(key);
+        // Requests before this one (read after recording, which may have aged counts).
+        let freq = st.policy.frequency(key).saturating_sub(1);
+        let (slot, region) = match inner.make_room(&mut st, units, Mode::Demand { freq }) {
+            Room::Slot(slot, region) => (slot, region),
+            Room::Full | Room::Declined => {
+                st.stats.full_refusals += 1;
+                return Err(inner.full_error(&st, key, len));
+            }
+        };
+        st.stats.misses += 1;
+        self.load_into(st, key, len, slot, region, true, load)
+            .map(|offset| self.lease(key, offset, len))
+    }
+
+    /// Loads page `key` without leasing it, as a low-priority hint: it may evict only
+    /// window pages and main pages requested no more often than it was, and does not
+    /// count as a request. (Ties are allowed so the window can grow to hold the layer
+    /// being computed plus the one prefetched; pages with more requests are safe.)
+    /// Returns at once if the page is resident or being loaded.
+    pub fn prefetch<E, F>(
+        &self,
+        key: PageKey,
+        len: usize,
+        load: F,
+    ) -> Result<Prefetched, CacheError<E>>
+    where
+        E: Error + Send + Sync + 'static,
+        F: FnOnce(&mut [u8]) -> Result<(), E>,
+    {
+        let inner = &self.inner;
+        let units = self.units_checked(key, len)?;
+        let mut st = inner.lock();
+        match st.pages.get(&key) {
+            Some(Entry::Ready { len: l, .. } | Entry::Loading { len: l, .. }) if *l != len => {
+                return Err(CacheError::LengthMismatch {
+                    key,
+                    resident: *l,
+                    requested: len,
+                })
+            }
+            Some(Entry::Ready { .. }) => return Ok(Prefetched::Resident),
+            Some(Entry::Loading { .. }) => return Ok(Prefetched::InFlight),
+            None => {}
+        }
+        let freq = st.policy.frequency(key);
+        let (slot, region) = match inner.make_room(&mut st, units, Mode::Prefetch { freq }) {
+            Room::Slot(slot, region) => (slot, region),
+            Room::Full | Room::Declined => {
+                st.stats.prefetch_skipped += 1;
+                return Ok(Prefetched::Skipped);
+            }
+        };
+        self.load_into(st, key, len, slot, region, false, load)
+            .map(|_| Prefetched::Loaded)
+    }
+
+    /// Registers `slot` as loading `key`, runs `load` outside the lock, publishes.
+    #[allow(clippy::too_many_arguments)]
+    fn load_into<E, F>(
+        &self,
+        mut st: MutexGuard<'_, State>,
+        key: PageKey,
+        len: usize,
+        slot: Slot,
+        region: Region,
+        demand: bool,
+        load: F,
+    ) -> Result<usize, CacheError<E>>
+    where
+        E: Error + Send + Sync + 'static,
+        F: FnOnce(&mut [u8]) -> Result<(), E>,
+    {
+        let inner = &*self.inner;
+        st.pages.insert(
+            key,
+            Entry::Loading {
+                slot,
+                len,
+                region,
+                demand,
+                waiters: 0,
+                cell: Arc::new(InFlight::new()),
+            },
+        );
+        drop(st);
+        let mut guard = LoadGuard {
+            inner,
+            key,
+            armed: true,
+        };
+        // SAFETY: the slot was just taken from the allocator and its page is `Loading`:
+        // no lease, reader or other loader can reach this range until `finish`
+        // publishes it, so this is the only reference to it. It lies in the arena
+        // because the allocator's units cover exactly the arena's capacity.
+        let result = match unsafe { inner.arena.bytes_mut(slot.offset(), len) } {
+            Ok(buf) => load(buf).map_err(Failure::from_error),
+            Err(_) => unreachable!("allocator slots lie inside the arena"),
+        };
+        guard.armed = false;
+        match inner.finish(key, result, u32::from(demand)) {
+            Outcome::Ready { offset } => Ok(offset),
+            Outcome::Failed(f) => Err(f.into_error(key)),
+        }
+    }
+
+    fn units_checked<E: Error + Send + Sync + 'static>(
+        &self,
+        key: PageKey,
+        len: usize,
+    ) -> Result<u32, CacheError<E>> {
+        let total = self.inner.arena.capacity() / SLOT_ALIGN;
+        match units_for(len) {
+            Some(u) if (u as usize) <= total => Ok(u),
+            _ => Err(CacheError::TooLarge {
+                key,
+                len,
+                capacity: self.inner.arena.capacity(),
+            }),
+        }
+    }
+
+    fn lease(&self, key: PageKey, offset: usize, len: usize) -> Lease {
+        Lease {
+            key,
+            offset,
+            len,
+            inner: self.inner.clone(),
+        }
+    }
+
+    /// Releases a lease (the same as dropping it).
+    pub fn release(&self, lease: Lease) {
+        drop(lease);
+    }
+
+    /// Pins pages: a pinned page is never evicted. Pins on pages not yet resident take
+    /// effect when they load.
+    pub fn pin(&self, keys: impl IntoIterator<Item = PageKey>) {
+        let mut st = self.inner.lock();
+        for key in keys {
+            if !st.pins.insert(key) {
+                continue;
+            }
+            if let Some(Entry::Ready { slot, .. }) = st.pages.get(&key) {
+                let bytes = slot.bytes();
+                st.stats.pinned_bytes += bytes;
+                st.policy.set_evictable(key, false);
+            }
+        }
+    }
+
+    /// Removes pins; unleased pages become evictable again.
+    pub fn unpin(&self, keys: impl IntoIterator<Item = PageKey>) {
+        let mut st = self.inner.lock();
+        for key in keys {
+            if !st.pins.remove(&key) {
+                continue;
+            }
+            if let Some(&Entry::Ready { slot, refs, .. }) = st.pages.get(&key) {
+                st.stats.pinned_bytes -= slot.bytes();
+                if refs == 0 {
+                    st.policy.set_evictable(key, true);
+                }
+            }
+        }
+    }
+
+    pub fn is_pinned(&self, key: PageKey) -> bool {
+        self.inner.lock().pins.contains(&key)
+    }
+
+    /// Whether the page is resident and complete.
+    pub fn resident(&self, key: PageKey) -> bool {
+        matches!(self.inner.lock().pages.get(&key), Some(Entry::Ready { .. }))
+    }
+
+    pub fn stats(&self) -> CacheStats {
+        let st = self.inner.lock();
+        let mut s = st.stats.clone();
+        s.used = (st.slots.units() - st.slots.free_units()) as usize * SLOT_ALIGN;
+        s.resident_pages = st.policy.resident_pages();
+        s.loading_pages = st.pages.len() - st.policy.resident_pages();
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("test load error {0}")]
+    struct TestErr(u32);
+
+    fn cache(slots: usize) -> PageCache {
+        PageCache::new(Arena::new(slots * SLOT_ALIGN).unwrap())
+    }
+
+    fn key(page: u32) -> PageKey {
+        PageKey { model: 1, page }
+    }
+
+    fn fill(v: u8) -> impl FnOnce(&mut [u8]) -> Result<(), TestErr> {
+        move |b| {
+            b.fill(v);
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn miss_then_hit_and_bytes_are_the_loaded_ones() {
+        let c = cache(4);
+        let l = c.acquire(key(1), 20_000, fill(7)).unwrap();
+        assert_eq!(l.offset() % SLOT_ALIGN, 0);
+        assert_eq!(l.len(), 20_000);
+        assert!(l.bytes().iter().all(|&b| b == 7));
+        let l2 = c
+            .acquire(key(1), 20_000, |_| -> Result<(), TestErr> {
+                panic!("must hit")
+            })
+            .unwrap();
+        assert_eq!(l2.offset(), l.offset());
+        let s = c.stats();
+        assert_eq!((s.hits, s.misses, s.loads), (1, 1, 1));
+        assert_eq!(s.used, 2 * SLOT_ALIGN);
+        assert_eq!(s.leased_bytes, 2 * SLOT_ALIGN);
+        drop(l);
+        assert_eq!(c.stats().leased_bytes, 2 * SLOT_ALIGN, "still leased by l2");
+        c.release(l2);
+        assert_eq!(c.stats().leased_bytes, 0);
+        assert!(c.resident(key(1)));
+    }
+
+    #[test]
+    fn length_mismatch_is_an_error() {
+        let c = cache(4);
+        let _l = c.acquire(key(1), 100, fill(1)).unwrap();
+        let e = c.acquire(key(1), 200, fill(1)).unwrap_err();
+        assert!(matches!(
+            e,
+            CacheError::LengthMismatch {
+                resident: 100,
+                requested: 200,
+                ..
+            }
+        ));
+        assert!(e.to_string().contains("model 1 page 1"), "{e}");
+    }
+
+    #[test]
+    fn failed_load_frees_its_slot_and_is_retried() {
+        let c = cache(2);
+        let e = c
+            .acquire(key(3), 10, |b: &mut [u8]| {
+                b[0] = 1;
+                Err(TestErr(9))
+            })
+            .unwrap_err();
+        match &e {
+            CacheError::Load { key: k, source } => {
+                assert_eq!(*k, key(3));
+                assert_eq!(source.0, 9);
+            }
+            other => panic!("unexpected {other}"),
+        }
+        assert!(e.to_string().contains("test load error 9"));
+        assert!(!c.resident(key(3)));
+        let s = c.stats();
+        assert_eq!((s.used, s.load_failures, s.loads), (0, 1, 0));
+        let l = c.acquire(key(3), 10, fill(4)).unwrap();
+        assert_eq!(l.bytes(), &[4; 10]);
+    }
+
+    #[test]
+    fn panicking_load_leaves_nothing_behind() {
+        let c = cache(2);
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _ = c.acquire(key(1), 10, |_: &mut [u8]| -> Result<(), TestErr> {
+                panic!("boom")
+            });
+        }));
+        assert!(r.is_err());
+        assert!(!c.resident(key(1)));
+        assert_eq!(c.stats().used, 0);
+        assert!(c.acquire(key(1), 10, fill(2)).is_ok());
+    }
+
+    #[test]
+    fn pinned_pages_survive_pressure_and_unpin_releases_them() {
+        let c = cache(3);
+        c.pin([key(0)]);
+        drop(c.acquire(key(0), SLOT_ALIGN, fill(0)).unwrap());
+        assert_eq!(c.stats().pinned_bytes, SLOT_ALIGN);
+        for p in 1..50 {
+            drop(c.acquire(key(p), SLOT_ALIGN, fill(p as u8)).unwrap());
+        }
+        assert!(c.resident(key(0)));
+        // Two pinned pages and one leased: a third page cannot be placed.
+        c.pin([key(1)]);
+        drop(c.acquire(key(1), SLOT_ALIGN, fill(1)).unwrap());
+        let _l = c.acquire(key(2), SLOT_ALIGN, fill(2)).unwrap();
+        match c.acquire(key(3), SLOT_ALIGN, fill(3)).unwrap_err() {
+            CacheError::Full { leased, pinned, .. } => {
+                assert_eq!((leased, pinned), (SLOT_ALIGN, 2 * SLOT_ALIGN));
+            }
+            e => panic!("unexpected {e}"),
+        }
+        c.unpin([key(0)]);
+        assert!(c.acquire(key(3), SLOT_ALIGN, fill(3)).is_ok());
+        assert!(!c.resident(key(0)));
+    }
+
+    #[test]
+    fn prefetch_loads_without_leasing_and_yields_to_hot_pages() {
+        let c = cache(2);
+        assert_eq!(c.prefetch(key(1), 5, fill(1)).unwrap(), Prefetched::Loaded);
+        assert_eq!(
+            c.prefetch(key(1), 5, fill(1)).unwrap(),
+            Prefetched::Resident
+        );
+        assert_eq!(c.stats().leased_bytes, 0);
+        // Make pages 1 and 2 hot.
+        for _ in 0..3 {
+            drop(c.acquire(key(1), 5, fill(1)).unwrap());
+            drop(c.acquire(key(2), 5, fill(2)).unwrap());
+        }
+        assert_eq!(c.prefetch(key(9), 5, fill(9)).unwrap(), Prefetched::Skipped);
+        assert!(c.resident(key(1)) && c.resident(key(2)));
+        let s = c.stats();
+        assert_eq!((s.prefetch_loads, s.prefetch_skipped, s.hits), (1, 1, 5));
+    }
+}
