@@ -16,6 +16,7 @@ pub mod config;
 pub mod embedded;
 pub mod error;
 pub mod loader;
+pub mod protocol;
 pub mod source;
 pub mod store;
 pub mod tier;
