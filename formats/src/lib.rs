@@ -14,6 +14,7 @@
 //! - [`gguf`]: the GGUF container (llama.cpp), its metadata and the dequantization of
 //!   the tensor types vOOM imports.
 //! - [`dtype`]: element types and exact conversions.
+//! - [`vpack`]: the lossless byte-plane encoding of BF16/F16 pages (high plane zstd).
 
 pub mod checkpoint;
 pub mod dtype;
@@ -21,6 +22,7 @@ pub mod error;
 pub mod gguf;
 pub mod manifest;
 pub mod safetensors;
+pub mod vpack;
 
 pub use checkpoint::Checkpoint;
 pub use dtype::DType;

@@ -16,11 +16,18 @@ use crate::checkpoint::Checkpoint;
 use crate::dtype::DType;
 use crate::error::{FormatError, Result};
 use crate::safetensors::write_atomically;
+use crate::vpack;
 
 /// The manifest's file name inside a model directory.
 pub const MANIFEST_FILE: &str = "voom-manifest.json";
-/// The manifest format this build reads and writes.
+/// The manifest format of raw-only manifests: what [`Manifest::build`] writes, and what
+/// builds that predate encoded bodies read.
 pub const MANIFEST_VERSION: u32 = 1;
+/// The manifest format of manifests whose pages list encoded bodies
+/// ([`PageEntry::encoded`]). A manifest is saved with the lowest version that describes
+/// it ([`Manifest::required_version`]), so raw-only stores stay readable by older builds
+/// and an older build refuses a packed store as "unsupported", not as malformed.
+pub const MANIFEST_VERSION_ENCODED: u32 = 2;
 
 const WHAT: &str = "page manifest";
 
@@ -49,18 +56,66 @@ pub struct PageEntry {
     pub offset: u64,
     /// Length of the page's bytes in `file` (encoded length; for `raw`, the tensor's).
     pub len: u64,
+    /// Encoding of the bytes at `file`/`offset`/`len`; `raw` in every manifest so far.
     pub encoding: Encoding,
     /// Lowercase hex blake3 of the page's decoded bytes.
     pub blake3: String,
     pub group: PageGroup,
+    /// Other stored copies of the page's bytes in other encodings (a vpack body in
+    /// `model.vpack`), at most one per encoding. Each decodes to the same bytes, checked
+    /// against `blake3`. Absent from the JSON when empty (format version 1).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub encoded: Vec<EncodedBody>,
+}
+
+/// Where an encoded copy of a page lives.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct EncodedBody {
+    /// Never `raw` (the raw copy is the page's own location).
+    pub encoding: Encoding,
+    /// The file holding the body, relative to the model directory, `/`-separated.
+    pub file: String,
+    /// Absolute byte offset of the body in `file`.
+    pub offset: u64,
+    /// Length of the encoded body.
+    pub len: u64,
+}
+
+impl PageEntry {
+    /// The page's vpack body, if it has one.
+    pub fn vpack(&self) -> Option<&EncodedBody> {
+        self.encoded.iter().find(|e| e.encoding == Encoding::Vpack)
+    }
+
+    /// Bytes the page decodes to (`numel * dtype size`), `None` on overflow.
+    pub fn decoded_len(&self) -> Option<u64> {
+        self.shape
+            .iter()
+            .try_fold(1usize, |a, &d| a.checked_mul(d))
+            .and_then(|n| n.checked_mul(self.dtype.size()))
+            .map(|d| d as u64)
+    }
 }
 
 /// How a page's bytes are stored in its file.
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[serde(rename_all = "lowercase")]
 pub enum Encoding {
     /// The checkpoint's bytes as they are.
     Raw,
+    /// A [`vpack`] body: BF16/F16 split into byte planes, the high plane zstd-compressed.
+    Vpack,
+}
+
+impl Encoding {
+    /// The manifest's spelling: `raw`, `vpack`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Encoding::Raw => "raw",
+            Encoding::Vpack => "vpack",
+        }
+    }
 }
 
 /// The part of the model a page belongs to; pages of one group are requested together.
@@ -155,6 +210,7 @@ impl Manifest {
                 encoding: Encoding::Raw,
                 blake3: hash.to_hex().to_string(),
                 group: PageGroup::of_tensor(name),
+                encoded: Vec::new(),
             })
             .collect();
         Manifest {
@@ -183,11 +239,12 @@ impl Manifest {
             format_version: u32,
         }
         let v: Version = serde_json::from_slice(&bytes).map_err(|e| malformed(e.to_string()))?;
-        if v.format_version != MANIFEST_VERSION {
+        if !(MANIFEST_VERSION..=MANIFEST_VERSION_ENCODED).contains(&v.format_version) {
             return Err(FormatError::Unsupported {
                 path,
                 what: format!(
-                    "manifest format_version {} (this build reads {MANIFEST_VERSION})",
+                    "manifest format_version {} (this build reads {MANIFEST_VERSION} to \
+                     {MANIFEST_VERSION_ENCODED})",
                     v.format_version
                 ),
             });
@@ -200,6 +257,12 @@ impl Manifest {
     /// Checks what the schema cannot: unique names and ids, well-formed hashes and
     /// file names, ranges that do not overflow, lengths that match dtype and shape.
     fn validate(&self) -> std::result::Result<(), String> {
+        if self.format_version < self.required_version() {
+            return Err(format!(
+                "format_version {} cannot list encoded bodies (they need {MANIFEST_VERSION_ENCODED})",
+                self.format_version
+            ));
+        }
         let mut names = HashSet::new();
         let mut ids = HashSet::new();
         for p in &self.pages {
@@ -221,36 +284,65 @@ impl Manifest {
                     p.blake3
                 ));
             }
-            if p.file.is_empty()
-                || p.file.contains('\\')
-                || !Path::new(&p.file)
-                    .components()
-                    .all(|c| matches!(c, std::path::Component::Normal(_)))
-            {
-                return Err(format!(
-                    "page '{page}': file '{}' is not a plain path inside the model directory",
-                    p.file
-                ));
-            }
-            if p.offset.checked_add(p.len).is_none() {
-                return Err(format!("page '{page}': offset + len overflows"));
-            }
-            let decoded = p
-                .shape
-                .iter()
-                .try_fold(1usize, |a, &d| a.checked_mul(d))
-                .and_then(|n| n.checked_mul(p.dtype.size()));
+            check_location(page, &p.file, p.offset, p.len)?;
             match p.encoding {
-                Encoding::Raw if decoded.map(|d| d as u64) != Some(p.len) => {
+                Encoding::Raw if p.decoded_len() != Some(p.len) => {
                     return Err(format!(
                         "page '{page}': len {} does not match shape {:?} of {}",
                         p.len, p.shape, p.dtype
                     ));
                 }
                 Encoding::Raw => {}
+                Encoding::Vpack => {
+                    return Err(format!(
+                        "page '{page}': encoding vpack at the page's own location (only raw; \
+                         vpack bodies are listed under 'encoded')"
+                    ));
+                }
+            }
+            let mut seen = HashSet::new();
+            for e in &p.encoded {
+                if !seen.insert(e.encoding) {
+                    return Err(format!(
+                        "page '{page}': two encoded bodies of encoding {}",
+                        e.encoding.as_str()
+                    ));
+                }
+                check_location(page, &e.file, e.offset, e.len)?;
+                match e.encoding {
+                    Encoding::Raw => {
+                        return Err(format!(
+                            "page '{page}': an encoded body of encoding raw (the raw copy is \
+                             the page's own location)"
+                        ));
+                    }
+                    Encoding::Vpack if !vpack::supports(p.dtype) => {
+                        return Err(format!(
+                            "page '{page}': a vpack body for a {} page (vpack is BF16/F16 only)",
+                            p.dtype
+                        ));
+                    }
+                    Encoding::Vpack if e.len < vpack::HEADER_LEN as u64 => {
+                        return Err(format!(
+                            "page '{page}': vpack body of {} bytes is shorter than its header",
+                            e.len
+                        ));
+                    }
+                    Encoding::Vpack => {}
+                }
             }
         }
         Ok(())
+    }
+
+    /// The lowest format version that describes this manifest: [`MANIFEST_VERSION`]
+    /// unless a page lists encoded bodies.
+    pub fn required_version(&self) -> u32 {
+        if self.pages.iter().any(|p| !p.encoded.is_empty()) {
+            MANIFEST_VERSION_ENCODED
+        } else {
+            MANIFEST_VERSION
+        }
     }
 
     /// Writes `dir/voom-manifest.json` atomically (temporary file, then rename).
@@ -351,9 +443,166 @@ impl Manifest {
             .collect())
     }
 
+    /// Decodes every encoded body (vpack) the manifest lists, from files in `dir`, and
+    /// checks the decoded bytes against each page's blake3, on all cores. Returns one
+    /// error per bad page in page-name order: a `ChecksumMismatch` naming the page and
+    /// the body's file, or a `BadTensor` naming both for a body that runs past the end
+    /// of its file, does not decode, or decodes to the wrong length. A body file that
+    /// cannot be opened is one `Io` error naming it. `progress(done, total)` counts
+    /// decoded bytes.
+    pub fn verify_encoded(
+        &self,
+        dir: &Path,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<Vec<FormatError>> {
+        let mut work: Vec<(&PageEntry, &EncodedBody)> = self
+            .pages
+            .iter()
+            .flat_map(|p| p.encoded.iter().map(move |e| (p, e)))
+            .collect();
+        work.sort_by(|a, b| a.0.name.cmp(&b.0.name));
+        let mut errors = Vec::new();
+        // Open each body file once; pages in a file that cannot be opened are skipped.
+        let mut files: HashMap<&str, Option<(std::fs::File, u64)>> = HashMap::new();
+        for (_, e) in &work {
+            files.entry(e.file.as_str()).or_insert_with(|| {
+                let path = dir.join(&e.file);
+                match std::fs::File::open(&path).and_then(|f| Ok((f.metadata()?.len(), f))) {
+                    Ok((len, f)) => Some((f, len)),
+                    Err(err) => {
+                        errors.push(FormatError::io(path, err));
+                        None
+                    }
+                }
+            });
+        }
+        work.retain(|(_, e)| files[e.file.as_str()].is_some());
+        let total: u64 = work.iter().map(|(p, _)| p.decoded_len().unwrap_or(0)).sum();
+        progress(0, total);
+        let workers = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(work.len())
+            .max(1);
+        let next = AtomicUsize::new(0);
+        let mut results: Vec<Option<FormatError>> = (0..work.len()).map(|_| None).collect();
+        std::thread::scope(|s| {
+            let (tx, rx) = mpsc::channel();
+            for _ in 0..workers {
+                let tx = tx.clone();
+                let (next, work, files) = (&next, &work, &files);
+                s.spawn(move || {
+                    let (mut body, mut out) = (Vec::new(), Vec::new());
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(&(page, enc)) = work.get(i) else {
+                            break;
+                        };
+                        let (file, file_len) =
+                            files[enc.file.as_str()].as_ref().expect("opened above");
+                        let path = dir.join(&enc.file);
+                        let r =
+                            check_encoded(page, enc, file, *file_len, &path, &mut body, &mut out);
+                        // The receiver lives until every sender is gone.
+                        let _ = tx.send((i, page.decoded_len().unwrap_or(0), r.err()));
+                    }
+                });
+            }
+            drop(tx);
+            let mut done = 0;
+            for (i, n, err) in rx {
+                done += n;
+                progress(done, total);
+                results[i] = err;
+            }
+        });
+        errors.extend(results.into_iter().flatten());
+        Ok(errors)
+    }
+
     /// Total bytes of all pages as stored.
     pub fn total_bytes(&self) -> u64 {
         self.pages.iter().map(|p| p.len).sum()
+    }
+}
+
+/// A page's (or encoded body's) file must be a plain relative path and its range must
+/// not overflow.
+fn check_location(
+    page: &str,
+    file: &str,
+    offset: u64,
+    len: u64,
+) -> std::result::Result<(), String> {
+    if file.is_empty()
+        || file.contains('\\')
+        || !Path::new(file)
+            .components()
+            .all(|c| matches!(c, std::path::Component::Normal(_)))
+    {
+        return Err(format!(
+            "page '{page}': file '{file}' is not a plain path inside the model directory"
+        ));
+    }
+    if offset.checked_add(len).is_none() {
+        return Err(format!("page '{page}': offset + len overflows"));
+    }
+    Ok(())
+}
+
+/// Reads `enc` (a body of `page`) from `file`, decodes it into `out` and checks its hash.
+fn check_encoded(
+    page: &PageEntry,
+    enc: &EncodedBody,
+    file: &std::fs::File,
+    file_len: u64,
+    path: &Path,
+    body: &mut Vec<u8>,
+    out: &mut Vec<u8>,
+) -> Result<()> {
+    use std::os::unix::fs::FileExt;
+    let bad = |detail: String| FormatError::BadTensor {
+        path: path.to_path_buf(),
+        tensor: page.name.clone(),
+        detail,
+    };
+    let end = enc.offset + enc.len; // validated not to overflow
+    if end > file_len {
+        return Err(bad(format!(
+            "{} body at bytes {}..{end} runs past the end of the file ({file_len} bytes)",
+            enc.encoding.as_str(),
+            enc.offset
+        )));
+    }
+    let len = usize::try_from(enc.len).map_err(|_| {
+        bad(format!(
+            "{} body of {} bytes",
+            enc.encoding.as_str(),
+            enc.len
+        ))
+    })?;
+    body.clear();
+    body.resize(len, 0);
+    file.read_exact_at(body, enc.offset)
+        .map_err(|e| bad(format!("reading bytes {}..{end}: {e}", enc.offset)))?;
+    match enc.encoding {
+        Encoding::Raw => Manifest::verify(page, body, path),
+        Encoding::Vpack => {
+            let header = vpack::Header::parse(body).map_err(|e| e.in_page(path, &page.name))?;
+            if header.dtype != page.dtype || Some(header.decoded_len() as u64) != page.decoded_len()
+            {
+                return Err(bad(format!(
+                    "vpack body holds {} bytes of {}, the page is {:?} bytes of {}",
+                    header.decoded_len(),
+                    header.dtype,
+                    page.decoded_len(),
+                    page.dtype
+                )));
+            }
+            out.clear();
+            out.resize(header.decoded_len(), 0);
+            vpack::decode(body, out).map_err(|e| e.in_page(path, &page.name))?;
+            Manifest::verify(page, out, path)
+        }
     }
 }
 
@@ -559,7 +808,7 @@ mod tests {
 
         let e = load_err(d.path(), "{not json");
         assert!(matches!(e, FormatError::Malformed { .. }), "{e}");
-        let e = load_err(d.path(), r#"{"format_version":2,"pages":[]}"#);
+        let e = load_err(d.path(), r#"{"format_version":3,"pages":[]}"#);
         assert!(matches!(e, FormatError::Unsupported { .. }), "{e}");
 
         let mutate = |f: &dyn Fn(&mut serde_json::Value)| {
@@ -583,6 +832,155 @@ mod tests {
         assert!(e.contains("unknown field"), "{e}");
         let e = mutate(&|v| v["pages"][1]["offset"] = u64::MAX.into());
         assert!(e.contains("overflows"), "{e}");
+    }
+
+    /// Packs every BF16 page of `m` into `dir/model.vpack` the way `vpagectl pack` does.
+    fn pack(dir: &Path, c: &Checkpoint, m: &mut Manifest) {
+        let path = dir.join(vpack::PACK_FILE);
+        let mut bodies = vec![];
+        vpack::write_pack_file::<FormatError>(&path, |w| {
+            for (i, p) in m.pages.iter().enumerate() {
+                if vpack::supports(p.dtype) {
+                    let body = vpack::encode(p.dtype, c.tensor_bytes(&p.name).unwrap()).unwrap();
+                    bodies.push((i, w.push(&body)?, body.len() as u64));
+                }
+            }
+            Ok(())
+        })
+        .unwrap();
+        for (i, offset, len) in bodies {
+            m.pages[i].encoded = vec![EncodedBody {
+                encoding: Encoding::Vpack,
+                file: vpack::PACK_FILE.into(),
+                offset,
+                len,
+            }];
+        }
+        m.format_version = m.required_version();
+    }
+
+    #[test]
+    fn encoded_bodies_round_trip_and_verify() {
+        let d = tempfile::tempdir().unwrap();
+        let c = model(d.path());
+        let mut m = Manifest::build(&c, &mut |_, _| {});
+        assert_eq!(m.required_version(), MANIFEST_VERSION);
+        pack(d.path(), &c, &mut m);
+        assert_eq!(m.format_version, MANIFEST_VERSION_ENCODED);
+        m.save(d.path()).unwrap();
+        let loaded = Manifest::load(d.path()).unwrap().unwrap();
+        assert_eq!(loaded, m);
+        m.check_matches(&c).unwrap();
+        let json: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(d.path().join(MANIFEST_FILE)).unwrap()).unwrap();
+        assert_eq!(json["format_version"], 2);
+        assert!(
+            json["pages"][0].get("encoded").is_none(),
+            "F32 lm_head stays raw"
+        );
+        assert_eq!(json["pages"][1]["encoded"][0]["encoding"], "vpack");
+        assert_eq!(json["pages"][1]["encoded"][0]["file"], "model.vpack");
+        assert_eq!(json["pages"][2]["encoded"][0]["offset"], vpack::PACK_ALIGN);
+
+        let mut last = (0, 0);
+        let errs = m
+            .verify_encoded(d.path(), &mut |a, b| last = (a, b))
+            .unwrap();
+        assert!(errs.is_empty(), "{errs:?}");
+        assert_eq!(last, (100, 100), "three BF16 pages: 64 + 32 + 4 bytes");
+
+        // A flipped byte in the raw low plane of the q_proj body: a checksum mismatch
+        // naming the page and model.vpack.
+        let q = m.page("model.layers.0.self_attn.q_proj.weight").unwrap();
+        let body = q.vpack().unwrap();
+        let pack_path = d.path().join(vpack::PACK_FILE);
+        let mut file = std::fs::read(&pack_path).unwrap();
+        let at = (body.offset + body.len - 1) as usize;
+        file[at] ^= 0x40;
+        std::fs::write(&pack_path, &file).unwrap();
+        let errs = m.verify_encoded(d.path(), &mut |_, _| {}).unwrap();
+        assert_eq!(errs.len(), 1, "{errs:?}");
+        match &errs[0] {
+            FormatError::ChecksumMismatch { path, page, .. } => {
+                assert_eq!(page, &q.name);
+                assert_eq!(path, &pack_path);
+            }
+            e => panic!("{e}"),
+        }
+        file[at] ^= 0x40;
+        // A broken header: a typed error naming page and file.
+        file[body.offset as usize] = b'X';
+        std::fs::write(&pack_path, &file).unwrap();
+        let errs = m.verify_encoded(d.path(), &mut |_, _| {}).unwrap();
+        let e = errs[0].to_string();
+        assert!(
+            e.contains("q_proj") && e.contains("bad magic") && e.contains("model.vpack"),
+            "{e}"
+        );
+
+        // Truncated: every body past the new end is named.
+        std::fs::write(&pack_path, &file[..vpack::PACK_ALIGN as usize + 10]).unwrap();
+        let errs = m.verify_encoded(d.path(), &mut |_, _| {}).unwrap();
+        let text: Vec<String> = errs.iter().map(|e| e.to_string()).collect();
+        assert_eq!(errs.len(), 2, "{text:?}");
+        assert!(
+            text.iter()
+                .any(|e| e.contains("runs past the end of the file")),
+            "{text:?}"
+        );
+
+        // Missing: one I/O error naming the file.
+        std::fs::remove_file(&pack_path).unwrap();
+        let errs = m.verify_encoded(d.path(), &mut |_, _| {}).unwrap();
+        assert_eq!(errs.len(), 1);
+        assert!(matches!(&errs[0], FormatError::Io { path, .. } if path == &pack_path));
+    }
+
+    #[test]
+    fn load_checks_encoded_bodies() {
+        let d = tempfile::tempdir().unwrap();
+        let c = model(d.path());
+        let mut m = Manifest::build(&c, &mut |_, _| {});
+        pack(d.path(), &c, &mut m);
+        let good = serde_json::to_value(&m).unwrap();
+        let mutate = |f: &dyn Fn(&mut serde_json::Value)| {
+            let mut v = good.clone();
+            f(&mut v);
+            load_err(d.path(), &v.to_string()).to_string()
+        };
+        let e = mutate(&|v| v["format_version"] = 1.into());
+        assert!(
+            e.contains("format_version 1 cannot list encoded bodies"),
+            "{e}"
+        );
+        let e = mutate(&|v| v["pages"][1]["encoded"][0]["encoding"] = "raw".into());
+        assert!(e.contains("encoding raw"), "{e}");
+        let e = mutate(&|v| {
+            let b = v["pages"][1]["encoded"][0].clone();
+            v["pages"][1]["encoded"].as_array_mut().unwrap().push(b);
+        });
+        assert!(e.contains("two encoded bodies"), "{e}");
+        let e = mutate(&|v| v["pages"][0]["encoded"] = v["pages"][1]["encoded"].clone());
+        assert!(e.contains("vpack body for a F32 page"), "{e}");
+        let e = mutate(&|v| v["pages"][1]["encoded"][0]["file"] = "/abs".into());
+        assert!(e.contains("not a plain path"), "{e}");
+        let e = mutate(&|v| v["pages"][1]["encoded"][0]["len"] = 5.into());
+        assert!(e.contains("shorter than its header"), "{e}");
+        let e = mutate(&|v| v["pages"][1]["encoding"] = "vpack".into());
+        assert!(e.contains("own location"), "{e}");
+        let e = mutate(&|v| v["pages"][1]["encoded"][0]["extra"] = 1.into());
+        assert!(e.contains("unknown field"), "{e}");
+        // A raw-only manifest of format version 1 (what older builds wrote) still loads,
+        // and so does one that says 2 without any encoded body.
+        let raw = Manifest::build(&c, &mut |_, _| {});
+        raw.save(d.path()).unwrap();
+        let text = std::fs::read_to_string(d.path().join(MANIFEST_FILE)).unwrap();
+        assert!(text.contains("\"format_version\": 1") && !text.contains("encoded"));
+        assert_eq!(Manifest::load(d.path()).unwrap().unwrap(), raw);
+        let mut v = serde_json::to_value(&raw).unwrap();
+        v["format_version"] = 2.into();
+        std::fs::write(d.path().join(MANIFEST_FILE), v.to_string()).unwrap();
+        assert!(Manifest::load(d.path()).unwrap().is_some());
     }
 
     #[test]

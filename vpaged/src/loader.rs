@@ -7,6 +7,7 @@
 //! manifest's bytes does the load fail, with every tier's reason.
 
 use voom_formats::manifest::PageEntry;
+use voom_formats::vpack;
 
 use crate::tier::{Extent, FastTier, FileTier, NasTier, TierError};
 use crate::StoreError;
@@ -47,28 +48,42 @@ impl PageLoader<'_> {
             }
         }
 
+        // On each location tier: the packed body if the store has one (fewer bytes
+        // from storage), then the raw bytes.
         let raw = Extent {
             file: entry.file.clone(),
             offset: entry.offset,
             len: entry.len,
         };
-        match self.primary.read_extent(&raw, buf) {
-            Ok(()) => match check(entry, buf, self.primary.name()) {
-                Ok(()) => return Ok(Served::Primary),
-                Err(e) => {
-                    self.primary.counters().record_integrity_failure();
-                    failures.push(e.to_string());
-                    integrity = Some(e);
+        let packed = entry.vpack().map(|b| Extent {
+            file: b.file.clone(),
+            offset: b.offset,
+            len: b.len,
+        });
+        let locations: [(Served, Option<Location>); 2] = [
+            (Served::Primary, Some(Location::File(self.primary))),
+            (Served::Nas, self.nas.map(Location::Nas)),
+        ];
+        for (served, loc) in locations {
+            let Some(loc) = loc else { continue };
+            if let Some(p) = &packed {
+                match loc.read_packed(entry, p, buf) {
+                    Ok(()) => match check(entry, buf, loc.name()) {
+                        Ok(()) => return Ok(served),
+                        Err(e) => {
+                            loc.record_integrity_failure();
+                            failures.push(format!("{} (vpack)", e));
+                            integrity = Some(e);
+                        }
+                    },
+                    Err(e) => failures.push(e.to_string()),
                 }
-            },
-            Err(e) => failures.push(e.to_string()),
-        }
-
-        if let Some(nas) = self.nas {
-            match nas.read_extent(&raw, buf) {
-                Ok(()) => match check(entry, buf, nas.name()) {
-                    Ok(()) => return Ok(Served::Nas),
+            }
+            match loc.read(&raw, buf) {
+                Ok(()) => match check(entry, buf, loc.name()) {
+                    Ok(()) => return Ok(served),
                     Err(e) => {
+                        loc.record_integrity_failure();
                         failures.push(e.to_string());
                         integrity = Some(e);
                     }
@@ -86,6 +101,59 @@ impl PageLoader<'_> {
                 reasons: failures,
             }),
         }
+    }
+}
+
+/// A tier holding the model's files.
+#[derive(Clone, Copy)]
+enum Location<'a> {
+    File(&'a FileTier),
+    Nas(&'a NasTier),
+}
+
+impl Location<'_> {
+    fn name(&self) -> &str {
+        match self {
+            Location::File(t) => t.name(),
+            Location::Nas(t) => t.name(),
+        }
+    }
+
+    fn read(&self, ext: &Extent, buf: &mut [u8]) -> Result<(), TierError> {
+        match self {
+            Location::File(t) => t.read_extent(ext, buf),
+            Location::Nas(t) => t.read_extent(ext, buf),
+        }
+    }
+
+    fn record_integrity_failure(&self) {
+        match self {
+            Location::File(t) => t.counters().record_integrity_failure(),
+            Location::Nas(t) => t.counters().record_integrity_failure(),
+        }
+    }
+
+    /// Reads a vpack body and decodes it into `buf`.
+    fn read_packed(
+        &self,
+        entry: &PageEntry,
+        ext: &Extent,
+        buf: &mut [u8],
+    ) -> Result<(), StoreError> {
+        let mut body = vec![0u8; ext.len as usize];
+        self.read(ext, &mut body)?;
+        vpack::decode(&body, buf).map_err(|e| {
+            // A body that does not decode is corrupt: an integrity failure of the tier.
+            self.record_integrity_failure();
+            StoreError::Store {
+                store: std::path::PathBuf::from(&ext.file),
+                detail: format!(
+                    "tier '{}': page '{}': vpack body: {e}",
+                    self.name(),
+                    entry.name
+                ),
+            }
+        })
     }
 }
 

@@ -2,10 +2,14 @@
 //!
 //! - `vpagectl hash MODEL_DIR` hashes every page of a checkpoint and writes its page
 //!   manifest (`voom-manifest.json`).
-//! - `vpagectl verify MODEL_DIR` re-hashes every page against the manifest.
+//! - `vpagectl verify MODEL_DIR` re-hashes every page against the manifest, and decodes
+//!   and hashes every encoded body (vpack) the manifest lists.
+//! - `vpagectl pack MODEL_DIR` writes the vpack body of every BF16/F16 page into
+//!   `model.vpack` beside the raw files and lists them in the manifest.
 //!
 //! Exit status: 0 success; 1 the store does not match its manifest (a page's bytes
-//! differ, the manifest is stale, or a checkpoint file no longer parses); 2 the command
+//! or a vpack body differ, the manifest is stale, or a checkpoint file no longer
+//! parses; `pack` refuses to pack a page whose raw bytes fail their hash); 2 the command
 //! could not run (no manifest, unreadable directory, bad arguments).
 
 use std::io::IsTerminal;
@@ -17,7 +21,8 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::json;
-use voom_formats::manifest::{Manifest, MANIFEST_FILE};
+use voom_formats::manifest::{EncodedBody, Encoding, Manifest, MANIFEST_FILE};
+use voom_formats::vpack::{self, PACK_ALIGN, PACK_FILE};
 use voom_formats::{Checkpoint, FormatError};
 
 #[derive(Parser)]
@@ -41,9 +46,19 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Re-hash every page of MODEL_DIR against its manifest; exit 1 on any mismatch.
+    /// Re-hash every page of MODEL_DIR (raw and vpack copies) against its manifest;
+    /// exit 1 on any mismatch.
     Verify {
         /// A model directory holding voom-manifest.json.
+        model_dir: PathBuf,
+        /// Print one JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Write the vpack body of every BF16/F16 page of MODEL_DIR into model.vpack
+    /// (manifest order, 16 KiB aligned) and list each in the manifest.
+    Pack {
+        /// A model directory holding voom-manifest.json (see `vpagectl hash`).
         model_dir: PathBuf,
         /// Print one JSON object instead of text.
         #[arg(long)]
@@ -56,6 +71,7 @@ fn main() -> ExitCode {
     let result = match &cli.command {
         Command::Hash { model_dir, json } => hash(model_dir, *json),
         Command::Verify { model_dir, json } => verify(model_dir, *json),
+        Command::Pack { model_dir, json } => pack(model_dir, *json),
     };
     match result {
         Ok(code) => code,
@@ -133,8 +149,8 @@ fn hash(dir: &Path, json: bool) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn verify(dir: &Path, json: bool) -> Result<ExitCode> {
-    let manifest = Manifest::load(dir)
+fn load_manifest(dir: &Path) -> Result<Manifest> {
+    Manifest::load(dir)
         .context("reading the manifest")?
         .with_context(|| {
             format!(
@@ -142,7 +158,11 @@ fn verify(dir: &Path, json: bool) -> Result<ExitCode> {
                 dir.display(),
                 dir.display()
             )
-        })?;
+        })
+}
+
+fn verify(dir: &Path, json: bool) -> Result<ExitCode> {
+    let manifest = load_manifest(dir)?;
     let bytes = manifest.total_bytes();
     let pb = progress_bar(json, "verifying");
     let start = Instant::now();
@@ -154,13 +174,27 @@ fn verify(dir: &Path, json: bool) -> Result<ExitCode> {
             pb.set_position(done);
         })
     });
+    pb.finish_and_clear();
+    // Encoded bodies live in their own files: they are checked even when the raw
+    // checkpoint is broken.
+    let pb = progress_bar(json, "verifying vpack");
+    let encoded = manifest.verify_encoded(dir, &mut |done, total| {
+        pb.set_length(total);
+        pb.set_position(done);
+    });
     let elapsed = start.elapsed();
     pb.finish_and_clear();
+    let encoded_pages = manifest
+        .pages
+        .iter()
+        .filter(|p| !p.encoded.is_empty())
+        .count();
 
-    let (store_error, mismatches) = match outcome {
+    let (store_error, mut mismatches) = match outcome {
         Ok(m) => (None, m),
         Err(e) => (Some(e), Vec::new()),
     };
+    mismatches.extend(encoded?);
     let ok = store_error.is_none() && mismatches.is_empty();
     if json {
         let list: Vec<_> = mismatches
@@ -172,6 +206,7 @@ fn verify(dir: &Path, json: bool) -> Result<ExitCode> {
                     expected,
                     actual,
                 } => json!({"page": page, "file": path.display().to_string(), "expected": expected, "actual": actual}),
+                FormatError::BadTensor { path, tensor, .. } => json!({"page": tensor, "file": path.display().to_string(), "error": e.to_string()}),
                 other => json!({"error": other.to_string()}),
             })
             .collect();
@@ -182,6 +217,7 @@ fn verify(dir: &Path, json: bool) -> Result<ExitCode> {
                 "model_dir": dir.display().to_string(),
                 "ok": ok,
                 "pages": manifest.pages.len(),
+                "encoded_pages": encoded_pages,
                 "bytes": bytes,
                 "seconds": elapsed.as_secs_f64(),
                 "gb_per_s": gb_per_s(bytes, elapsed),
@@ -204,12 +240,17 @@ fn verify(dir: &Path, json: bool) -> Result<ExitCode> {
                     "MISMATCH page '{page}' in {}: expected blake3 {expected}, got {actual}",
                     path.display()
                 ),
+                FormatError::BadTensor {
+                    path,
+                    tensor,
+                    detail,
+                } => println!("MISMATCH page '{tensor}' in {}: {detail}", path.display()),
                 other => println!("MISMATCH {other}"),
             }
         }
         if store_error.is_none() {
             println!(
-                "verified {} pages: {} bytes in {:.3} s, {:.2} GB/s: {}",
+                "verified {} pages ({encoded_pages} with vpack bodies): {} bytes in {:.3} s, {:.2} GB/s: {}",
                 manifest.pages.len(),
                 bytes,
                 elapsed.as_secs_f64(),
@@ -227,4 +268,162 @@ fn verify(dir: &Path, json: bool) -> Result<ExitCode> {
     } else {
         ExitCode::from(1)
     })
+}
+
+/// How `pack` failed: a page whose raw bytes no longer match the manifest is a store
+/// mismatch (exit 1); anything else means the command could not run (exit 2).
+enum PackError {
+    Mismatch(FormatError),
+    Other(anyhow::Error),
+}
+
+impl From<FormatError> for PackError {
+    fn from(e: FormatError) -> Self {
+        match e {
+            FormatError::ChecksumMismatch { .. } => PackError::Mismatch(e),
+            e => PackError::Other(e.into()),
+        }
+    }
+}
+
+impl From<anyhow::Error> for PackError {
+    fn from(e: anyhow::Error) -> Self {
+        PackError::Other(e)
+    }
+}
+
+/// Running totals of `pack`.
+#[derive(Default)]
+struct PackStats {
+    pages: usize,
+    raw_bytes: u64,
+    packed_bytes: u64,
+    encode: Duration,
+    decode: Duration,
+}
+
+fn pack(dir: &Path, json: bool) -> Result<ExitCode> {
+    let mut manifest = load_manifest(dir)?;
+    let ckpt = Checkpoint::open(dir).context("opening the checkpoint")?;
+    manifest
+        .check_matches(&ckpt)
+        .context("the manifest does not describe the checkpoint; run `vpagectl hash` again")?;
+    // Forget the old vpack bodies before model.vpack is replaced, so that a crash in
+    // between never leaves a manifest pointing into a file of other bodies.
+    if manifest.pages.iter().any(|p| p.vpack().is_some()) {
+        for p in &mut manifest.pages {
+            p.encoded.retain(|e| e.encoding != Encoding::Vpack);
+        }
+        manifest.format_version = manifest.required_version();
+        manifest.save(dir).context("writing the manifest")?;
+    }
+
+    let todo: Vec<usize> = (0..manifest.pages.len())
+        .filter(|&i| vpack::supports(manifest.pages[i].dtype))
+        .collect();
+    let total: u64 = todo.iter().map(|&i| manifest.pages[i].len).sum();
+    let pb = progress_bar(json, "packing");
+    pb.set_length(total);
+    let pack_path = dir.join(PACK_FILE);
+    let mut stats = PackStats::default();
+    let mut bodies: Vec<(usize, u64, u64)> = Vec::with_capacity(todo.len());
+    let start = Instant::now();
+    let written = vpack::write_pack_file::<PackError>(&pack_path, |w| {
+        let mut decoded = Vec::new();
+        for &i in &todo {
+            let page = &manifest.pages[i];
+            let loc = ckpt
+                .get(&page.name)
+                .expect("check_matches found every page");
+            let raw = ckpt.files[loc.file].tensor_bytes(&loc.info);
+            let t = Instant::now();
+            let body = vpack::encode(page.dtype, raw)
+                .map_err(|e| anyhow::Error::new(e.in_page(ckpt.file_path(loc), &page.name)))?;
+            stats.encode += t.elapsed();
+            // Decode what was written and check it against the manifest: this proves
+            // the body and also that the raw bytes packed were the right ones.
+            decoded.resize(raw.len(), 0);
+            let t = Instant::now();
+            vpack::decode(&body, &mut decoded)
+                .map_err(|e| anyhow::Error::new(e.in_page(&pack_path, &page.name)))?;
+            stats.decode += t.elapsed();
+            Manifest::verify(page, &decoded, ckpt.file_path(loc))?;
+            let offset = w.push(&body)?;
+            bodies.push((i, offset, body.len() as u64));
+            stats.pages += 1;
+            stats.raw_bytes += raw.len() as u64;
+            stats.packed_bytes += body.len() as u64;
+            pb.inc(raw.len() as u64);
+        }
+        Ok(())
+    });
+    pb.finish_and_clear();
+    let file_bytes = match written {
+        Ok(n) => n,
+        Err(PackError::Other(e)) => {
+            return Err(e.context(format!("writing {}", pack_path.display())))
+        }
+        Err(PackError::Mismatch(e)) => {
+            if json {
+                println!(
+                    "{}",
+                    json!({"command": "pack", "model_dir": dir.display().to_string(), "ok": false, "error": e.to_string()})
+                );
+            } else {
+                println!("FAILED: {e}; nothing was packed (run `vpagectl verify`)");
+            }
+            return Ok(ExitCode::from(1));
+        }
+    };
+    let elapsed = start.elapsed();
+    for (i, offset, len) in bodies {
+        manifest.pages[i].encoded.push(EncodedBody {
+            encoding: Encoding::Vpack,
+            file: PACK_FILE.to_string(),
+            offset,
+            len,
+        });
+    }
+    manifest.format_version = manifest.required_version();
+    manifest.save(dir).context("writing the manifest")?;
+
+    let ratio = stats.packed_bytes as f64 / stats.raw_bytes.max(1) as f64;
+    let raw_pages = manifest.pages.len() - stats.pages;
+    if json {
+        println!(
+            "{}",
+            json!({
+                "command": "pack",
+                "model_dir": dir.display().to_string(),
+                "ok": true,
+                "pack_file": pack_path.display().to_string(),
+                "pages": stats.pages,
+                "raw_pages": raw_pages,
+                "raw_bytes": stats.raw_bytes,
+                "packed_bytes": stats.packed_bytes,
+                "file_bytes": file_bytes,
+                "ratio": ratio,
+                "align": PACK_ALIGN,
+                "encode_gb_per_s": gb_per_s(stats.raw_bytes, stats.encode),
+                "decode_gb_per_s": gb_per_s(stats.raw_bytes, stats.decode),
+                "seconds": elapsed.as_secs_f64(),
+            })
+        );
+    } else {
+        println!(
+            "packed {} pages ({raw_pages} of other types stay raw): {} raw bytes -> {} packed \
+             bytes, ratio {ratio:.4}; encode {:.2} GB/s, decode {:.2} GB/s (one thread)",
+            stats.pages,
+            stats.raw_bytes,
+            stats.packed_bytes,
+            gb_per_s(stats.raw_bytes, stats.encode),
+            gb_per_s(stats.raw_bytes, stats.decode),
+        );
+        println!(
+            "wrote {} ({file_bytes} bytes) and {}",
+            pack_path.display(),
+            dir.join(MANIFEST_FILE).display()
+        );
+    }
+    Ok(ExitCode::SUCCESS)
 }

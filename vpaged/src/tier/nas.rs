@@ -83,6 +83,10 @@ impl NasTier {
         self.inner.stats()
     }
 
+    pub fn counters(&self) -> &super::TierCounters {
+        self.inner.counters()
+    }
+
     pub fn health(&self) -> Health {
         let s = self.state.lock().unwrap_or_else(|e| e.into_inner());
         if s.healthy {
