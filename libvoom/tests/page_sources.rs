@@ -1,7 +1,8 @@
 //! DESIGN.md invariant 1: paging is invisible to arithmetic. The same model gives
 //! the same ids and the same logits bits whether its pages come from the embedded
 //! mapping or through the store core's shared page cache, with an ample budget or
-//! one smaller than a decoder layer (streaming), and from the fast tier.
+//! one smaller than a decoder layer (streaming), from the fast tier, and through the
+//! daemon's socket and shared arena, with two engines at once.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -132,4 +133,70 @@ fn pages_from_the_fast_tier_give_the_same_bits() {
         fast_served > 0,
         "fast {fast_served}, primary {primary_served}"
     );
+}
+
+/// Runs a daemon over `store` on `socket` in a background thread (a real Unix socket;
+/// the arena is passed by SCM_RIGHTS and mapped read-only by the clients).
+fn serve(
+    store: Arc<Store>,
+    socket: PathBuf,
+) -> (
+    std::thread::JoinHandle<()>,
+    tokio::sync::oneshot::Sender<()>,
+) {
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let h = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let listener = tokio::net::UnixListener::bind(&socket).unwrap();
+            let d = vpaged::daemon::Daemon::new(store);
+            d.serve(listener, socket, async {
+                let _ = rx.await;
+            })
+            .await
+            .unwrap();
+        });
+    });
+    (h, tx)
+}
+
+#[test]
+fn two_engines_through_the_daemon_give_the_embedded_bits() {
+    let (d, dir) = fixture_copy("qwen3_qk_norm_eos_list");
+    let prompt: Vec<u32> = (0..19).map(|i| (i * 13 + 7) % 250).collect();
+    let reference = run(
+        &Engine::open(&dir, EngineOptions::default()).unwrap(),
+        &prompt,
+    );
+    let store = Store::new(StoreConfig {
+        cache_bytes: (largest_layer_bytes(&dir) * 3 / 2).next_multiple_of(16 << 10) + (512 << 10),
+        ..Default::default()
+    })
+    .unwrap();
+    let socket = d.path().join("vpaged.sock");
+    let (h, stop) = serve(Arc::clone(&store), socket.clone());
+    while !socket.exists() {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let engines: Vec<_> = (0..2)
+        .map(|i| {
+            let c = vpaged::client::DaemonClient::connect(&socket, &format!("engine-{i}")).unwrap();
+            let src = vpaged::client::DaemonSource::open(c, &dir).unwrap();
+            Engine::with_source(&dir, Arc::new(src), EngineOptions::default()).unwrap()
+        })
+        .collect();
+    std::thread::scope(|s| {
+        for e in &engines {
+            let reference = &reference;
+            let prompt = &prompt;
+            s.spawn(move || assert_eq!(&run(e, prompt), reference));
+        }
+    });
+    assert!(engines[0].source().describe().starts_with("vpaged:"));
+    drop(engines);
+    let _ = stop.send(());
+    h.join().unwrap();
 }

@@ -291,3 +291,83 @@ fn a_failed_import_leaves_the_existing_model_as_it_was() {
         .collect();
     assert_eq!(left, vec![std::ffi::OsString::from("m")]);
 }
+
+/// The `vpaged` binary built beside `voom` (the workspace's tests build both).
+fn vpaged_bin() -> PathBuf {
+    let p = Path::new(env!("CARGO_BIN_EXE_voom")).with_file_name("vpaged");
+    assert!(
+        p.exists(),
+        "{} is not built: run the workspace's tests (scripts/test)",
+        p.display()
+    );
+    p
+}
+
+#[test]
+fn generate_through_the_daemon_gives_the_same_ids_and_falls_back_when_asked() {
+    let d = tempfile::tempdir().unwrap();
+    let model = d.path().join("m");
+    copy_dir(&tiny("llama_tied_legacy_rope_eos"), &model);
+    let ckpt = voom_formats::Checkpoint::open(&model).unwrap();
+    voom_formats::Manifest::build(&ckpt, &mut |_, _| {})
+        .save(&model)
+        .unwrap();
+    let r = reference("llama_tied_legacy_rope_eos");
+    let p = &r["prompts"][2];
+    let ids: Vec<String> = p["prompt_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.to_string())
+        .collect();
+    let socket = d.path().join("vpaged.sock");
+    let gen = |extra: &[&str]| {
+        voom()
+            .args(["generate", "--model"])
+            .arg(&model)
+            .args([
+                "--prompt-ids",
+                &ids.join(","),
+                "--max-new-tokens",
+                "32",
+                "--json",
+            ])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    // No daemon yet: a clear error naming the socket, or the embedded store if asked.
+    let sock = socket.to_str().unwrap();
+    let o = gen(&["--vpaged", sock]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("vpaged.sock"), "{}", stderr(&o));
+    let o = gen(&["--vpaged", sock, "--vpaged-fallback"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(last_json(&o)["ids"], p["generated_ids"]);
+
+    let mut daemon = Command::new(vpaged_bin())
+        .arg("--socket")
+        .arg(&socket)
+        .args(["--cache-size", "16MiB"])
+        .env("VPAGED_LOG", "warn")
+        .spawn()
+        .unwrap();
+    let t = std::time::Instant::now();
+    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(10),
+            "vpaged did not start"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let o = gen(&["--vpaged", sock]);
+    let _ = daemon.kill();
+    let _ = daemon.wait();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let j = last_json(&o);
+    assert_eq!(j["ids"], p["generated_ids"]);
+    assert!(
+        j["page_source"].as_str().unwrap().starts_with("vpaged:"),
+        "{j}"
+    );
+}

@@ -23,6 +23,9 @@ pub enum StoreError {
     /// No tier could serve the page's bytes.
     #[error("page '{page}' is unavailable on every tier: {}", reasons.join("; "))]
     Unavailable { page: String, reasons: Vec<String> },
+    /// The daemon could not be reached or answered with an error.
+    #[error("vpaged at {socket}: {detail}")]
+    Daemon { socket: PathBuf, detail: String },
     #[error("model store {store}: {detail}")]
     Store { store: PathBuf, detail: String },
 }

@@ -12,7 +12,9 @@
 
 pub mod arena;
 pub mod cache;
+pub mod client;
 pub mod config;
+pub mod daemon;
 pub mod embedded;
 pub mod error;
 pub mod loader;

@@ -25,6 +25,12 @@ pub struct EngineArgs {
     /// Longest context (prompt + generated) in tokens.
     #[arg(long)]
     pub max_context: Option<usize>,
+    /// Get pages from the vpaged daemon at this socket instead of the embedded store.
+    #[arg(long, env = "VOOM_VPAGED")]
+    pub vpaged: Option<PathBuf>,
+    /// If the daemon cannot be reached, use the embedded store (with a warning).
+    #[arg(long, env = "VOOM_VPAGED_FALLBACK")]
+    pub vpaged_fallback: bool,
 }
 
 impl EngineArgs {
@@ -114,7 +120,25 @@ pub fn resolve_model(model: &str, pull_missing: bool) -> Result<PathBuf> {
 }
 
 pub fn open_engine(dir: &Path, args: &EngineArgs) -> Result<Engine> {
-    Engine::open(dir, args.options()?).with_context(|| format!("opening model {}", dir.display()))
+    let opts = args.options()?;
+    if let Some(socket) = &args.vpaged {
+        let source = vpaged::client::DaemonClient::connect(socket, "voom")
+            .and_then(|c| vpaged::client::DaemonSource::open(c, dir));
+        match source {
+            Ok(src) => {
+                return Engine::with_source(dir, std::sync::Arc::new(src), opts)
+                    .with_context(|| format!("opening model {}", dir.display()))
+            }
+            Err(e) if args.vpaged_fallback => {
+                eprintln!("voom: warning: {e}; using the embedded store");
+            }
+            Err(e) => {
+                return Err(e)
+                    .with_context(|| format!("opening model {} through vpaged", dir.display()))
+            }
+        }
+    }
+    Engine::open(dir, opts).with_context(|| format!("opening model {}", dir.display()))
 }
 
 /// Token ids of a chat: the messages rendered with the model's chat template.

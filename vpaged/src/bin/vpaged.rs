@@ -1,0 +1,102 @@
+//! `vpaged`: the page daemon. Owns the shared page cache and the tiers, and serves
+//! pages to engines over a Unix socket (docs/protocol.md).
+//!
+//! Every flag is also an environment variable (`VPAGED_*`) and a key of the TOML file
+//! given by `--config`; flags win over the environment, which wins over the file.
+
+use std::os::unix::fs::PermissionsExt;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+use vpaged::config::{DaemonArgs, DaemonConfig};
+use vpaged::daemon::Daemon;
+use vpaged::store::{Store, StoreConfig};
+use vpaged::tier::NasConfig;
+
+#[derive(Parser)]
+#[command(
+    name = "vpaged",
+    version,
+    about = "vOOM page daemon: one shared page cache for every engine"
+)]
+struct Cli {
+    #[command(flatten)]
+    args: DaemonArgs,
+}
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("VPAGED_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let cfg = DaemonConfig::resolve(&cli.args).map_err(anyhow::Error::msg)?;
+    let store = Store::new(StoreConfig {
+        cache_bytes: cfg.cache_size as usize,
+        fast_tier: cfg.fast_tier.clone().map(|d| (d, cfg.fast_tier_size)),
+        nas: cfg
+            .nas
+            .iter()
+            .map(|n| NasConfig {
+                mount: n.mount.clone(),
+                model: Default::default(),
+                timeout: n.timeout.unwrap_or(Duration::from_secs(10)),
+                recheck: Duration::from_secs(5),
+                remount_command: n.remount_command.clone(),
+            })
+            .collect(),
+        pin_first_layers: cfg.pin_first_layers,
+        pin_last_layers: cfg.pin_last_layers,
+    })
+    .context("creating the page store")?;
+
+    let socket = cfg.socket.clone();
+    if let Some(parent) = socket.parent() {
+        std::fs::create_dir_all(parent)
+            .with_context(|| format!("creating {}", parent.display()))?;
+    }
+    if socket.exists() {
+        // A live daemon answers; a stale socket file from a crash does not.
+        if std::os::unix::net::UnixStream::connect(&socket).is_ok() {
+            bail!("another vpaged is serving {}", socket.display());
+        }
+        std::fs::remove_file(&socket)
+            .with_context(|| format!("removing the stale {}", socket.display()))?;
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let listener = tokio::net::UnixListener::bind(&socket)
+            .with_context(|| format!("binding {}", socket.display()))?;
+        std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o600))?;
+        tracing::info!(
+            "serving {} (cache {} bytes{})",
+            socket.display(),
+            cfg.cache_size,
+            cfg.fast_tier
+                .as_ref()
+                .map(|f| format!(", fast tier {}", f.display()))
+                .unwrap_or_default()
+        );
+        let daemon = Daemon::new(store);
+        let shutdown = async {
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                    .expect("SIGTERM handler");
+            tokio::select! {
+                _ = term.recv() => {},
+                _ = tokio::signal::ctrl_c() => {},
+            }
+            tracing::info!("shutting down: draining sessions");
+        };
+        daemon.serve(listener, socket.clone(), shutdown).await?;
+        tracing::info!("stopped");
+        Ok::<(), anyhow::Error>(())
+    })
+}

@@ -1,0 +1,310 @@
+//! The engine's side of the daemon: a [`PageSource`] whose pages live in the daemon's
+//! shared arena, mapped read-only in this process. Acquire asks the daemon for a page
+//! and returns a lease on its bytes in place (no copy); dropping the lease releases the
+//! page at the daemon. If the daemon dies, requests fail with an error naming the
+//! socket; leases already held stay readable (the mapping is this process's own).
+
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use voom_formats::manifest::{Manifest, MANIFEST_FILE};
+
+use crate::arena::ArenaView;
+use crate::protocol::{
+    read_frame, recv_frame_with_fd, write_frame, FrameDecoder, Message, ModelId, PROTOCOL_VERSION,
+};
+use crate::source::{PageId, PageLease, PageMeta, PageSource};
+use crate::StoreError;
+
+struct Conn {
+    stream: UnixStream,
+    next_id: u32,
+}
+
+/// A connection to the daemon.
+pub struct DaemonClient {
+    socket: PathBuf,
+    conn: Mutex<Conn>,
+    arena: ArenaView,
+    server_id: u64,
+}
+
+impl DaemonClient {
+    fn err(socket: &Path, detail: impl std::fmt::Display) -> StoreError {
+        StoreError::Daemon {
+            socket: socket.to_path_buf(),
+            detail: detail.to_string(),
+        }
+    }
+
+    /// Connects, says hello and maps the arena read-only.
+    pub fn connect(socket: &Path, name: &str) -> Result<Arc<DaemonClient>, StoreError> {
+        let e = |d: String| Self::err(socket, d);
+        let mut stream =
+            UnixStream::connect(socket).map_err(|x| e(format!("cannot connect: {x}")))?;
+        let hello = Message::Hello {
+            version: PROTOCOL_VERSION,
+            pid: std::process::id(),
+            name: name.to_string(),
+        };
+        write_frame(
+            &mut stream,
+            &hello.to_frame(1).map_err(|x| e(x.to_string()))?,
+        )
+        .map_err(|x| e(x.to_string()))?;
+        let mut dec = FrameDecoder::new();
+        let (frame, fd) = recv_frame_with_fd(&stream, &mut dec)
+            .map_err(|x| e(format!("handshake: {x}")))?
+            .ok_or_else(|| e("the daemon closed the connection during the handshake".into()))?;
+        let (arena_len, server_id) = match Message::decode(&frame).map_err(|x| e(x.to_string()))? {
+            Message::Welcome {
+                arena_len,
+                server_id,
+                ..
+            } => (arena_len, server_id),
+            Message::Error { code, message } => {
+                return Err(e(format!("refused ({code:?}): {message}")))
+            }
+            other => {
+                return Err(e(format!(
+                    "unexpected {} during the handshake",
+                    other.name()
+                )))
+            }
+        };
+        let fd = fd.ok_or_else(|| e("the daemon sent no arena descriptor".into()))?;
+        let arena = ArenaView::map_readonly(fd, arena_len as usize)
+            .map_err(|x| e(format!("cannot map the arena: {x}")))?;
+        Ok(Arc::new(DaemonClient {
+            socket: socket.to_path_buf(),
+            conn: Mutex::new(Conn { stream, next_id: 2 }),
+            arena,
+            server_id,
+        }))
+    }
+
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    /// This process's read-only mapping of the daemon's arena.
+    pub fn arena(&self) -> &ArenaView {
+        &self.arena
+    }
+
+    /// Identifies the daemon instance (changes when it restarts).
+    pub fn server_id(&self) -> u64 {
+        self.server_id
+    }
+
+    /// Sends a request and waits for its reply (replies to earlier releases, which
+    /// nobody waits for, are skipped).
+    fn request(&self, m: &Message) -> Result<Message, StoreError> {
+        let e = |d: String| Self::err(&self.socket, d);
+        let mut c = self.conn.lock().unwrap_or_else(|p| p.into_inner());
+        let id = c.next_id;
+        c.next_id = c.next_id.wrapping_add(1).max(2);
+        write_frame(
+            &mut c.stream,
+            &m.to_frame(id).map_err(|x| e(x.to_string()))?,
+        )
+        .map_err(|x| e(format!("{} request failed: {x}", m.name())))?;
+        loop {
+            let frame = read_frame(&mut c.stream)
+                .map_err(|x| e(format!("reading the reply to {}: {x}", m.name())))?
+                .ok_or_else(|| {
+                    e(format!(
+                        "the daemon closed the connection before replying to {}",
+                        m.name()
+                    ))
+                })?;
+            if frame.request_id == id {
+                return match Message::decode(&frame).map_err(|x| e(x.to_string()))? {
+                    Message::Error { code, message } => Err(e(format!("{code:?}: {message}"))),
+                    reply => Ok(reply),
+                };
+            }
+            if let Ok(Message::Error { message, .. }) = Message::decode(&frame) {
+                tracing::warn!("vpaged: an earlier release failed: {message}");
+            }
+        }
+    }
+
+    /// Sends a request whose reply nobody waits for.
+    fn send(&self, m: &Message) {
+        let mut c = self.conn.lock().unwrap_or_else(|p| p.into_inner());
+        let id = c.next_id;
+        c.next_id = c.next_id.wrapping_add(1).max(2);
+        if let Ok(f) = m.to_frame(id) {
+            let _ = write_frame(&mut c.stream, &f);
+        }
+    }
+
+    /// Closes the connection now: the daemon releases every lease it holds (as when
+    /// the engine's process dies). Later requests fail.
+    pub fn disconnect(&self) {
+        let c = self.conn.lock().unwrap_or_else(|p| p.into_inner());
+        let _ = c.stream.shutdown(std::net::Shutdown::Both);
+    }
+
+    /// The daemon's statistics (JSON).
+    pub fn stats(&self) -> Result<serde_json::Value, StoreError> {
+        match self.request(&Message::Stats)? {
+            Message::StatsReply { json } => serde_json::from_str(&json)
+                .map_err(|x| Self::err(&self.socket, format!("stats are not JSON: {x}"))),
+            other => Err(Self::err(
+                &self.socket,
+                format!("unexpected {}", other.name()),
+            )),
+        }
+    }
+}
+
+/// One model store served by the daemon.
+pub struct DaemonSource {
+    client: Arc<DaemonClient>,
+    model: ModelId,
+    pages: Vec<PageMeta>,
+}
+
+impl DaemonSource {
+    /// Opens the model store at `dir` through the daemon. The page table comes from
+    /// the store's manifest, checked against the daemon's by digest.
+    pub fn open(client: Arc<DaemonClient>, dir: &Path) -> Result<Self, StoreError> {
+        let dir = dir.canonicalize().map_err(|x| StoreError::Store {
+            store: dir.to_path_buf(),
+            detail: format!("cannot open: {x}"),
+        })?;
+        let path = dir
+            .to_str()
+            .ok_or_else(|| DaemonClient::err(client.socket(), "the model path is not UTF-8"))?;
+        let (model, count, digest) =
+            match client.request(&Message::OpenModel { path: path.into() })? {
+                Message::ModelOpened {
+                    model,
+                    page_count,
+                    manifest_digest,
+                } => (model, page_count, manifest_digest),
+                other => {
+                    return Err(DaemonClient::err(
+                        client.socket(),
+                        format!("unexpected {}", other.name()),
+                    ))
+                }
+            };
+        let text = std::fs::read(dir.join(MANIFEST_FILE)).map_err(|x| StoreError::Store {
+            store: dir.clone(),
+            detail: format!("cannot read the manifest: {x}"),
+        })?;
+        if *blake3::hash(&text).as_bytes() != digest {
+            return Err(StoreError::Store {
+                store: dir,
+                detail: "the daemon opened a different manifest than this one (changed since?)"
+                    .into(),
+            });
+        }
+        let manifest = Manifest::load(&dir)?.ok_or_else(|| StoreError::Store {
+            store: dir.clone(),
+            detail: "no manifest".into(),
+        })?;
+        let pages: Vec<PageMeta> = manifest
+            .pages
+            .iter()
+            .map(|e| PageMeta {
+                id: PageId(e.id),
+                name: e.name.clone(),
+                dtype: e.dtype,
+                shape: e.shape.clone(),
+                len: e.decoded_len().unwrap_or(e.len),
+            })
+            .collect();
+        if pages.len() != count as usize {
+            return Err(DaemonClient::err(
+                client.socket(),
+                "page count differs from the daemon's",
+            ));
+        }
+        Ok(DaemonSource {
+            client,
+            model,
+            pages,
+        })
+    }
+}
+
+/// Releases its page at the daemon when the engine drops the lease.
+struct Leased {
+    client: Arc<DaemonClient>,
+    model: ModelId,
+    page: PageId,
+}
+
+impl Drop for Leased {
+    fn drop(&mut self) {
+        self.client.send(&Message::Release {
+            model: self.model,
+            pages: vec![self.page],
+        });
+    }
+}
+
+impl PageSource for DaemonSource {
+    fn pages(&self) -> &[PageMeta] {
+        &self.pages
+    }
+
+    fn acquire(&self, id: PageId) -> Result<PageLease, StoreError> {
+        let reply = self.client.request(&Message::Acquire {
+            model: self.model,
+            pages: vec![id],
+        })?;
+        let slot = match reply {
+            Message::Acquired { slots, .. } if slots.len() == 1 && slots[0].page == id => slots[0],
+            other => {
+                return Err(DaemonClient::err(
+                    self.client.socket(),
+                    format!("unexpected reply to Acquire: {}", other.name()),
+                ))
+            }
+        };
+        let want = self.pages.get(id.0 as usize).map(|p| p.len);
+        if want != Some(slot.len) {
+            return Err(DaemonClient::err(
+                self.client.socket(),
+                format!(
+                    "page {} has {} bytes at the daemon, {want:?} here",
+                    id.0, slot.len
+                ),
+            ));
+        }
+        let bytes = self
+            .client
+            .arena
+            .bytes(slot.offset as usize, slot.len as usize)
+            .map_err(|x| DaemonClient::err(self.client.socket(), x))?;
+        let (ptr, len) = (bytes.as_ptr(), bytes.len());
+        let holder = Arc::new(Leased {
+            client: Arc::clone(&self.client),
+            model: self.model,
+            page: id,
+        });
+        // SAFETY: the bytes lie in this process's read-only mapping of the arena,
+        // which the client (kept alive by `holder`) owns; the daemon never rewrites a
+        // slot while it is leased, and the lease is released only when `holder` drops.
+        Ok(unsafe { PageLease::new(id, ptr, len, holder) })
+    }
+
+    fn prefetch(&self, ids: &[PageId]) {
+        if !ids.is_empty() {
+            self.client.send(&Message::Prefetch {
+                model: self.model,
+                pages: ids.to_vec(),
+            });
+        }
+    }
+
+    fn describe(&self) -> String {
+        format!("vpaged:{}", self.client.socket().display())
+    }
+}

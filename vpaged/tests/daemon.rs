@@ -1,0 +1,202 @@
+//! The daemon end to end: a real `vpaged` process, a real Unix socket, the arena
+//! passed by SCM_RIGHTS and mapped read-only here.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use voom_formats::{Checkpoint, DType, Manifest};
+use vpaged::client::{DaemonClient, DaemonSource};
+use vpaged::{PageId, PageSource};
+
+struct Daemon {
+    child: Child,
+    socket: PathBuf,
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start(dir: &Path, cache: &str) -> Daemon {
+    let socket = dir.join("vpaged.sock");
+    let child = Command::new(env!("CARGO_BIN_EXE_vpaged"))
+        .args(["--socket"])
+        .arg(&socket)
+        .args(["--cache-size", cache])
+        .env("VPAGED_LOG", "warn")
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while !socket.exists() {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "vpaged did not start"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Daemon { child, socket }
+}
+
+fn model(dir: &Path) -> (PathBuf, Vec<Vec<u8>>) {
+    let m = dir.join("m");
+    std::fs::create_dir_all(&m).unwrap();
+    let pages: Vec<Vec<u8>> = (0..4u8)
+        .map(|i| {
+            (0..40_000u32)
+                .map(|j| (j as u8).wrapping_mul(i + 3))
+                .collect()
+        })
+        .collect();
+    let names = ["a", "b", "c", "d"];
+    let shape = [20_000usize];
+    let tensors: Vec<(&str, DType, &[usize], &[u8])> = names
+        .iter()
+        .zip(&pages)
+        .map(|(n, p)| (*n, DType::BF16, &shape[..], p.as_slice()))
+        .collect();
+    voom_formats::safetensors::write(&m.join("model.safetensors"), &tensors, &BTreeMap::new())
+        .unwrap();
+    Manifest::build(&Checkpoint::open(&m).unwrap(), &mut |_, _| {})
+        .save(&m)
+        .unwrap();
+    (m, pages)
+}
+
+fn stats(c: &DaemonClient) -> serde_json::Value {
+    c.stats().unwrap()
+}
+
+#[test]
+fn engines_share_one_copy_and_leases_die_with_connections() {
+    let d = tempfile::tempdir().unwrap();
+    let (m, pages) = model(d.path());
+    let daemon = start(d.path(), "4MiB");
+
+    let c1 = DaemonClient::connect(&daemon.socket, "test-1").unwrap();
+    let s1 = DaemonSource::open(Arc::clone(&c1), &m).unwrap();
+    let c2 = DaemonClient::connect(&daemon.socket, "test-2").unwrap();
+    let s2 = DaemonSource::open(Arc::clone(&c2), &m).unwrap();
+    assert_eq!(s1.pages().len(), 4);
+
+    for (i, want) in pages.iter().enumerate() {
+        let l1 = s1.acquire(PageId(i as u32)).unwrap();
+        let l2 = s2.acquire(PageId(i as u32)).unwrap();
+        assert_eq!(l1.bytes(), want.as_slice());
+        // Both engines read the same slot of the shared arena: one copy.
+        let off1 = l1.bytes().as_ptr() as usize - c1.arena().as_ptr() as usize;
+        let off2 = l2.bytes().as_ptr() as usize - c2.arena().as_ptr() as usize;
+        assert_eq!(off1, off2);
+        assert_eq!(off1 % (16 << 10), 0, "slots are 16 KiB aligned");
+    }
+    let s = stats(&c1);
+    assert_eq!(s["cache"]["misses"], 4, "{s}");
+    assert_eq!(s["cache"]["hits"], 4, "{s}");
+    assert_eq!(s["sessions"]["connected"], 2, "{s}");
+
+    // Leases held by a connection that goes away (as when its engine is killed) are
+    // released by the daemon.
+    let held: Vec<_> = (0..4).map(|i| s2.acquire(PageId(i)).unwrap()).collect();
+    let s = stats(&c1);
+    assert_eq!(s["sessions"]["leases"], 4, "{s}");
+    // The engine never releases them: its connection just closes (what the kernel
+    // does when a process dies).
+    c2.disconnect();
+    let t = Instant::now();
+    loop {
+        let s = stats(&c1);
+        if s["sessions"]["leases"] == 0 && s["sessions"]["connected"] == 1 {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "leases not released: {s}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The pages are now evictable at the daemon.
+    assert_eq!(stats(&c1)["cache"]["leased_bytes"], 0);
+    drop(held);
+}
+
+#[test]
+fn a_dead_daemon_is_a_clear_error_and_sigterm_exits_cleanly() {
+    let d = tempfile::tempdir().unwrap();
+    let (m, pages) = model(d.path());
+    let mut daemon = start(d.path(), "4MiB");
+    let c = DaemonClient::connect(&daemon.socket, "test").unwrap();
+    let s = DaemonSource::open(Arc::clone(&c), &m).unwrap();
+    let held = s.acquire(PageId(0)).unwrap();
+    daemon.child.kill().unwrap();
+    daemon.child.wait().unwrap();
+    let e = s.acquire(PageId(1)).unwrap_err().to_string();
+    assert!(e.contains("vpaged at") && e.contains("vpaged.sock"), "{e}");
+    // Bytes already leased stay readable: the mapping is this process's own.
+    assert_eq!(held.bytes(), pages[0].as_slice());
+    // The store on disk is intact.
+    let ckpt = Checkpoint::open(&m).unwrap();
+    let manifest = Manifest::load(&m).unwrap().unwrap();
+    assert!(manifest
+        .verify_checkpoint(&ckpt, &mut |_, _| {})
+        .unwrap()
+        .is_empty());
+    drop(held);
+
+    // A new daemon on the same socket path (the stale file is replaced); SIGTERM
+    // drains and exits 0, removing the socket.
+    let mut daemon = start_after_stale(d.path());
+    let c = DaemonClient::connect(&daemon.socket, "test").unwrap();
+    drop(c);
+    // SAFETY: sending a signal to our own child process.
+    unsafe { libc::kill(daemon.child.id() as i32, libc::SIGTERM) };
+    let status = daemon.child.wait().unwrap();
+    assert!(status.success(), "{status}");
+    assert!(!daemon.socket.exists());
+}
+
+fn start_after_stale(dir: &Path) -> Daemon {
+    let socket = dir.join("vpaged.sock");
+    assert!(socket.exists(), "the killed daemon leaves its socket file");
+    let child = Command::new(env!("CARGO_BIN_EXE_vpaged"))
+        .arg("--socket")
+        .arg(&socket)
+        .args(["--cache-size", "4MiB"])
+        .env("VPAGED_LOG", "warn")
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    loop {
+        if std::os::unix::net::UnixStream::connect(&socket).is_ok() {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "vpaged did not start"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Daemon { child, socket }
+}
+
+#[test]
+fn bad_requests_are_errors_not_crashes() {
+    let d = tempfile::tempdir().unwrap();
+    let (m, _) = model(d.path());
+    let daemon = start(d.path(), "4MiB");
+    let c = DaemonClient::connect(&daemon.socket, "test").unwrap();
+    let e = DaemonSource::open(Arc::clone(&c), &d.path().join("nope"))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("nope"), "{e}");
+    let s = DaemonSource::open(Arc::clone(&c), &m).unwrap();
+    let e = s.acquire(PageId(99)).unwrap_err().to_string();
+    assert!(e.contains("99"), "{e}");
+    // The daemon still serves.
+    assert!(s.acquire(PageId(0)).is_ok());
+}
