@@ -166,7 +166,17 @@ impl Daemon {
             .iter()
             .map(|m| {
                 let [fast, primary, nas] = m.served_counts();
+                let resident: Vec<u32> = (0..m.pages.len() as u32)
+                    .filter(|&p| {
+                        self.store.cache().resident(crate::cache::PageKey {
+                            model: m.id,
+                            page: p,
+                        })
+                    })
+                    .collect();
                 serde_json::json!({
+                    "resident": resident,
+                    "accesses": m.access_counts(),
                     "id": m.id,
                     "dir": m.dir,
                     "pages": m.pages.len(),

@@ -200,3 +200,44 @@ fn bad_requests_are_errors_not_crashes() {
     // The daemon still serves.
     assert!(s.acquire(PageId(0)).is_ok());
 }
+
+#[test]
+fn vpagectl_reports_status_and_residency() {
+    let d = tempfile::tempdir().unwrap();
+    let (m, _) = model(d.path());
+    let daemon = start(d.path(), "4MiB");
+    let c = DaemonClient::connect(&daemon.socket, "engine").unwrap();
+    let s = DaemonSource::open(Arc::clone(&c), &m).unwrap();
+    let _held = s.acquire(PageId(2)).unwrap();
+    let ctl = |args: &[&str]| {
+        let o = Command::new(env!("CARGO_BIN_EXE_vpagectl"))
+            .arg("--socket")
+            .arg(&daemon.socket)
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8(o.stdout).unwrap()
+    };
+    let status: serde_json::Value = serde_json::from_str(&ctl(&["status", "--json"])).unwrap();
+    assert_eq!(status["sessions"]["leases"], 1, "{status}");
+    assert_eq!(status["cache"]["misses"], 1, "{status}");
+    let pages: serde_json::Value =
+        serde_json::from_str(&ctl(&["pages", m.to_str().unwrap(), "--json"])).unwrap();
+    let rows = pages["pages"].as_array().unwrap();
+    assert_eq!(rows.len(), 4);
+    let resident: Vec<bool> = rows
+        .iter()
+        .map(|r| r["resident"].as_bool().unwrap())
+        .collect();
+    let names: Vec<&str> = rows.iter().map(|r| r["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["a", "b", "c", "d"]);
+    assert_eq!(resident, [false, false, true, false]);
+    assert_eq!(rows[2]["requests"], 1);
+    // Text output too.
+    let text = ctl(&["status"]);
+    assert!(
+        text.contains("1 leases held") && text.contains("of 4.00 MiB used"),
+        "{text}"
+    );
+}

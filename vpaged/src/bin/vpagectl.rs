@@ -32,6 +32,9 @@ use voom_formats::{Checkpoint, FormatError};
     about = "Control tool of the vOOM page store"
 )]
 struct Cli {
+    /// The daemon's socket (for status and pages).
+    #[arg(long, global = true, env = "VPAGED_SOCKET")]
+    socket: Option<PathBuf>,
     #[command(subcommand)]
     command: Command,
 }
@@ -57,6 +60,20 @@ enum Command {
     },
     /// Write the vpack body of every BF16/F16 page of MODEL_DIR into model.vpack
     /// (manifest order, 16 KiB aligned) and list each in the manifest.
+    /// The daemon's cache, tiers, models and connected engines.
+    Status {
+        /// Print one JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Every page of MODEL_DIR: where it lives, and whether the daemon holds it resident.
+    Pages {
+        /// A model directory holding voom-manifest.json.
+        model_dir: PathBuf,
+        /// Print one JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+    },
     Pack {
         /// A model directory holding voom-manifest.json (see `vpagectl hash`).
         model_dir: PathBuf,
@@ -72,6 +89,8 @@ fn main() -> ExitCode {
         Command::Hash { model_dir, json } => hash(model_dir, *json),
         Command::Verify { model_dir, json } => verify(model_dir, *json),
         Command::Pack { model_dir, json } => pack(model_dir, *json),
+        Command::Status { json } => status(cli.socket.as_deref(), *json),
+        Command::Pages { model_dir, json } => pages(cli.socket.as_deref(), model_dir, *json),
     };
     match result {
         Ok(code) => code,
@@ -426,4 +445,156 @@ fn pack(dir: &Path, json: bool) -> Result<ExitCode> {
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+fn connect(socket: Option<&Path>) -> Result<std::sync::Arc<vpaged::client::DaemonClient>> {
+    let socket = socket
+        .map(Path::to_path_buf)
+        .unwrap_or_else(vpaged::config::default_socket);
+    Ok(vpaged::client::DaemonClient::connect(&socket, "vpagectl")?)
+}
+
+fn status(socket: Option<&Path>, json: bool) -> Result<ExitCode> {
+    let c = connect(socket)?;
+    let s = c.stats()?;
+    if json {
+        println!("{s}");
+        return Ok(ExitCode::SUCCESS);
+    }
+    let cache = &s["cache"];
+    let gib = |v: &serde_json::Value| human(v.as_f64().unwrap_or(0.0));
+    println!(
+        "vpaged at {} (server {})",
+        c.socket().display(),
+        s["server_id"]
+    );
+    println!(
+        "cache: {} of {} used, {} leased, {} pinned, {} pages resident",
+        gib(&cache["used"]),
+        gib(&cache["capacity"]),
+        gib(&cache["leased_bytes"]),
+        gib(&cache["pinned_bytes"]),
+        cache["resident_pages"]
+    );
+    println!(
+        "       {} hits, {} misses (hit ratio {:.3}), {} in-flight dedups, {} evictions, {} loaded",
+        cache["hits"],
+        cache["misses"],
+        cache["hit_ratio"].as_f64().unwrap_or(0.0),
+        cache["inflight_dedups"],
+        cache["evictions"],
+        gib(&cache["bytes_loaded"])
+    );
+    if let Some(f) = s["fast_tier"].as_object() {
+        println!(
+            "fast tier {}: {} of {}, {} reads at {:.2} GB/s",
+            f["dir"].as_str().unwrap_or("?"),
+            gib(&f["used"]),
+            gib(&f["capacity"]),
+            f["stats"]["reads"],
+            f["stats"]["gb_per_sec"].as_f64().unwrap_or(0.0)
+        );
+    }
+    for m in s["models"].as_array().into_iter().flatten() {
+        println!(
+            "model {} {}: {} pages; served fast {} / primary {} / nas {}; primary {} reads at {:.2} GB/s",
+            m["id"],
+            m["dir"].as_str().unwrap_or("?"),
+            m["pages"],
+            m["served"]["fast"],
+            m["served"]["primary"],
+            m["served"]["nas"],
+            m["primary"]["reads"],
+            m["primary"]["gb_per_sec"].as_f64().unwrap_or(0.0)
+        );
+    }
+    let sess = &s["sessions"];
+    println!(
+        "engines: {} connected ({} since start), {} leases held",
+        sess["connected"], sess["total"], sess["leases"]
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+fn pages(socket: Option<&Path>, dir: &Path, json: bool) -> Result<ExitCode> {
+    let manifest = load_manifest(dir)?;
+    let c = connect(socket)?;
+    // Opening the model through the daemon gives its id there.
+    let _source = vpaged::client::DaemonSource::open(std::sync::Arc::clone(&c), dir)?;
+    let s = c.stats()?;
+    let canon = dir.canonicalize()?;
+    let m = s["models"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|m| m["dir"].as_str().map(Path::new) == Some(canon.as_path()))
+        .context("the daemon does not list the model it opened")?;
+    let resident: std::collections::HashSet<u64> = m["resident"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|v| v.as_u64())
+        .collect();
+    let accesses: Vec<u64> = m["accesses"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|v| v.as_u64().unwrap_or(0))
+        .collect();
+    let rows: Vec<serde_json::Value> = manifest
+        .pages
+        .iter()
+        .map(|p| {
+            serde_json::json!({
+                "id": p.id,
+                "name": p.name,
+                "bytes": p.decoded_len(),
+                "file": p.file,
+                "offset": p.offset,
+                "vpack": p.vpack().map(|b| serde_json::json!({"file": b.file, "offset": b.offset, "len": b.len})),
+                "resident": resident.contains(&(p.id as u64)),
+                "requests": accesses.get(p.id as usize).copied().unwrap_or(0),
+            })
+        })
+        .collect();
+    if json {
+        println!("{}", serde_json::json!({ "model": canon, "pages": rows }));
+    } else {
+        println!(
+            "{:>6} {:>8} {:>12} {:<9} {:<6} name",
+            "id", "requests", "bytes", "resident", "vpack"
+        );
+        for r in &rows {
+            println!(
+                "{:>6} {:>8} {:>12} {:<9} {:<6} {}",
+                r["id"],
+                r["requests"],
+                r["bytes"],
+                if r["resident"].as_bool() == Some(true) {
+                    "yes"
+                } else {
+                    "no"
+                },
+                if r["vpack"].is_null() { "no" } else { "yes" },
+                r["name"].as_str().unwrap_or("")
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Bytes in binary units.
+fn human(b: f64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b;
+    let mut i = 0;
+    while v >= 1024.0 && i < UNITS.len() - 1 {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 {
+        format!("{v:.0} B")
+    } else {
+        format!("{v:.2} {}", UNITS[i])
+    }
 }
