@@ -1,8 +1,8 @@
 //! DESIGN.md invariant 1: paging is invisible to arithmetic. The same model gives
 //! the same ids and the same logits bits whether its pages come from the embedded
 //! mapping or through the store core's shared page cache, with an ample budget or
-//! one smaller than a decoder layer (streaming), from the fast tier, and through the
-//! daemon's socket and shared arena, with two engines at once.
+//! about one decoder layer (streaming), from the fast tier, and through the daemon's
+//! socket and shared arena, with two engines at once.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -75,12 +75,13 @@ fn store_core_gives_the_embedded_bits_at_any_budget() {
             .map(|p| p.len as usize)
             .max()
             .unwrap();
-        // Ample, and smaller than one layer (but room for the largest page and a
-        // layer's small pages: the engine leases a layer's pages together).
-        for budget in [
-            64 << 20,
-            (layer / 2).max(largest_page * 2).next_multiple_of(16 << 10) + (256 << 10),
-        ] {
+        // Ample, and about one decoder layer: the engine leases a layer's pages
+        // together, so pages stream through the cache layer by layer (every sweep
+        // evicts and reloads).
+        let one_layer = (layer + 8 * (16 << 10))
+            .max(largest_page * 2)
+            .next_multiple_of(16 << 10);
+        for budget in [64 << 20, one_layer] {
             let store = Store::new(StoreConfig {
                 cache_bytes: budget,
                 ..Default::default()

@@ -255,44 +255,64 @@ impl PageSource for DaemonSource {
     }
 
     fn acquire(&self, id: PageId) -> Result<PageLease, StoreError> {
+        let mut v = self.acquire_many(&[id])?;
+        Ok(v.pop().expect("one lease per page"))
+    }
+
+    fn acquire_many(&self, ids: &[PageId]) -> Result<Vec<PageLease>, StoreError> {
+        let bad = |d: String| DaemonClient::err(self.client.socket(), d);
         let reply = self.client.request(&Message::Acquire {
             model: self.model,
-            pages: vec![id],
+            pages: ids.to_vec(),
         })?;
-        let slot = match reply {
-            Message::Acquired { slots, .. } if slots.len() == 1 && slots[0].page == id => slots[0],
+        let slots = match reply {
+            Message::Acquired { slots, .. } if slots.len() == ids.len() => slots,
             other => {
-                return Err(DaemonClient::err(
-                    self.client.socket(),
-                    format!("unexpected reply to Acquire: {}", other.name()),
-                ))
+                return Err(bad(format!(
+                    "unexpected reply to Acquire: {}",
+                    other.name()
+                )))
             }
         };
-        let want = self.pages.get(id.0 as usize).map(|p| p.len);
-        if want != Some(slot.len) {
-            return Err(DaemonClient::err(
-                self.client.socket(),
-                format!(
+        // Every slot gets its holder first, so an error below releases them all.
+        let holders: Vec<Arc<Leased>> = slots
+            .iter()
+            .map(|s| {
+                Arc::new(Leased {
+                    client: Arc::clone(&self.client),
+                    model: self.model,
+                    page: s.page,
+                })
+            })
+            .collect();
+        let mut out = Vec::with_capacity(ids.len());
+        for ((slot, &id), holder) in slots.iter().zip(ids).zip(holders) {
+            if slot.page != id {
+                return Err(bad(format!(
+                    "the daemon answered page {} for page {}",
+                    slot.page.0, id.0
+                )));
+            }
+            let want = self.pages.get(id.0 as usize).map(|p| p.len);
+            if want != Some(slot.len) {
+                return Err(bad(format!(
                     "page {} has {} bytes at the daemon, {want:?} here",
                     id.0, slot.len
-                ),
-            ));
+                )));
+            }
+            let bytes = self
+                .client
+                .arena
+                .bytes(slot.offset as usize, slot.len as usize)
+                .map_err(|x| bad(x.to_string()))?;
+            let (ptr, len) = (bytes.as_ptr(), bytes.len());
+            // SAFETY: the bytes lie in this process's read-only mapping of the arena,
+            // which the client (kept alive by `holder`) owns; the daemon never rewrites
+            // a slot while it is leased, and the lease is released only when `holder`
+            // drops.
+            out.push(unsafe { PageLease::new(id, ptr, len, holder) });
         }
-        let bytes = self
-            .client
-            .arena
-            .bytes(slot.offset as usize, slot.len as usize)
-            .map_err(|x| DaemonClient::err(self.client.socket(), x))?;
-        let (ptr, len) = (bytes.as_ptr(), bytes.len());
-        let holder = Arc::new(Leased {
-            client: Arc::clone(&self.client),
-            model: self.model,
-            page: id,
-        });
-        // SAFETY: the bytes lie in this process's read-only mapping of the arena,
-        // which the client (kept alive by `holder`) owns; the daemon never rewrites a
-        // slot while it is leased, and the lease is released only when `holder` drops.
-        Ok(unsafe { PageLease::new(id, ptr, len, holder) })
+        Ok(out)
     }
 
     fn prefetch(&self, ids: &[PageId]) {

@@ -40,6 +40,12 @@ pub trait PageSource: Send + Sync {
     /// Demand request: returns once the page is resident and verified.
     fn acquire(&self, id: PageId) -> Result<PageLease, StoreError>;
 
+    /// Demand request for several pages at once (a layer's): one round trip where the
+    /// source is remote. All or nothing: on error none stays leased.
+    fn acquire_many(&self, ids: &[PageId]) -> Result<Vec<PageLease>, StoreError> {
+        ids.iter().map(|&id| self.acquire(id)).collect()
+    }
+
     /// Hint that these pages will be acquired soon. Never blocks for I/O.
     fn prefetch(&self, _ids: &[PageId]) {}
 

@@ -79,6 +79,9 @@ pub struct Store {
     prefetch_tx: Mutex<Option<mpsc::SyncSender<(u32, u32)>>>,
 }
 
+/// Longest a demand request waits for in-flight loads to make room.
+const FULL_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// The prefetch queue's length: hints beyond it are dropped, never waited on.
 const PREFETCH_QUEUE: usize = 256;
 
@@ -278,11 +281,22 @@ impl Store {
         let m = self.model(model)?;
         let len = Self::page_len(&m, page)?;
         m.accesses[page as usize].fetch_add(1, Ordering::Relaxed);
-        self.cache
-            .acquire(PageKey { model, page }, len, |buf| {
+        // A cache full only because other pages are still loading (prefetches, other
+        // engines' requests) has room once they land: wait for them rather than fail.
+        let deadline = std::time::Instant::now() + FULL_WAIT;
+        loop {
+            let r = self.cache.acquire(PageKey { model, page }, len, |buf| {
                 self.load_into(&m, page, buf)
-            })
-            .map_err(|e| cache_error(&m, page, e))
+            });
+            match r {
+                Err(CacheError::Full { loading, .. })
+                    if loading > 0 && std::time::Instant::now() < deadline =>
+                {
+                    std::thread::sleep(std::time::Duration::from_micros(200));
+                }
+                r => return r.map_err(|e| cache_error(&m, page, e)),
+            }
+        }
     }
 
     /// Queues a prefetch hint; never blocks (a full queue drops the hint).

@@ -109,13 +109,13 @@ pub struct Leased {
 impl Leased {
     /// Acquires every page in `ids` (duplicates once).
     pub fn acquire(source: &dyn PageSource, ids: &[PageId]) -> Result<Self, VoomError> {
-        let mut leases = HashMap::with_capacity(ids.len());
-        for &id in ids {
-            if let std::collections::hash_map::Entry::Vacant(e) = leases.entry(id) {
-                e.insert(source.acquire(id)?);
-            }
-        }
-        Ok(Leased { leases })
+        let mut unique = ids.to_vec();
+        unique.sort_unstable();
+        unique.dedup();
+        let leases = source.acquire_many(&unique)?;
+        Ok(Leased {
+            leases: unique.into_iter().zip(leases).collect(),
+        })
     }
 
     fn bytes(&self, id: PageId) -> &[u8] {

@@ -39,6 +39,10 @@ pub struct BenchArgs {
     /// Print one JSON object with every figure.
     #[arg(long)]
     pub json: bool,
+    /// Also run every configuration with its pages served by the vpaged daemon at
+    /// this socket, and report the daemon's overhead against the embedded store.
+    #[arg(long)]
+    pub vpaged: Option<PathBuf>,
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -83,80 +87,92 @@ pub fn run(a: BenchArgs) -> Result<()> {
 
     let mut results = Vec::new();
     for dir in &dirs {
+        let sources: Vec<Option<&PathBuf>> = std::iter::once(None)
+            .chain(a.vpaged.as_ref().map(Some))
+            .collect();
         for &threads in &a.threads {
-            let engine = Engine::open(
-                dir,
-                EngineOptions {
+            for source in &sources {
+                let opts = EngineOptions {
                     threads,
                     ..Default::default()
-                },
-            )?;
-            let vocab = engine.config().vocab_size as u32;
-            let eos = engine.eos_ids().to_vec();
-            // A fixed pseudo-random prompt of ids that are not end-of-sequence tokens.
-            let prompt: Vec<u32> = (0..a.prompt_tokens as u32)
-                .map(|i| (i.wrapping_mul(2654435761) >> 7) % vocab)
-                .map(|t| if eos.contains(&t) { (t + 1) % vocab } else { t })
-                .collect();
-            let params = GenerateParams {
-                max_new_tokens: a.decode_tokens,
-                ignore_eos: true,
-                ..Default::default()
-            };
-            // Warm-up: fault the mapping in and settle the page cache.
-            engine.generate(&prompt, &params, &mut |_| ControlFlow::Continue(()))?;
-            let bytes_per_token = engine.model().weight_bytes_per_token() as f64;
-            // The same mapped files the engine reads: streaming them is the most
-            // faithful bound (same memory, same bytes, same page size).
-            let ckpt = Checkpoint::open(dir)?;
-            let (mut prefill, mut decode, mut bw, mut wbw) =
-                (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-            for _ in 0..a.runs {
-                // The bounds, measured between runs on the same threads.
-                bw.push(read_bandwidth(1 << 30, threads, 3));
-                let (mut bytes, mut secs) = (0f64, 0f64);
-                for f in &ckpt.files {
-                    let gbs = ReadProbe::pass_over(f.mapping(), threads);
-                    bytes += f.mapping().len() as f64;
-                    secs += f.mapping().len() as f64 / (gbs * 1e9);
+                };
+                let engine = match source {
+                    None => Engine::open(dir, opts)?,
+                    Some(socket) => {
+                        let c = vpaged::client::DaemonClient::connect(socket, "voom-bench")?;
+                        let src = vpaged::client::DaemonSource::open(c, dir)?;
+                        Engine::with_source(dir, std::sync::Arc::new(src), opts)?
+                    }
+                };
+                let vocab = engine.config().vocab_size as u32;
+                let eos = engine.eos_ids().to_vec();
+                // A fixed pseudo-random prompt of ids that are not end-of-sequence tokens.
+                let prompt: Vec<u32> = (0..a.prompt_tokens as u32)
+                    .map(|i| (i.wrapping_mul(2654435761) >> 7) % vocab)
+                    .map(|t| if eos.contains(&t) { (t + 1) % vocab } else { t })
+                    .collect();
+                let params = GenerateParams {
+                    max_new_tokens: a.decode_tokens,
+                    ignore_eos: true,
+                    ..Default::default()
+                };
+                // Warm-up: fault the mapping in and settle the page cache.
+                engine.generate(&prompt, &params, &mut |_| ControlFlow::Continue(()))?;
+                let bytes_per_token = engine.model().weight_bytes_per_token() as f64;
+                // The same mapped files the engine reads: streaming them is the most
+                // faithful bound (same memory, same bytes, same page size).
+                let ckpt = Checkpoint::open(dir)?;
+                let (mut prefill, mut decode, mut bw, mut wbw) =
+                    (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+                for _ in 0..a.runs {
+                    // The bounds, measured between runs on the same threads.
+                    bw.push(read_bandwidth(1 << 30, threads, 3));
+                    let (mut bytes, mut secs) = (0f64, 0f64);
+                    for f in &ckpt.files {
+                        let gbs = ReadProbe::pass_over(f.mapping(), threads);
+                        bytes += f.mapping().len() as f64;
+                        secs += f.mapping().len() as f64 / (gbs * 1e9);
+                    }
+                    wbw.push(bytes / secs / 1e9);
+                    let g =
+                        engine.generate(&prompt, &params, &mut |_| ControlFlow::Continue(()))?;
+                    prefill.push(g.prefill_tokens_per_sec());
+                    decode.push(g.decode_tokens_per_sec());
                 }
-                wbw.push(bytes / secs / 1e9);
-                let g = engine.generate(&prompt, &params, &mut |_| ControlFlow::Continue(()))?;
-                prefill.push(g.prefill_tokens_per_sec());
-                decode.push(g.decode_tokens_per_sec());
-            }
-            let spread = |v: &[f64]| {
-                let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
-                let hi = v.iter().copied().fold(0.0, f64::max);
-                (lo, hi)
-            };
-            let (dlo, dhi) = spread(&decode);
-            let (plo, phi) = spread(&prefill);
-            let bw_med = median(&mut bw.clone());
-            let wbw_med = median(&mut wbw.clone());
-            let dec_med = median(&mut decode.clone());
-            let pre_med = median(&mut prefill.clone());
-            let achieved = dec_med * bytes_per_token / 1e9;
-            let r = serde_json::json!({
-                "model": engine.name(),
-                "threads": threads,
-                "weight_bytes_per_token": bytes_per_token,
-                "prompt_tokens": a.prompt_tokens,
-                "decode_tokens": a.decode_tokens,
-                "runs": a.runs,
-                "prefill_tokens_per_sec": {"median": pre_med, "min": plo, "max": phi},
-                "decode_tokens_per_sec": {"median": dec_med, "min": dlo, "max": dhi},
-                "decode_weight_gb_per_sec": achieved,
-                "memory_read_gb_per_sec": bw_med,
-                "weights_read_gb_per_sec": wbw_med,
-                "decode_bound_tokens_per_sec": wbw_med * 1e9 / bytes_per_token,
-                "ratio_to_bound": achieved / wbw_med,
-                "ratio_to_memory_probe": achieved / bw_med,
-            });
-            if !a.json {
-                println!(
-                    "{:<28} threads {}  prefill {:>7.1} tok/s [{:.1}..{:.1}]  decode {:>6.2} tok/s [{:.2}..{:.2}]  {:.1} MB/token  {:>5.2} GB/s = {:>3.0}% of weights read {:.2} GB/s ({:>3.0}% of probe {:.2} GB/s)",
+                let spread = |v: &[f64]| {
+                    let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
+                    let hi = v.iter().copied().fold(0.0, f64::max);
+                    (lo, hi)
+                };
+                let (dlo, dhi) = spread(&decode);
+                let (plo, phi) = spread(&prefill);
+                let bw_med = median(&mut bw.clone());
+                let wbw_med = median(&mut wbw.clone());
+                let dec_med = median(&mut decode.clone());
+                let pre_med = median(&mut prefill.clone());
+                let achieved = dec_med * bytes_per_token / 1e9;
+                let r = serde_json::json!({
+                    "model": engine.name(),
+                    "page_source": engine.source().describe(),
+                    "threads": threads,
+                    "weight_bytes_per_token": bytes_per_token,
+                    "prompt_tokens": a.prompt_tokens,
+                    "decode_tokens": a.decode_tokens,
+                    "runs": a.runs,
+                    "prefill_tokens_per_sec": {"median": pre_med, "min": plo, "max": phi},
+                    "decode_tokens_per_sec": {"median": dec_med, "min": dlo, "max": dhi},
+                    "decode_weight_gb_per_sec": achieved,
+                    "memory_read_gb_per_sec": bw_med,
+                    "weights_read_gb_per_sec": wbw_med,
+                    "decode_bound_tokens_per_sec": wbw_med * 1e9 / bytes_per_token,
+                    "ratio_to_bound": achieved / wbw_med,
+                    "ratio_to_memory_probe": achieved / bw_med,
+                });
+                if !a.json {
+                    println!(
+                    "{:<28} {:<8} threads {}  prefill {:>7.1} tok/s [{:.1}..{:.1}]  decode {:>6.2} tok/s [{:.2}..{:.2}]  {:.1} MB/token  {:>5.2} GB/s = {:>3.0}% of weights read {:.2} GB/s ({:>3.0}% of probe {:.2} GB/s)",
                     engine.name(),
+                    if source.is_some() { "vpaged" } else { "embedded" },
                     threads,
                     pre_med,
                     plo,
@@ -171,8 +187,24 @@ pub fn run(a: BenchArgs) -> Result<()> {
                     100.0 * achieved / bw_med,
                     bw_med
                 );
+                }
+                if source.is_some() {
+                    let embedded = results.last().and_then(|e: &serde_json::Value| {
+                        e["decode_tokens_per_sec"]["median"].as_f64()
+                    });
+                    if let Some(e) = embedded {
+                        let overhead = 1.0 - dec_med / e;
+                        if !a.json {
+                            println!(
+                                "{:<28} daemon handoff overhead on decode: {:+.1}%",
+                                "",
+                                100.0 * overhead
+                            );
+                        }
+                    }
+                }
+                results.push(r);
             }
-            results.push(r);
         }
     }
     if a.json {
