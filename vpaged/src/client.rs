@@ -233,18 +233,19 @@ impl DaemonSource {
     }
 }
 
-/// Releases its page at the daemon when the engine drops the lease.
+/// The pages of one acquire, released together at the daemon (one message) when the
+/// engine has dropped the last of their leases.
 struct Leased {
     client: Arc<DaemonClient>,
     model: ModelId,
-    page: PageId,
+    pages: Vec<PageId>,
 }
 
 impl Drop for Leased {
     fn drop(&mut self) {
         self.client.send(&Message::Release {
             model: self.model,
-            pages: vec![self.page],
+            pages: std::mem::take(&mut self.pages),
         });
     }
 }
@@ -274,19 +275,15 @@ impl PageSource for DaemonSource {
                 )))
             }
         };
-        // Every slot gets its holder first, so an error below releases them all.
-        let holders: Vec<Arc<Leased>> = slots
-            .iter()
-            .map(|s| {
-                Arc::new(Leased {
-                    client: Arc::clone(&self.client),
-                    model: self.model,
-                    page: s.page,
-                })
-            })
-            .collect();
+        // One holder for the whole batch, created first, so an error below releases
+        // every page of it.
+        let holder = Arc::new(Leased {
+            client: Arc::clone(&self.client),
+            model: self.model,
+            pages: slots.iter().map(|s| s.page).collect(),
+        });
         let mut out = Vec::with_capacity(ids.len());
-        for ((slot, &id), holder) in slots.iter().zip(ids).zip(holders) {
+        for (slot, &id) in slots.iter().zip(ids) {
             if slot.page != id {
                 return Err(bad(format!(
                     "the daemon answered page {} for page {}",
@@ -306,10 +303,11 @@ impl PageSource for DaemonSource {
                 .bytes(slot.offset as usize, slot.len as usize)
                 .map_err(|x| bad(x.to_string()))?;
             let (ptr, len) = (bytes.as_ptr(), bytes.len());
+            let holder: Arc<Leased> = Arc::clone(&holder);
             // SAFETY: the bytes lie in this process's read-only mapping of the arena,
             // which the client (kept alive by `holder`) owns; the daemon never rewrites
-            // a slot while it is leased, and the lease is released only when `holder`
-            // drops.
+            // a slot while it is leased, and the batch is released only when the last
+            // `holder` drops.
             out.push(unsafe { PageLease::new(id, ptr, len, holder) });
         }
         Ok(out)
