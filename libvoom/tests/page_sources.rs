@@ -45,6 +45,16 @@ fn run(engine: &Engine, prompt: &[u32]) -> (Vec<u32>, Vec<u32>) {
     (logits.iter().map(|v| v.to_bits()).collect(), g.ids)
 }
 
+/// Cache bytes one layer's pages occupy (16 KiB slots).
+fn layer_slot_bytes(dir: &Path) -> usize {
+    let m = voom_formats::Manifest::load(dir).unwrap().unwrap();
+    m.pages
+        .iter()
+        .filter(|p| p.group == voom_formats::manifest::PageGroup::Layer(0))
+        .map(|p| (p.len as usize).next_multiple_of(16 << 10))
+        .sum()
+}
+
 fn largest_layer_bytes(dir: &Path) -> usize {
     let m = voom_formats::Manifest::load(dir).unwrap().unwrap();
     let mut per_layer = std::collections::HashMap::new();
@@ -75,13 +85,18 @@ fn store_core_gives_the_embedded_bits_at_any_budget() {
             .map(|p| p.len as usize)
             .max()
             .unwrap();
-        // Ample, and about one decoder layer: the engine leases a layer's pages
-        // together, so pages stream through the cache layer by layer (every sweep
-        // evicts and reloads).
-        let one_layer = (layer + 8 * (16 << 10))
-            .max(largest_page * 2)
-            .next_multiple_of(16 << 10);
-        for budget in [64 << 20, one_layer] {
+        // Ample; about one decoder layer (the engine leases a layer at a time, and
+        // every sweep evicts and reloads); and below one layer, where the engine
+        // leases one matrix at a time and streams.
+        let slots = |b: usize| b.next_multiple_of(16 << 10);
+        let one_layer = slots((layer + 8 * (16 << 10)).max(largest_page * 2));
+        let below = slots(largest_page) + (64 << 10);
+        let layer_slots = layer_slot_bytes(&dir);
+        assert!(
+            below < layer_slots,
+            "{case}: {below} is not below one layer ({layer_slots})"
+        );
+        for budget in [64 << 20, one_layer, below] {
             let store = Store::new(StoreConfig {
                 cache_bytes: budget,
                 ..Default::default()

@@ -322,6 +322,10 @@ impl PageSource for DaemonSource {
         }
     }
 
+    fn budget(&self) -> Option<u64> {
+        Some(self.client.arena.len() as u64)
+    }
+
     fn describe(&self) -> String {
         format!("vpaged:{}", self.client.socket().display())
     }

@@ -46,6 +46,13 @@ pub trait PageSource: Send + Sync {
         ids.iter().map(|&id| self.acquire(id)).collect()
     }
 
+    /// Bytes of pages the source can hold resident at once, if it is bounded (a page
+    /// cache); `None` for sources with no such limit (memory-mapped files). Engines
+    /// lease less at a time when it is small.
+    fn budget(&self) -> Option<u64> {
+        None
+    }
+
     /// Hint that these pages will be acquired soon. Never blocks for I/O.
     fn prefetch(&self, _ids: &[PageId]) {}
 

@@ -413,6 +413,10 @@ impl PageSource for StoreSource {
         }
     }
 
+    fn budget(&self) -> Option<u64> {
+        Some(self.store.cache().capacity() as u64)
+    }
+
     fn describe(&self) -> String {
         format!("store:{}", self.model.dir.display())
     }

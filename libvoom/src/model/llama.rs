@@ -172,7 +172,8 @@ impl LlamaModel {
         want: Logits,
     ) -> Result<Vec<f32>, VoomError> {
         let start = kv.len();
-        let r = self.forward_inner(source, pool, tokens, kv, want);
+        let lease = self.lease_scope(source);
+        let r = self.forward_inner(source, pool, tokens, kv, want, lease);
         match r {
             Ok(l) => {
                 kv.commit(tokens.len());
@@ -185,6 +186,27 @@ impl LlamaModel {
         }
     }
 
+    /// Leases a whole layer at once when the source's cache holds two layers (this
+    /// one and the one prefetched), else one step (one matrix) at a time, so that a
+    /// cache smaller than a layer still works by streaming.
+    fn lease_scope(&self, source: &dyn PageSource) -> LeaseScope {
+        let largest_layer = self
+            .layers
+            .iter()
+            .map(|l| {
+                l.pages
+                    .iter()
+                    .map(|p| source.pages()[p.0 as usize].len)
+                    .sum::<u64>()
+            })
+            .max()
+            .unwrap_or(0);
+        match source.budget() {
+            Some(b) if b < 2 * largest_layer => LeaseScope::Tensor,
+            _ => LeaseScope::Layer,
+        }
+    }
+
     fn forward_inner(
         &self,
         source: &dyn PageSource,
@@ -192,6 +214,7 @@ impl LlamaModel {
         tokens: &[u32],
         kv: &mut KvCache,
         want: Logits,
+        lease: LeaseScope,
     ) -> Result<Vec<f32>, VoomError> {
         let cfg = &self.cfg;
         let n = tokens.len();
@@ -259,21 +282,47 @@ impl LlamaModel {
             } else {
                 source.prefetch(&[self.final_norm.page, self.lm_head.page]);
             }
-            let w = Leased::acquire(source, &layer.pages)?;
+            // The whole layer leased at once, or (small caches) one step at a time.
+            let whole = match lease {
+                LeaseScope::Layer => Some(Leased::acquire(source, &layer.pages)?),
+                LeaseScope::Tensor => None,
+            };
+            let step = |ids: &[PageId]| -> Result<StepLease<'_>, VoomError> {
+                match &whole {
+                    Some(l) => Ok(StepLease::Shared(l)),
+                    None => Ok(StepLease::Own(Leased::acquire(source, ids)?)),
+                }
+            };
 
-            ops::rms_norm(
-                &x,
-                h,
-                &w.vector(&layer.attn_norm).to_vec(),
-                cfg.rms_norm_eps,
-                &mut xn,
-            );
-            apply_linear(pool, &w, &layer.q, &xn, n, &mut q)?;
-            apply_linear(pool, &w, &layer.k, &xn, n, &mut k)?;
-            apply_linear(pool, &w, &layer.v, &xn, n, &mut v)?;
-            if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
-                ops::rms_norm_inplace(&mut q, hd, &w.vector(qn).to_vec(), cfg.rms_norm_eps);
-                ops::rms_norm_inplace(&mut k, hd, &w.vector(kn).to_vec(), cfg.rms_norm_eps);
+            {
+                let mut ids = vec![layer.attn_norm.page];
+                ids.extend(linear_pages(&layer.q));
+                ids.extend(layer.q_norm.iter().map(|v| v.page));
+                let w = step(&ids)?;
+                ops::rms_norm(
+                    &x,
+                    h,
+                    &w.vector(&layer.attn_norm).to_vec(),
+                    cfg.rms_norm_eps,
+                    &mut xn,
+                );
+                apply_linear(pool, &w, &layer.q, &xn, n, &mut q)?;
+                if let Some(qn) = &layer.q_norm {
+                    ops::rms_norm_inplace(&mut q, hd, &w.vector(qn).to_vec(), cfg.rms_norm_eps);
+                }
+            }
+            {
+                let mut ids = linear_pages(&layer.k);
+                ids.extend(layer.k_norm.iter().map(|v| v.page));
+                let w = step(&ids)?;
+                apply_linear(pool, &w, &layer.k, &xn, n, &mut k)?;
+                if let Some(kn) = &layer.k_norm {
+                    ops::rms_norm_inplace(&mut k, hd, &w.vector(kn).to_vec(), cfg.rms_norm_eps);
+                }
+            }
+            {
+                let w = step(&linear_pages(&layer.v))?;
+                apply_linear(pool, &w, &layer.v, &xn, n, &mut v)?;
             }
             for t in 0..n {
                 let (c, s) = (
@@ -300,9 +349,15 @@ impl LlamaModel {
                 cfg.sliding_window[li],
                 &mut att,
             );
-            apply_linear(pool, &w, &layer.o, &att, n, &mut o)?;
+            {
+                let w = step(&linear_pages(&layer.o))?;
+                apply_linear(pool, &w, &layer.o, &att, n, &mut o)?;
+            }
             ops::add_inplace(&mut x, &o);
 
+            let mut ids = vec![layer.mlp_norm.page];
+            ids.extend(linear_pages(&layer.gate));
+            let w = step(&ids)?;
             ops::rms_norm(
                 &x,
                 h,
@@ -311,9 +366,16 @@ impl LlamaModel {
                 &mut xn,
             );
             apply_linear(pool, &w, &layer.gate, &xn, n, &mut g)?;
-            apply_linear(pool, &w, &layer.up, &xn, n, &mut u)?;
+            drop(w);
+            {
+                let w = step(&linear_pages(&layer.up))?;
+                apply_linear(pool, &w, &layer.up, &xn, n, &mut u)?;
+            }
             ops::silu_mul(&mut g, &u);
-            apply_linear(pool, &w, &layer.down, &g, n, &mut o)?;
+            {
+                let w = step(&linear_pages(&layer.down))?;
+                apply_linear(pool, &w, &layer.down, &g, n, &mut o)?;
+            }
             ops::add_inplace(&mut x, &o);
         }
 
@@ -336,6 +398,35 @@ impl LlamaModel {
         matmul(pool, &hn, m, w.matrix(&self.lm_head), &mut logits)?;
         Ok(logits)
     }
+}
+
+/// How much of a layer is leased at a time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LeaseScope {
+    Layer,
+    Tensor,
+}
+
+/// The leases of one step: the layer's (shared) or the step's own.
+enum StepLease<'a> {
+    Shared(&'a Leased),
+    Own(Leased),
+}
+
+impl std::ops::Deref for StepLease<'_> {
+    type Target = Leased;
+    fn deref(&self) -> &Leased {
+        match self {
+            StepLease::Shared(l) => l,
+            StepLease::Own(l) => l,
+        }
+    }
+}
+
+fn linear_pages(l: &Linear) -> Vec<PageId> {
+    let mut p = vec![l.w.page];
+    p.extend(l.bias.iter().map(|b| b.page));
+    p
 }
 
 fn layer_pages(l: &Layer) -> Vec<PageId> {
