@@ -233,6 +233,41 @@ impl DaemonSource {
     }
 }
 
+impl DaemonSource {
+    /// Asks the daemon to copy this model's most requested pages onto its fast tier,
+    /// up to `max_bytes`; returns (pages, bytes) staged.
+    pub fn stage(&self, max_bytes: u64) -> Result<(u64, u64), StoreError> {
+        self.summary(&Message::Stage {
+            model: self.model,
+            max_bytes,
+        })
+    }
+
+    /// Asks the daemon to remove this model's pages from its fast tier.
+    pub fn unstage(&self) -> Result<(u64, u64), StoreError> {
+        self.summary(&Message::Unstage { model: self.model })
+    }
+
+    fn summary(&self, m: &Message) -> Result<(u64, u64), StoreError> {
+        let bad = |d: String| DaemonClient::err(self.client.socket(), d);
+        match self.client.request(m)? {
+            Message::StatsReply { json } => {
+                let v: serde_json::Value =
+                    serde_json::from_str(&json).map_err(|e| bad(e.to_string()))?;
+                Ok((
+                    v["pages"].as_u64().unwrap_or(0),
+                    v["bytes"].as_u64().unwrap_or(0),
+                ))
+            }
+            other => Err(bad(format!(
+                "unexpected reply to {}: {}",
+                m.name(),
+                other.name()
+            ))),
+        }
+    }
+}
+
 /// The pages of one acquire, released together at the daemon (one message) when the
 /// engine has dropped the last of their leases.
 struct Leased {

@@ -360,6 +360,26 @@ impl Daemon {
             Message::Stats => Message::StatsReply {
                 json: self.stats_json().to_string(),
             },
+            Message::Stage { model, .. } | Message::Unstage { model }
+                if !opened.contains(&model.0) =>
+            {
+                err(
+                    ErrorCode::BadRequest,
+                    format!("model {} is not open on this connection", model.0),
+                )
+            }
+            Message::Stage { model, max_bytes } => match self.store.stage_hot(model.0, max_bytes) {
+                Ok((pages, bytes)) => Message::StatsReply {
+                    json: serde_json::json!({"pages": pages, "bytes": bytes}).to_string(),
+                },
+                Err(e) => err(error_code(&e), e.to_string()),
+            },
+            Message::Unstage { model } => match self.store.unstage(model.0) {
+                Ok((pages, bytes)) => Message::StatsReply {
+                    json: serde_json::json!({"pages": pages, "bytes": bytes}).to_string(),
+                },
+                Err(e) => err(error_code(&e), e.to_string()),
+            },
             other => err(
                 ErrorCode::BadRequest,
                 format!("unexpected {} request", other.name()),

@@ -358,6 +358,27 @@ impl Store {
     }
 }
 
+impl Store {
+    /// Removes the model's pages from the fast tier. Returns (pages, bytes) removed.
+    pub fn unstage(&self, model: u32) -> Result<(usize, u64), StoreError> {
+        let Some(fast) = &self.fast else {
+            return Err(StoreError::Store {
+                store: PathBuf::from("<fast tier>"),
+                detail: "no fast tier is configured".into(),
+            });
+        };
+        let m = self.model(model)?;
+        let (mut pages, mut bytes) = (0, 0);
+        for (e, p) in m.manifest.pages.iter().zip(&m.pages) {
+            if fast.unstage(&e.blake3)? {
+                pages += 1;
+                bytes += p.len;
+            }
+        }
+        Ok((pages, bytes))
+    }
+}
+
 fn cache_error(m: &OpenModel, page: u32, e: CacheError<StoreError>) -> StoreError {
     match e {
         // The loader's own error says what was wrong, and where.

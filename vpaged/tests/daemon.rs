@@ -241,3 +241,62 @@ fn vpagectl_reports_status_and_residency() {
         "{text}"
     );
 }
+
+#[test]
+fn vpagectl_stages_hot_pages_onto_the_fast_tier_and_unstages_them() {
+    let d = tempfile::tempdir().unwrap();
+    let (m, _) = model(d.path());
+    let socket = d.path().join("vpaged.sock");
+    let fast = d.path().join("fast");
+    let child = Command::new(env!("CARGO_BIN_EXE_vpaged"))
+        .arg("--socket")
+        .arg(&socket)
+        .args(["--cache-size", "4MiB", "--fast-tier"])
+        .arg(&fast)
+        .args(["--fast-tier-size", "1MiB"])
+        .env("VPAGED_LOG", "warn")
+        .spawn()
+        .unwrap();
+    let daemon = Daemon { child, socket };
+    let t = Instant::now();
+    while std::os::unix::net::UnixStream::connect(&daemon.socket).is_err() {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "vpaged did not start"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let c = DaemonClient::connect(&daemon.socket, "engine").unwrap();
+    let s = DaemonSource::open(Arc::clone(&c), &m).unwrap();
+    for p in [1, 1, 3] {
+        drop(s.acquire(PageId(p)).unwrap());
+    }
+    let ctl = |args: &[&str]| {
+        let o = Command::new(env!("CARGO_BIN_EXE_vpagectl"))
+            .arg("--socket")
+            .arg(&daemon.socket)
+            .args(args)
+            .arg(&m)
+            .arg("--json")
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()
+    };
+    // Only requested pages are hot: pages 1 and 3.
+    let r = ctl(&["stage"]);
+    assert_eq!(r["staged_pages"], 2, "{r}");
+    assert_eq!(r["staged_bytes"], 80_000, "{r}");
+    let staged = std::fs::read_dir(&fast)
+        .unwrap()
+        .flat_map(|e| std::fs::read_dir(e.unwrap().path()).unwrap())
+        .count();
+    assert_eq!(staged, 2);
+    let r = ctl(&["unstage"]);
+    assert_eq!(r["unstaged_pages"], 2, "{r}");
+    let left = std::fs::read_dir(&fast)
+        .unwrap()
+        .flat_map(|e| std::fs::read_dir(e.unwrap().path()).unwrap())
+        .count();
+    assert_eq!(left, 0);
+}

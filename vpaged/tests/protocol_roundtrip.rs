@@ -52,6 +52,11 @@ fn message() -> impl Strategy<Value = Message> {
         }),
         Just(Message::Stats),
         Just(Message::Close),
+        (any::<u32>(), any::<u64>()).prop_map(|(m, max_bytes)| Message::Stage {
+            model: ModelId(m),
+            max_bytes
+        }),
+        any::<u32>().prop_map(|m| Message::Unstage { model: ModelId(m) }),
         (version(), any::<u64>(), any::<u64>()).prop_map(|(version, arena_len, server_id)| {
             Message::Welcome {
                 version,

@@ -74,6 +74,21 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Copy MODEL_DIR's most requested pages (as the daemon counted them) onto its fast tier.
+    Stage {
+        model_dir: PathBuf,
+        /// Stage at most this many bytes (e.g. 4GiB); default: as much as fits.
+        #[arg(long)]
+        max_bytes: Option<vpaged::config::ByteSize>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove MODEL_DIR's pages from the daemon's fast tier.
+    Unstage {
+        model_dir: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
     Pack {
         /// A model directory holding voom-manifest.json (see `vpagectl hash`).
         model_dir: PathBuf,
@@ -90,6 +105,17 @@ fn main() -> ExitCode {
         Command::Verify { model_dir, json } => verify(model_dir, *json),
         Command::Pack { model_dir, json } => pack(model_dir, *json),
         Command::Status { json } => status(cli.socket.as_deref(), *json),
+        Command::Stage {
+            model_dir,
+            max_bytes,
+            json,
+        } => stage(
+            cli.socket.as_deref(),
+            model_dir,
+            max_bytes.map(|b| b.0),
+            *json,
+        ),
+        Command::Unstage { model_dir, json } => unstage(cli.socket.as_deref(), model_dir, *json),
         Command::Pages { model_dir, json } => pages(cli.socket.as_deref(), model_dir, *json),
     };
     match result {
@@ -597,4 +623,39 @@ fn human(b: f64) -> String {
     } else {
         format!("{v:.2} {}", UNITS[i])
     }
+}
+
+fn stage(
+    socket: Option<&Path>,
+    dir: &Path,
+    max_bytes: Option<u64>,
+    json: bool,
+) -> Result<ExitCode> {
+    let c = connect(socket)?;
+    let src = vpaged::client::DaemonSource::open(c, dir)?;
+    let (pages, bytes) = src.stage(max_bytes.unwrap_or(u64::MAX))?;
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({"staged_pages": pages, "staged_bytes": bytes})
+        );
+    } else {
+        println!("staged {pages} pages, {}", human(bytes as f64));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn unstage(socket: Option<&Path>, dir: &Path, json: bool) -> Result<ExitCode> {
+    let c = connect(socket)?;
+    let src = vpaged::client::DaemonSource::open(c, dir)?;
+    let (pages, bytes) = src.unstage()?;
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({"unstaged_pages": pages, "unstaged_bytes": bytes})
+        );
+    } else {
+        println!("unstaged {pages} pages, {}", human(bytes as f64));
+    }
+    Ok(ExitCode::SUCCESS)
 }

@@ -16,7 +16,7 @@ use crate::PageId;
 pub const PROTOCOL_MAJOR: u16 = 1;
 /// Protocol minor version: additions that older peers of the same major can ignore
 /// (new messages are only sent to a peer that announced a minor that knows them).
-pub const PROTOCOL_MINOR: u16 = 0;
+pub const PROTOCOL_MINOR: u16 = 1;
 /// The version this build speaks.
 pub const PROTOCOL_VERSION: Version = Version {
     major: PROTOCOL_MAJOR,
@@ -51,6 +51,8 @@ pub mod msg_type {
     pub const RELEASE: u16 = 0x0005;
     pub const STATS: u16 = 0x0006;
     pub const CLOSE: u16 = 0x0007;
+    pub const STAGE: u16 = 0x0008;
+    pub const UNSTAGE: u16 = 0x0009;
     pub const ERROR: u16 = 0x8000;
     pub const WELCOME: u16 = 0x8001;
     pub const MODEL_OPENED: u16 = 0x8002;
@@ -184,6 +186,16 @@ pub enum Message {
     /// End of session: the server releases every lease of the connection, replies
     /// `Ack` and closes the connection.
     Close,
+    /// Copy the model's most requested pages onto the fast tier, up to `max_bytes`.
+    /// Reply: `StatsReply` with `{"pages": N, "bytes": N}`.
+    Stage {
+        model: ModelId,
+        max_bytes: u64,
+    },
+    /// Remove the model's pages from the fast tier. Reply: as for `Stage`.
+    Unstage {
+        model: ModelId,
+    },
     /// Server's reply to `Hello`; the arena's fd travels with this frame's bytes.
     Welcome {
         version: Version,
@@ -225,6 +237,8 @@ impl Message {
             Message::Release { .. } => RELEASE,
             Message::Stats => STATS,
             Message::Close => CLOSE,
+            Message::Stage { .. } => STAGE,
+            Message::Unstage { .. } => UNSTAGE,
             Message::Welcome { .. } => WELCOME,
             Message::ModelOpened { .. } => MODEL_OPENED,
             Message::Acquired { .. } => ACQUIRED,
@@ -267,6 +281,11 @@ impl Message {
                 }
             }
             Message::Stats | Message::Close | Message::Ack => {}
+            Message::Stage { model, max_bytes } => {
+                w.u32(model.0);
+                w.u64(*max_bytes);
+            }
+            Message::Unstage { model } => w.u32(model.0),
             Message::Welcome {
                 version,
                 arena_len,
@@ -372,6 +391,13 @@ impl Message {
             }
             STATS => Message::Stats,
             CLOSE => Message::Close,
+            STAGE => Message::Stage {
+                model: ModelId(r.u32("model")?),
+                max_bytes: r.u64("max_bytes")?,
+            },
+            UNSTAGE => Message::Unstage {
+                model: ModelId(r.u32("model")?),
+            },
             ACK => Message::Ack,
             WELCOME => Message::Welcome {
                 version: Version {
@@ -432,6 +458,8 @@ pub fn type_name(t: u16) -> Option<&'static str> {
         RELEASE => "Release",
         STATS => "Stats",
         CLOSE => "Close",
+        STAGE => "Stage",
+        UNSTAGE => "Unstage",
         ERROR => "Error",
         WELCOME => "Welcome",
         MODEL_OPENED => "ModelOpened",
