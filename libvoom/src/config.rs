@@ -250,7 +250,7 @@ impl ModelConfig {
         let rope_theta = rope_theta.unwrap_or(10000.0) as f32;
         let rope_scaling = match scaling {
             None => RopeScaling::Default,
-            Some(s) => parse_rope_scaling(s, max_position_embeddings).map_err(err)?,
+            Some(s) => parse_rope_scaling(s).map_err(err)?,
         };
 
         let default_tie = false;
@@ -294,7 +294,7 @@ impl ModelConfig {
     }
 }
 
-fn parse_rope_scaling(s: &Value, max_pos: usize) -> Result<RopeScaling, String> {
+fn parse_rope_scaling(s: &Value) -> Result<RopeScaling, String> {
     let obj = s
         .as_object()
         .ok_or_else(|| "'rope_scaling' must be an object".to_string())?;
@@ -320,7 +320,6 @@ fn parse_rope_scaling(s: &Value, max_pos: usize) -> Result<RopeScaling, String> 
                     "invalid llama3 rope scaling: factor {factor}, low_freq_factor {low}, high_freq_factor {high}, original_max_position_embeddings {orig}"
                 ));
             }
-            let _ = max_pos;
             Ok(RopeScaling::Llama3 {
                 factor: factor as f32,
                 low_freq_factor: low as f32,

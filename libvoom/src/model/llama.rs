@@ -43,6 +43,8 @@ pub struct LlamaModel {
     lm_head: Matrix,
     layers: Vec<Layer>,
     inv_freq: Vec<f32>,
+    /// Bytes of the largest decoder layer's pages (decides how much to lease at once).
+    largest_layer_bytes: u64,
 }
 
 /// Which positions' logits a forward pass returns.
@@ -124,6 +126,16 @@ impl LlamaModel {
             layers.push(layer);
         }
         let inv_freq = rope::inv_freq(&cfg);
+        let largest_layer_bytes = layers
+            .iter()
+            .map(|l| {
+                l.pages
+                    .iter()
+                    .map(|p| source.pages()[p.0 as usize].len)
+                    .sum::<u64>()
+            })
+            .max()
+            .unwrap_or(0);
         Ok(LlamaModel {
             cfg,
             embed,
@@ -131,6 +143,7 @@ impl LlamaModel {
             lm_head,
             layers,
             inv_freq,
+            largest_layer_bytes,
         })
     }
 
@@ -190,19 +203,8 @@ impl LlamaModel {
     /// one and the one prefetched), else one step (one matrix) at a time, so that a
     /// cache smaller than a layer still works by streaming.
     fn lease_scope(&self, source: &dyn PageSource) -> LeaseScope {
-        let largest_layer = self
-            .layers
-            .iter()
-            .map(|l| {
-                l.pages
-                    .iter()
-                    .map(|p| source.pages()[p.0 as usize].len)
-                    .sum::<u64>()
-            })
-            .max()
-            .unwrap_or(0);
         match source.budget() {
-            Some(b) if b < 2 * largest_layer => LeaseScope::Tensor,
+            Some(b) if b < 2 * self.largest_layer_bytes => LeaseScope::Tensor,
             _ => LeaseScope::Layer,
         }
     }
