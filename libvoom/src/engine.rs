@@ -26,6 +26,9 @@ pub struct EngineOptions {
     pub max_context: Option<usize>,
     /// Prompt tokens per forward pass during prefill. Results do not depend on it.
     pub prefill_chunk: usize,
+    /// Decoder layers hinted to the page source ahead of the one computing (0: off).
+    /// Results do not depend on it.
+    pub prefetch_depth: usize,
 }
 
 impl Default for EngineOptions {
@@ -35,6 +38,7 @@ impl Default for EngineOptions {
             verify: VerifyMode::FirstUse,
             max_context: None,
             prefill_chunk: 256,
+            prefetch_depth: 1,
         }
     }
 }
@@ -149,7 +153,8 @@ impl Engine {
             .file_name()
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_else(|| dir.display().to_string());
-        let model = LlamaModel::load(cfg, source.as_ref(), &name)?;
+        let mut model = LlamaModel::load(cfg, source.as_ref(), &name)?;
+        model.set_prefetch_depth(opts.prefetch_depth);
         let tokenizer = if dir.join("tokenizer.json").exists() {
             Some(Tokenizer::from_dir(dir)?)
         } else {

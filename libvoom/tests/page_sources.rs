@@ -1,8 +1,8 @@
 //! DESIGN.md invariant 1: paging is invisible to arithmetic. The same model gives
 //! the same ids and the same logits bits whether its pages come from the embedded
 //! mapping or through the store core's shared page cache, with an ample budget or
-//! about one decoder layer (streaming), from the fast tier, and through the daemon's
-//! socket and shared arena, with two engines at once.
+//! about one decoder layer (streaming), with prefetch off or on, from the fast tier,
+//! and through the daemon's socket and shared arena, with two engines at once.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -96,17 +96,31 @@ fn store_core_gives_the_embedded_bits_at_any_budget() {
             below < layer_slots,
             "{case}: {below} is not below one layer ({layer_slots})"
         );
+        // Prefetch off, one layer ahead (the default) and three ahead.
         for budget in [64 << 20, one_layer, below] {
-            let store = Store::new(StoreConfig {
-                cache_bytes: budget,
-                ..Default::default()
-            })
-            .unwrap();
-            let src = StoreSource::open(Arc::clone(&store), &dir).unwrap();
-            let e = Engine::with_source(&dir, Arc::new(src), EngineOptions::default()).unwrap();
-            assert_eq!(run(&e, &prompt), reference, "{case}: budget {budget}");
-            let s = store.cache_stats();
-            assert!(s.misses > 0 && s.bytes_loaded > 0, "{case}: {s:?}");
+            for prefetch_depth in [0, 1, 3] {
+                let store = Store::new(StoreConfig {
+                    cache_bytes: budget,
+                    ..Default::default()
+                })
+                .unwrap();
+                let src = StoreSource::open(Arc::clone(&store), &dir).unwrap();
+                let opts = EngineOptions {
+                    prefetch_depth,
+                    ..EngineOptions::default()
+                };
+                let e = Engine::with_source(&dir, Arc::new(src), opts).unwrap();
+                assert_eq!(
+                    run(&e, &prompt),
+                    reference,
+                    "{case}: budget {budget}, prefetch depth {prefetch_depth}"
+                );
+                let s = store.cache_stats();
+                assert!(s.misses > 0 && s.bytes_loaded > 0, "{case}: {s:?}");
+                if prefetch_depth == 0 {
+                    assert_eq!(s.prefetch_loads, 0, "{case}: prefetch off: {s:?}");
+                }
+            }
         }
     }
 }

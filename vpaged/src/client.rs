@@ -4,6 +4,7 @@
 //! page at the daemon. If the daemon dies, requests fail with an error naming the
 //! socket; leases already held stay readable (the mapping is this process's own).
 
+use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -12,7 +13,8 @@ use voom_formats::manifest::{Manifest, MANIFEST_FILE};
 
 use crate::arena::ArenaView;
 use crate::protocol::{
-    read_frame, recv_frame_with_fd, write_frame, FrameDecoder, Message, ModelId, PROTOCOL_VERSION,
+    read_frame, recv_frame_with_fd, write_frame, FrameDecoder, Message, ModelId, FLAG_NO_REPLY,
+    PROTOCOL_VERSION,
 };
 use crate::source::{PageId, PageLease, PageMeta, PageSource};
 use crate::StoreError;
@@ -20,6 +22,18 @@ use crate::StoreError;
 struct Conn {
     stream: UnixStream,
     next_id: u32,
+    /// Frames that want no reply (prefetch hints, releases; protocol 1.2), written
+    /// with the next request or by [`DaemonClient::flush`]: one write, one wake-up of
+    /// the daemon, instead of one each.
+    pending: Vec<u8>,
+}
+
+impl Conn {
+    fn take_id(&mut self) -> u32 {
+        let id = self.next_id;
+        self.next_id = self.next_id.wrapping_add(1).max(2);
+        id
+    }
 }
 
 /// A connection to the daemon.
@@ -28,6 +42,8 @@ pub struct DaemonClient {
     conn: Mutex<Conn>,
     arena: ArenaView,
     server_id: u64,
+    /// The negotiated protocol minor version.
+    minor: u16,
 }
 
 impl DaemonClient {
@@ -57,30 +73,36 @@ impl DaemonClient {
         let (frame, fd) = recv_frame_with_fd(&stream, &mut dec)
             .map_err(|x| e(format!("handshake: {x}")))?
             .ok_or_else(|| e("the daemon closed the connection during the handshake".into()))?;
-        let (arena_len, server_id) = match Message::decode(&frame).map_err(|x| e(x.to_string()))? {
-            Message::Welcome {
-                arena_len,
-                server_id,
-                ..
-            } => (arena_len, server_id),
-            Message::Error { code, message } => {
-                return Err(e(format!("refused ({code:?}): {message}")))
-            }
-            other => {
-                return Err(e(format!(
-                    "unexpected {} during the handshake",
-                    other.name()
-                )))
-            }
-        };
+        let (arena_len, server_id, minor) =
+            match Message::decode(&frame).map_err(|x| e(x.to_string()))? {
+                Message::Welcome {
+                    arena_len,
+                    server_id,
+                    version,
+                } => (arena_len, server_id, version.minor),
+                Message::Error { code, message } => {
+                    return Err(e(format!("refused ({code:?}): {message}")))
+                }
+                other => {
+                    return Err(e(format!(
+                        "unexpected {} during the handshake",
+                        other.name()
+                    )))
+                }
+            };
         let fd = fd.ok_or_else(|| e("the daemon sent no arena descriptor".into()))?;
         let arena = ArenaView::map_readonly(fd, arena_len as usize)
             .map_err(|x| e(format!("cannot map the arena: {x}")))?;
         Ok(Arc::new(DaemonClient {
             socket: socket.to_path_buf(),
-            conn: Mutex::new(Conn { stream, next_id: 2 }),
+            conn: Mutex::new(Conn {
+                stream,
+                next_id: 2,
+                pending: Vec::new(),
+            }),
             arena,
             server_id,
+            minor,
         }))
     }
 
@@ -98,18 +120,20 @@ impl DaemonClient {
         self.server_id
     }
 
-    /// Sends a request and waits for its reply (replies to earlier releases, which
-    /// nobody waits for, are skipped).
+    /// Sends a request (after any deferred frames, in the same write) and waits for its
+    /// reply. Replies to earlier messages that nobody waits for are skipped; an error
+    /// among them is logged.
     fn request(&self, m: &Message) -> Result<Message, StoreError> {
         let e = |d: String| Self::err(&self.socket, d);
         let mut c = self.conn.lock().unwrap_or_else(|p| p.into_inner());
-        let id = c.next_id;
-        c.next_id = c.next_id.wrapping_add(1).max(2);
-        write_frame(
-            &mut c.stream,
-            &m.to_frame(id).map_err(|x| e(x.to_string()))?,
-        )
-        .map_err(|x| e(format!("{} request failed: {x}", m.name())))?;
+        let id = c.take_id();
+        let mut bytes = std::mem::take(&mut c.pending);
+        m.to_frame(id)
+            .and_then(|f| f.encode_into(&mut bytes))
+            .map_err(|x| e(x.to_string()))?;
+        c.stream
+            .write_all(&bytes)
+            .map_err(|x| e(format!("{} request failed: {x}", m.name())))?;
         loop {
             let frame = read_frame(&mut c.stream)
                 .map_err(|x| e(format!("reading the reply to {}: {x}", m.name())))?
@@ -126,18 +150,36 @@ impl DaemonClient {
                 };
             }
             if let Ok(Message::Error { message, .. }) = Message::decode(&frame) {
-                tracing::warn!("vpaged: an earlier release failed: {message}");
+                tracing::warn!("vpaged: an earlier release or prefetch failed: {message}");
             }
         }
     }
 
-    /// Sends a request whose reply nobody waits for.
+    /// Sends a message whose reply nobody waits for (`Prefetch`, `Release`). With a
+    /// daemon of protocol 1.2 or later it is deferred to the next request or
+    /// [`flush`](Self::flush) and asks for no reply; with an older one it is written
+    /// now and its `Ack` is skipped later.
     fn send(&self, m: &Message) {
         let mut c = self.conn.lock().unwrap_or_else(|p| p.into_inner());
-        let id = c.next_id;
-        c.next_id = c.next_id.wrapping_add(1).max(2);
-        if let Ok(f) = m.to_frame(id) {
+        let id = c.take_id();
+        let Ok(mut f) = m.to_frame(id) else { return };
+        if self.minor >= 2 {
+            f.flags = FLAG_NO_REPLY;
+            let mut pending = std::mem::take(&mut c.pending);
+            let _ = f.encode_into(&mut pending);
+            c.pending = pending;
+        } else {
             let _ = write_frame(&mut c.stream, &f);
+        }
+    }
+
+    /// Writes the deferred frames now (the end of a forward pass: releases must not
+    /// wait for a next request that may be long in coming).
+    pub fn flush(&self) {
+        let mut c = self.conn.lock().unwrap_or_else(|p| p.into_inner());
+        if !c.pending.is_empty() {
+            let bytes = std::mem::take(&mut c.pending);
+            let _ = c.stream.write_all(&bytes);
         }
     }
 
@@ -359,6 +401,10 @@ impl PageSource for DaemonSource {
 
     fn budget(&self) -> Option<u64> {
         Some(self.client.arena.len() as u64)
+    }
+
+    fn flush(&self) {
+        self.client.flush();
     }
 
     fn describe(&self) -> String {

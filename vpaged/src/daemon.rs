@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex};
 use crate::cache::Lease;
 use crate::protocol::{
     peer_uid, read_frame, send_frame_with_fd, write_frame, ErrorCode, Message, ModelId, Slot,
-    PROTOCOL_VERSION,
+    FLAG_NO_REPLY, PROTOCOL_VERSION,
 };
 use crate::store::Store;
 use crate::StoreError;
@@ -245,8 +245,11 @@ impl Daemon {
 
         let mut leases: HashMap<(u32, u32), Vec<Lease>> = HashMap::new();
         let mut opened: std::collections::HashSet<u32> = Default::default();
+        // Buffered reads: a client batches hints and releases with its next request,
+        // and they arrive together.
+        let mut reader = std::io::BufReader::with_capacity(64 << 10, stream.try_clone()?);
         let result = (|| {
-            while let Some(frame) = read_frame(&mut stream)? {
+            while let Some(frame) = read_frame(&mut reader)? {
                 let id = frame.request_id;
                 let reply = match Message::decode(&frame) {
                     Err(e) if e.is_fatal() => return Err(e),
@@ -260,6 +263,11 @@ impl Daemon {
                     }
                     Ok(m) => self.handle(m, &mut leases, &mut opened),
                 };
+                // A hint or release sent with FLAG_NO_REPLY gets an answer only if it
+                // failed.
+                if frame.flags & FLAG_NO_REPLY != 0 && matches!(reply, Message::Ack) {
+                    continue;
+                }
                 write_frame(&mut stream, &reply.to_frame(id)?)?;
                 stream.flush()?;
             }

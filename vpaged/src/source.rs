@@ -56,6 +56,11 @@ pub trait PageSource: Send + Sync {
     /// Hint that these pages will be acquired soon. Never blocks for I/O.
     fn prefetch(&self, _ids: &[PageId]) {}
 
+    /// Delivers anything the source deferred (a remote source batches releases and
+    /// hints into its next request). Engines call it when a forward pass ends, so
+    /// that released pages do not stay held while the engine is idle.
+    fn flush(&self) {}
+
     /// A short description for logs and responses ("embedded", "vpaged:/run/...").
     fn describe(&self) -> String;
 }

@@ -299,8 +299,13 @@ impl Store {
         }
     }
 
-    /// Queues a prefetch hint; never blocks (a full queue drops the hint).
+    /// Queues a prefetch hint; never blocks (a full queue drops the hint). A hint for a
+    /// page already resident or loading is dropped here, without waking the prefetch
+    /// thread (a model that fits is hinted every layer of every token).
     pub fn prefetch(&self, model: u32, page: u32) {
+        if self.cache.present(PageKey { model, page }) {
+            return;
+        }
         if let Some(tx) = self
             .prefetch_tx
             .lock()

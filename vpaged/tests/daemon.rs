@@ -300,3 +300,124 @@ fn vpagectl_stages_hot_pages_onto_the_fast_tier_and_unstages_them() {
         .count();
     assert_eq!(left, 0);
 }
+
+/// Protocol 1.2's `FLAG_NO_REPLY`, on the wire: a hint or release that succeeds gets no
+/// reply, one that fails still gets its error, and the flag on any other message is a
+/// bad request.
+#[test]
+fn no_reply_frames_are_answered_only_when_they_fail() {
+    use std::io::Write;
+    use vpaged::protocol::{
+        read_frame, recv_frame_with_fd, ErrorCode, FrameDecoder, Message, FLAG_NO_REPLY,
+        PROTOCOL_VERSION,
+    };
+    let d = tempfile::tempdir().unwrap();
+    let (m, _) = model(d.path());
+    let daemon = start(d.path(), "4MiB");
+    let mut s = std::os::unix::net::UnixStream::connect(&daemon.socket).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let hello = Message::Hello {
+        version: PROTOCOL_VERSION,
+        pid: std::process::id(),
+        name: "raw".into(),
+    };
+    s.write_all(&hello.encode(1).unwrap()).unwrap();
+    let (welcome, fd) = recv_frame_with_fd(&s, &mut FrameDecoder::new())
+        .unwrap()
+        .unwrap();
+    assert!(fd.is_some());
+    match Message::decode(&welcome).unwrap() {
+        Message::Welcome { version, .. } => assert!(version.minor >= 2, "{version}"),
+        other => panic!("{other:?}"),
+    }
+    let open = Message::OpenModel {
+        path: m.to_string_lossy().into_owned(),
+    };
+    s.write_all(&open.encode(2).unwrap()).unwrap();
+    let model = match Message::decode(&read_frame(&mut s).unwrap().unwrap()).unwrap() {
+        Message::ModelOpened { model, .. } => model,
+        other => panic!("{other:?}"),
+    };
+    let frame = |m: Message, id: u32, flags: u16| {
+        let mut f = m.to_frame(id).unwrap();
+        f.flags = flags;
+        f.encode().unwrap()
+    };
+    // In one write: a hint (succeeds: no reply), a release of a page not leased (fails:
+    // an error with its id), an acquire, its release (no reply), then Stats.
+    let mut bytes = frame(
+        Message::Prefetch {
+            model,
+            pages: vec![PageId(1)],
+        },
+        3,
+        FLAG_NO_REPLY,
+    );
+    bytes.extend(frame(
+        Message::Release {
+            model,
+            pages: vec![PageId(2)],
+        },
+        4,
+        FLAG_NO_REPLY,
+    ));
+    bytes.extend(frame(
+        Message::Acquire {
+            model,
+            pages: vec![PageId(0)],
+        },
+        5,
+        0,
+    ));
+    bytes.extend(frame(
+        Message::Release {
+            model,
+            pages: vec![PageId(0)],
+        },
+        6,
+        FLAG_NO_REPLY,
+    ));
+    bytes.extend(frame(Message::Stats, 7, 0));
+    s.write_all(&bytes).unwrap();
+    let mut replies = Vec::new();
+    loop {
+        let f = read_frame(&mut s).unwrap().unwrap();
+        let id = f.request_id;
+        replies.push((id, Message::decode(&f).unwrap()));
+        if id == 7 {
+            break;
+        }
+    }
+    let ids: Vec<u32> = replies.iter().map(|r| r.0).collect();
+    assert_eq!(ids, [4, 5, 7], "{replies:?}");
+    assert!(
+        matches!(&replies[0].1, Message::Error { code: ErrorCode::BadRequest, message } if message.contains("page 2")),
+        "{replies:?}"
+    );
+    assert!(matches!(replies[1].1, Message::Acquired { .. }));
+    match &replies[2].1 {
+        Message::StatsReply { json } => {
+            let v: serde_json::Value = serde_json::from_str(json).unwrap();
+            assert_eq!(v["sessions"]["leases"], 0, "the release took effect: {v}");
+        }
+        other => panic!("{other:?}"),
+    }
+    // The flag means nothing on other messages: a bad request, and the session goes on.
+    s.write_all(&frame(Message::Stats, 8, FLAG_NO_REPLY))
+        .unwrap();
+    let f = read_frame(&mut s).unwrap().unwrap();
+    assert_eq!(f.request_id, 8);
+    match Message::decode(&f).unwrap() {
+        Message::Error { code, message } => {
+            assert_eq!(code, ErrorCode::BadRequest);
+            assert!(message.contains("flags"), "{message}");
+        }
+        other => panic!("{other:?}"),
+    }
+    s.write_all(&Message::Stats.encode(9).unwrap()).unwrap();
+    let f = read_frame(&mut s).unwrap().unwrap();
+    assert!(matches!(
+        Message::decode(&f).unwrap(),
+        Message::StatsReply { .. }
+    ));
+}

@@ -45,6 +45,8 @@ pub struct LlamaModel {
     inv_freq: Vec<f32>,
     /// Bytes of the largest decoder layer's pages (decides how much to lease at once).
     largest_layer_bytes: u64,
+    /// Layers hinted ahead of the one computing (0: no prefetch hints).
+    prefetch_depth: usize,
 }
 
 /// Which positions' logits a forward pass returns.
@@ -144,7 +146,51 @@ impl LlamaModel {
             layers,
             inv_freq,
             largest_layer_bytes,
+            prefetch_depth: 1,
         })
+    }
+
+    /// Layers to hint ahead of the one computing; 0 sends no prefetch hints. Hints never
+    /// change results, only when pages arrive.
+    pub fn set_prefetch_depth(&mut self, depth: usize) {
+        self.prefetch_depth = depth;
+    }
+
+    pub fn prefetch_depth(&self) -> usize {
+        self.prefetch_depth
+    }
+
+    /// Layers actually hinted ahead: the configured depth, bounded so that the layer
+    /// computing and those hinted fit the source's budget (at least one ahead, which a
+    /// small cache streams).
+    fn effective_prefetch_depth(&self, source: &dyn PageSource) -> usize {
+        match (self.prefetch_depth, source.budget()) {
+            (0, _) => 0,
+            (d, Some(b)) if self.largest_layer_bytes > 0 => {
+                let fit = (b / self.largest_layer_bytes).saturating_sub(1) as usize;
+                d.min(fit.max(1))
+            }
+            (d, _) => d,
+        }
+    }
+
+    /// Sends the hints due when layer `li` starts: layers `li+1..=li+depth` at the
+    /// first layer, then the one newly inside the window; past the last layer, the
+    /// final norm and LM head.
+    fn hint_ahead(&self, source: &dyn PageSource, li: usize, depth: usize) {
+        if depth == 0 {
+            return;
+        }
+        let first = if li == 0 { 1 } else { li + depth };
+        for t in first..=li + depth {
+            match t.cmp(&self.layers.len()) {
+                std::cmp::Ordering::Less => source.prefetch(&self.layers[t].pages),
+                std::cmp::Ordering::Equal => {
+                    source.prefetch(&[self.final_norm.page, self.lm_head.page])
+                }
+                std::cmp::Ordering::Greater => break,
+            }
+        }
     }
 
     /// Bytes of weights read for one decode token (every layer, the embedding row,
@@ -187,6 +233,9 @@ impl LlamaModel {
         let start = kv.len();
         let lease = self.lease_scope(source);
         let r = self.forward_inner(source, pool, tokens, kv, want, lease);
+        // Every lease of the pass is dropped by now: let a remote source deliver the
+        // releases it batched.
+        source.flush();
         match r {
             Ok(l) => {
                 kv.commit(tokens.len());
@@ -278,12 +327,9 @@ impl LlamaModel {
         let mut g = vec![0f32; n * cfg.intermediate_size];
         let mut u = vec![0f32; n * cfg.intermediate_size];
 
+        let depth = self.effective_prefetch_depth(source);
         for (li, layer) in self.layers.iter().enumerate() {
-            if let Some(next) = self.layers.get(li + 1) {
-                source.prefetch(&next.pages);
-            } else {
-                source.prefetch(&[self.final_norm.page, self.lm_head.page]);
-            }
+            self.hint_ahead(source, li, depth);
             // The whole layer leased at once, or (small caches) one step at a time.
             let whole = match lease {
                 LeaseScope::Layer => Some(Leased::acquire(source, &layer.pages)?),

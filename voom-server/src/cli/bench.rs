@@ -43,6 +43,9 @@ pub struct BenchArgs {
     /// this socket, and report the daemon's overhead against the embedded store.
     #[arg(long)]
     pub vpaged: Option<PathBuf>,
+    /// Decoder layers hinted to the page source ahead of the one computing (0: off).
+    #[arg(long, default_value_t = 1)]
+    pub prefetch_depth: usize,
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -87,73 +90,111 @@ pub fn run(a: BenchArgs) -> Result<()> {
 
     let mut results = Vec::new();
     for dir in &dirs {
-        let sources: Vec<Option<&PathBuf>> = std::iter::once(None)
-            .chain(a.vpaged.as_ref().map(Some))
-            .collect();
         for &threads in &a.threads {
-            for source in &sources {
-                let opts = EngineOptions {
-                    threads,
+            // Every page source of this configuration is measured in the same runs,
+            // interleaved (run r of each source back to back), so that the machine's
+            // drift falls on all of them alike.
+            let opts = EngineOptions {
+                threads,
+                prefetch_depth: a.prefetch_depth,
+                ..Default::default()
+            };
+            let mut engines: Vec<(&str, Engine)> =
+                vec![("embedded", Engine::open(dir, opts.clone())?)];
+            if let Some(socket) = &a.vpaged {
+                // The store core in this process, over an arena like the daemon's: the
+                // same memory and cache, without the socket. Against it, the daemon's
+                // figure is the handoff alone.
+                let weights: u64 = Checkpoint::open(dir)?
+                    .files
+                    .iter()
+                    .map(|f| f.mapping().len() as u64)
+                    .sum();
+                let store = vpaged::store::Store::new(vpaged::store::StoreConfig {
+                    cache_bytes: (weights * 3 / 2) as usize + (64 << 20),
                     ..Default::default()
-                };
-                let engine = match source {
-                    None => Engine::open(dir, opts)?,
-                    Some(socket) => {
-                        let c = vpaged::client::DaemonClient::connect(socket, "voom-bench")?;
-                        let src = vpaged::client::DaemonSource::open(c, dir)?;
-                        Engine::with_source(dir, std::sync::Arc::new(src), opts)?
+                })?;
+                let src = vpaged::store::StoreSource::open(store, dir)?;
+                engines.push((
+                    "store",
+                    Engine::with_source(dir, std::sync::Arc::new(src), opts.clone())?,
+                ));
+                let c = vpaged::client::DaemonClient::connect(socket, "voom-bench")?;
+                let src = vpaged::client::DaemonSource::open(c, dir)?;
+                engines.push((
+                    "vpaged",
+                    Engine::with_source(dir, std::sync::Arc::new(src), opts.clone())?,
+                ));
+            }
+            let engine0 = &engines[0].1;
+            let vocab = engine0.config().vocab_size as u32;
+            let eos = engine0.eos_ids().to_vec();
+            // A fixed pseudo-random prompt of ids that are not end-of-sequence tokens.
+            let prompt: Vec<u32> = (0..a.prompt_tokens as u32)
+                .map(|i| (i.wrapping_mul(2654435761) >> 7) % vocab)
+                .map(|t| if eos.contains(&t) { (t + 1) % vocab } else { t })
+                .collect();
+            let params = GenerateParams {
+                max_new_tokens: a.decode_tokens,
+                ignore_eos: true,
+                ..Default::default()
+            };
+            let bytes_per_token = engine0.model().weight_bytes_per_token() as f64;
+            // Warm-up: fault the mappings in, fill the caches, settle the page cache.
+            let mut first_ids = None;
+            for (label, engine) in &engines {
+                let g = engine.generate(&prompt, &params, &mut |_| ControlFlow::Continue(()))?;
+                // Paging never changes arithmetic: every source gives the same ids.
+                match &first_ids {
+                    None => first_ids = Some(g.ids),
+                    Some(ids) if *ids != g.ids => {
+                        bail!("the {label} page source generated different ids")
                     }
-                };
-                let vocab = engine.config().vocab_size as u32;
-                let eos = engine.eos_ids().to_vec();
-                // A fixed pseudo-random prompt of ids that are not end-of-sequence tokens.
-                let prompt: Vec<u32> = (0..a.prompt_tokens as u32)
-                    .map(|i| (i.wrapping_mul(2654435761) >> 7) % vocab)
-                    .map(|t| if eos.contains(&t) { (t + 1) % vocab } else { t })
-                    .collect();
-                let params = GenerateParams {
-                    max_new_tokens: a.decode_tokens,
-                    ignore_eos: true,
-                    ..Default::default()
-                };
-                // Warm-up: fault the mapping in and settle the page cache.
-                engine.generate(&prompt, &params, &mut |_| ControlFlow::Continue(()))?;
-                let bytes_per_token = engine.model().weight_bytes_per_token() as f64;
-                // The same mapped files the engine reads: streaming them is the most
-                // faithful bound (same memory, same bytes, same page size).
-                let ckpt = Checkpoint::open(dir)?;
-                let (mut prefill, mut decode, mut bw, mut wbw) =
-                    (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-                for _ in 0..a.runs {
-                    // The bounds, measured between runs on the same threads.
-                    bw.push(read_bandwidth(1 << 30, threads, 3));
-                    let (mut bytes, mut secs) = (0f64, 0f64);
-                    for f in &ckpt.files {
-                        let gbs = ReadProbe::pass_over(f.mapping(), threads);
-                        bytes += f.mapping().len() as f64;
-                        secs += f.mapping().len() as f64 / (gbs * 1e9);
-                    }
-                    wbw.push(bytes / secs / 1e9);
+                    _ => {}
+                }
+            }
+            // The same mapped files the engine reads: streaming them is the most
+            // faithful bound (same memory, same bytes, same page size).
+            let ckpt = Checkpoint::open(dir)?;
+            let (mut bw, mut wbw) = (Vec::new(), Vec::new());
+            let mut prefill = vec![Vec::new(); engines.len()];
+            let mut decode = vec![Vec::new(); engines.len()];
+            for _ in 0..a.runs {
+                // The bounds, measured between runs on the same threads.
+                bw.push(read_bandwidth(1 << 30, threads, 3));
+                let (mut bytes, mut secs) = (0f64, 0f64);
+                for f in &ckpt.files {
+                    let gbs = ReadProbe::pass_over(f.mapping(), threads);
+                    bytes += f.mapping().len() as f64;
+                    secs += f.mapping().len() as f64 / (gbs * 1e9);
+                }
+                wbw.push(bytes / secs / 1e9);
+                for (i, (_, engine)) in engines.iter().enumerate() {
                     let g =
                         engine.generate(&prompt, &params, &mut |_| ControlFlow::Continue(()))?;
-                    prefill.push(g.prefill_tokens_per_sec());
-                    decode.push(g.decode_tokens_per_sec());
+                    prefill[i].push(g.prefill_tokens_per_sec());
+                    decode[i].push(g.decode_tokens_per_sec());
                 }
-                let spread = |v: &[f64]| {
-                    let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
-                    let hi = v.iter().copied().fold(0.0, f64::max);
-                    (lo, hi)
-                };
-                let (dlo, dhi) = spread(&decode);
-                let (plo, phi) = spread(&prefill);
-                let bw_med = median(&mut bw.clone());
-                let wbw_med = median(&mut wbw.clone());
-                let dec_med = median(&mut decode.clone());
-                let pre_med = median(&mut prefill.clone());
+            }
+            let spread = |v: &[f64]| {
+                let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
+                let hi = v.iter().copied().fold(0.0, f64::max);
+                (lo, hi)
+            };
+            let bw_med = median(&mut bw.clone());
+            let wbw_med = median(&mut wbw.clone());
+            let mut medians = Vec::new();
+            for (i, (label, engine)) in engines.iter().enumerate() {
+                let (dlo, dhi) = spread(&decode[i]);
+                let (plo, phi) = spread(&prefill[i]);
+                let dec_med = median(&mut decode[i].clone());
+                let pre_med = median(&mut prefill[i].clone());
+                medians.push(dec_med);
                 let achieved = dec_med * bytes_per_token / 1e9;
-                let r = serde_json::json!({
+                let mut r = serde_json::json!({
                     "model": engine.name(),
                     "page_source": engine.source().describe(),
+                    "source_kind": label,
                     "threads": threads,
                     "weight_bytes_per_token": bytes_per_token,
                     "prompt_tokens": a.prompt_tokens,
@@ -170,37 +211,50 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 });
                 if !a.json {
                     println!(
-                    "{:<28} {:<8} threads {}  prefill {:>7.1} tok/s [{:.1}..{:.1}]  decode {:>6.2} tok/s [{:.2}..{:.2}]  {:.1} MB/token  {:>5.2} GB/s = {:>3.0}% of weights read {:.2} GB/s ({:>3.0}% of probe {:.2} GB/s)",
-                    engine.name(),
-                    if source.is_some() { "vpaged" } else { "embedded" },
-                    threads,
-                    pre_med,
-                    plo,
-                    phi,
-                    dec_med,
-                    dlo,
-                    dhi,
-                    bytes_per_token / 1e6,
-                    achieved,
-                    100.0 * achieved / wbw_med,
-                    wbw_med,
-                    100.0 * achieved / bw_med,
-                    bw_med
-                );
+                        "{:<28} {:<8} threads {}  prefill {:>7.1} tok/s [{:.1}..{:.1}]  decode {:>6.2} tok/s [{:.2}..{:.2}]  {:.1} MB/token  {:>5.2} GB/s = {:>3.0}% of weights read {:.2} GB/s ({:>3.0}% of probe {:.2} GB/s)",
+                        engine.name(),
+                        label,
+                        threads,
+                        pre_med,
+                        plo,
+                        phi,
+                        dec_med,
+                        dlo,
+                        dhi,
+                        bytes_per_token / 1e6,
+                        achieved,
+                        100.0 * achieved / wbw_med,
+                        wbw_med,
+                        100.0 * achieved / bw_med,
+                        bw_med
+                    );
                 }
-                if source.is_some() {
-                    let embedded = results.last().and_then(|e: &serde_json::Value| {
-                        e["decode_tokens_per_sec"]["median"].as_f64()
-                    });
-                    if let Some(e) = embedded {
-                        let overhead = 1.0 - dec_med / e;
-                        if !a.json {
-                            println!(
-                                "{:<28} daemon handoff overhead on decode: {:+.1}%",
-                                "",
-                                100.0 * overhead
-                            );
-                        }
+                if *label == "vpaged" {
+                    // Overhead = 1 - daemon/other, on decode medians; per-run pairs
+                    // (same run, back to back) give a second, drift-free estimate.
+                    let pairs = |j: usize| {
+                        let mut v: Vec<f64> = decode[i]
+                            .iter()
+                            .zip(&decode[j])
+                            .map(|(d, o)| 1.0 - d / o)
+                            .collect();
+                        median(&mut v)
+                    };
+                    let vs_embedded = 1.0 - dec_med / medians[0];
+                    let vs_store = 1.0 - dec_med / medians[1];
+                    r["handoff_overhead_vs_embedded"] = vs_embedded.into();
+                    r["handoff_overhead_vs_store"] = vs_store.into();
+                    r["handoff_overhead_vs_embedded_paired"] = pairs(0).into();
+                    r["handoff_overhead_vs_store_paired"] = pairs(1).into();
+                    if !a.json {
+                        println!(
+                            "{:<28} daemon overhead on decode: {:+.1}% vs embedded (paired runs {:+.1}%), {:+.1}% vs the in-process store (paired {:+.1}%)",
+                            "",
+                            100.0 * vs_embedded,
+                            100.0 * pairs(0),
+                            100.0 * vs_store,
+                            100.0 * pairs(1),
+                        );
                     }
                 }
                 results.push(r);

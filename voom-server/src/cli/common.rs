@@ -31,6 +31,9 @@ pub struct EngineArgs {
     /// If the daemon cannot be reached, use the embedded store (with a warning).
     #[arg(long, env = "VOOM_VPAGED_FALLBACK")]
     pub vpaged_fallback: bool,
+    /// Decoder layers hinted to the page source ahead of the one computing (0: off).
+    #[arg(long, env = "VOOM_PREFETCH_DEPTH", default_value_t = 1)]
+    pub prefetch_depth: usize,
 }
 
 impl EngineArgs {
@@ -45,6 +48,7 @@ impl EngineArgs {
             threads: self.threads,
             verify,
             max_context: self.max_context,
+            prefetch_depth: self.prefetch_depth,
             ..EngineOptions::default()
         })
     }

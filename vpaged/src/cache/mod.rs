@@ -748,6 +748,11 @@ impl PageCache {
         self.inner.lock().pins.contains(&key)
     }
 
+    /// Whether the page is resident or being loaded (a prefetch of it has nothing to do).
+    pub fn present(&self, key: PageKey) -> bool {
+        self.inner.lock().pages.contains_key(&key)
+    }
+
     /// Whether the page is resident and complete.
     pub fn resident(&self, key: PageKey) -> bool {
         matches!(self.inner.lock().pages.get(&key), Some(Entry::Ready { .. }))

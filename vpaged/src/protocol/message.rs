@@ -16,12 +16,17 @@ use crate::PageId;
 pub const PROTOCOL_MAJOR: u16 = 1;
 /// Protocol minor version: additions that older peers of the same major can ignore
 /// (new messages are only sent to a peer that announced a minor that knows them).
-pub const PROTOCOL_MINOR: u16 = 1;
+pub const PROTOCOL_MINOR: u16 = 2;
 /// The version this build speaks.
 pub const PROTOCOL_VERSION: Version = Version {
     major: PROTOCOL_MAJOR,
     minor: PROTOCOL_MINOR,
 };
+
+/// Frame flag (since 1.2), allowed on `Prefetch` and `Release` only: the sender wants
+/// no `Ack`. The server still answers a failure with an `Error` frame carrying the
+/// request id.
+pub const FLAG_NO_REPLY: u16 = 0x0001;
 
 /// Longest client name (`Hello.name`), bytes.
 pub const MAX_CLIENT_NAME_LEN: usize = 256;
@@ -351,7 +356,11 @@ impl Message {
                 msg_type: frame.msg_type,
             });
         };
-        if frame.flags != 0 {
+        let allowed = match frame.msg_type {
+            PREFETCH | RELEASE => FLAG_NO_REPLY,
+            _ => 0,
+        };
+        if frame.flags & !allowed != 0 {
             return Err(ProtocolError::ReservedFlags {
                 message: name,
                 flags: frame.flags,

@@ -26,8 +26,8 @@ pub use fdpass::{
 };
 pub use frame::{read_frame, write_frame, Frame, FrameDecoder, MAX_FRAME_LEN, MAX_PAYLOAD_LEN};
 pub use message::{
-    ErrorCode, Message, ModelId, Slot, Version, MAX_CLIENT_NAME_LEN, MAX_ERROR_MESSAGE_LEN,
-    MAX_PAGES_PER_REQUEST, MAX_PATH_LEN, MAX_STATS_LEN, PROTOCOL_VERSION,
+    ErrorCode, Message, ModelId, Slot, Version, FLAG_NO_REPLY, MAX_CLIENT_NAME_LEN,
+    MAX_ERROR_MESSAGE_LEN, MAX_PAGES_PER_REQUEST, MAX_PATH_LEN, MAX_STATS_LEN, PROTOCOL_VERSION,
 };
 
 /// Why bytes could not be framed, decoded or encoded, or an I/O failure underneath.
