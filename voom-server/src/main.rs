@@ -4,6 +4,7 @@
 //! `voom run MODEL [PROMPT]`, `voom generate`, `voom pull`, `voom import`, `voom list`.
 
 mod cli;
+mod memory;
 mod registry;
 mod store;
 mod synth;

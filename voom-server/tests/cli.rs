@@ -371,3 +371,106 @@ fn generate_through_the_daemon_gives_the_same_ids_and_falls_back_when_asked() {
         "{j}"
     );
 }
+
+/// Issue 3: two `voom generate` processes on one model through one daemon cost one
+/// copy of the weights. Measured: the daemon's arena holds each page once (one load
+/// per page), each process maps the arena (its resident bytes there cover the weights)
+/// while its private memory stays far below the weights, unlike the embedded store,
+/// where the weights are the process's own.
+#[test]
+fn two_engines_on_one_daemon_cost_one_copy_of_the_weights() {
+    let Some(dir) = smollm2() else { return };
+    let weights: u64 = voom_formats::Manifest::load(&dir)
+        .unwrap()
+        .expect("voom pull writes the manifest")
+        .pages
+        .iter()
+        .map(|p| p.len)
+        .sum();
+    let d = tempfile::tempdir().unwrap();
+    let socket = d.path().join("vpaged.sock");
+    let mut daemon = Command::new(vpaged_bin())
+        .arg("--socket")
+        .arg(&socket)
+        .args(["--cache-size", "1GiB"])
+        .env("VPAGED_LOG", "warn")
+        .spawn()
+        .unwrap();
+    let t = std::time::Instant::now();
+    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(10),
+            "vpaged did not start"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let gen = |extra: &[&str]| {
+        voom()
+            .args(["generate", "--model"])
+            .arg(&dir)
+            .args([
+                "--prompt",
+                "Name three rivers of Europe.",
+                "--max-new-tokens",
+                "24",
+                "--threads",
+                "1",
+                "--json",
+            ])
+            .args(extra)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let sock = socket.to_str().unwrap();
+    let engines = [gen(&["--vpaged", sock]), gen(&["--vpaged", sock])];
+    let outs: Vec<Output> = engines
+        .into_iter()
+        .map(|c| c.wait_with_output().unwrap())
+        .collect();
+    let embedded = gen(&[]).wait_with_output().unwrap();
+    let c = vpaged::client::DaemonClient::connect(&socket, "test").unwrap();
+    let stats = c.stats().unwrap();
+    drop(c);
+    let _ = daemon.kill();
+    let _ = daemon.wait();
+
+    let e = last_json(&embedded);
+    let em = &e["memory"];
+    for o in &outs {
+        assert!(o.status.success(), "{}", stderr(o));
+        let j = last_json(o);
+        assert_eq!(j["ids"], e["ids"], "paging never changes the output");
+        let m = &j["memory"];
+        let arena = m["arena_rss_bytes"].as_u64().unwrap();
+        let private = m["private_bytes"].as_u64().unwrap();
+        assert!(
+            arena >= weights * 9 / 10,
+            "the engine computed on the arena's pages: {m} (weights {weights})"
+        );
+        assert_eq!(m["arena_private_bytes"], 0, "arena pages are shared: {m}");
+        assert!(
+            private < weights / 2,
+            "private memory {private} must stay well below the weights {weights}: {m}"
+        );
+        let embedded_private = em["private_bytes"].as_u64().unwrap();
+        assert!(
+            private + weights * 8 / 10 < embedded_private,
+            "through the daemon, about one copy of the weights less than embedded: {m} vs {em}"
+        );
+    }
+    // One copy at the daemon: every page loaded once, the arena holding about the
+    // weights (16 KiB slot rounding).
+    let pages = voom_formats::Manifest::load(&dir)
+        .unwrap()
+        .unwrap()
+        .pages
+        .len() as u64;
+    assert_eq!(stats["cache"]["loads"].as_u64(), Some(pages), "{stats}");
+    let used = stats["cache"]["used"].as_u64().unwrap();
+    assert!(
+        used >= weights && used < weights + pages * (16 << 10),
+        "arena occupancy {used} for {weights} bytes of weights: {stats}"
+    );
+}

@@ -193,6 +193,8 @@ impl Daemon {
                 "pinned_bytes": c.pinned_bytes, "resident_pages": c.resident_pages,
                 "hits": c.hits, "misses": c.misses, "inflight_dedups": c.inflight_dedups,
                 "evictions": c.evictions, "bytes_loaded": c.bytes_loaded,
+                "loads": c.loads, "prefetch_loads": c.prefetch_loads,
+                "load_failures": c.load_failures, "full_refusals": c.full_refusals,
                 "hit_ratio": if c.hits + c.misses == 0 { 0.0 } else { c.hits as f64 / (c.hits + c.misses) as f64 },
             },
             "fast_tier": self.store.fast_tier().map(|f| serde_json::json!({

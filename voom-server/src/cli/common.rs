@@ -241,5 +241,8 @@ pub fn result_json(
             "decode_tokens_per_sec": g.decode_tokens_per_sec(),
         },
         "threads": engine.threads(),
+        // This process's memory at the end (Linux): private bytes against the
+        // daemon's shared arena.
+        "memory": crate::memory::snapshot(),
     })
 }
