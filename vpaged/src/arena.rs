@@ -143,6 +143,57 @@ impl Arena {
     }
 }
 
+impl Arena {
+    /// Commits every page of the arena now, so that loading a page later does not
+    /// also pay for the kernel finding and zeroing fresh memory (measured on Linux: a
+    /// fresh arena fills about 3-4x slower than a committed one). Meant for start-up,
+    /// before any slot is handed out: the arena's bytes are zero then and stay so.
+    /// The memory is committed whether or not pages are ever loaded.
+    pub fn prefault(&self) -> Result<(), ArenaError> {
+        #[cfg(target_os = "linux")]
+        {
+            // SAFETY: the range is exactly this live mapping; MADV_POPULATE_WRITE only
+            // faults pages in (writable, as if written with their current contents),
+            // it never changes bytes.
+            let r = unsafe {
+                libc::madvise(
+                    self.map.as_mut_ptr().cast(),
+                    self.capacity,
+                    libc::MADV_POPULATE_WRITE,
+                )
+            };
+            if r == 0 {
+                return Ok(());
+            }
+            let e = io::Error::last_os_error();
+            // Kernels before 5.14 do not know the advice: touch the pages instead.
+            if e.raw_os_error() != Some(libc::EINVAL) {
+                return Err(ArenaError::Os {
+                    what: "pre-fault",
+                    capacity: self.capacity,
+                    source: e,
+                });
+            }
+        }
+        self.touch_every_page();
+        Ok(())
+    }
+
+    fn touch_every_page(&self) {
+        let step = 4096;
+        let base = self.map.as_mut_ptr();
+        for off in (0..self.capacity).step_by(step) {
+            // SAFETY: `off` is inside the live, writable mapping. Each byte is read and
+            // written back unchanged (volatile, so the write is not elided): the
+            // contents stay as they were, and the page is now committed.
+            unsafe {
+                let p = base.add(off);
+                std::ptr::write_volatile(p, std::ptr::read_volatile(p));
+            }
+        }
+    }
+}
+
 /// A read-only mapping of an arena received from its owner.
 pub struct ArenaView {
     map: MmapRaw,
@@ -335,6 +386,39 @@ fn create_shared_fd(capacity: usize) -> io::Result<OwnedFd> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Pages of the mapping the kernel has resident (mincore).
+    #[cfg(target_os = "linux")]
+    fn resident_pages(a: &Arena) -> usize {
+        let page = 4096;
+        let mut vec = vec![0u8; a.capacity().div_ceil(page)];
+        // SAFETY: the range is the live mapping; `vec` has one byte per page of it.
+        let r = unsafe {
+            libc::mincore(
+                a.as_ptr() as *mut libc::c_void,
+                a.capacity(),
+                vec.as_mut_ptr(),
+            )
+        };
+        assert_eq!(r, 0, "{}", io::Error::last_os_error());
+        vec.iter().filter(|&&b| b & 1 == 1).count()
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn prefault_commits_every_page_and_keeps_them_zero() {
+        let a = Arena::new(64 * SLOT_ALIGN).unwrap();
+        assert_eq!(resident_pages(&a), 0, "a fresh arena is not committed");
+        a.prefault().unwrap();
+        assert_eq!(resident_pages(&a), a.capacity() / 4096);
+        // SAFETY: nothing else uses this arena.
+        let bytes = unsafe { a.bytes(0, a.capacity()) }.unwrap();
+        assert!(bytes.iter().all(|&b| b == 0));
+        // The fallback path does the same.
+        let b = Arena::new(16 * SLOT_ALIGN).unwrap();
+        b.touch_every_page();
+        assert_eq!(resident_pages(&b), b.capacity() / 4096);
+    }
 
     #[test]
     fn capacity_is_rounded_down_to_slots() {
