@@ -12,8 +12,13 @@
 //! [[nas]]
 //! mount = "/Volumes/nas"
 //! timeout = "5s"
+//! recheck = "5s"
 //! remount_command = "mount -a"
 //! ```
+//!
+//! A model opened by a path under a `[[nas]]` mount (e.g. `/Volumes/nas/models/foo`)
+//! is read only through that mount's NAS tier; a local model whose directory name
+//! also exists right under a mount has its copy there as a fallback.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -101,11 +106,36 @@ fn de_duration<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Duration
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct NasMount {
+    /// The mount point.
     pub mount: PathBuf,
+    /// Longest a read, a health probe or opening a model on the mount may take before
+    /// it is abandoned with an error (default [`NasMount::DEFAULT_TIMEOUT`]).
     #[serde(default, deserialize_with = "de_duration")]
     pub timeout: Option<Duration>,
+    /// Shortest interval between health checks of the mount, healthy or not; a check
+    /// of a dead mount runs `remount_command` (default [`NasMount::DEFAULT_RECHECK`]).
+    #[serde(default, deserialize_with = "de_duration")]
+    pub recheck: Option<Duration>,
+    /// Run with `sh -c` when the mount is found dead, before checking it again (e.g.
+    /// `mount -a`); it should also succeed when the mount is already there.
     #[serde(default)]
     pub remount_command: Option<String>,
+}
+
+impl NasMount {
+    pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
+    pub const DEFAULT_RECHECK: Duration = Duration::from_secs(5);
+
+    /// The store's settings for this mount, defaults filled in.
+    pub fn nas_config(&self) -> crate::tier::NasConfig {
+        crate::tier::NasConfig {
+            mount: self.mount.clone(),
+            model: PathBuf::new(),
+            timeout: self.timeout.unwrap_or(Self::DEFAULT_TIMEOUT),
+            recheck: self.recheck.unwrap_or(Self::DEFAULT_RECHECK),
+            remount_command: self.remount_command.clone(),
+        }
+    }
 }
 
 /// The config file's contents; every key optional.
@@ -118,6 +148,7 @@ pub struct FileConfig {
     pub fast_tier_size: Option<ByteSize>,
     pub pin_first_layers: Option<u32>,
     pub pin_last_layers: Option<u32>,
+    pub prefault: Option<bool>,
     #[serde(default)]
     pub nas: Vec<NasMount>,
 }
@@ -150,6 +181,10 @@ pub struct DaemonArgs {
     /// Keep the last N decoder layers of each model resident.
     #[arg(long, env = "VPAGED_PIN_LAST_LAYERS")]
     pub pin_last_layers: Option<u32>,
+    /// Commit the whole cache's memory at start-up, so that first loads do not pay
+    /// for the kernel zeroing fresh pages (about 3-4x faster first fills).
+    #[arg(long, env = "VPAGED_PREFAULT")]
+    pub prefault: bool,
     /// TOML config file.
     #[arg(long, env = "VPAGED_CONFIG")]
     pub config: Option<PathBuf>,
@@ -164,6 +199,7 @@ pub struct DaemonConfig {
     pub fast_tier_size: u64,
     pub pin_first_layers: u32,
     pub pin_last_layers: u32,
+    pub prefault: bool,
     pub nas: Vec<NasMount>,
 }
 
@@ -211,6 +247,7 @@ impl DaemonConfig {
             fast_tier_size: fast_tier_size.unwrap_or(0),
             pin_first_layers: args.pin_first_layers.or(file.pin_first_layers).unwrap_or(0),
             pin_last_layers: args.pin_last_layers.or(file.pin_last_layers).unwrap_or(0),
+            prefault: args.prefault || file.prefault.unwrap_or(false),
             nas: file.nas.clone(),
         })
     }
@@ -251,6 +288,7 @@ mod tests {
             [[nas]]
             mount = "/mnt/nas"
             timeout = "3s"
+            recheck = "250ms"
             remount_command = "mount -a"
             "#,
         )
@@ -265,6 +303,11 @@ mod tests {
         assert_eq!(c.fast_tier_size, 20 << 30);
         assert_eq!((c.pin_first_layers, c.pin_last_layers), (0, 2));
         assert_eq!(c.nas[0].timeout, Some(Duration::from_secs(3)));
+        let n = c.nas[0].nas_config();
+        assert_eq!(n.mount, Path::new("/mnt/nas"));
+        assert_eq!(n.timeout, Duration::from_secs(3));
+        assert_eq!(n.recheck, Duration::from_millis(250));
+        assert_eq!(n.remount_command.as_deref(), Some("mount -a"));
         let c = DaemonConfig::merge(&DaemonArgs::default(), &FileConfig::default()).unwrap();
         assert_eq!(c.cache_size, 2 << 30);
     }
@@ -284,5 +327,19 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.contains("fast-tier-size"), "{e}");
+        let e = toml::from_str::<FileConfig>("[[nas]]\nmount = \"/n\"\nrecheck = \"5 weeks\"")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("5 weeks"), "{e}");
+    }
+
+    #[test]
+    fn a_nas_mount_alone_gets_default_timeouts() {
+        let file: FileConfig = toml::from_str("[[nas]]\nmount = \"/n\"").unwrap();
+        let n = file.nas[0].nas_config();
+        assert_eq!(
+            (n.timeout, n.recheck, n.remount_command),
+            (NasMount::DEFAULT_TIMEOUT, NasMount::DEFAULT_RECHECK, None)
+        );
     }
 }

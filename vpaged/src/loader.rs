@@ -1,7 +1,7 @@
 //! Filling a page's bytes from the fastest tier that holds a verified copy.
 //!
-//! Order: the fast tier's staged copy (by blake3), then the primary store, then the
-//! NAS copy of the model. Every copy is hashed after it is read (and decoded) and
+//! Order: the fast tier's staged copy (by blake3), then the model's own directory (a
+//! local one, or one on a NAS mount), then the NAS copy of a local model. Every copy is hashed after it is read (and decoded) and
 //! before the caller may use it; a copy that fails is recorded as an integrity
 //! failure on its tier and the next tier is tried. Only when no tier yields the
 //! manifest's bytes does the load fail, with every tier's reason.
@@ -9,10 +9,10 @@
 use voom_formats::manifest::PageEntry;
 use voom_formats::vpack;
 
-use crate::tier::{Extent, FastTier, FileTier, NasTier, TierError};
+use crate::tier::{Extent, FastTier, FileTier, ModelTier, NasTier, TierError};
 use crate::StoreError;
 
-/// The tier a page was served from.
+/// The tier a page was served from (`Nas` for a model that lives on a NAS, too).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Served {
@@ -24,7 +24,9 @@ pub enum Served {
 /// The tiers of one model store.
 pub struct PageLoader<'a> {
     pub fast: Option<&'a FastTier>,
-    pub primary: &'a FileTier,
+    /// The model's own directory.
+    pub primary: &'a ModelTier,
+    /// A NAS copy of a model whose own directory is local.
     pub nas: Option<&'a NasTier>,
 }
 
@@ -60,12 +62,12 @@ impl PageLoader<'_> {
             offset: b.offset,
             len: b.len,
         });
-        let locations: [(Served, Option<Location>); 2] = [
-            (Served::Primary, Some(Location::File(self.primary))),
-            (Served::Nas, self.nas.map(Location::Nas)),
-        ];
-        for (served, loc) in locations {
-            let Some(loc) = loc else { continue };
+        let own = match self.primary {
+            ModelTier::File(t) => (Served::Primary, Location::File(t)),
+            ModelTier::Nas(t) => (Served::Nas, Location::Nas(t)),
+        };
+        let copy = self.nas.map(|t| (Served::Nas, Location::Nas(t)));
+        for (served, loc) in std::iter::once(own).chain(copy) {
             if let Some(p) = &packed {
                 match loc.read_packed(entry, p, buf) {
                     Ok(()) => match check(entry, buf, loc.name()) {
@@ -248,9 +250,39 @@ mod tests {
     }
 
     #[test]
+    fn a_model_on_a_nas_is_served_by_it_and_a_dead_mount_names_page_and_mount() {
+        let f = fixture();
+        let primary = ModelTier::Nas(nas(&f));
+        let loader = PageLoader {
+            fast: None,
+            primary: &primary,
+            nas: None,
+        };
+        let a = f.manifest.page("a").unwrap();
+        let mut buf = vec![0u8; a.len as usize];
+        assert_eq!(loader.load(a, &mut buf).unwrap(), Served::Nas);
+        assert_eq!(blake3::hash(&buf).to_hex().as_str(), a.blake3);
+
+        let away = f.nas_mount.with_extension("away");
+        std::fs::rename(&f.nas_mount, &away).unwrap();
+        let e = loader.load(a, &mut buf).unwrap_err();
+        assert!(matches!(e, StoreError::Unavailable { .. }), "{e}");
+        let msg = e.to_string();
+        assert!(
+            msg.contains("page 'a'")
+                && msg.contains(&format!("NAS mount {}", f.nas_mount.display())),
+            "{msg}"
+        );
+        std::fs::rename(&away, &f.nas_mount).unwrap();
+        buf.fill(0);
+        assert_eq!(loader.load(a, &mut buf).unwrap(), Served::Nas);
+        assert_eq!(blake3::hash(&buf).to_hex().as_str(), a.blake3);
+    }
+
+    #[test]
     fn serves_from_the_fastest_verified_copy_and_skips_bad_ones() {
         let f = fixture();
-        let primary = FileTier::new("primary", &f.primary_dir);
+        let primary = ModelTier::File(FileTier::new("primary", &f.primary_dir));
         let fast = FastTier::open("fast", &f.fast_dir, 1 << 20).unwrap();
         let nas = nas(&f);
         let loader = PageLoader {
@@ -281,7 +313,10 @@ mod tests {
 
         // And in the primary too: the NAS copy serves.
         flip(&f.primary_dir.join("model.safetensors"), a.offset + 7);
-        primary.reopen();
+        let ModelTier::File(p) = &primary else {
+            unreachable!()
+        };
+        p.reopen();
         buf.fill(0);
         assert_eq!(loader.load(a, &mut buf).unwrap(), Served::Nas);
         assert_eq!(buf, good);
@@ -299,7 +334,7 @@ mod tests {
     #[test]
     fn a_lone_tier_reports_integrity_with_both_hashes() {
         let f = fixture();
-        let primary = FileTier::new("primary", &f.primary_dir);
+        let primary = ModelTier::File(FileTier::new("primary", &f.primary_dir));
         let loader = PageLoader {
             fast: None,
             primary: &primary,
@@ -334,7 +369,7 @@ mod tests {
             .unwrap()
             .set_len(len - 10)
             .unwrap();
-        let primary = FileTier::new("primary", &f.primary_dir);
+        let primary = ModelTier::File(FileTier::new("primary", &f.primary_dir));
         let loader = PageLoader {
             fast: None,
             primary: &primary,

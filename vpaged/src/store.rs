@@ -4,6 +4,13 @@
 //! engine in the same process through the [`PageSource`] seam. Every page enters the
 //! cache through [`PageLoader`]: read from the fastest tier holding a copy, verified
 //! against the manifest before it becomes visible.
+//!
+//! A model's own directory is local or lies under a configured NAS mount (the path
+//! given to [`Store::open_model`] is on the NAS). A model on a NAS is read only through
+//! its [`NasTier`]: opening it and every page read are bounded by the mount's timeout,
+//! a dead mount is re-checked and remounted, and loads resume when it is back. A local
+//! model may also have a NAS copy (same directory name under a mount), tried after
+//! the local files.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -17,7 +24,7 @@ use crate::arena::Arena;
 use crate::cache::{CacheError, CacheStats, Lease, PageCache, PageKey};
 use crate::loader::{PageLoader, Served};
 use crate::source::{PageId, PageLease, PageMeta, PageSource};
-use crate::tier::{FastTier, FileTier, NasConfig, NasTier, TierStats};
+use crate::tier::{FastTier, FileTier, Health, ModelTier, NasConfig, NasTier, TierStats};
 use crate::StoreError;
 
 /// What a store is built with.
@@ -27,7 +34,9 @@ pub struct StoreConfig {
     pub cache_bytes: usize,
     /// Fast tier directory and capacity.
     pub fast_tier: Option<(PathBuf, u64)>,
-    /// NAS mounts holding model stores by directory name.
+    /// NAS mounts. A model opened by a path under one lives there; a local model with
+    /// a directory of the same name right under one has a copy there. `model` is
+    /// ignored (set per model).
     pub nas: Vec<NasConfig>,
     /// Keep the first/last N decoder layers (and embeddings, final norm, LM head when
     /// either is non-zero) resident once loaded.
@@ -41,7 +50,9 @@ pub struct OpenModel {
     pub dir: PathBuf,
     pub manifest: Manifest,
     pub pages: Vec<PageMeta>,
-    primary: FileTier,
+    /// The model's own directory: local, or on a NAS mount.
+    primary: ModelTier,
+    /// The NAS copy of a local model.
     nas: Option<NasTier>,
     /// Demand requests per page (for staging the hottest pages).
     accesses: Vec<AtomicU64>,
@@ -62,12 +73,29 @@ impl OpenModel {
         [0, 1, 2].map(|i| self.served[i].load(Ordering::Relaxed))
     }
 
+    /// Statistics of the model's own directory (its NAS tier's for a model on a NAS).
     pub fn primary_stats(&self) -> TierStats {
         self.primary.stats()
     }
 
+    /// Statistics of the model's NAS tier, whether it holds the model or a copy.
     pub fn nas_stats(&self) -> Option<TierStats> {
-        self.nas.as_ref().map(|n| n.stats())
+        self.nas_tier().map(|n| n.stats())
+    }
+
+    /// The model's own directory's tier.
+    pub fn location(&self) -> &ModelTier {
+        &self.primary
+    }
+
+    /// The NAS tier holding the model or its copy.
+    pub fn nas_tier(&self) -> Option<&NasTier> {
+        self.primary.nas().or(self.nas.as_ref())
+    }
+
+    /// The NAS's last known health (no I/O), if the model has a NAS tier.
+    pub fn nas_health(&self) -> Option<Health> {
+        self.nas_tier().map(|n| n.health())
     }
 }
 
@@ -157,21 +185,91 @@ impl Store {
     }
 
     /// Opens a model store (its manifest is required: `vpagectl hash` writes it), or
-    /// returns the id it already has.
+    /// returns the id it already has. A `dir` under a configured NAS mount is opened
+    /// through the mount's [`NasTier`] (bounded by its timeout; a dead mount is an
+    /// error naming it, after the remount command had its chance).
     pub fn open_model(&self, dir: &Path) -> Result<u32, StoreError> {
+        // A path on a NAS is not touched outside the NAS tier: on a dead mount even
+        // `canonicalize` can block for minutes.
+        if let Some(nas) = self.nas_holding(&lexical_absolute(dir)) {
+            return self.open_on_nas(nas);
+        }
         let dir = dir.canonicalize().map_err(|e| StoreError::Store {
             store: dir.to_path_buf(),
             detail: format!("cannot open: {e}"),
         })?;
-        if let Some(m) = self.models().iter().find(|m| m.dir == dir) {
-            return Ok(m.id);
+        // Reached through a symbolic link.
+        if let Some(nas) = self.nas_holding(&dir) {
+            return self.open_on_nas(nas);
         }
-        let manifest = Manifest::load(&dir)?.ok_or_else(|| StoreError::Store {
-            store: dir.clone(),
-            detail: "no page manifest (voom-manifest.json): run `vpagectl hash` on it".into(),
-        })?;
-        // The manifest must describe the checkpoint that is there.
-        manifest.check_matches(&Checkpoint::open(&dir)?)?;
+        if let Some(id) = self.find(&dir) {
+            return Ok(id);
+        }
+        let manifest = load_checked(&dir)?;
+        let name = dir.file_name().map(PathBuf::from).unwrap_or_default();
+        // The copy on a mount is looked for with a timed probe (never a plain `stat`
+        // of the mount, which could hang).
+        let nas = self
+            .cfg
+            .nas
+            .iter()
+            .map(|n| {
+                NasTier::new(
+                    "nas",
+                    NasConfig {
+                        model: name.clone(),
+                        ..n.clone()
+                    },
+                )
+            })
+            .find(|t| t.probe().is_ok());
+        let primary = ModelTier::File(FileTier::new("primary", &dir));
+        Ok(self.insert(dir, primary, nas, manifest))
+    }
+
+    /// The NAS tier of the configured mount that `dir` (absolute, normalized) lies
+    /// under, if any.
+    fn nas_holding(&self, dir: &Path) -> Option<NasTier> {
+        self.cfg.nas.iter().find_map(|n| {
+            let mount = lexical_absolute(&n.mount);
+            let model = dir.strip_prefix(&mount).ok()?;
+            if model.as_os_str().is_empty() {
+                return None;
+            }
+            Some(NasTier::new(
+                "nas",
+                NasConfig {
+                    model: model.to_path_buf(),
+                    mount,
+                    ..n.clone()
+                },
+            ))
+        })
+    }
+
+    fn open_on_nas(&self, tier: NasTier) -> Result<u32, StoreError> {
+        let dir = tier.root().to_path_buf();
+        if let Some(id) = self.find(&dir) {
+            return Ok(id);
+        }
+        tier.check_now()?;
+        let d = dir.clone();
+        let manifest = tier.call("opening the model store", move || load_checked(&d))??;
+        Ok(self.insert(dir, ModelTier::Nas(tier), None, manifest))
+    }
+
+    fn find(&self, dir: &Path) -> Option<u32> {
+        self.models().iter().find(|m| m.dir == dir).map(|m| m.id)
+    }
+
+    /// Adds an opened model (or returns the id a concurrent open gave it).
+    fn insert(
+        &self,
+        dir: PathBuf,
+        primary: ModelTier,
+        nas: Option<NasTier>,
+        manifest: Manifest,
+    ) -> u32 {
         let pages: Vec<PageMeta> = manifest
             .pages
             .iter()
@@ -183,30 +281,15 @@ impl Store {
                 len: e.shape.iter().product::<usize>() as u64 * e.dtype.size() as u64,
             })
             .collect();
-        let name = dir.file_name().map(PathBuf::from).unwrap_or_default();
-        let nas = self
-            .cfg
-            .nas
-            .iter()
-            .find(|n| n.mount.join(&name).is_dir())
-            .map(|n| {
-                NasTier::new(
-                    "nas",
-                    NasConfig {
-                        model: name.clone(),
-                        ..n.clone()
-                    },
-                )
-            });
         let mut models = self.models.write().unwrap_or_else(|e| e.into_inner());
         if let Some(m) = models.iter().find(|m| m.dir == dir) {
-            return Ok(m.id);
+            return m.id;
         }
         let id = models.len() as u32;
         let n = pages.len();
         let model = Arc::new(OpenModel {
             id,
-            primary: FileTier::new("primary", &dir),
+            primary,
             dir,
             nas,
             accesses: (0..n).map(|_| AtomicU64::new(0)).collect(),
@@ -216,7 +299,7 @@ impl Store {
         });
         self.cache.pin(self.pins_of(&model));
         models.push(model);
-        Ok(id)
+        id
     }
 
     fn pins_of(&self, m: &OpenModel) -> Vec<PageKey> {
@@ -389,9 +472,28 @@ fn cache_error(m: &OpenModel, page: u32, e: CacheError<StoreError>) -> StoreErro
         // The loader's own error says what was wrong, and where.
         CacheError::Load { source, .. } => match Arc::try_unwrap(source) {
             Ok(inner) => inner,
-            Err(shared) => StoreError::Store {
-                store: m.dir.clone(),
-                detail: shared.to_string(),
+            // Another request's load (a prefetch, another engine) failed: the same
+            // error, so it keeps its kind (and the daemon its error code).
+            Err(shared) => match &*shared {
+                StoreError::Unavailable { page, reasons } => StoreError::Unavailable {
+                    page: page.clone(),
+                    reasons: reasons.clone(),
+                },
+                StoreError::Integrity {
+                    page,
+                    tier,
+                    expected,
+                    actual,
+                } => StoreError::Integrity {
+                    page: page.clone(),
+                    tier: tier.clone(),
+                    expected: expected.clone(),
+                    actual: actual.clone(),
+                },
+                other => StoreError::Store {
+                    store: m.dir.clone(),
+                    detail: other.to_string(),
+                },
             },
         },
         other => StoreError::Store {
@@ -399,6 +501,38 @@ fn cache_error(m: &OpenModel, page: u32, e: CacheError<StoreError>) -> StoreErro
             detail: format!("page '{}': {other}", m.pages[page as usize].name),
         },
     }
+}
+
+/// A model store's manifest, checked against the checkpoint that is there.
+fn load_checked(dir: &Path) -> Result<Manifest, StoreError> {
+    let manifest = Manifest::load(dir)?.ok_or_else(|| StoreError::Store {
+        store: dir.to_path_buf(),
+        detail: "no page manifest (voom-manifest.json): run `vpagectl hash` on it".into(),
+    })?;
+    manifest.check_matches(&Checkpoint::open(dir)?)?;
+    Ok(manifest)
+}
+
+/// `p` made absolute (against the current directory) with `.` and `..` resolved
+/// lexically, touching no file system.
+fn lexical_absolute(p: &Path) -> PathBuf {
+    use std::path::Component;
+    let joined = if p.is_absolute() {
+        p.to_path_buf()
+    } else {
+        std::env::current_dir().unwrap_or_default().join(p)
+    };
+    let mut out = PathBuf::new();
+    for c in joined.components() {
+        match c {
+            Component::CurDir => {}
+            Component::ParentDir => {
+                out.pop();
+            }
+            other => out.push(other),
+        }
+    }
+    out
 }
 
 /// The store as an engine's [`PageSource`] in the same process.
@@ -445,5 +579,211 @@ impl PageSource for StoreSource {
 
     fn describe(&self) -> String {
         format!("store:{}", self.model.dir.display())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+    use std::time::{Duration, Instant};
+
+    use voom_formats::DType;
+
+    use super::*;
+    use crate::tier::TierError;
+
+    /// Writes a two-tensor checkpoint ('a': 8 KiB BF16, 'b': 64 bytes F32) and its
+    /// manifest into `dir`.
+    fn write_model(dir: &Path) {
+        std::fs::create_dir_all(dir).unwrap();
+        let a: Vec<u8> = (0..=255u8).cycle().take(8192).collect();
+        let b: Vec<u8> = (0..64u8).map(|x| x.wrapping_mul(13)).collect();
+        voom_formats::safetensors::write(
+            &dir.join("model.safetensors"),
+            &[
+                ("a", DType::BF16, &[64, 64], &a),
+                ("b", DType::F32, &[16], &b),
+            ],
+            &BTreeMap::new(),
+        )
+        .unwrap();
+        Manifest::build(&Checkpoint::open(dir).unwrap(), &mut |_, _| {})
+            .save(dir)
+            .unwrap();
+    }
+
+    fn nas_config(mount: &Path, remount_command: Option<String>) -> NasConfig {
+        NasConfig {
+            mount: mount.to_path_buf(),
+            model: PathBuf::new(),
+            timeout: Duration::from_millis(500),
+            recheck: Duration::ZERO,
+            remount_command,
+        }
+    }
+
+    fn store(nas: Vec<NasConfig>) -> Arc<Store> {
+        Store::new(StoreConfig {
+            cache_bytes: 1 << 20,
+            nas,
+            ..Default::default()
+        })
+        .unwrap()
+    }
+
+    fn page_id(m: &OpenModel, name: &str) -> u32 {
+        m.manifest.page(name).unwrap().id
+    }
+
+    #[test]
+    fn a_model_on_a_nas_is_read_through_its_nas_tier() {
+        let d = tempfile::tempdir().unwrap();
+        let mount = d.path().join("nas");
+        write_model(&mount.join("models/m"));
+        let s = store(vec![nas_config(&mount, None)]);
+        let id = s.open_model(&mount.join("models/./m")).unwrap();
+        // The same directory, spelled otherwise, is the same model.
+        let again = s.open_model(&mount.join("models/x/../m")).unwrap();
+        assert_eq!(id, again);
+        let m = s.model(id).unwrap();
+        assert_eq!(m.dir, mount.join("models/m"));
+        assert!(matches!(m.location(), ModelTier::Nas(_)));
+        assert_eq!(m.nas_tier().unwrap().mount(), mount);
+        let a = page_id(&m, "a");
+        let lease = s.acquire(id, a).unwrap();
+        assert_eq!(
+            blake3::hash(lease.bytes()).to_hex().as_str(),
+            m.manifest.pages[a as usize].blake3
+        );
+        assert_eq!(m.served_counts(), [0, 0, 1]);
+        assert_eq!(m.nas_stats().unwrap().reads, 1);
+        assert_eq!(m.nas_health(), Some(Health::Ok));
+    }
+
+    #[test]
+    fn resident_pages_are_served_while_the_nas_is_down_and_loads_resume_after() {
+        let d = tempfile::tempdir().unwrap();
+        let mount = d.path().join("nas");
+        let away = d.path().join("nas.away");
+        write_model(&mount.join("m"));
+        let s = store(vec![nas_config(&mount, None)]);
+        let id = s.open_model(&mount.join("m")).unwrap();
+        let m = s.model(id).unwrap();
+        let (a, b) = (page_id(&m, "a"), page_id(&m, "b"));
+        drop(s.acquire(id, a).unwrap());
+
+        std::fs::rename(&mount, &away).unwrap();
+        let t = Instant::now();
+        assert!(s.acquire(id, a).is_ok(), "a resident page is served");
+        let e = s.acquire(id, b).unwrap_err();
+        assert!(t.elapsed() < Duration::from_secs(2));
+        assert!(matches!(e, StoreError::Unavailable { .. }), "{e}");
+        let msg = e.to_string();
+        assert!(
+            msg.contains("page 'b'") && msg.contains(&format!("NAS mount {}", mount.display())),
+            "{msg}"
+        );
+        assert!(matches!(m.nas_health(), Some(Health::Unavailable(_))));
+
+        std::fs::rename(&away, &mount).unwrap();
+        s.acquire(id, b).unwrap();
+        assert_eq!(m.nas_health(), Some(Health::Ok));
+        assert_eq!(m.nas_tier().unwrap().recoveries(), 1);
+    }
+
+    #[test]
+    fn a_dead_nas_at_open_is_an_error_naming_the_mount_unless_the_remount_fixes_it() {
+        let d = tempfile::tempdir().unwrap();
+        let mount = d.path().join("nas");
+        let away = d.path().join("nas.away");
+        write_model(&mount.join("m"));
+        std::fs::rename(&mount, &away).unwrap();
+
+        let e = store(vec![nas_config(&mount, None)])
+            .open_model(&mount.join("m"))
+            .unwrap_err();
+        assert!(
+            matches!(e, StoreError::Tier(TierError::MountUnavailable { .. })),
+            "{e}"
+        );
+        assert!(
+            e.to_string()
+                .contains(&format!("NAS mount {} is unavailable", mount.display())),
+            "{e}"
+        );
+
+        let remount = format!("mv '{}' '{}'", away.display(), mount.display());
+        let s = store(vec![nas_config(&mount, Some(remount))]);
+        let id = s.open_model(&mount.join("m")).unwrap();
+        s.acquire(id, 0).unwrap();
+    }
+
+    #[test]
+    fn opening_a_model_on_a_hanging_nas_is_bounded_by_its_timeout() {
+        let d = tempfile::tempdir().unwrap();
+        let mount = d.path().join("nas");
+        let dir = mount.join("m");
+        write_model(&dir);
+        // A manifest that blocks when opened (a FIFO without a writer), like a read
+        // on a dead network mount.
+        let manifest = dir.join(voom_formats::manifest::MANIFEST_FILE);
+        std::fs::remove_file(&manifest).unwrap();
+        let st = std::process::Command::new("mkfifo")
+            .arg(&manifest)
+            .status()
+            .unwrap();
+        assert!(st.success());
+        let t = Instant::now();
+        let e = store(vec![nas_config(&mount, None)])
+            .open_model(&dir)
+            .unwrap_err()
+            .to_string();
+        assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+        assert!(
+            e.contains("opening the model store")
+                && e.contains("within")
+                && e.contains(&mount.display().to_string()),
+            "{e}"
+        );
+        // Let the abandoned open finish (it reads an empty manifest and fails).
+        drop(
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(&manifest)
+                .unwrap(),
+        );
+    }
+
+    #[test]
+    fn a_local_model_keeps_its_nas_copy_behind_it() {
+        let d = tempfile::tempdir().unwrap();
+        let local = d.path().join("local/m");
+        let mount = d.path().join("nas");
+        write_model(&local);
+        write_model(&mount.join("m"));
+        let s = store(vec![nas_config(&mount, None)]);
+        let id = s.open_model(&local).unwrap();
+        let m = s.model(id).unwrap();
+        assert!(matches!(m.location(), ModelTier::File(_)));
+        assert!(m.nas_tier().is_some());
+        // A flipped byte in the local copy: the NAS copy serves the page.
+        let b = m.manifest.page("b").unwrap();
+        let path = local.join("model.safetensors");
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[b.offset as usize] ^= 1;
+        std::fs::write(&path, bytes).unwrap();
+        s.acquire(id, b.id).unwrap();
+        assert_eq!(m.served_counts(), [0, 0, 1]);
+        assert_eq!(m.primary_stats().integrity_failures, 1);
+    }
+
+    #[test]
+    fn lexical_paths() {
+        assert_eq!(
+            lexical_absolute(Path::new("/a/./b/../c")),
+            PathBuf::from("/a/c")
+        );
+        let rel = lexical_absolute(Path::new("x/../y"));
+        assert!(rel.is_absolute() && rel.ends_with("y"), "{}", rel.display());
     }
 }

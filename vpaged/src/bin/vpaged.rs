@@ -5,14 +5,12 @@
 //! given by `--config`; flags win over the environment, which wins over the file.
 
 use std::os::unix::fs::PermissionsExt;
-use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use vpaged::config::{DaemonArgs, DaemonConfig};
 use vpaged::daemon::Daemon;
 use vpaged::store::{Store, StoreConfig};
-use vpaged::tier::NasConfig;
 
 #[derive(Parser)]
 #[command(
@@ -38,21 +36,24 @@ fn main() -> Result<()> {
     let store = Store::new(StoreConfig {
         cache_bytes: cfg.cache_size as usize,
         fast_tier: cfg.fast_tier.clone().map(|d| (d, cfg.fast_tier_size)),
-        nas: cfg
-            .nas
-            .iter()
-            .map(|n| NasConfig {
-                mount: n.mount.clone(),
-                model: Default::default(),
-                timeout: n.timeout.unwrap_or(Duration::from_secs(10)),
-                recheck: Duration::from_secs(5),
-                remount_command: n.remount_command.clone(),
-            })
-            .collect(),
+        nas: cfg.nas.iter().map(|n| n.nas_config()).collect(),
         pin_first_layers: cfg.pin_first_layers,
         pin_last_layers: cfg.pin_last_layers,
     })
     .context("creating the page store")?;
+    if cfg.prefault {
+        let t = std::time::Instant::now();
+        store
+            .cache()
+            .arena()
+            .prefault()
+            .context("pre-faulting the page cache")?;
+        tracing::info!(
+            "committed the {}-byte page cache in {:.2}s",
+            cfg.cache_size,
+            t.elapsed().as_secs_f64()
+        );
+    }
 
     let socket = cfg.socket.clone();
     if let Some(parent) = socket.parent() {

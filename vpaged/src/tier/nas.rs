@@ -2,15 +2,25 @@
 //!
 //! A dead network mount can block a read or a `stat` for minutes, so every access
 //! runs on a helper thread and is abandoned after `timeout`: the engine gets a clear
-//! error (and the store tries another tier) instead of hanging. An unhealthy mount is
-//! re-checked at most every `recheck`; before each re-check the configured remount
-//! command runs, and after a successful one open files are re-resolved (the old
-//! handles point at the dead mount).
+//! error naming the mount (and the store tries another tier) instead of hanging.
+//!
+//! Health: the model directory is probed (a timed `stat`) before a read whenever the
+//! last check is `recheck` old or more, healthy or not, so a mount that went away is
+//! noticed even while open file handles still answer (a lazily unmounted share). A
+//! probe that fails runs the configured remount command and probes again. While the
+//! mount is known to be down and no re-check is due, reads fail at once.
+//!
+//! Re-resolution: open files are dropped and opened again by path after the mount
+//! recovers, and whenever the model directory's identity (device, inode) changes (a
+//! remount the store never saw fail), so no read goes through a handle on a dead or
+//! replaced mount.
 
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use super::{Extent, FileTier, Health, TierError, TierStats};
@@ -21,11 +31,14 @@ pub struct NasConfig {
     pub mount: PathBuf,
     /// The model directory, relative to the mount point.
     pub model: PathBuf,
-    /// Longest a read or health check may take.
+    /// Longest a read, a health probe or a step of opening a model may take (the
+    /// remount command gets four times as long, at least four seconds).
     pub timeout: Duration,
-    /// Shortest interval between health re-checks of an unhealthy mount.
+    /// Shortest interval between health checks of the mount, healthy or not (zero:
+    /// before every read).
     pub recheck: Duration,
-    /// Run with `sh -c` before re-checking an unhealthy mount (e.g. `mount -a`).
+    /// Run with `sh -c` when a health probe fails, before probing again (e.g.
+    /// `mount -a`). It should succeed when the mount is already there.
     pub remount_command: Option<String>,
 }
 
@@ -33,28 +46,115 @@ struct State {
     healthy: bool,
     reason: String,
     last_check: Option<Instant>,
+    /// The model directory's (device, inode) at the last successful probe.
+    identity: Option<(u64, u64)>,
 }
 
 pub struct NasTier {
     inner: Arc<FileTier>,
     cfg: NasConfig,
     state: Mutex<State>,
+    /// Serialises health checks, so one remount command runs at a time.
+    checking: Mutex<()>,
+    /// Checks that found the mount down, and recoveries from that.
+    outages: AtomicU64,
+    recoveries: AtomicU64,
+    /// Read buffers to reuse (at most [`SPARE_BUFFERS`], each at most
+    /// [`SPARE_BUFFER_MAX`] bytes: a huge page's buffer is not kept).
+    spare: Mutex<Vec<Vec<u8>>>,
 }
 
-/// Runs `f` on a helper thread; `None` if it does not finish within `timeout`
-/// (the thread is left to finish or hang on its own).
+const SPARE_BUFFERS: usize = 4;
+const SPARE_BUFFER_MAX: usize = 16 << 20;
+
+type Job = Box<dyn FnOnce() + Send>;
+
+/// Helper threads for timed I/O, reused from call to call (starting a thread per read
+/// costs about as much as reading a small page). A helper stuck on a dead mount is
+/// abandoned: it takes no other job until it returns. A new helper starts whenever no
+/// idle one is free; idle helpers retire after [`HELPER_IDLE`].
+struct Helpers {
+    queue: mpsc::Sender<Job>,
+    jobs: Arc<Mutex<mpsc::Receiver<Job>>>,
+    /// Helpers waiting for a job and not yet promised to one. Invariant: jobs in the
+    /// queue plus `idle` never exceed the helpers waiting, so a queued job never waits
+    /// behind a running (possibly hung) one.
+    idle: Arc<AtomicUsize>,
+}
+
+const HELPER_IDLE: Duration = Duration::from_secs(30);
+
+impl Helpers {
+    fn get() -> &'static Helpers {
+        static HELPERS: OnceLock<Helpers> = OnceLock::new();
+        HELPERS.get_or_init(|| {
+            let (queue, jobs) = mpsc::channel();
+            Helpers {
+                queue,
+                jobs: Arc::new(Mutex::new(jobs)),
+                idle: Arc::new(AtomicUsize::new(0)),
+            }
+        })
+    }
+
+    fn run(&self, job: Job) -> Result<(), String> {
+        let promised = self
+            .idle
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+            .is_ok();
+        if !promised {
+            let (jobs, idle) = (Arc::clone(&self.jobs), Arc::clone(&self.idle));
+            std::thread::Builder::new()
+                .name("vpaged-nas-io".into())
+                .spawn(move || helper(&jobs, &idle))
+                .map_err(|e| format!("cannot start an I/O thread: {e}"))?;
+        }
+        self.queue
+            .send(job)
+            .map_err(|_| "the I/O helpers are gone".to_string())
+    }
+}
+
+fn helper(jobs: &Mutex<mpsc::Receiver<Job>>, idle: &AtomicUsize) {
+    loop {
+        let next = jobs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .recv_timeout(HELPER_IDLE);
+        match next {
+            Ok(job) => {
+                // A panicking job reports through its dropped channel; the helper lives.
+                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
+                idle.fetch_add(1, Ordering::AcqRel);
+            }
+            // Retire, unless every waiting helper is promised to a queued job.
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                if idle
+                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+                    .is_ok()
+                {
+                    return;
+                }
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => return,
+        }
+    }
+}
+
+/// Runs `f` on a helper thread and waits at most `timeout` for it (a helper that does
+/// not finish is left to finish or hang on its own; `f` owns everything it touches).
 fn with_timeout<T: Send + 'static>(
     timeout: Duration,
     f: impl FnOnce() -> T + Send + 'static,
-) -> Option<T> {
+) -> Result<T, String> {
     let (tx, rx) = mpsc::channel();
-    std::thread::Builder::new()
-        .name("vpaged-nas-io".into())
-        .spawn(move || {
-            let _ = tx.send(f());
-        })
-        .ok()?;
-    rx.recv_timeout(timeout).ok()
+    Helpers::get().run(Box::new(move || {
+        let _ = tx.send(f());
+    }))?;
+    rx.recv_timeout(timeout).map_err(|e| match e {
+        mpsc::RecvTimeoutError::Timeout => format!("did not answer within {timeout:?}"),
+        mpsc::RecvTimeoutError::Disconnected => "failed (its I/O helper panicked)".into(),
+    })
 }
 
 impl NasTier {
@@ -67,7 +167,12 @@ impl NasTier {
                 healthy: true,
                 reason: String::new(),
                 last_check: None,
+                identity: None,
             }),
+            checking: Mutex::new(()),
+            outages: AtomicU64::new(0),
+            recoveries: AtomicU64::new(0),
+            spare: Mutex::new(Vec::new()),
         }
     }
 
@@ -75,8 +180,18 @@ impl NasTier {
         self.inner.name()
     }
 
+    /// The model directory (under the mount).
     pub fn root(&self) -> &Path {
         self.inner.root()
+    }
+
+    /// The mount point.
+    pub fn mount(&self) -> &Path {
+        &self.cfg.mount
+    }
+
+    pub fn config(&self) -> &NasConfig {
+        &self.cfg
     }
 
     pub fn stats(&self) -> TierStats {
@@ -87,6 +202,17 @@ impl NasTier {
         self.inner.counters()
     }
 
+    /// Health checks that found the mount down.
+    pub fn outages(&self) -> u64 {
+        self.outages.load(Ordering::Relaxed)
+    }
+
+    /// Health checks that found the mount back after it was down.
+    pub fn recoveries(&self) -> u64 {
+        self.recoveries.load(Ordering::Relaxed)
+    }
+
+    /// The health found by the last check or read (no I/O).
     pub fn health(&self) -> Health {
         let s = self.state.lock().unwrap_or_else(|e| e.into_inner());
         if s.healthy {
@@ -96,27 +222,35 @@ impl NasTier {
         }
     }
 
+    /// This tier's error for the mount being unavailable.
+    fn unavailable(&self, reason: String) -> TierError {
+        TierError::MountUnavailable {
+            tier: self.name().to_string(),
+            mount: self.cfg.mount.clone(),
+            reason,
+        }
+    }
+
     fn mark_unhealthy(&self, reason: String) {
         let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if s.healthy {
+            self.outages.fetch_add(1, Ordering::Relaxed);
+        }
         s.healthy = false;
         s.reason = reason;
         s.last_check = Some(Instant::now());
     }
 
-    /// Whether the model directory answers within the timeout.
-    fn probe(&self) -> Result<(), String> {
+    /// Whether the model directory answers within the timeout; its (device, inode)
+    /// if so. No remount, no change of state.
+    pub fn probe(&self) -> Result<(u64, u64), String> {
         let root = self.inner.root().to_path_buf();
+        let shown = self.root().display();
         match with_timeout(self.cfg.timeout, move || std::fs::metadata(&root)) {
-            None => Err(format!(
-                "{} did not answer within {:?}",
-                self.root().display(),
-                self.cfg.timeout
-            )),
-            Some(Err(e)) => Err(format!("{}: {e}", self.root().display())),
-            Some(Ok(m)) if !m.is_dir() => {
-                Err(format!("{} is not a directory", self.root().display()))
-            }
-            Some(Ok(_)) => Ok(()),
+            Err(e) => Err(format!("{shown} {e}")),
+            Ok(Err(e)) => Err(format!("{shown}: {e}")),
+            Ok(Ok(m)) if !m.is_dir() => Err(format!("{shown} is not a directory")),
+            Ok(Ok(m)) => Ok((m.dev(), m.ino())),
         }
     }
 
@@ -129,33 +263,62 @@ impl NasTier {
             move || Command::new("sh").arg("-c").arg(&cmd).output(),
         );
         match out {
-            None => Err("the remount command timed out".into()),
-            Some(Err(e)) => Err(format!("cannot run the remount command: {e}")),
-            Some(Ok(o)) if !o.status.success() => Err(format!(
+            Err(e) => Err(format!("the remount command {e}")),
+            Ok(Err(e)) => Err(format!("cannot run the remount command: {e}")),
+            Ok(Ok(o)) if !o.status.success() => Err(format!(
                 "the remount command failed ({}): {}",
                 o.status,
                 String::from_utf8_lossy(&o.stderr).trim()
             )),
-            Some(Ok(_)) => Ok(()),
+            Ok(Ok(_)) => Ok(()),
         }
     }
 
-    /// Checks the mount now (remounting first if it was unhealthy) and returns its
-    /// health. After a recovery, open files are re-resolved.
+    /// Checks the mount now: probes it and, if that fails, runs the remount command
+    /// and probes again. Open files are re-resolved after a recovery or when the model
+    /// directory was replaced. Concurrent callers share one check.
     pub fn check(&self) -> Health {
-        let was_healthy = self.state.lock().unwrap_or_else(|e| e.into_inner()).healthy;
-        let result = if was_healthy {
-            self.probe()
-        } else {
-            self.remount().and_then(|()| self.probe())
+        let started = Instant::now();
+        let _one = self.checking.lock().unwrap_or_else(|e| e.into_inner());
+        {
+            // Another caller checked while this one waited: its answer is fresh.
+            let s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            if s.last_check.is_some_and(|t| t >= started) {
+                return if s.healthy {
+                    Health::Ok
+                } else {
+                    Health::Unavailable(s.reason.clone())
+                };
+            }
+        }
+        // `down`: the first probe failed (even if the remount command then fixed it).
+        let (down, result) = match self.probe() {
+            Ok(id) => (false, Ok(id)),
+            Err(first) if self.cfg.remount_command.is_some() => (
+                true,
+                self.remount()
+                    .and_then(|()| self.probe())
+                    .map_err(|e| format!("{first}; then {e}")),
+            ),
+            Err(first) => (true, Err(first)),
         };
         let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
         s.last_check = Some(Instant::now());
+        if down && s.healthy {
+            self.outages.fetch_add(1, Ordering::Relaxed);
+        }
         match result {
-            Ok(()) => {
-                if !s.healthy {
+            Ok(id) => {
+                let recovered = down || !s.healthy;
+                if recovered || s.identity.is_some_and(|old| old != id) {
+                    // Handles opened before an outage or a remount may point at a
+                    // dead or replaced file system.
                     self.inner.reopen();
                 }
+                if recovered {
+                    self.recoveries.fetch_add(1, Ordering::Relaxed);
+                }
+                s.identity = Some(id);
                 s.healthy = true;
                 s.reason.clear();
                 Health::Ok
@@ -168,60 +331,129 @@ impl NasTier {
         }
     }
 
-    /// Reads an extent, failing fast while the mount is known to be down, and with
-    /// a timeout otherwise.
-    pub fn read_extent(&self, ext: &Extent, buf: &mut [u8]) -> Result<(), TierError> {
-        let recheck_due = {
+    /// [`check`](Self::check) as a result: the mount's error if it is unavailable.
+    pub fn check_now(&self) -> Result<(), TierError> {
+        match self.check() {
+            Health::Ok => Ok(()),
+            Health::Unavailable(reason) => Err(self.unavailable(reason)),
+        }
+    }
+
+    /// Checks the mount if a check is due; fails at once while it is known to be down
+    /// and no check is due.
+    fn check_if_due(&self) -> Result<(), TierError> {
+        {
             let s = self.state.lock().unwrap_or_else(|e| e.into_inner());
-            if s.healthy {
-                false
-            } else if s.last_check.is_some_and(|t| t.elapsed() < self.cfg.recheck) {
-                return Err(TierError::Unavailable {
-                    tier: self.name().to_string(),
-                    reason: s.reason.clone(),
-                });
-            } else {
-                true
-            }
-        };
-        if recheck_due {
-            if let Health::Unavailable(reason) = self.check() {
-                return Err(TierError::Unavailable {
-                    tier: self.name().to_string(),
-                    reason,
-                });
+            let due = s.last_check.is_none_or(|t| t.elapsed() >= self.cfg.recheck);
+            match (due, s.healthy) {
+                (false, true) => return Ok(()),
+                (false, false) => return Err(self.unavailable(s.reason.clone())),
+                (true, _) => {}
             }
         }
+        self.check_now()
+    }
+
+    /// Runs `f` (I/O on the mount, e.g. opening a model's manifest) bounded by the
+    /// timeout. A timeout marks the mount unhealthy; `f`'s own result is returned as is.
+    pub fn call<T: Send + 'static>(
+        &self,
+        what: &str,
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> Result<T, TierError> {
+        with_timeout(self.cfg.timeout, f).map_err(|e| {
+            let reason = format!("{what} ({}) {e}", self.root().display());
+            self.mark_unhealthy(reason.clone());
+            self.unavailable(reason)
+        })
+    }
+
+    fn timed_read(&self, ext: &Extent, buf: &mut [u8]) -> Result<(), Option<TierError>> {
         let inner = Arc::clone(&self.inner);
         let ext2 = ext.clone();
         let len = buf.len();
+        // The helper reads into a buffer of its own: `buf` must not be written by a
+        // thread that may outlive this call. Buffers are recycled, so a read does not
+        // fault in fresh memory every time.
+        let mut local = self
+            .spare
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pop()
+            .unwrap_or_default();
         let r = with_timeout(self.cfg.timeout, move || {
-            let mut local = vec![0u8; len];
-            inner.read_extent(&ext2, &mut local).map(|()| local)
+            local.clear();
+            local.resize(len, 0);
+            let r = inner.read_extent(&ext2, &mut local);
+            (local, r)
         });
         match r {
-            Some(Ok(bytes)) => {
-                buf.copy_from_slice(&bytes);
-                Ok(())
-            }
-            Some(Err(e)) => {
-                // A missing file or a vanished directory means the mount is gone;
-                // a truncated file is the file's own problem.
-                if !matches!(e, TierError::Truncated { .. }) {
-                    self.mark_unhealthy(e.to_string());
+            Ok((local, r)) => {
+                if r.is_ok() {
+                    buf.copy_from_slice(&local);
                 }
-                Err(e)
+                if local.capacity() <= SPARE_BUFFER_MAX {
+                    let mut spare = self.spare.lock().unwrap_or_else(|e| e.into_inner());
+                    if spare.len() < SPARE_BUFFERS {
+                        spare.push(local);
+                    }
+                }
+                r.map_err(Some)
             }
-            None => {
+            Err(_) => Err(None),
+        }
+    }
+
+    /// Reads an extent: checks the mount first when a check is due, fails at once
+    /// while it is known to be down, and gives up after the timeout. A read that fails
+    /// with an I/O error checks (and remounts) the mount at once and, if it is back,
+    /// reads once more.
+    pub fn read_extent(&self, ext: &Extent, buf: &mut [u8]) -> Result<(), TierError> {
+        assert_eq!(
+            buf.len() as u64,
+            ext.len,
+            "buffer length must equal the extent length"
+        );
+        self.check_if_due()?;
+        let first = match self.timed_read(ext, buf) {
+            Ok(()) => return Ok(()),
+            // The file's own problem, not the mount's.
+            Err(Some(e @ (TierError::Truncated { .. } | TierError::Invalid { .. }))) => {
+                return Err(e)
+            }
+            Err(Some(e)) => e.to_string(),
+            Err(None) => {
+                // A hung read: the mount is dead or far too slow. Checking it now
+                // would likely hang as well; the next read re-checks when due.
                 self.inner.counters().record_error();
                 let path = self.inner.path_of(&ext.file).unwrap_or_default();
-                self.mark_unhealthy(format!("a read of {} timed out", path.display()));
-                Err(TierError::Timeout {
-                    tier: self.name().to_string(),
-                    path,
-                    timeout: self.cfg.timeout,
-                })
+                let reason = format!(
+                    "a read of {} did not finish within {:?}",
+                    path.display(),
+                    self.cfg.timeout
+                );
+                self.mark_unhealthy(reason.clone());
+                return Err(self.unavailable(reason));
             }
+        };
+        match self.check() {
+            Health::Ok => {
+                // The mount answers (again): the failed handle may be stale.
+                self.inner.reopen();
+                match self.timed_read(ext, buf) {
+                    Ok(()) => Ok(()),
+                    // The mount is fine: the error is the file's (it names its path).
+                    Err(Some(e)) => Err(e),
+                    Err(None) => {
+                        self.inner.counters().record_error();
+                        Err(self.unavailable(format!(
+                            "{first}; after a re-check, a read did not finish within {:?}",
+                            self.cfg.timeout
+                        )))
+                    }
+                }
+            }
+            Health::Unavailable(reason) => Err(self.unavailable(format!("{first}; {reason}"))),
         }
     }
 }
@@ -230,25 +462,40 @@ impl NasTier {
 mod tests {
     use super::*;
 
-    fn setup() -> (tempfile::TempDir, NasTier) {
+    struct Setup {
+        d: tempfile::TempDir,
+        mnt: PathBuf,
+        gone: PathBuf,
+    }
+
+    /// A mount `mnt` holding `models/m/w.bin` (bytes 0..64), and where it goes when
+    /// it disappears (`mnt.gone`).
+    fn setup() -> Setup {
         let d = tempfile::tempdir().unwrap();
         let model = d.path().join("mnt/models/m");
         std::fs::create_dir_all(&model).unwrap();
         std::fs::write(model.join("w.bin"), (0..64u8).collect::<Vec<_>>()).unwrap();
-        let mnt = d.path().join("mnt");
-        let gone = d.path().join("mnt.gone");
-        let cfg = NasConfig {
-            mount: mnt.clone(),
+        Setup {
+            mnt: d.path().join("mnt"),
+            gone: d.path().join("mnt.gone"),
+            d,
+        }
+    }
+
+    fn cfg(s: &Setup, remount: bool) -> NasConfig {
+        NasConfig {
+            mount: s.mnt.clone(),
             model: PathBuf::from("models/m"),
             timeout: Duration::from_secs(2),
-            recheck: Duration::from_millis(0),
-            remount_command: Some(format!(
-                "test -d '{g}' && mv '{g}' '{m}' || true",
-                g = gone.display(),
-                m = mnt.display()
-            )),
-        };
-        (d, NasTier::new("nas", cfg))
+            recheck: Duration::ZERO,
+            remount_command: remount.then(|| {
+                format!(
+                    "if test -d '{g}'; then mv '{g}' '{m}'; fi",
+                    g = s.gone.display(),
+                    m = s.mnt.display()
+                )
+            }),
+        }
     }
 
     fn ext() -> Extent {
@@ -259,62 +506,135 @@ mod tests {
         }
     }
 
+    const BYTES: [u8; 8] = [8, 9, 10, 11, 12, 13, 14, 15];
+
     #[test]
-    fn a_mount_that_disappears_fails_clearly_then_recovers_by_remount() {
-        let (d, nas) = setup();
+    fn a_mount_that_disappears_fails_clearly_and_recovers_when_it_returns() {
+        let s = setup();
+        let nas = NasTier::new("nas", cfg(&s, false));
         let mut buf = [0u8; 8];
         nas.read_extent(&ext(), &mut buf).unwrap();
-        assert_eq!(buf, [8, 9, 10, 11, 12, 13, 14, 15]);
+        assert_eq!(buf, BYTES);
 
         // The mount disappears (its directory moves away, as an unmounted mount point
-        // would lose its contents).
-        std::fs::rename(d.path().join("mnt"), d.path().join("mnt.gone")).unwrap();
-        nas.inner.reopen();
+        // loses its contents). The open handle still reads: the health probe is what
+        // notices.
+        std::fs::rename(&s.mnt, &s.gone).unwrap();
         let e = nas.read_extent(&ext(), &mut buf).unwrap_err();
-        assert!(e.to_string().contains("nas"), "{e}");
+        assert!(matches!(e, TierError::MountUnavailable { .. }), "{e}");
+        let msg = e.to_string();
+        assert!(
+            msg.contains(&format!("NAS mount {}", s.mnt.display())) && msg.contains("No such file"),
+            "{msg}"
+        );
         assert!(matches!(nas.health(), Health::Unavailable(_)));
+        assert_eq!((nas.outages(), nas.recoveries()), (1, 0));
 
-        // The next read re-checks: the remount command brings it back.
+        // It comes back: the next read re-checks and reads.
+        std::fs::rename(&s.gone, &s.mnt).unwrap();
         buf = [0; 8];
         nas.read_extent(&ext(), &mut buf).unwrap();
-        assert_eq!(buf, [8, 9, 10, 11, 12, 13, 14, 15]);
+        assert_eq!(buf, BYTES);
+        assert_eq!(nas.health(), Health::Ok);
+        assert_eq!((nas.outages(), nas.recoveries()), (1, 1));
+    }
+
+    #[test]
+    fn the_remount_command_brings_a_vanished_mount_back_within_one_read() {
+        let s = setup();
+        let nas = NasTier::new("nas", cfg(&s, true));
+        let mut buf = [0u8; 8];
+        nas.read_extent(&ext(), &mut buf).unwrap();
+        std::fs::rename(&s.mnt, &s.gone).unwrap();
+        buf = [0; 8];
+        nas.read_extent(&ext(), &mut buf).unwrap();
+        assert_eq!(buf, BYTES);
+        assert!(s.mnt.is_dir() && !s.gone.exists());
+        assert_eq!((nas.outages(), nas.recoveries()), (1, 1));
         assert_eq!(nas.health(), Health::Ok);
     }
 
     #[test]
+    fn a_replaced_model_directory_is_re_resolved() {
+        let s = setup();
+        let nas = NasTier::new("nas", cfg(&s, false));
+        let mut buf = [0u8; 8];
+        nas.read_extent(&ext(), &mut buf).unwrap();
+        // Another file system mounted in its place (a new directory, new inode, other
+        // bytes): the old handle would still read the old file.
+        let model = s.mnt.join("models/m");
+        std::fs::rename(&model, s.d.path().join("old")).unwrap();
+        std::fs::create_dir(&model).unwrap();
+        std::fs::write(model.join("w.bin"), (100..164u8).collect::<Vec<_>>()).unwrap();
+        nas.read_extent(&ext(), &mut buf).unwrap();
+        assert_eq!(buf, [108, 109, 110, 111, 112, 113, 114, 115]);
+    }
+
+    #[test]
     fn while_recheck_is_not_due_reads_fail_fast() {
-        let (d, mut nas) = setup();
-        nas.cfg.recheck = Duration::from_secs(3600);
-        nas.cfg.remount_command = None;
-        std::fs::rename(d.path().join("mnt"), d.path().join("mnt.gone")).unwrap();
+        let s = setup();
+        let nas = NasTier::new(
+            "nas",
+            NasConfig {
+                recheck: Duration::from_secs(3600),
+                ..cfg(&s, false)
+            },
+        );
+        std::fs::rename(&s.mnt, &s.gone).unwrap();
         let mut buf = [0u8; 8];
         assert!(nas.read_extent(&ext(), &mut buf).is_err());
         let t = Instant::now();
         let e = nas.read_extent(&ext(), &mut buf).unwrap_err();
-        assert!(matches!(e, TierError::Unavailable { .. }), "{e}");
+        assert!(matches!(e, TierError::MountUnavailable { .. }), "{e}");
         assert!(t.elapsed() < Duration::from_millis(100));
     }
 
     #[test]
     fn a_failing_remount_command_is_reported() {
-        let (d, mut nas) = setup();
-        nas.cfg.remount_command = Some("echo no such share >&2; exit 3".into());
-        std::fs::rename(d.path().join("mnt"), d.path().join("mnt.gone")).unwrap();
-        nas.mark_unhealthy("test".into());
+        let s = setup();
+        let nas = NasTier::new(
+            "nas",
+            NasConfig {
+                remount_command: Some("echo no such share >&2; exit 3".into()),
+                ..cfg(&s, false)
+            },
+        );
+        std::fs::rename(&s.mnt, &s.gone).unwrap();
         match nas.check() {
-            Health::Unavailable(r) => assert!(r.contains("no such share"), "{r}"),
+            Health::Unavailable(r) => {
+                assert!(
+                    r.contains("No such file") && r.contains("no such share"),
+                    "{r}"
+                )
+            }
             Health::Ok => panic!("should be unavailable"),
         }
     }
 
-    #[test]
-    fn a_read_that_hangs_times_out() {
-        let (d, mut nas) = setup();
-        nas.cfg.timeout = Duration::from_millis(200);
-        // Opening a FIFO with no writer blocks, like a read on a dead network mount.
-        let fifo = d.path().join("mnt/models/m/hang.bin");
+    /// A FIFO with no writer: opening it blocks, like I/O on a dead network mount.
+    fn hanging_file(s: &Setup) -> PathBuf {
+        let fifo = s.mnt.join("models/m/hang.bin");
         let st = Command::new("mkfifo").arg(&fifo).status().unwrap();
         assert!(st.success());
+        fifo
+    }
+
+    /// Lets the abandoned helper thread blocked on `fifo` finish.
+    fn release(fifo: &Path) {
+        drop(std::fs::OpenOptions::new().write(true).open(fifo).unwrap());
+    }
+
+    #[test]
+    fn a_read_that_hangs_times_out() {
+        let s = setup();
+        let nas = NasTier::new(
+            "nas",
+            NasConfig {
+                timeout: Duration::from_millis(200),
+                ..cfg(&s, false)
+            },
+        );
+        let fifo = hanging_file(&s);
         let mut buf = [0u8; 4];
         let t = Instant::now();
         let e = nas
@@ -327,8 +647,82 @@ mod tests {
                 &mut buf,
             )
             .unwrap_err();
-        assert!(matches!(e, TierError::Timeout { .. }), "{e}");
         assert!(t.elapsed() < Duration::from_secs(2));
+        assert!(e.to_string().contains("did not finish within 200ms"), "{e}");
         assert!(matches!(nas.health(), Health::Unavailable(_)));
+        release(&fifo);
+    }
+
+    #[test]
+    fn work_on_the_mount_that_hangs_times_out() {
+        let s = setup();
+        let nas = NasTier::new(
+            "nas",
+            NasConfig {
+                timeout: Duration::from_millis(200),
+                ..cfg(&s, false)
+            },
+        );
+        let fifo = hanging_file(&s);
+        let f = fifo.clone();
+        let t = Instant::now();
+        let e = nas
+            .call("reading the manifest", move || std::fs::read(f))
+            .unwrap_err();
+        assert!(t.elapsed() < Duration::from_secs(2));
+        let msg = e.to_string();
+        assert!(
+            msg.contains("reading the manifest") && msg.contains("within"),
+            "{msg}"
+        );
+        assert!(matches!(nas.health(), Health::Unavailable(_)));
+        release(&fifo);
+        // A call that finishes returns its own result.
+        assert_eq!(nas.call("adding", || 1 + 1).unwrap(), 2);
+    }
+
+    #[test]
+    fn a_missing_file_on_a_healthy_mount_is_the_file_s_error() {
+        let s = setup();
+        let nas = NasTier::new("nas", cfg(&s, false));
+        let mut buf = [0u8; 1];
+        let e = nas
+            .read_extent(
+                &Extent {
+                    file: "absent.bin".into(),
+                    offset: 0,
+                    len: 1,
+                },
+                &mut buf,
+            )
+            .unwrap_err();
+        assert!(matches!(e, TierError::Io { .. }), "{e}");
+        assert!(e.to_string().contains("absent.bin"), "{e}");
+        assert_eq!(nas.health(), Health::Ok);
+        assert_eq!(nas.outages(), 0);
+    }
+
+    #[test]
+    fn helpers_are_reused_and_a_hung_or_panicking_one_blocks_nothing() {
+        let ids: std::collections::HashSet<_> = (0..50)
+            .map(|_| with_timeout(Duration::from_secs(2), || std::thread::current().id()).unwrap())
+            .collect();
+        assert!(
+            ids.len() < 25,
+            "{} helpers for 50 sequential calls",
+            ids.len()
+        );
+
+        let s = setup();
+        let fifo = hanging_file(&s);
+        let f = fifo.clone();
+        assert!(with_timeout(Duration::from_millis(100), move || std::fs::read(f)).is_err());
+        let t = Instant::now();
+        assert_eq!(with_timeout(Duration::from_secs(2), || 7).unwrap(), 7);
+        assert!(t.elapsed() < Duration::from_secs(1));
+        let e = with_timeout(Duration::from_secs(2), || -> u8 { panic!("a bug") }).unwrap_err();
+        assert!(e.contains("panicked"), "{e}");
+        assert_eq!(with_timeout(Duration::from_secs(2), || 8).unwrap(), 8);
+        release(&fifo);
     }
 }
