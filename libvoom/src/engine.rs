@@ -10,6 +10,7 @@ use vpaged::{EmbeddedStore, PageSource, VerifyMode};
 
 use crate::backend::cpu::threads::ThreadPool;
 use crate::config::ModelConfig;
+use crate::constrain::{ConstrainError, TokenConstraint, TokenMask};
 use crate::kv::KvCache;
 use crate::model::llama::{LlamaModel, Logits};
 use crate::sampler::{Sampler, SamplingParams};
@@ -63,6 +64,9 @@ pub enum FinishReason {
     ContextFull,
     /// The caller's callback asked to stop.
     Stopped,
+    /// Constrained generation: the constraint admits no further token (a grammar's
+    /// output is complete). No end-of-sequence token is generated or included.
+    Complete,
 }
 
 impl FinishReason {
@@ -72,6 +76,7 @@ impl FinishReason {
             FinishReason::Length => "length",
             FinishReason::ContextFull => "context_full",
             FinishReason::Stopped => "stopped",
+            FinishReason::Complete => "stop",
         }
     }
 }
@@ -84,8 +89,12 @@ pub struct Generation {
     pub prompt_tokens: usize,
     pub prefill_secs: f64,
     pub decode_secs: f64,
-    /// Logits of each generated step, when asked for.
+    /// Logits of each generated step, when asked for (the model's, before any
+    /// constraint masks them).
     pub logits: Vec<Vec<f32>>,
+    /// Seconds of `decode_secs` spent in the constraint (masks, advancing); 0
+    /// without one.
+    pub constraint_secs: f64,
 }
 
 impl Generation {
@@ -261,6 +270,80 @@ impl Engine {
         params: &GenerateParams,
         on_token: &mut dyn FnMut(u32) -> ControlFlow<()>,
     ) -> Result<Generation, VoomError> {
+        self.generate_inner(prompt, params, None, on_token)
+    }
+
+    /// Generates after `prompt` what `constraint` allows (see
+    /// [`crate::constrain`]). Before each token the constraint's mask is applied:
+    /// the sampler (greedy, temperature, top-k, top-p, as `params.sampling` says)
+    /// chooses among the allowed ids only, exactly as if every other logit were
+    /// negative infinity. Ids past the tokenizer's vocabulary are never allowed.
+    /// The engine's end-of-sequence ids are allowed only when the
+    /// constraint may stop; one of them ends generation with [`FinishReason::Eos`]
+    /// (included in `ids`, as in [`Engine::generate`]; `params.ignore_eos` has no
+    /// effect here). When the constraint admits no further token, generation ends
+    /// with [`FinishReason::Complete`] without generating an end-of-sequence token, so
+    /// the ids (an end-of-sequence id aside) decode to exactly the constrained output.
+    /// `max_new_tokens` and the context limit still apply ([`FinishReason::Length`]:
+    /// the output is then incomplete). Recorded logits are the model's, unmasked.
+    pub fn generate_constrained(
+        &self,
+        prompt: &[u32],
+        params: &GenerateParams,
+        constraint: &mut dyn TokenConstraint,
+        on_token: &mut dyn FnMut(u32) -> ControlFlow<()>,
+    ) -> Result<Generation, VoomError> {
+        self.generate_inner(prompt, params, Some(constraint), on_token)
+    }
+
+    /// Chooses the next token among those `constraint` allows: masks (scratch
+    /// buffers reused across steps), then samples over the allowed logits.
+    fn pick_constrained(
+        &self,
+        constraint: &mut dyn TokenConstraint,
+        step: usize,
+        logits: &[f32],
+        sampler: &mut Sampler,
+        scratch: &mut ConstrainScratch,
+    ) -> Result<u32, ConstrainError> {
+        if scratch.mask.len() != logits.len() {
+            scratch.mask = TokenMask::new(logits.len());
+        } else {
+            scratch.mask.clear();
+        }
+        constraint.fill_mask(step, &mut scratch.mask)?;
+        if let Some(t) = &self.tokenizer {
+            // Ids past the tokenizer (padded embeddings) are never generated.
+            scratch.mask.disallow_from(t.vocab_size());
+        }
+        let may_stop = constraint.may_stop(step)?;
+        for &e in &self.eos {
+            if may_stop {
+                scratch.mask.allow(e);
+            } else {
+                scratch.mask.disallow(e);
+            }
+        }
+        scratch
+            .mask
+            .gather(logits, &mut scratch.ids, &mut scratch.values);
+        if scratch.ids.is_empty() {
+            return Err(ConstrainError::NothingAllowed {
+                step,
+                vocab: logits.len(),
+            });
+        }
+        let k = sampler.sample(&scratch.values) as usize;
+        Ok(scratch.ids[k])
+    }
+
+    fn generate_inner(
+        &self,
+        prompt: &[u32],
+        params: &GenerateParams,
+        mut constraint: Option<&mut dyn TokenConstraint>,
+        on_token: &mut dyn FnMut(u32) -> ControlFlow<()>,
+    ) -> Result<Generation, VoomError> {
         if prompt.is_empty() {
             return Err(VoomError::Request("the prompt is empty".into()));
         }
@@ -281,26 +364,56 @@ impl Engine {
             prefill_secs: 0.0,
             decode_secs: 0.0,
             logits: Vec::new(),
+            constraint_secs: 0.0,
         };
         if params.max_new_tokens == 0 {
             return Ok(out);
         }
+        if constraint.as_deref().is_some_and(|c| c.is_complete()) {
+            // Nothing may be generated: no need to compute the prompt.
+            out.finish = FinishReason::Complete;
+            return Ok(out);
+        }
+        let mut scratch = ConstrainScratch::default();
         let t0 = Instant::now();
         let mut logits = self.prefill(&mut kv, prompt)?;
         out.prefill_secs = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
         loop {
-            let id = sampler.sample(&logits);
+            let step = out.ids.len();
+            let id = match constraint.as_deref_mut() {
+                None => sampler.sample(&logits),
+                Some(c) => {
+                    let tc = Instant::now();
+                    let id = self.pick_constrained(c, step, &logits, &mut sampler, &mut scratch)?;
+                    out.constraint_secs += tc.elapsed().as_secs_f64();
+                    id
+                }
+            };
             if params.record_logits {
                 out.logits.push(std::mem::take(&mut logits));
             }
             out.ids.push(id);
+            let mut complete = false;
+            if let Some(c) = constraint.as_deref_mut() {
+                // An end-of-sequence id is the engine's, never passed to the constraint.
+                if !self.eos.contains(&id) {
+                    let tc = Instant::now();
+                    c.accept(step, id)?;
+                    complete = c.is_complete();
+                    out.constraint_secs += tc.elapsed().as_secs_f64();
+                }
+            }
             if on_token(id).is_break() {
                 out.finish = FinishReason::Stopped;
                 break;
             }
-            if !params.ignore_eos && self.eos.contains(&id) {
+            if (!params.ignore_eos || constraint.is_some()) && self.eos.contains(&id) {
                 out.finish = FinishReason::Eos;
+                break;
+            }
+            if complete {
+                out.finish = FinishReason::Complete;
                 break;
             }
             if out.ids.len() >= params.max_new_tokens {
@@ -322,4 +435,12 @@ impl Engine {
         out.decode_secs = t1.elapsed().as_secs_f64();
         Ok(out)
     }
+}
+
+/// Buffers of constrained sampling, reused across the steps of one generation.
+#[derive(Default)]
+struct ConstrainScratch {
+    mask: TokenMask,
+    ids: Vec<u32>,
+    values: Vec<f32>,
 }

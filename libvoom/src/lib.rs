@@ -18,6 +18,7 @@
 
 pub mod backend;
 pub mod config;
+pub mod constrain;
 pub mod engine;
 pub mod error;
 pub mod import;
