@@ -1,11 +1,13 @@
 //! `voom`: run released language models exactly, larger than memory.
 //!
 //! One-shot commands compose the engine (libvoom) with the embedded page store:
-//! `voom run MODEL [PROMPT]`, `voom generate`, `voom pull`, `voom import`, `voom list`.
+//! `voom run MODEL [PROMPT]`, `voom generate`, `voom pull`, `voom import`, `voom list`,
+//! and `voom serve`, the HTTP server.
 
 mod cli;
 mod memory;
 mod registry;
+mod serve;
 mod store;
 mod synth;
 
@@ -36,6 +38,8 @@ enum Command {
     List(cli::list::ListArgs),
     /// Measure prefill and decode speed against the memory-bandwidth bound.
     Bench(cli::bench::BenchArgs),
+    /// Serve the models over OpenAI- and Anthropic-compatible HTTP APIs.
+    Serve(serve::ServeArgs),
 }
 
 fn main() {
@@ -54,6 +58,7 @@ fn main() {
         Command::Import(a) => cli::pull::import(a),
         Command::List(a) => cli::list::run(a),
         Command::Bench(a) => cli::bench::run(a),
+        Command::Serve(a) => serve::run(a),
     };
     if let Err(e) = r {
         eprintln!("voom: error: {e:#}");

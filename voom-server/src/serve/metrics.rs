@@ -1,0 +1,160 @@
+//! Counters for `GET /metrics` (Prometheus text format, version 0.0.4).
+
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+#[derive(Default)]
+pub struct Metrics {
+    /// Requests by endpoint and status code.
+    requests: Mutex<std::collections::BTreeMap<(String, u16), u64>>,
+    pub prompt_tokens: AtomicU64,
+    pub completion_tokens: AtomicU64,
+    /// Microseconds spent in prefill and decode.
+    prefill_us: AtomicU64,
+    decode_us: AtomicU64,
+    /// Requests queued for the engine, not yet started.
+    pub queue_depth: AtomicUsize,
+    /// 1 while the engine runs a request.
+    pub busy: AtomicUsize,
+    pub model_loads: AtomicU64,
+    /// Requests whose client went away before they finished.
+    pub cancelled: AtomicU64,
+}
+
+impl Metrics {
+    pub fn record_request(&self, endpoint: &str, status: u16) {
+        *self
+            .requests
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry((endpoint.to_string(), status))
+            .or_default() += 1;
+    }
+
+    pub fn record_generation(&self, prompt: usize, completion: usize, prefill: f64, decode: f64) {
+        self.prompt_tokens
+            .fetch_add(prompt as u64, Ordering::Relaxed);
+        self.completion_tokens
+            .fetch_add(completion as u64, Ordering::Relaxed);
+        self.prefill_us
+            .fetch_add((prefill * 1e6) as u64, Ordering::Relaxed);
+        self.decode_us
+            .fetch_add((decode * 1e6) as u64, Ordering::Relaxed);
+    }
+
+    /// The Prometheus exposition; `extra` lines (already formatted) are appended.
+    pub fn render(&self, extra: &[(String, f64, &str)]) -> String {
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "# HELP voom_requests_total HTTP requests by endpoint and status.\n# TYPE voom_requests_total counter"
+        );
+        for ((endpoint, status), n) in self
+            .requests
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+        {
+            let _ = writeln!(
+                s,
+                "voom_requests_total{{endpoint=\"{endpoint}\",status=\"{status}\"}} {n}"
+            );
+        }
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let completion = load(&self.completion_tokens);
+        let decode_s = load(&self.decode_us) as f64 / 1e6;
+        let prompt = load(&self.prompt_tokens);
+        let prefill_s = load(&self.prefill_us) as f64 / 1e6;
+        let rows: [(&str, &str, &str, f64); 9] = [
+            (
+                "voom_prompt_tokens_total",
+                "counter",
+                "Prompt tokens processed.",
+                prompt as f64,
+            ),
+            (
+                "voom_completion_tokens_total",
+                "counter",
+                "Tokens generated.",
+                completion as f64,
+            ),
+            (
+                "voom_prefill_seconds_total",
+                "counter",
+                "Seconds spent in prefill.",
+                prefill_s,
+            ),
+            (
+                "voom_decode_seconds_total",
+                "counter",
+                "Seconds spent decoding.",
+                decode_s,
+            ),
+            (
+                "voom_decode_tokens_per_second",
+                "gauge",
+                "Generated tokens per decode second, over the server's life.",
+                if decode_s > 0.0 {
+                    completion as f64 / decode_s
+                } else {
+                    0.0
+                },
+            ),
+            (
+                "voom_queue_depth",
+                "gauge",
+                "Requests waiting for the engine.",
+                self.queue_depth.load(Ordering::Relaxed) as f64,
+            ),
+            (
+                "voom_engine_busy",
+                "gauge",
+                "1 while the engine runs a request.",
+                self.busy.load(Ordering::Relaxed) as f64,
+            ),
+            (
+                "voom_model_loads_total",
+                "counter",
+                "Engines loaded (model swaps).",
+                load(&self.model_loads) as f64,
+            ),
+            (
+                "voom_requests_cancelled_total",
+                "counter",
+                "Requests whose client went away before the end.",
+                load(&self.cancelled) as f64,
+            ),
+        ];
+        for (name, ty, help, v) in rows {
+            let _ = writeln!(s, "# HELP {name} {help}\n# TYPE {name} {ty}\n{name} {v}");
+        }
+        for (name, v, help) in extra {
+            let base = name.split('{').next().unwrap_or(name);
+            let _ = writeln!(s, "# HELP {base} {help}\n# TYPE {base} gauge\n{name} {v}");
+        }
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exposition_lists_counters_with_help_and_type() {
+        let m = Metrics::default();
+        m.record_request("/v1/chat/completions", 200);
+        m.record_request("/v1/chat/completions", 200);
+        m.record_request("/v1/messages", 400);
+        m.record_generation(10, 20, 0.5, 2.0);
+        let s = m.render(&[]);
+        assert!(
+            s.contains("voom_requests_total{endpoint=\"/v1/chat/completions\",status=\"200\"} 2")
+        );
+        assert!(s.contains("voom_requests_total{endpoint=\"/v1/messages\",status=\"400\"} 1"));
+        assert!(s.contains("voom_completion_tokens_total 20"));
+        assert!(s.contains("voom_decode_tokens_per_second 10"));
+        assert!(s.contains("# TYPE voom_queue_depth gauge"));
+    }
+}

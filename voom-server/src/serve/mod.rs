@@ -1,0 +1,349 @@
+//! `voom serve`: an HTTP server speaking OpenAI's and Anthropic's APIs over the
+//! engine.
+//!
+//! Layout: [`catalog`] (the models one can ask for), [`worker`] (the one resident
+//! engine and its FIFO queue), [`request`] (reading bodies field by field), [`error`]
+//! (errors in each dialect), [`stream`] (SSE), [`metrics`], and one module per API:
+//! [`openai`] (chat completions, completions, models).
+//!
+//! Connections: a request's headers and body must arrive within the receive deadline
+//! and bodies are bounded; every write to a client must progress within the write
+//! deadline, so a stalled client cannot hold the engine (its request is cancelled
+//! when its connection is dropped).
+
+pub mod catalog;
+pub mod error;
+pub mod metrics;
+pub mod openai;
+pub mod prepare;
+pub mod request;
+pub mod stream;
+pub mod worker;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use axum::body::Bytes;
+use axum::extract::{Request, State};
+use axum::http::{HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use clap::Args;
+
+use crate::cli::common::EngineArgs;
+use catalog::Catalog;
+use error::{ApiError, Dialect, Kind};
+use metrics::Metrics;
+use worker::Worker;
+
+#[derive(Args, Debug, Clone)]
+pub struct ServeArgs {
+    /// Address to listen on.
+    #[arg(long, env = "VOOM_HOST", default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on (0: any free port; the chosen one is printed).
+    #[arg(long, env = "VOOM_PORT", default_value_t = 8080)]
+    pub port: u16,
+    /// Directory of models to serve (default: the local store of `voom run`).
+    #[arg(long, env = "VOOM_MODELS_DIR")]
+    pub models_dir: Option<PathBuf>,
+    /// Model to load before accepting requests.
+    #[arg(long)]
+    pub preload: Option<String>,
+    /// Largest request body, in bytes.
+    #[arg(long, env = "VOOM_MAX_BODY_BYTES", default_value_t = 64 << 20)]
+    pub max_body_bytes: usize,
+    /// Seconds a client has to send a request's headers and body.
+    #[arg(long, env = "VOOM_RECEIVE_TIMEOUT", default_value_t = 30.0)]
+    pub receive_timeout: f64,
+    /// Seconds any one write to a client may stall before the connection is dropped.
+    #[arg(long, env = "VOOM_WRITE_TIMEOUT", default_value_t = 30.0)]
+    pub write_timeout: f64,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+}
+
+/// What every handler shares.
+pub struct App {
+    pub catalog: Catalog,
+    pub worker: Worker,
+    pub metrics: Arc<Metrics>,
+    pub max_body_bytes: usize,
+    pub receive_timeout: Duration,
+    pub profile: Profile,
+    pub started: Instant,
+}
+
+/// The resolved runtime profile reported with every response.
+#[derive(Debug, Clone)]
+pub struct Profile {
+    pub name: String,
+    /// blake3 of the resolved settings, first 16 hex digits.
+    pub digest: String,
+    /// Lossy profiles change arithmetic; `exact` ones never do.
+    pub exact: bool,
+}
+
+impl App {
+    /// The request body, within the size limit and the receive deadline.
+    pub async fn body(&self, req: Request, dialect: Dialect) -> Result<Bytes, ApiError> {
+        let limit = self.max_body_bytes;
+        let read = axum::body::to_bytes(req.into_body(), limit);
+        match tokio::time::timeout(self.receive_timeout, read).await {
+            Err(_) => Err(ApiError::new(
+                Kind::Timeout,
+                format!(
+                    "the request body did not arrive within {:?}",
+                    self.receive_timeout
+                ),
+            )
+            .in_dialect(dialect)),
+            Ok(Err(e)) => {
+                let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&e);
+                let mut too_large = false;
+                while let Some(s) = source {
+                    too_large |= s.is::<http_body_util::LengthLimitError>();
+                    source = s.source();
+                }
+                Err(if too_large {
+                    ApiError::new(
+                        Kind::TooLarge,
+                        format!("the request body is larger than {limit} bytes"),
+                    )
+                } else {
+                    ApiError::invalid("body", format!("reading the request body: {e}"))
+                }
+                .in_dialect(dialect))
+            }
+            Ok(Ok(b)) => Ok(b),
+        }
+    }
+
+    /// Headers naming the checkpoint and profile that produced a response.
+    pub fn provenance(&self, meta: &catalog::ModelMeta, resp: &mut Response) {
+        let h = resp.headers_mut();
+        if let Ok(v) = HeaderValue::from_str(&meta.checkpoint()) {
+            h.insert("x-voom-checkpoint", v);
+        }
+        if let Ok(v) = HeaderValue::from_str(&self.profile.name) {
+            h.insert("x-voom-profile", v);
+        }
+        if let Ok(v) = HeaderValue::from_str(&self.profile.digest) {
+            h.insert("x-voom-profile-digest", v);
+        }
+    }
+
+    /// The `voom` object added to response bodies.
+    pub fn provenance_json(&self, meta: &catalog::ModelMeta) -> serde_json::Value {
+        serde_json::json!({
+            "checkpoint": meta.checkpoint(),
+            "profile": self.profile.name,
+            "profile_digest": self.profile.digest,
+            "exact": self.profile.exact,
+        })
+    }
+}
+
+pub fn router(app: Arc<App>) -> Router {
+    let api = Router::new()
+        .route("/models", get(openai::models))
+        .route("/models/{id}", get(openai::model))
+        .route("/chat/completions", post(openai::chat_completions))
+        .route("/completions", post(openai::completions));
+    Router::new()
+        .nest("/v1", api.clone())
+        .merge(api)
+        .route("/health", get(health))
+        .route("/metrics", get(metrics_text))
+        .fallback(not_found)
+        .layer(middleware::from_fn_with_state(
+            Arc::clone(&app),
+            log_request,
+        ))
+        .with_state(app)
+}
+
+async fn not_found(req: Request) -> ApiError {
+    let dialect = if req.uri().path().ends_with("/messages") {
+        Dialect::Anthropic
+    } else {
+        Dialect::OpenAi
+    };
+    ApiError::new(
+        Kind::NotFound,
+        format!("no route for {} {}", req.method(), req.uri().path()),
+    )
+    .in_dialect(dialect)
+}
+
+/// One log line per request, with its status and time; counted in the metrics.
+async fn log_request(State(app): State<Arc<App>>, req: Request, next: Next) -> Response {
+    let t = Instant::now();
+    let method = req.method().clone();
+    let path = req.uri().path().to_string();
+    let resp = next.run(req).await;
+    let status = resp.status().as_u16();
+    let endpoint = path.strip_prefix("/v1").unwrap_or(&path).to_string();
+    app.metrics.record_request(&endpoint, status);
+    tracing::info!(
+        "{method} {path} {status} {:.1}ms (headers; streams continue)",
+        t.elapsed().as_secs_f64() * 1e3
+    );
+    resp
+}
+
+async fn health(State(app): State<Arc<App>>) -> Response {
+    axum::Json(serde_json::json!({
+        "status": "ok",
+        "profile": app.profile.name,
+        "profile_digest": app.profile.digest,
+        "exact": app.profile.exact,
+        "resident_model": app.worker.resident(),
+        "queue_depth": app.worker.queue_depth(),
+        "models": app.catalog.ids(),
+        "uptime_secs": app.started.elapsed().as_secs_f64(),
+    }))
+    .into_response()
+}
+
+async fn metrics_text(State(app): State<Arc<App>>) -> Response {
+    let body = app.metrics.render(&[]);
+    (
+        StatusCode::OK,
+        [("content-type", "text/plain; version=0.0.4")],
+        body,
+    )
+        .into_response()
+}
+
+pub fn run(a: ServeArgs) -> Result<()> {
+    let models_dir = match &a.models_dir {
+        Some(d) => d.clone(),
+        None => crate::store::models_dir()?,
+    };
+    let metrics = Arc::new(Metrics::default());
+    let worker = Worker::spawn(a.engine.clone(), Arc::clone(&metrics))
+        .context("starting the engine thread")?;
+    let settings = serde_json::json!({
+        "threads": a.engine.threads,
+        "verify": a.engine.verify,
+        "max_context": a.engine.max_context,
+        "prefetch_depth": a.engine.prefetch_depth,
+        "vpaged": a.engine.vpaged,
+    });
+    let profile = Profile {
+        name: "exact".into(),
+        digest: blake3::hash(settings.to_string().as_bytes()).to_hex()[..16].to_string(),
+        exact: true,
+    };
+    let app = Arc::new(App {
+        catalog: Catalog::new(models_dir, a.engine.max_context),
+        worker,
+        metrics,
+        max_body_bytes: a.max_body_bytes,
+        receive_timeout: Duration::from_secs_f64(a.receive_timeout.max(0.001)),
+        profile,
+        started: Instant::now(),
+    });
+    if let Some(m) = &a.preload {
+        app.catalog.get(m).map_err(|e| anyhow::anyhow!("{e}"))?;
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(serve(app, a))
+}
+
+async fn serve(app: Arc<App>, a: ServeArgs) -> Result<()> {
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    let addr: SocketAddr = format!("{}:{}", a.host, a.port)
+        .parse()
+        .or_else(|_| {
+            std::net::ToSocketAddrs::to_socket_addrs(&(a.host.as_str(), a.port))
+                .ok()
+                .and_then(|mut it| it.next())
+                .ok_or(())
+        })
+        .map_err(|_| anyhow::anyhow!("cannot resolve --host {}", a.host))?;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen on {addr}"))?;
+    let local = listener.local_addr()?;
+    eprintln!(
+        "voom serve: listening on http://{local} (models from {}, profile {})",
+        app.catalog.dir().display(),
+        app.profile.name
+    );
+    let router = router(Arc::clone(&app));
+    let receive = app.receive_timeout;
+    let write = Duration::from_secs_f64(a.write_timeout.max(0.001));
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut shutdown = std::pin::pin!(shutdown_signal());
+    loop {
+        let (tcp, _peer) = tokio::select! {
+            r = listener.accept() => match r {
+                Ok(x) => x,
+                Err(e) => {
+                    tracing::warn!("accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = &mut shutdown => break,
+        };
+        let _ = tcp.set_nodelay(true);
+        // A write that makes no progress for `write` fails, dropping the connection
+        // (and with it the request's stream: the engine stops at the next token).
+        let mut io = tokio_io_timeout::TimeoutStream::new(tcp);
+        io.set_write_timeout(Some(write));
+        let io = TokioIo::new(Box::pin(io));
+        let svc = hyper_util::service::TowerToHyperService::new(router.clone());
+        let conn = hyper::server::conn::http1::Builder::new()
+            .timer(TokioTimer::new())
+            .header_read_timeout(receive)
+            .keep_alive(true)
+            .serve_connection(io, svc);
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!("connection ended: {e}");
+            }
+        });
+    }
+    eprintln!("voom serve: shutting down");
+    drop(listener);
+    tokio::select! {
+        _ = graceful.shutdown() => {}
+        _ = tokio::time::sleep(Duration::from_secs(10)) => {
+            eprintln!("voom serve: connections still open after 10 s; exiting");
+        }
+    }
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = async {
+                match term.as_mut() {
+                    Some(t) => { t.recv().await; }
+                    None => std::future::pending::<()>().await,
+                }
+            } => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}

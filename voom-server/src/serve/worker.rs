@@ -1,0 +1,392 @@
+//! The engine worker: one engine resident at a time, on a thread of its own, running
+//! one request at a time in arrival order (a FIFO queue: fair, and a queued request
+//! waits rather than fails). A request for another model swaps the engine.
+//!
+//! A request's output goes back over a channel as text pieces, already cut at its
+//! stop sequences. When the client goes away its receiver is dropped: the next token
+//! notices, generation stops and the engine moves on at once; a request whose client
+//! left while it was queued is skipped.
+
+use std::ops::ControlFlow;
+use std::sync::atomic::Ordering;
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::Instant;
+
+use libvoom::engine::{Engine, FinishReason, GenerateParams};
+use libvoom::text::StreamDecoder;
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::catalog::ModelMeta;
+use super::error::ApiError;
+use super::metrics::Metrics;
+use crate::cli::common::EngineArgs;
+
+/// One generation request, ready for the engine: the prompt is already tokens.
+pub struct Job {
+    pub meta: Arc<ModelMeta>,
+    pub prompt: Vec<u32>,
+    pub params: GenerateParams,
+    /// Stop sequences: generation ends before the first of them, which is not output.
+    pub stop: Vec<String>,
+    pub events: UnboundedSender<Event>,
+    pub enqueued: Instant,
+}
+
+/// Why generation ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Finish {
+    /// The model produced an end-of-sequence token.
+    Eos,
+    /// One of the request's stop sequences appeared (it is not in the text).
+    StopSequence(String),
+    /// The token limit (or the context) was reached.
+    Length,
+}
+
+/// The end of a request that ran.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    pub finish: Finish,
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    /// Every piece sent, concatenated.
+    pub text: String,
+    pub queue_secs: f64,
+    pub prefill_secs: f64,
+    pub decode_secs: f64,
+}
+
+pub enum Event {
+    /// More output text.
+    Text(String),
+    /// The request finished; no events follow.
+    Done(Outcome),
+    /// The request failed; no events follow.
+    Failed(ApiError),
+}
+
+/// Handle to the worker thread.
+pub struct Worker {
+    tx: Mutex<mpsc::Sender<Job>>,
+    metrics: Arc<Metrics>,
+    resident: Arc<Mutex<Option<String>>>,
+}
+
+impl Worker {
+    pub fn spawn(engine_args: EngineArgs, metrics: Arc<Metrics>) -> std::io::Result<Worker> {
+        let (tx, rx) = mpsc::channel::<Job>();
+        let resident = Arc::new(Mutex::new(None));
+        let state = WorkerState {
+            engine_args,
+            engine: None,
+            metrics: Arc::clone(&metrics),
+            resident: Arc::clone(&resident),
+        };
+        std::thread::Builder::new()
+            .name("voom-engine".into())
+            .spawn(move || state.run(rx))?;
+        Ok(Worker {
+            tx: Mutex::new(tx),
+            metrics,
+            resident,
+        })
+    }
+
+    /// Queues a job; its events arrive on `job.events`.
+    pub fn submit(&self, job: Job) -> Result<(), ApiError> {
+        self.metrics.queue_depth.fetch_add(1, Ordering::Relaxed);
+        let tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
+        tx.send(job).map_err(|_| {
+            self.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
+            ApiError::internal("the engine worker has stopped")
+        })
+    }
+
+    /// The model whose engine is resident, if any.
+    pub fn resident(&self) -> Option<String> {
+        self.resident
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    pub fn queue_depth(&self) -> usize {
+        self.metrics.queue_depth.load(Ordering::Relaxed)
+    }
+}
+
+struct WorkerState {
+    engine_args: EngineArgs,
+    engine: Option<Engine>,
+    metrics: Arc<Metrics>,
+    resident: Arc<Mutex<Option<String>>>,
+}
+
+impl WorkerState {
+    fn run(mut self, rx: mpsc::Receiver<Job>) {
+        while let Ok(job) = rx.recv() {
+            self.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
+            if job.events.is_closed() {
+                // The client left while the request was queued.
+                self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            self.metrics.busy.store(1, Ordering::Relaxed);
+            let events = job.events.clone();
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.serve(job)));
+            let event = match r {
+                Ok(Ok(Some(outcome))) => Some(Event::Done(outcome)),
+                Ok(Ok(None)) => None,
+                Ok(Err(e)) => Some(Event::Failed(e)),
+                Err(panic) => {
+                    let what = panic
+                        .downcast_ref::<String>()
+                        .cloned()
+                        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                        .unwrap_or_default();
+                    tracing::error!("the engine panicked: {what}");
+                    // The engine's state is unknown after a panic: load it afresh.
+                    self.engine = None;
+                    *self.resident.lock().unwrap_or_else(|e| e.into_inner()) = None;
+                    Some(Event::Failed(ApiError::internal(format!(
+                        "the engine failed: {what}"
+                    ))))
+                }
+            };
+            if let Some(e) = event {
+                let _ = events.send(e);
+            }
+            self.metrics.busy.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// The engine for `meta`, swapping out another model's.
+    fn engine_for(&mut self, meta: &ModelMeta) -> Result<&Engine, ApiError> {
+        let same = self
+            .engine
+            .as_ref()
+            .is_some_and(|e| e.dir() == meta.dir.as_path());
+        if !same {
+            // Drop the old engine first: one model's pages resident at a time.
+            self.engine = None;
+            *self.resident.lock().unwrap_or_else(|e| e.into_inner()) = None;
+            let t = Instant::now();
+            let e = crate::cli::common::open_engine(&meta.dir, &self.engine_args).map_err(|e| {
+                ApiError::internal(format!("cannot load model '{}': {e:#}", meta.id))
+            })?;
+            tracing::info!(
+                "loaded model {} in {:.2}s ({})",
+                meta.id,
+                t.elapsed().as_secs_f64(),
+                e.source().describe()
+            );
+            self.metrics.model_loads.fetch_add(1, Ordering::Relaxed);
+            self.engine = Some(e);
+            *self.resident.lock().unwrap_or_else(|e| e.into_inner()) = Some(meta.id.clone());
+        }
+        Ok(self.engine.as_ref().expect("set above"))
+    }
+
+    /// Runs one job. `Ok(None)`: the client went away.
+    fn serve(&mut self, job: Job) -> Result<Option<Outcome>, ApiError> {
+        let started = Instant::now();
+        let queue_secs = (started - job.enqueued).as_secs_f64();
+        let engine = self.engine_for(&job.meta)?;
+        let tok = engine.tokenizer().ok_or_else(|| {
+            ApiError::internal(format!("model '{}' has no tokenizer.json", job.meta.id))
+        })?;
+        let eos = engine.eos_ids().to_vec();
+        let mut dec = StreamDecoder::new(tok, true);
+        let mut out = StopScanner::new(&job.stop);
+        let mut text = String::new();
+        let mut gone = false;
+        let mut failure = None;
+        let send = |piece: &str, text: &mut String| -> bool {
+            if piece.is_empty() {
+                return true;
+            }
+            text.push_str(piece);
+            job.events.send(Event::Text(piece.to_string())).is_ok()
+        };
+        let g = engine
+            .generate(&job.prompt, &job.params, &mut |id| {
+                if eos.contains(&id) && !job.params.ignore_eos {
+                    return ControlFlow::Continue(());
+                }
+                let piece = match dec.push(id) {
+                    Ok(p) => p,
+                    Err(e) => {
+                        failure = Some(ApiError::internal(format!("detokenizing: {e}")));
+                        return ControlFlow::Break(());
+                    }
+                };
+                let (emit, stopped) = out.push(&piece);
+                if !send(&emit, &mut text) {
+                    gone = true;
+                    return ControlFlow::Break(());
+                }
+                if stopped {
+                    ControlFlow::Break(())
+                } else {
+                    ControlFlow::Continue(())
+                }
+            })
+            .map_err(|e| ApiError::internal(format!("generation failed: {e}")))?;
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        if gone {
+            self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+            return Ok(None);
+        }
+        let finish = match &out.stopped {
+            Some(s) => Finish::StopSequence(s.clone()),
+            None => {
+                let rest = dec
+                    .finish()
+                    .map_err(|e| ApiError::internal(format!("detokenizing: {e}")))?;
+                let (emit, _) = out.push(&rest);
+                let tail = if out.stopped.is_some() {
+                    emit
+                } else {
+                    emit + &out.flush()
+                };
+                if !send(&tail, &mut text) {
+                    self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+                    return Ok(None);
+                }
+                match (&out.stopped, g.finish) {
+                    (Some(s), _) => Finish::StopSequence(s.clone()),
+                    (None, FinishReason::Eos) => Finish::Eos,
+                    (None, _) => Finish::Length,
+                }
+            }
+        };
+        self.metrics
+            .record_generation(g.prompt_tokens, g.ids.len(), g.prefill_secs, g.decode_secs);
+        Ok(Some(Outcome {
+            finish,
+            prompt_tokens: g.prompt_tokens,
+            completion_tokens: g.ids.len(),
+            text,
+            queue_secs,
+            prefill_secs: g.prefill_secs,
+            decode_secs: g.decode_secs,
+        }))
+    }
+}
+
+/// Cuts streamed text at the first stop sequence. Text that could be the start of a
+/// stop sequence is held back until it is known not to be one.
+pub struct StopScanner {
+    stops: Vec<String>,
+    pending: String,
+    pub stopped: Option<String>,
+}
+
+impl StopScanner {
+    pub fn new(stops: &[String]) -> Self {
+        StopScanner {
+            stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(),
+            pending: String::new(),
+            stopped: None,
+        }
+    }
+
+    /// Adds text; returns what may be output now and whether a stop sequence ended it.
+    pub fn push(&mut self, piece: &str) -> (String, bool) {
+        if self.stopped.is_some() {
+            return (String::new(), true);
+        }
+        self.pending.push_str(piece);
+        if self.stops.is_empty() {
+            return (std::mem::take(&mut self.pending), false);
+        }
+        // The earliest match wins; among matches at one position, the longest.
+        let mut best: Option<(usize, &String)> = None;
+        for s in &self.stops {
+            if let Some(i) = self.pending.find(s.as_str()) {
+                let better = match best {
+                    None => true,
+                    Some((j, t)) => i < j || (i == j && s.len() > t.len()),
+                };
+                if better {
+                    best = Some((i, s));
+                }
+            }
+        }
+        if let Some((i, s)) = best {
+            let out = self.pending[..i].to_string();
+            self.stopped = Some(s.clone());
+            self.pending.clear();
+            return (out, true);
+        }
+        // Hold back the longest suffix that is a proper prefix of a stop sequence.
+        let mut keep = 0;
+        for s in &self.stops {
+            for (k, _) in s.char_indices().skip(1) {
+                if k > keep && self.pending.ends_with(&s[..k]) {
+                    keep = k;
+                }
+            }
+        }
+        let cut = self.pending.len() - keep;
+        let out = self.pending[..cut].to_string();
+        self.pending.drain(..cut);
+        (out, false)
+    }
+
+    /// The held-back text, once the output has ended without a stop.
+    pub fn flush(&mut self) -> String {
+        std::mem::take(&mut self.pending)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(stops: &[&str], pieces: &[&str]) -> (String, Option<String>) {
+        let stops: Vec<String> = stops.iter().map(|s| s.to_string()).collect();
+        let mut s = StopScanner::new(&stops);
+        let mut out = String::new();
+        for p in pieces {
+            let (o, stop) = s.push(p);
+            out += &o;
+            if stop {
+                return (out, s.stopped);
+            }
+        }
+        out += &s.flush();
+        (out, None)
+    }
+
+    #[test]
+    fn stops_across_pieces_and_holds_back_only_possible_prefixes() {
+        assert_eq!(
+            run(&["END"], &["Hello E", "N", "D world"]),
+            ("Hello ".into(), Some("END".into()))
+        );
+        assert_eq!(
+            run(&["END"], &["Hello E", "nd"]),
+            ("Hello End".into(), None)
+        );
+        assert_eq!(run(&[], &["a", "b"]), ("ab".into(), None));
+        // The earliest stop wins.
+        assert_eq!(run(&["b", "a"], &["xab"]), ("x".into(), Some("a".into())));
+        // Multi-byte text is never split.
+        assert_eq!(run(&["éé"], &["aé", "b"]), ("aéb".into(), None));
+        assert_eq!(
+            run(&["\n\n"], &["one\n", "\ntwo"]),
+            ("one".into(), Some("\n\n".into()))
+        );
+    }
+
+    #[test]
+    fn held_back_text_is_released_as_soon_as_it_cannot_match() {
+        let stops = vec!["STOP".to_string()];
+        let mut s = StopScanner::new(&stops);
+        assert_eq!(s.push("go ST"), ("go ".to_string(), false));
+        assert_eq!(s.push("x"), ("STx".to_string(), false));
+    }
+}
