@@ -22,6 +22,9 @@ pub enum VoomError {
         tensor: String,
         detail: String,
     },
+    /// Constrained decoding failed (a grammar that allows nothing, a matcher error).
+    #[error(transparent)]
+    Constrain(#[from] crate::constrain::ConstrainError),
     /// A request the engine cannot serve (prompt too long, empty prompt, bad ids...).
     #[error("{0}")]
     Request(String),

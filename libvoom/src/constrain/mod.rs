@@ -58,12 +58,6 @@ fn at_suffix(at: &Option<String>) -> String {
     }
 }
 
-impl From<ConstrainError> for crate::VoomError {
-    fn from(e: ConstrainError) -> Self {
-        crate::VoomError::Request(e.to_string())
-    }
-}
-
 /// The set of token ids allowed next, a bitmask over the model's vocabulary (the
 /// width of its logits, which can exceed the tokenizer's size). Bit `i` is bit
 /// `i % 32` of word `i / 32`, the layout of llguidance's `SimpleVob`. Ids at or past
