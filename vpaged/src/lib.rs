@@ -21,6 +21,7 @@ pub mod loader;
 pub mod protocol;
 pub mod source;
 pub mod store;
+pub(crate) mod sync;
 pub mod tier;
 
 pub use embedded::{EmbeddedStore, VerifyMode};

@@ -9,7 +9,9 @@
 
 use std::any::Any;
 use std::error::Error;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
+
+use crate::sync::{Condvar, Mutex};
 
 use super::{CacheError, PageKey};
 

@@ -26,7 +26,9 @@ pub mod slots;
 use std::collections::{HashMap, HashSet};
 use std::error::Error;
 use std::fmt;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
+
+use crate::sync::{Mutex, MutexGuard};
 
 use crate::arena::{Arena, SLOT_ALIGN};
 use eviction::{Policy, Region};
