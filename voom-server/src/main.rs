@@ -2,10 +2,11 @@
 //!
 //! One-shot commands compose the engine (libvoom) with the embedded page store:
 //! `voom run MODEL [PROMPT]`, `voom generate`, `voom pull`, `voom import`, `voom list`,
-//! and `voom serve`, the HTTP server.
+//! `voom profiles`, and `voom serve`, the HTTP server.
 
 mod cli;
 mod memory;
+mod profile;
 mod registry;
 mod serve;
 mod store;
@@ -40,6 +41,8 @@ enum Command {
     Bench(cli::bench::BenchArgs),
     /// Serve the models over OpenAI- and Anthropic-compatible HTTP APIs.
     Serve(serve::ServeArgs),
+    /// List the runtime profiles, or show how one resolves.
+    Profiles(cli::profiles::ProfilesArgs),
 }
 
 fn main() {
@@ -59,6 +62,7 @@ fn main() {
         Command::List(a) => cli::list::run(a),
         Command::Bench(a) => cli::bench::run(a),
         Command::Serve(a) => serve::run(a),
+        Command::Profiles(a) => cli::profiles::run(a),
     };
     if let Err(e) = r {
         eprintln!("voom: error: {e:#}");

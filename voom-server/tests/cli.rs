@@ -80,7 +80,8 @@ fn generate_json_gives_transformers_ids() {
             "length"
         }
     );
-    assert_eq!(j["profile"], "exact");
+    assert_eq!(j["profile"], "default");
+    assert_eq!(j["exact"], true);
     assert!(j["timing"]["decode_tokens_per_sec"].as_f64().unwrap() >= 0.0);
 }
 
@@ -454,9 +455,12 @@ fn two_engines_on_one_daemon_cost_one_copy_of_the_weights() {
             private < weights / 2,
             "private memory {private} must stay well below the weights {weights}: {m}"
         );
-        let embedded_private = em["private_bytes"].as_u64().unwrap();
+        // The embedded engine maps the checkpoint itself: its resident set holds the
+        // weights (its private figure would drop if another test mapped the same
+        // files at the same moment, so compare against its resident set).
+        let embedded_rss = em["rss_bytes"].as_u64().unwrap();
         assert!(
-            private + weights * 8 / 10 < embedded_private,
+            private + weights * 8 / 10 < embedded_rss,
             "through the daemon, about one copy of the weights less than embedded: {m} vs {em}"
         );
     }

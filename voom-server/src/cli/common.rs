@@ -4,25 +4,38 @@
 use std::io::Write;
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use libvoom::engine::{Engine, EngineOptions, GenerateParams, Generation};
 use libvoom::sampler::SamplingParams;
 use libvoom::text::StreamDecoder;
-use vpaged::VerifyMode;
+use vpaged::store::{Store, StoreConfig, StoreSource};
 
+use crate::profile::{self, Overrides, ProfileDirs, Resolved, Settings, Verify};
 use crate::store;
 
+/// Engine settings. The profile's values apply where neither a flag nor its `VOOM_*`
+/// variable is given (see [`crate::profile`]); defaults below are the built-in ones.
 #[derive(Args, Debug, Clone)]
 pub struct EngineArgs {
-    /// Compute threads (default: all cores).
-    #[arg(long, env = "VOOM_THREADS", default_value_t = 0)]
-    pub threads: usize,
-    /// Verify pages against the manifest: off, first-use or eager.
-    #[arg(long, env = "VOOM_VERIFY", default_value = "first-use")]
-    pub verify: String,
-    /// Longest context (prompt + generated) in tokens.
+    /// Runtime profile: a name (profiles/NAME.yaml) or the path of a YAML file.
+    #[arg(long, env = "VOOM_PROFILE", default_value = profile::DEFAULT_PROFILE)]
+    pub profile: String,
+    /// Directory of profiles (default: $VOOM_HOME/profiles when it exists; the
+    /// shipped profiles are always available).
+    #[arg(long, env = "VOOM_PROFILES_DIR")]
+    pub profiles_dir: Option<PathBuf>,
+    /// Compute threads, 0 for all cores [env: VOOM_THREADS] [default: 0].
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Verify pages against the manifest: off, first-use or eager [env: VOOM_VERIFY]
+    /// [default: first-use].
+    #[arg(long)]
+    pub verify: Option<Verify>,
+    /// Longest context (prompt + generated) in tokens [env: VOOM_MAX_CONTEXT]
+    /// [default: the model's].
     #[arg(long)]
     pub max_context: Option<usize>,
     /// Get pages from the vpaged daemon at this socket instead of the embedded store.
@@ -31,26 +44,89 @@ pub struct EngineArgs {
     /// If the daemon cannot be reached, use the embedded store (with a warning).
     #[arg(long, env = "VOOM_VPAGED_FALLBACK")]
     pub vpaged_fallback: bool,
-    /// Decoder layers hinted to the page source ahead of the one computing (0: off).
-    #[arg(long, env = "VOOM_PREFETCH_DEPTH", default_value_t = 1)]
-    pub prefetch_depth: usize,
+    /// Decoder layers hinted to the page source ahead of the one computing, 0 for off
+    /// [env: VOOM_PREFETCH_DEPTH] [default: 1].
+    #[arg(long)]
+    pub prefetch_depth: Option<usize>,
+    /// Bytes of an in-process page cache for the weights, e.g. 4GiB (needs the model's
+    /// page manifest) [env: VOOM_CACHE_BUDGET] [default: none: the memory-mapped store].
+    #[arg(long, value_parser = profile::parse_size)]
+    pub cache_budget: Option<u64>,
+    /// Keep the first N decoder layers resident in the page cache
+    /// [env: VOOM_PIN_FIRST_LAYERS] [default: 0].
+    #[arg(long)]
+    pub pin_first_layers: Option<u32>,
+    /// Keep the last N decoder layers resident in the page cache
+    /// [env: VOOM_PIN_LAST_LAYERS] [default: 0].
+    #[arg(long)]
+    pub pin_last_layers: Option<u32>,
+    /// Bytes of KV cache, e.g. 512MiB; bounds the context [env: VOOM_KV_BUDGET]
+    /// [default: none].
+    #[arg(long, value_parser = profile::parse_size)]
+    pub kv_budget: Option<u64>,
+    /// The profile resolved once for a long-lived process (the server), so every
+    /// engine it opens uses, and reports, the same settings.
+    #[arg(skip)]
+    pub resolved: Option<Arc<Resolved>>,
 }
 
+/// The profile of the engine most recently opened by [`open_engine`], which
+/// [`result_json`] reports (one-shot commands open one engine).
+static OPENED_PROFILE: Mutex<Option<Arc<Resolved>>> = Mutex::new(None);
+
 impl EngineArgs {
-    pub fn options(&self) -> Result<EngineOptions> {
-        let verify = match self.verify.as_str() {
-            "off" => VerifyMode::Off,
-            "first-use" => VerifyMode::FirstUse,
-            "eager" => VerifyMode::Eager,
-            other => bail!("--verify must be off, first-use or eager, not '{other}'"),
-        };
-        Ok(EngineOptions {
-            threads: self.threads,
-            verify,
-            max_context: self.max_context,
+    /// The values given by flags.
+    pub fn flag_overrides(&self) -> Overrides {
+        Overrides {
+            cache_budget: self.cache_budget,
+            pin_first_layers: self.pin_first_layers,
+            pin_last_layers: self.pin_last_layers,
             prefetch_depth: self.prefetch_depth,
+            kv_budget: self.kv_budget,
+            max_context: self.max_context,
+            threads: self.threads,
+            verify: self.verify,
+        }
+    }
+
+    /// Where profiles are looked up.
+    pub fn profile_dirs(&self) -> Result<ProfileDirs> {
+        let home = crate::store::voom_home().ok().map(|h| h.join("profiles"));
+        Ok(ProfileDirs::new(self.profiles_dir.clone(), home)?)
+    }
+
+    /// The profile with flags and environment applied (the pinned one, if any).
+    pub fn resolve(&self) -> Result<Arc<Resolved>> {
+        if let Some(r) = &self.resolved {
+            return Ok(Arc::clone(r));
+        }
+        let env = Overrides::from_env(&|k| std::env::var(k).ok())?;
+        let r = profile::resolve(
+            &self.profile_dirs()?,
+            &self.profile,
+            &self.flag_overrides(),
+            &env,
+        )?;
+        Ok(Arc::new(r))
+    }
+
+    /// Resolves the profile once and keeps it for every later [`open_engine`].
+    pub fn pin_profile(&mut self) -> Result<Arc<Resolved>> {
+        let r = self.resolve()?;
+        self.resolved = Some(Arc::clone(&r));
+        Ok(r)
+    }
+
+    /// Engine options from resolved settings, with `max_context` for the model
+    /// (bounded by the KV budget).
+    pub fn options(settings: &Settings, max_context: Option<usize>) -> EngineOptions {
+        EngineOptions {
+            threads: settings.threads,
+            verify: settings.verify.mode(),
+            max_context,
+            prefetch_depth: settings.prefetch_depth,
             ..EngineOptions::default()
-        })
+        }
     }
 }
 
@@ -123,15 +199,37 @@ pub fn resolve_model(model: &str, pull_missing: bool) -> Result<PathBuf> {
     )
 }
 
+/// Opens the engine for the model in `dir` with the resolved profile: over the
+/// vpaged daemon (`--vpaged`), over an in-process page cache (`cache_budget`), or
+/// over the embedded memory-mapped store. None of these changes results.
 pub fn open_engine(dir: &Path, args: &EngineArgs) -> Result<Engine> {
-    let opts = args.options()?;
+    let resolved = args.resolve()?;
+    let s = &resolved.settings;
+    let max_context = match s.kv_budget {
+        Some(_) => {
+            let cfg = libvoom::config::ModelConfig::from_dir(dir)
+                .with_context(|| format!("opening model {}", dir.display()))?;
+            s.max_context_for(&cfg)
+                .with_context(|| format!("profile {} for model {}", resolved.name, dir.display()))?
+        }
+        None => s.max_context,
+    };
+    let opts = EngineArgs::options(s, max_context);
+    *OPENED_PROFILE.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::clone(&resolved));
+    let pins = s.pin_first_layers > 0 || s.pin_last_layers > 0;
     if let Some(socket) = &args.vpaged {
         let source = vpaged::client::DaemonClient::connect(socket, "voom")
             .and_then(|c| vpaged::client::DaemonSource::open(c, dir));
         match source {
             Ok(src) => {
-                return Engine::with_source(dir, std::sync::Arc::new(src), opts)
-                    .with_context(|| format!("opening model {}", dir.display()))
+                if s.cache_budget.is_some() || pins {
+                    eprintln!(
+                        "voom: warning: the vpaged daemon's own cache budget and pins apply; \
+                         the profile's cache_budget/pin_*_layers are ignored"
+                    );
+                }
+                return Engine::with_source(dir, Arc::new(src), opts)
+                    .with_context(|| format!("opening model {}", dir.display()));
             }
             Err(e) if args.vpaged_fallback => {
                 eprintln!("voom: warning: {e}; using the embedded store");
@@ -141,6 +239,41 @@ pub fn open_engine(dir: &Path, args: &EngineArgs) -> Result<Engine> {
                     .with_context(|| format!("opening model {} through vpaged", dir.display()))
             }
         }
+    }
+    if let Some(budget) = s.cache_budget {
+        if dir.join(voom_formats::manifest::MANIFEST_FILE).is_file() {
+            let cache_bytes = usize::try_from(budget)
+                .with_context(|| format!("cache_budget {budget} does not fit this machine"))?;
+            let store = Store::new(StoreConfig {
+                cache_bytes,
+                pin_first_layers: s.pin_first_layers,
+                pin_last_layers: s.pin_last_layers,
+                ..StoreConfig::default()
+            })
+            .with_context(|| {
+                format!(
+                    "creating the {} page cache of profile {}",
+                    profile::format_size(budget),
+                    resolved.name
+                )
+            })?;
+            let src = StoreSource::open(store, dir)
+                .with_context(|| format!("opening model {} in the page cache", dir.display()))?;
+            return Engine::with_source(dir, Arc::new(src), opts)
+                .with_context(|| format!("opening model {}", dir.display()));
+        }
+        eprintln!(
+            "voom: warning: {} has no page manifest ({}), which a page cache needs \
+             (`vpagectl hash` writes it); cache_budget is ignored and the weights are \
+             read through the memory-mapped store",
+            dir.display(),
+            voom_formats::manifest::MANIFEST_FILE
+        );
+    } else if pins {
+        eprintln!(
+            "voom: warning: pin_first_layers/pin_last_layers apply only with a cache_budget; \
+             ignored"
+        );
     }
     Engine::open(dir, opts).with_context(|| format!("opening model {}", dir.display()))
 }
@@ -225,9 +358,15 @@ pub fn result_json(
     g: &Generation,
     text: &str,
 ) -> serde_json::Value {
+    let profile = OPENED_PROFILE
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
     serde_json::json!({
         "model": engine.name(),
-        "profile": "exact",
+        "profile": profile.as_ref().map(|p| p.name.as_str()),
+        "profile_digest": profile.as_ref().map(|p| p.digest.as_str()),
+        "exact": true,
         "page_source": engine.source().describe(),
         "prompt_ids": prompt_ids,
         "ids": g.ids,

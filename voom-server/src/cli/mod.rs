@@ -4,5 +4,6 @@ pub mod bench;
 pub mod common;
 pub mod generate;
 pub mod list;
+pub mod profiles;
 pub mod pull;
 pub mod run;

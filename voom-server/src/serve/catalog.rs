@@ -10,6 +10,7 @@ use libvoom::config::ModelConfig;
 use libvoom::text::Tokenizer;
 
 use super::error::{ApiError, Kind};
+use crate::profile::{self, Settings};
 
 /// What a request needs to know of a model without loading its weights.
 pub struct ModelMeta {
@@ -27,9 +28,9 @@ pub struct ModelMeta {
     pub sampling_defaults: SamplingDefaults,
 }
 
-/// Defaults for sampling fields a request leaves out: the model's
-/// generation_config.json where it sets them (as vLLM does), else the OpenAI API's
-/// (temperature 1, top_p 1, no top-k).
+/// Defaults for sampling fields a request leaves out, field by field: the profile's
+/// `sampling`, else the model's generation_config.json where it sets them (as vLLM
+/// does), else the OpenAI API's (temperature 1, top_p 1, no top-k).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SamplingDefaults {
     pub temperature: f64,
@@ -38,15 +39,22 @@ pub struct SamplingDefaults {
 }
 
 impl SamplingDefaults {
-    pub fn from_generation_config(dir: &Path) -> Self {
+    /// `profile`'s values over the model's generation_config.json over the API's.
+    pub fn resolve(profile: &profile::Sampling, dir: &Path) -> Self {
         let v: serde_json::Value = std::fs::read(dir.join("generation_config.json"))
             .ok()
             .and_then(|b| serde_json::from_slice(&b).ok())
             .unwrap_or_default();
         SamplingDefaults {
-            temperature: v["temperature"].as_f64().unwrap_or(1.0),
-            top_p: v["top_p"].as_f64().unwrap_or(1.0),
-            top_k: v["top_k"].as_u64().map_or(0, |k| k as usize),
+            temperature: profile
+                .temperature
+                .or(v["temperature"].as_f64())
+                .unwrap_or(1.0),
+            top_p: profile.top_p.or(v["top_p"].as_f64()).unwrap_or(1.0),
+            top_k: profile
+                .top_k
+                .or(v["top_k"].as_u64().map(|k| k as usize))
+                .unwrap_or(0),
         }
     }
 }
@@ -60,15 +68,16 @@ impl ModelMeta {
 
 pub struct Catalog {
     dir: PathBuf,
-    max_context: Option<usize>,
+    /// The resolved profile's settings: context limits and sampling defaults.
+    settings: Settings,
     loaded: Mutex<HashMap<String, Arc<ModelMeta>>>,
 }
 
 impl Catalog {
-    pub fn new(dir: PathBuf, max_context: Option<usize>) -> Self {
+    pub fn new(dir: PathBuf, settings: Settings) -> Self {
         Catalog {
             dir,
-            max_context,
+            settings,
             loaded: Mutex::new(HashMap::new()),
         }
     }
@@ -139,6 +148,8 @@ impl Catalog {
             ApiError::internal(format!("model '{id}' cannot be used: {e}"))
         };
         let cfg = ModelConfig::from_dir(dir).map_err(|e| bad(&e))?;
+        // The same limit the engine gets (cli::common::open_engine).
+        let max_context = self.settings.max_context_for(&cfg).map_err(|e| bad(&e))?;
         let tokenizer = if dir.join("tokenizer.json").is_file() {
             Some(Tokenizer::from_dir(dir).map_err(|e| bad(&e))?)
         } else {
@@ -157,13 +168,94 @@ impl Catalog {
             id: id.to_string(),
             dir: dir.to_path_buf(),
             tokenizer,
-            max_context: self
-                .max_context
+            max_context: max_context
                 .unwrap_or(usize::MAX)
                 .min(cfg.max_position_embeddings),
             checkpoint_digest: digest,
             created,
-            sampling_defaults: SamplingDefaults::from_generation_config(dir),
+            sampling_defaults: SamplingDefaults::resolve(&self.settings.sampling, dir),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sampling_defaults_take_profile_then_generation_config_then_api() {
+        let d = tempfile::tempdir().unwrap();
+        // No generation_config.json: the API's defaults.
+        let none = profile::Sampling::default();
+        assert_eq!(
+            SamplingDefaults::resolve(&none, d.path()),
+            SamplingDefaults {
+                temperature: 1.0,
+                top_p: 1.0,
+                top_k: 0
+            }
+        );
+        std::fs::write(
+            d.path().join("generation_config.json"),
+            r#"{"temperature": 0.6, "top_p": 0.9}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            SamplingDefaults::resolve(&none, d.path()),
+            SamplingDefaults {
+                temperature: 0.6,
+                top_p: 0.9,
+                top_k: 0
+            }
+        );
+        // The profile's values win field by field.
+        let p = profile::Sampling {
+            temperature: Some(0.0),
+            top_p: None,
+            top_k: Some(40),
+        };
+        assert_eq!(
+            SamplingDefaults::resolve(&p, d.path()),
+            SamplingDefaults {
+                temperature: 0.0,
+                top_p: 0.9,
+                top_k: 40
+            }
+        );
+    }
+
+    #[test]
+    fn the_kv_budget_bounds_a_models_context() {
+        let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures");
+        let models = tempfile::tempdir().unwrap();
+        let src = fixture.join("tiny/llama_gqa_untied");
+        let dst = models.path().join("tiny");
+        std::fs::create_dir(&dst).unwrap();
+        for f in ["config.json", "model.safetensors"] {
+            std::fs::copy(src.join(f), dst.join(f)).unwrap();
+        }
+        let cfg = ModelConfig::from_dir(&dst).unwrap();
+        let per = (cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4) as u64;
+        let settings = Settings {
+            kv_budget: Some(per * 10 + per / 2),
+            ..Settings::default()
+        };
+        let meta = Catalog::new(models.path().to_path_buf(), settings)
+            .get("tiny")
+            .unwrap();
+        assert_eq!(meta.max_context, 10);
+        let meta = Catalog::new(models.path().to_path_buf(), Settings::default())
+            .get("tiny")
+            .unwrap();
+        assert_eq!(meta.max_context, cfg.max_position_embeddings);
+        // A budget below one position makes the model unusable, with a reason.
+        let settings = Settings {
+            kv_budget: Some(per - 1),
+            ..Settings::default()
+        };
+        let Err(e) = Catalog::new(models.path().to_path_buf(), settings).get("tiny") else {
+            panic!("a kv_budget below one position was accepted");
+        };
+        assert!(format!("{e:?}").contains("kv_budget"), "{e:?}");
     }
 }

@@ -3,21 +3,27 @@
 //!
 //! Layout: [`catalog`] (the models one can ask for), [`worker`] (the one resident
 //! engine and its FIFO queue), [`request`] (reading bodies field by field), [`error`]
-//! (errors in each dialect), [`stream`] (SSE), [`metrics`], and one module per API:
-//! [`openai`] (chat completions, completions, models).
+//! (errors in each dialect), [`stream`] (SSE), [`metrics`], [`prepare`] (model,
+//! template, tokens, context check, grammar), [`tools`] (tool calls: rendering,
+//! forcing by grammar, parsing), and one module per API: [`openai`] (chat
+//! completions, completions, models), [`anthropic`] (Messages), [`responses`]
+//! (OpenAI Responses).
 //!
 //! Connections: a request's headers and body must arrive within the receive deadline
 //! and bodies are bounded; every write to a client must progress within the write
 //! deadline, so a stalled client cannot hold the engine (its request is cancelled
 //! when its connection is dropped).
 
+pub mod anthropic;
 pub mod catalog;
 pub mod error;
 pub mod metrics;
 pub mod openai;
 pub mod prepare;
 pub mod request;
+pub mod responses;
 pub mod stream;
+pub mod tools;
 pub mod worker;
 
 use std::net::SocketAddr;
@@ -87,6 +93,8 @@ pub struct Profile {
     pub digest: String,
     /// Lossy profiles change arithmetic; `exact` ones never do.
     pub exact: bool,
+    /// The resolved settings (crate::profile::Settings as JSON).
+    pub settings: serde_json::Value,
 }
 
 impl App {
@@ -154,7 +162,9 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/models", get(openai::models))
         .route("/models/{id}", get(openai::model))
         .route("/chat/completions", post(openai::chat_completions))
-        .route("/completions", post(openai::completions));
+        .route("/completions", post(openai::completions))
+        .route("/messages", post(anthropic::messages))
+        .route("/responses", post(responses::responses));
     Router::new()
         .nest("/v1", api.clone())
         .merge(api)
@@ -202,6 +212,7 @@ async fn health(State(app): State<Arc<App>>) -> Response {
         "status": "ok",
         "profile": app.profile.name,
         "profile_digest": app.profile.digest,
+        "profile_settings": app.profile.settings,
         "exact": app.profile.exact,
         "resident_model": app.worker.resident(),
         "queue_depth": app.worker.queue_depth(),
@@ -221,28 +232,31 @@ async fn metrics_text(State(app): State<Arc<App>>) -> Response {
         .into_response()
 }
 
-pub fn run(a: ServeArgs) -> Result<()> {
+pub fn run(mut a: ServeArgs) -> Result<()> {
     let models_dir = match &a.models_dir {
         Some(d) => d.clone(),
         None => crate::store::models_dir()?,
     };
     let metrics = Arc::new(Metrics::default());
+    // Resolved once (flag > env > profile > default): every engine the worker opens
+    // uses, and every response reports, these settings.
+    let resolved = a.engine.pin_profile()?;
     let worker = Worker::spawn(a.engine.clone(), Arc::clone(&metrics))
         .context("starting the engine thread")?;
-    let settings = serde_json::json!({
-        "threads": a.engine.threads,
-        "verify": a.engine.verify,
-        "max_context": a.engine.max_context,
-        "prefetch_depth": a.engine.prefetch_depth,
-        "vpaged": a.engine.vpaged,
-    });
     let profile = Profile {
-        name: "exact".into(),
-        digest: blake3::hash(settings.to_string().as_bytes()).to_hex()[..16].to_string(),
-        exact: true,
+        name: resolved.name.clone(),
+        digest: resolved.digest.clone(),
+        exact: resolved.settings.exact,
+        settings: resolved.settings_json(),
     };
+    tracing::info!(
+        "profile {} (digest {}): {}",
+        profile.name,
+        profile.digest,
+        profile.settings
+    );
     let app = Arc::new(App {
-        catalog: Catalog::new(models_dir, a.engine.max_context),
+        catalog: Catalog::new(models_dir, resolved.settings.clone()),
         worker,
         metrics,
         max_body_bytes: a.max_body_bytes,

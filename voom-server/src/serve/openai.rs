@@ -1,5 +1,12 @@
 //! OpenAI's API: `GET /v1/models`, `POST /v1/chat/completions`, `POST
 //! /v1/completions`, streaming (SSE, `data: [DONE]` at the end) and not.
+//!
+//! Chat completions take `tools` (function tools), `tool_choice` (none, auto,
+//! required, a named function), `parallel_tool_calls` and `response_format` (text,
+//! json_object, json_schema); completions take `response_format` too. Calls come
+//! back as `message.tool_calls` (arguments as a JSON string, content null when the
+//! output is only calls) with finish_reason "tool_calls". Streaming with tools sends
+//! the text and the calls once generation has ended (the calls are known only then).
 
 use std::sync::Arc;
 
@@ -11,8 +18,12 @@ use serde_json::{json, Value};
 
 use super::error::{ApiError, Dialect};
 use super::prepare::{self, blocking, new_id, now, Prompt, Sampling};
-use super::request::{kind, Body};
+use super::request::{kind, wrong, Body};
 use super::stream;
+use super::tools::{
+    empty_parameters, history_arguments, ResponseFormat, ToolCall, ToolChoice, ToolRequest,
+    ToolSpec,
+};
 use super::worker::{Event, Finish, Outcome};
 use super::App;
 
@@ -77,25 +88,188 @@ fn refuse_unsupported(b: &Body) -> Result<(), ApiError> {
     b.refuse("audio", &[], "text only")?;
     b.refuse("prediction", &[], "predicted outputs are not supported")?;
     b.refuse("modalities", &[json!(["text"])], "text only")?;
-    b.refuse(
-        "tools",
-        &[json!([])],
-        "tool calls are not available in this version",
-    )?;
-    b.refuse(
-        "tool_choice",
-        &["none".into(), "auto".into()],
-        "tool calls are not available in this version",
-    )?;
-    if let Some(rf) = b.get("response_format") {
-        if rf.get("type").and_then(Value::as_str) != Some("text") {
+    Ok(())
+}
+
+/// `tools`, `tool_choice` and `parallel_tool_calls` of a chat request. None when no
+/// tools are offered (a choice of none or auto without tools is allowed, as OpenAI
+/// allows it).
+fn tool_request(b: &Body) -> Result<Option<ToolRequest>, ApiError> {
+    let parallel = b.bool("parallel_tool_calls")?.unwrap_or(true);
+    let choice = match b.get("tool_choice") {
+        None => None,
+        Some(Value::String(s)) => Some(match s.as_str() {
+            "none" => ToolChoice::None,
+            "auto" => ToolChoice::Auto,
+            "required" => ToolChoice::Required,
+            other => {
+                return Err(ApiError::invalid(
+                    "tool_choice",
+                    format!("unknown tool_choice '{other}' (none, auto, required, or {{\"type\": \"function\", \"function\": {{\"name\": ...}}}})"),
+                ))
+            }
+        }),
+        Some(Value::Object(o)) => {
+            match o.get("type") {
+                Some(Value::String(t)) if t == "function" => {}
+                _ => {
+                    return Err(ApiError::invalid(
+                        "tool_choice.type",
+                        "a tool_choice object must have type 'function'",
+                    ))
+                }
+            }
+            match o.get("function").and_then(|f| f.get("name")) {
+                Some(Value::String(n)) => Some(ToolChoice::Named(n.clone())),
+                _ => {
+                    return Err(ApiError::invalid(
+                        "tool_choice.function.name",
+                        "a tool_choice object needs function.name, a string",
+                    ))
+                }
+            }
+        }
+        Some(v) => return Err(wrong("tool_choice", "a string or an object", v)),
+    };
+    let list = match b.get("tools") {
+        None => vec![],
+        Some(Value::Array(a)) => a.clone(),
+        Some(v) => return Err(wrong("tools", "an array", v)),
+    };
+    let mut tools = Vec::with_capacity(list.len());
+    for (i, t) in list.iter().enumerate() {
+        let at = |f: &str| format!("tools[{i}].{f}");
+        let Value::Object(o) = t else {
+            return Err(wrong(&format!("tools[{i}]"), "an object", t));
+        };
+        match o.get("type") {
+            Some(Value::String(ty)) if ty == "function" => {}
+            Some(Value::String(ty)) => {
+                return Err(ApiError::invalid(
+                    &at("type"),
+                    format!("tools of type '{ty}' are not supported: only 'function'"),
+                ))
+            }
+            _ => {
+                return Err(ApiError::invalid(
+                    &at("type"),
+                    "each tool needs type 'function'",
+                ))
+            }
+        }
+        let Some(Value::Object(f)) = o.get("function") else {
             return Err(ApiError::invalid(
-                "response_format",
-                "'response_format' other than text is not available in this version",
+                &at("function"),
+                "each tool needs a 'function' object",
+            ));
+        };
+        let name = match f.get("name") {
+            Some(Value::String(n)) => n.clone(),
+            _ => {
+                return Err(ApiError::invalid(
+                    &at("function.name"),
+                    "each function needs a string 'name'",
+                ))
+            }
+        };
+        if name.is_empty()
+            || name.len() > 64
+            || !name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+        {
+            return Err(ApiError::invalid(
+                &at("function.name"),
+                format!("'{name}' is not a valid function name: 1 to 64 of a-z, A-Z, 0-9, _ and -"),
             ));
         }
+        let description = match f.get("description") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(d)) => Some(d.clone()),
+            Some(v) => return Err(wrong(&at("function.description"), "a string", v)),
+        };
+        let parameters = match f.get("parameters") {
+            None | Some(Value::Null) => empty_parameters(),
+            Some(p @ Value::Object(_)) => p.clone(),
+            Some(v) => return Err(wrong(&at("function.parameters"), "an object", v)),
+        };
+        match f.get("strict") {
+            None | Some(Value::Null) | Some(Value::Bool(_)) => {}
+            Some(v) => return Err(wrong(&at("function.strict"), "a boolean", v)),
+        }
+        tools.push(ToolSpec {
+            name,
+            description,
+            parameters,
+        });
     }
-    Ok(())
+    if tools.is_empty() {
+        return match choice {
+            Some(ToolChoice::Required | ToolChoice::Named(_)) => Err(ApiError::invalid(
+                "tool_choice",
+                "'tool_choice' requires 'tools'",
+            )),
+            _ => Ok(None),
+        };
+    }
+    ToolRequest::new(tools, choice.unwrap_or(ToolChoice::Auto), parallel, "tools").map(Some)
+}
+
+/// `response_format`: text, json_object, or json_schema with its schema checked
+/// here (a bad schema is a 400 naming the place in it).
+fn response_format(b: &Body) -> Result<Option<ResponseFormat>, ApiError> {
+    let Some(rf) = b.get("response_format") else {
+        return Ok(None);
+    };
+    let Value::Object(o) = rf else {
+        return Err(wrong("response_format", "an object", rf));
+    };
+    match o.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(Some(ResponseFormat::Text)),
+        Some("json_object") => Ok(Some(ResponseFormat::JsonObject)),
+        Some("json_schema") => {
+            let Some(Value::Object(js)) = o.get("json_schema") else {
+                return Err(ApiError::invalid(
+                    "response_format.json_schema",
+                    "a json_schema response format needs a 'json_schema' object",
+                ));
+            };
+            let name = match js.get("name") {
+                Some(Value::String(n)) => n.clone(),
+                _ => {
+                    return Err(ApiError::invalid(
+                        "response_format.json_schema.name",
+                        "'json_schema' needs a string 'name'",
+                    ))
+                }
+            };
+            let schema = match js.get("schema") {
+                None | Some(Value::Null) => json!({}),
+                Some(s @ (Value::Object(_) | Value::Bool(_))) => s.clone(),
+                Some(v) => return Err(wrong("response_format.json_schema.schema", "an object", v)),
+            };
+            let strict = match js.get("strict") {
+                None | Some(Value::Null) => false,
+                Some(Value::Bool(x)) => *x,
+                Some(v) => return Err(wrong("response_format.json_schema.strict", "a boolean", v)),
+            };
+            let f = ResponseFormat::JsonSchema {
+                name,
+                schema,
+                strict,
+            };
+            f.grammar("response_format.json_schema.schema")?;
+            Ok(Some(f))
+        }
+        Some(other) => Err(ApiError::invalid(
+            "response_format.type",
+            format!("unknown response_format type '{other}' (text, json_object, json_schema)"),
+        )),
+        None => Err(ApiError::invalid(
+            "response_format.type",
+            "'response_format' needs a string 'type'",
+        )),
+    }
 }
 
 /// Fields both endpoints share.
@@ -245,14 +419,56 @@ fn chat_messages(b: &Body) -> Result<Vec<Value>, ApiError> {
         let mut msg = serde_json::Map::new();
         msg.insert("role".into(), role.into());
         msg.insert("content".into(), content);
-        for key in ["name", "tool_calls", "tool_call_id"] {
+        for key in ["name", "tool_call_id"] {
             if let Some(v) = o.get(key).filter(|v| !v.is_null()) {
                 msg.insert(key.into(), v.clone());
             }
         }
+        if let Some(calls) = o.get("tool_calls").filter(|v| !v.is_null()) {
+            msg.insert(
+                "tool_calls".into(),
+                history_calls(calls, &at("tool_calls"))?,
+            );
+        }
         out.push(Value::Object(msg));
     }
     Ok(out)
+}
+
+/// An assistant message's `tool_calls` as templates take them: each call's
+/// `function.arguments` an object (OpenAI sends a string holding JSON; templates
+/// write arguments with `tojson`).
+fn history_calls(calls: &Value, at: &str) -> Result<Value, ApiError> {
+    let Value::Array(list) = calls else {
+        return Err(wrong(at, "an array", calls));
+    };
+    let mut out = Vec::with_capacity(list.len());
+    for (j, c) in list.iter().enumerate() {
+        let at = format!("{at}[{j}]");
+        let Value::Object(o) = c else {
+            return Err(wrong(&at, "an object", c));
+        };
+        let mut o = o.clone();
+        let Some(Value::Object(f)) = o.get_mut("function") else {
+            return Err(ApiError::invalid(
+                &format!("{at}.function"),
+                "each tool call needs a 'function' object",
+            ));
+        };
+        if !f.get("name").is_some_and(Value::is_string) {
+            return Err(ApiError::invalid(
+                &format!("{at}.function.name"),
+                "each tool call needs a string function.name",
+            ));
+        }
+        let args = match f.get("arguments") {
+            None | Some(Value::Null) => json!({}),
+            Some(a) => history_arguments(a, &format!("{at}.function.arguments"))?,
+        };
+        f.insert("arguments".into(), args);
+        out.push(Value::Object(o));
+    }
+    Ok(Value::Array(out))
 }
 
 /// The text of content parts; other kinds of part are refused.
@@ -285,7 +501,33 @@ fn finish_reason(f: &Finish) -> &'static str {
     match f {
         Finish::Eos | Finish::StopSequence(_) => "stop",
         Finish::Length => "length",
+        Finish::ToolCalls => "tool_calls",
     }
+}
+
+/// Calls as OpenAI writes them: arguments as a JSON string.
+fn tool_calls_json(calls: &[ToolCall]) -> Value {
+    calls
+        .iter()
+        .map(|c| {
+            json!({
+                "id": c.id, "type": "function",
+                "function": {"name": c.name, "arguments": c.arguments.to_string()},
+            })
+        })
+        .collect()
+}
+
+/// The assistant message of a chat completion.
+fn message(o: &Outcome) -> Value {
+    let mut m = json!({"role": "assistant", "content": o.text, "refusal": null});
+    if !o.tool_calls.is_empty() {
+        if o.text.is_empty() {
+            m["content"] = Value::Null;
+        }
+        m["tool_calls"] = tool_calls_json(&o.tool_calls);
+    }
+    m
 }
 
 fn usage(o: &Outcome) -> Value {
@@ -328,28 +570,35 @@ async fn handle(app: Arc<App>, req: Request, ep: Endpoint) -> Result<Response, A
     let (prepared, c) = blocking(move || {
         let b = Body::parse(&bytes)?;
         let c = common(&b)?;
+        let rf = response_format(&b)?;
+        let rf = rf.as_ref();
         let p = match ep {
             Endpoint::Chat => {
+                let tools = tool_request(&b)?;
                 let messages = chat_messages(&b)?;
-                prepare::prepare(
+                prepare::prepare_with(
                     &app2,
                     &c.model,
-                    Prompt::Chat { messages: &messages, tools: None },
+                    Prompt::Chat { messages: &messages, tools: tools.as_ref() },
                     c.max_tokens,
                     c.sampling,
                     c.stop.clone(),
+                    rf,
                 )?
             }
             Endpoint::Completion => {
+                b.refuse("tools", &[json!([])], "tools are for /v1/chat/completions")?;
+                b.refuse("tool_choice", &["none".into()], "tools are for /v1/chat/completions")?;
+                b.refuse("parallel_tool_calls", &[], "tools are for /v1/chat/completions")?;
                 let max = c.max_tokens.or(Some(16));
                 match b.get("prompt") {
-                    Some(Value::String(s)) => prepare::prepare(&app2, &c.model, Prompt::Text(s), max, c.sampling, c.stop.clone())?,
+                    Some(Value::String(s)) => prepare::prepare_with(&app2, &c.model, Prompt::Text(s), max, c.sampling, c.stop.clone(), rf)?,
                     Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
-                        prepare::prepare(&app2, &c.model, Prompt::Text(a[0].as_str().unwrap_or_default()), max, c.sampling, c.stop.clone())?
+                        prepare::prepare_with(&app2, &c.model, Prompt::Text(a[0].as_str().unwrap_or_default()), max, c.sampling, c.stop.clone(), rf)?
                     }
                     Some(Value::Array(a)) if !a.is_empty() && a.iter().all(|x| x.as_u64().is_some_and(|v| v <= u32::MAX as u64)) => {
                         let ids: Vec<u32> = a.iter().filter_map(Value::as_u64).map(|v| v as u32).collect();
-                        prepare::prepare(&app2, &c.model, Prompt::Ids(&ids), max, c.sampling, c.stop.clone())?
+                        prepare::prepare_with(&app2, &c.model, Prompt::Ids(&ids), max, c.sampling, c.stop.clone(), rf)?
                     }
                     Some(Value::Array(_)) => {
                         return Err(ApiError::invalid("prompt", "'prompt' must be a string, a list of one string, or a list of token ids (one prompt per request)"))
@@ -388,7 +637,7 @@ async fn handle(app: Arc<App>, req: Request, ep: Endpoint) -> Result<Response, A
         let choice = match ep {
             Endpoint::Chat => json!({
                 "index": 0,
-                "message": {"role": "assistant", "content": o.text, "refusal": null},
+                "message": message(&o),
                 "logprobs": null,
                 "finish_reason": finish_reason(&o.finish),
             }),
@@ -466,7 +715,20 @@ fn stream_response(
     let sse = stream::sse(rx, prelude, move |ev| match ev {
         Event::Text(t) => (vec![chunk2(delta(Some(&t), None), None)], false),
         Event::Done(o) => {
-            let mut out = vec![chunk2(delta(None, Some(finish_reason(&o.finish))), None)];
+            let mut out = Vec::new();
+            // Calls are known at the end: one chunk per call with its whole arguments
+            // (OpenAI's clients concatenate argument fragments by index).
+            for (i, c) in o.tool_calls.iter().enumerate() {
+                let call = json!({
+                    "index": i, "id": c.id, "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments.to_string()},
+                });
+                out.push(chunk2(
+                    json!([{"index": 0, "delta": {"tool_calls": [call]}, "logprobs": null, "finish_reason": null}]),
+                    None,
+                ));
+            }
+            out.push(chunk2(delta(None, Some(finish_reason(&o.finish))), None));
             if include_usage {
                 let mut u = usage(&o);
                 u["voom"] = json!({"timings": timings(&o), "provenance": provenance.clone()});

@@ -1,17 +1,25 @@
 //! What every generating endpoint does between parsing its body and streaming its
 //! answer: resolve the model, render the chat through the model's template, tokenize,
-//! check the context, pick sampling settings, queue the job.
+//! check the context, compile the output's grammar (tool calls, response format),
+//! pick sampling settings, queue the job.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use libvoom::config::ModelConfig;
+use libvoom::constrain::{CompiledGrammar, Grammar, GrammarCompiler};
 use libvoom::engine::GenerateParams;
 use libvoom::sampler::SamplingParams;
+use libvoom::text::Tokenizer;
 use serde_json::Value;
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::catalog::ModelMeta;
 use super::error::{ApiError, Kind};
+pub use super::tools::ResponseFormat;
+use super::tools::{ToolFormat, ToolParser, ToolRequest};
 use super::worker::{Event, Job};
 use super::App;
 
@@ -27,10 +35,12 @@ pub struct Sampling {
 /// The prompt of a request.
 pub enum Prompt<'a> {
     /// Chat messages (JSON objects with `role` and `content`, as chat templates take
-    /// them) and the tools offered.
+    /// them) and the tools offered: rendered through the template
+    /// ([`ToolRequest::template_tools`]), and, unless the choice is none, parsed from
+    /// the output (auto) or forced by a grammar (required, named).
     Chat {
         messages: &'a [Value],
-        tools: Option<&'a [Value]>,
+        tools: Option<&'a ToolRequest>,
     },
     /// Raw text, tokenized with the tokenizer's special tokens (as `voom generate
     /// --prompt` does).
@@ -45,10 +55,20 @@ pub struct Prepared {
     pub prompt_ids: Vec<u32>,
     pub params: GenerateParams,
     pub stop: Vec<String>,
+    /// The grammar the output must follow (forced tool calls, a response format).
+    pub grammar: Option<Arc<CompiledGrammar>>,
+    /// The end-of-sequence ids the grammar was compiled with (the engine must stop on
+    /// exactly these).
+    pub grammar_eos: Vec<u32>,
+    /// How to find tool calls in the output (tools offered, choice not none).
+    pub tools: Option<ToolParser>,
+    /// The schema the text output is validated against (a JSON response format).
+    pub json_schema: Option<Value>,
 }
 
-/// Resolves the model, renders and tokenizes the prompt and checks it against the
-/// context, before any model work. Blocking (reads tokenizer files the first time).
+/// [`prepare_with`] without a response format.
+// Endpoints without response formats (Anthropic messages) call this one.
+#[allow(dead_code)]
 pub fn prepare(
     app: &App,
     model: &str,
@@ -57,6 +77,27 @@ pub fn prepare(
     sampling: Sampling,
     stop: Vec<String>,
 ) -> Result<Prepared, ApiError> {
+    prepare_with(app, model, prompt, max_tokens, sampling, stop, None)
+}
+
+/// Resolves the model, renders and tokenizes the prompt, checks it against the
+/// context and compiles the output's grammar, before any model work (a bad schema
+/// is a 400 here). Blocking (reads tokenizer files the first time, builds the
+/// model's grammar compiler the first time a grammar is needed).
+///
+/// Grammars: `tool_choice` required or named forces calls in the template's
+/// [`ToolFormat`] (the response format then has nothing to apply to: the output is
+/// calls only); auto with a JSON response format allows either that JSON or calls;
+/// otherwise a JSON response format constrains the whole output.
+pub fn prepare_with(
+    app: &App,
+    model: &str,
+    prompt: Prompt<'_>,
+    max_tokens: Option<u64>,
+    sampling: Sampling,
+    stop: Vec<String>,
+    response_format: Option<&ResponseFormat>,
+) -> Result<Prepared, ApiError> {
     let meta = app.catalog.get(model)?;
     let tok = meta.tokenizer.as_ref().ok_or_else(|| {
         ApiError::invalid(
@@ -64,16 +105,45 @@ pub fn prepare(
             format!("model '{model}' has no tokenizer.json, so it cannot take text"),
         )
     })?;
+    let response_format = response_format.filter(|f| **f != ResponseFormat::Text);
+    let mut tool_parser = None;
+    let mut lark = None;
+    let prompt_param = match prompt {
+        Prompt::Chat { .. } => "messages",
+        Prompt::Text(_) | Prompt::Ids(_) => "prompt",
+    };
     let prompt_ids = match prompt {
         Prompt::Chat { messages, tools } => {
-            let tpl = tok.chat_template_for(tools.is_some()).ok_or_else(|| {
-                ApiError::invalid(
-                    "messages",
-                    format!("model '{model}' has no chat template: use /v1/completions"),
-                )
-            })?;
+            let template_tools = tools.and_then(ToolRequest::template_tools);
+            let tpl = tok
+                .chat_template_for(template_tools.is_some())
+                .ok_or_else(|| {
+                    ApiError::invalid(
+                        "messages",
+                        format!("model '{model}' has no chat template: use /v1/completions"),
+                    )
+                })?;
+            if let Some(req) = tools.filter(|t| t.is_active()) {
+                let format = ToolFormat::detect(tpl.source());
+                let answer = match response_format {
+                    Some(f) => f.lark_json_body("response_format")?,
+                    None => None,
+                };
+                if let Some(forced) = req.forced() {
+                    lark = Some(format.grammar_text(&forced, req.parallel, tok, None)?);
+                } else if let Some(a) = answer {
+                    let all: Vec<_> = req.tools.iter().collect();
+                    lark = Some(format.grammar_text(&all, req.parallel, tok, Some(&a))?);
+                }
+                tool_parser = Some(ToolParser {
+                    format,
+                    tools: req.tools.clone(),
+                    parallel: req.parallel,
+                    forced: req.forced().is_some(),
+                });
+            }
             let text = tpl
-                .render(messages, tools, true, None)
+                .render(messages, template_tools.as_deref(), true, None)
                 .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
             tok.encode(&text, false)
                 .map_err(|e| ApiError::internal(format!("tokenizing the prompt: {e}")))?
@@ -97,7 +167,7 @@ pub fn prepare(
     }
     if prompt_ids.len() >= meta.max_context {
         return Err(ApiError::invalid(
-            "messages",
+            prompt_param,
             format!(
                 "the prompt is {} tokens; the context limit of '{model}' is {} (prompt and output together)",
                 prompt_ids.len(),
@@ -105,6 +175,34 @@ pub fn prepare(
             ),
         ));
     }
+    // The grammar: forced calls, calls or the answer, or the answer alone.
+    let forced_tools = tool_parser.as_ref().is_some_and(|t| t.forced);
+    let grammar = match (lark, response_format) {
+        (Some(l), _) => Some(Grammar::lark(&l)),
+        // (With tools active, `lark` is set whenever a response format is.)
+        (None, Some(f)) => f.grammar("response_format")?,
+        (None, None) => None,
+    };
+    let json_schema = if forced_tools {
+        None
+    } else {
+        response_format.and_then(ResponseFormat::schema)
+    };
+    let (grammar, grammar_eos) = match grammar {
+        None => (None, Vec::new()),
+        Some(g) => {
+            let compiler = compiler_for(&meta, tok)?;
+            let compiled = compiler.compile(&g).map_err(|e| {
+                let param = if tool_parser.is_some() && response_format.is_none() {
+                    "tools"
+                } else {
+                    "response_format"
+                };
+                ApiError::invalid(param, e.to_string())
+            })?;
+            (Some(Arc::new(compiled)), compiler.eos_ids().to_vec())
+        }
+    };
     let room = (meta.max_context - prompt_ids.len()) as u64;
     let max_new_tokens = max_tokens.unwrap_or(room).min(room) as usize;
     let d = &meta.sampling_defaults;
@@ -128,7 +226,64 @@ pub fn prepare(
         prompt_ids,
         params,
         stop,
+        grammar,
+        grammar_eos,
+        tools: tool_parser,
+        json_schema,
     })
+}
+
+/// The end-of-sequence ids the engine stops on, computed as
+/// `libvoom::engine::Engine` does without loading weights: generation_config.json's
+/// `eos_token_id` (config.json's when it has none), plus the tokenizer's eos.
+pub fn engine_eos_ids(dir: &Path, cfg: &ModelConfig, tok: &Tokenizer) -> Vec<u32> {
+    let gen: Value = std::fs::read(dir.join("generation_config.json"))
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_default();
+    let mut eos: Vec<u32> = match gen.get("eos_token_id") {
+        Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .filter_map(Value::as_u64)
+            .map(|x| x as u32)
+            .collect(),
+        _ => vec![],
+    };
+    if eos.is_empty() {
+        eos = cfg.eos_token_ids.clone();
+    }
+    eos.extend_from_slice(tok.eos_ids());
+    eos.sort_unstable();
+    eos.dedup();
+    eos
+}
+
+/// The grammar compiler of a model (its tokenizer, vocabulary width and
+/// end-of-sequence ids), built once per checkpoint and kept.
+fn compiler_for(meta: &ModelMeta, tok: &Tokenizer) -> Result<Arc<GrammarCompiler>, ApiError> {
+    static COMPILERS: Mutex<Option<HashMap<String, Arc<GrammarCompiler>>>> = Mutex::new(None);
+    let key = format!("{}#{}", meta.dir.display(), meta.checkpoint_digest);
+    if let Some(c) = COMPILERS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get_or_insert_with(HashMap::new)
+        .get(&key)
+    {
+        return Ok(Arc::clone(c));
+    }
+    let bad = |e: &dyn std::fmt::Display| {
+        ApiError::internal(format!("model '{}' cannot take grammars: {e}", meta.id))
+    };
+    let cfg = ModelConfig::from_dir(&meta.dir).map_err(|e| bad(&e))?;
+    let eos = engine_eos_ids(&meta.dir, &cfg, tok);
+    let c = GrammarCompiler::shared(tok, cfg.vocab_size, &eos).map_err(|e| bad(&e))?;
+    COMPILERS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get_or_insert_with(HashMap::new)
+        .insert(key, Arc::clone(&c));
+    Ok(c)
 }
 
 /// Queues a prepared request; its events arrive on the returned receiver. Dropping
@@ -140,6 +295,10 @@ pub fn start(app: &App, p: &Prepared) -> Result<UnboundedReceiver<Event>, ApiErr
         prompt: p.prompt_ids.clone(),
         params: p.params.clone(),
         stop: p.stop.clone(),
+        grammar: p.grammar.clone(),
+        grammar_eos: p.grammar_eos.clone(),
+        tools: p.tools.clone(),
+        json_schema: p.json_schema.clone(),
         events: tx,
         enqueued: Instant::now(),
     })?;

@@ -6,19 +6,28 @@
 //! stop sequences. When the client goes away its receiver is dropped: the next token
 //! notices, generation stops and the engine moves on at once; a request whose client
 //! left while it was queued is skipped.
+//!
+//! Constrained requests run through `Engine::generate_constrained` with the job's
+//! compiled grammar. Requests with tools have their output held back and parsed at
+//! the end: the text without the calls goes out as one piece, the calls in the
+//! outcome. JSON output (a response format) streams as it comes and is validated
+//! against its schema at the end.
 
 use std::ops::ControlFlow;
 use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Instant;
 
+use libvoom::constrain::{validate_json, CompiledGrammar};
 use libvoom::engine::{Engine, FinishReason, GenerateParams};
 use libvoom::text::StreamDecoder;
+use serde_json::Value;
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::catalog::ModelMeta;
 use super::error::ApiError;
 use super::metrics::Metrics;
+use super::tools::{ToolCall, ToolParser};
 use crate::cli::common::EngineArgs;
 
 /// One generation request, ready for the engine: the prompt is already tokens.
@@ -28,6 +37,14 @@ pub struct Job {
     pub params: GenerateParams,
     /// Stop sequences: generation ends before the first of them, which is not output.
     pub stop: Vec<String>,
+    /// The grammar the output must follow, if any.
+    pub grammar: Option<Arc<CompiledGrammar>>,
+    /// The end-of-sequence ids `grammar` was compiled with.
+    pub grammar_eos: Vec<u32>,
+    /// Tool calls to find in the output (the output is held back until the end).
+    pub tools: Option<ToolParser>,
+    /// The schema complete output must satisfy (a JSON response format).
+    pub json_schema: Option<Value>,
     pub events: UnboundedSender<Event>,
     pub enqueued: Instant,
 }
@@ -41,6 +58,8 @@ pub enum Finish {
     StopSequence(String),
     /// The token limit (or the context) was reached.
     Length,
+    /// The output ended with tool calls (see [`Outcome::tool_calls`]).
+    ToolCalls,
 }
 
 /// The end of a request that ran.
@@ -49,8 +68,10 @@ pub struct Outcome {
     pub finish: Finish,
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
-    /// Every piece sent, concatenated.
+    /// Every piece sent, concatenated (the assistant text without tool calls).
     pub text: String,
+    /// The tool calls found in the output, in order.
+    pub tool_calls: Vec<ToolCall>,
     pub queue_secs: f64,
     pub prefill_secs: f64,
     pub decode_secs: f64,
@@ -153,10 +174,11 @@ impl WorkerState {
                     ))))
                 }
             };
+            // Idle before the client hears the end, so /metrics never lags the reply.
+            self.metrics.busy.store(0, Ordering::Relaxed);
             if let Some(e) = event {
                 let _ = events.send(e);
             }
-            self.metrics.busy.store(0, Ordering::Relaxed);
         }
     }
 
@@ -196,7 +218,20 @@ impl WorkerState {
             ApiError::internal(format!("model '{}' has no tokenizer.json", job.meta.id))
         })?;
         let eos = engine.eos_ids().to_vec();
-        let mut dec = StreamDecoder::new(tok, true);
+        if job.grammar.is_some() && job.grammar_eos != eos {
+            // The grammar leaves the eos ids to the engine: both must mean the same ids.
+            return Err(ApiError::internal(format!(
+                "the grammar for model '{}' was compiled with end-of-sequence ids {:?}, but the engine stops on {:?}",
+                job.meta.id, job.grammar_eos, eos
+            )));
+        }
+        // Output with tools is held back: calls are only known at the end.
+        let hold = job.tools.is_some();
+        let keep_special = job
+            .tools
+            .as_ref()
+            .is_some_and(|t| t.format.keep_special_tokens);
+        let mut dec = StreamDecoder::new(tok, !keep_special);
         let mut out = StopScanner::new(&job.stop);
         let mut text = String::new();
         let mut gone = false;
@@ -206,40 +241,54 @@ impl WorkerState {
                 return true;
             }
             text.push_str(piece);
+            if hold {
+                return !job.events.is_closed();
+            }
             job.events.send(Event::Text(piece.to_string())).is_ok()
         };
-        let g = engine
-            .generate(&job.prompt, &job.params, &mut |id| {
-                if eos.contains(&id) && !job.params.ignore_eos {
-                    return ControlFlow::Continue(());
-                }
-                let piece = match dec.push(id) {
-                    Ok(p) => p,
-                    Err(e) => {
-                        failure = Some(ApiError::internal(format!("detokenizing: {e}")));
-                        return ControlFlow::Break(());
-                    }
-                };
-                let (emit, stopped) = out.push(&piece);
-                if !send(&emit, &mut text) {
-                    gone = true;
+        let mut on_token = |id| {
+            if eos.contains(&id) && !job.params.ignore_eos {
+                return ControlFlow::Continue(());
+            }
+            let piece = match dec.push(id) {
+                Ok(p) => p,
+                Err(e) => {
+                    failure = Some(ApiError::internal(format!("detokenizing: {e}")));
                     return ControlFlow::Break(());
                 }
-                if stopped {
-                    ControlFlow::Break(())
-                } else {
-                    ControlFlow::Continue(())
-                }
-            })
-            .map_err(|e| ApiError::internal(format!("generation failed: {e}")))?;
+            };
+            let (emit, stopped) = out.push(&piece);
+            if !send(&emit, &mut text) {
+                gone = true;
+                return ControlFlow::Break(());
+            }
+            if stopped {
+                ControlFlow::Break(())
+            } else {
+                ControlFlow::Continue(())
+            }
+        };
+        let mut matcher = job.grammar.as_ref().map(|g| g.matcher());
+        let g = match matcher.as_mut() {
+            Some(m) => engine.generate_constrained(&job.prompt, &job.params, m, &mut on_token),
+            None => engine.generate(&job.prompt, &job.params, &mut on_token),
+        }
+        .map_err(|e| ApiError::internal(format!("generation failed: {e}")))?;
         if let Some(e) = failure {
             return Err(e);
         }
         if gone {
+            // The work was done even though nobody reads it: count it.
+            self.metrics.record_generation(
+                g.prompt_tokens,
+                g.ids.len(),
+                g.prefill_secs,
+                g.decode_secs,
+            );
             self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
             return Ok(None);
         }
-        let finish = match &out.stopped {
+        let mut finish = match &out.stopped {
             Some(s) => Finish::StopSequence(s.clone()),
             None => {
                 let rest = dec
@@ -257,11 +306,60 @@ impl WorkerState {
                 }
                 match (&out.stopped, g.finish) {
                     (Some(s), _) => Finish::StopSequence(s.clone()),
-                    (None, FinishReason::Eos) => Finish::Eos,
+                    // A grammar's output is complete: as final as an end of sequence.
+                    (None, FinishReason::Eos | FinishReason::Complete) => Finish::Eos,
                     (None, _) => Finish::Length,
                 }
             }
         };
+        let mut tool_calls = Vec::new();
+        if let Some(tp) = &job.tools {
+            let parsed = tp.parse(&text);
+            if tp.forced
+                && finish == Finish::Eos
+                && (parsed.calls.is_empty() || !parsed.rejected.is_empty())
+                && !parsed.unrepresentable
+            {
+                // The grammar admits only well-formed calls with valid arguments.
+                return Err(ApiError::internal(format!(
+                    "the forced tool call output did not parse ({}): {text:?}",
+                    parsed.rejected.join("; ")
+                )));
+            }
+            if !parsed.rejected.is_empty() {
+                tracing::debug!("tool calls left as text: {}", parsed.rejected.join("; "));
+            }
+            text = parsed.content;
+            tool_calls = parsed.calls;
+            if !text.is_empty() && job.events.send(Event::Text(text.clone())).is_err() {
+                self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+                return Ok(None);
+            }
+            if !tool_calls.is_empty() && finish == Finish::Eos {
+                finish = Finish::ToolCalls;
+            }
+        }
+        if let Some(schema) = &job.json_schema {
+            // Complete JSON output (not cut by a limit or a stop sequence, not calls)
+            // must satisfy the schema the grammar enforced.
+            if finish == Finish::Eos {
+                match serde_json::from_str::<Value>(&text) {
+                    Ok(v) => validate_json(schema, &v).map_err(|e| {
+                        ApiError::internal(format!("the constrained output {e}: {text:?}"))
+                    })?,
+                    // Valid JSON whose number overflows an f64 (`1e400`): serde_json
+                    // cannot hold it, so it cannot be checked; the grammar admitted it.
+                    Err(e) if is_number_overflow(&e) => {
+                        tracing::warn!("JSON output not validated: a number beyond f64 ({e})")
+                    }
+                    Err(e) => {
+                        return Err(ApiError::internal(format!(
+                            "the constrained output is not JSON ({e}): {text:?}"
+                        )))
+                    }
+                }
+            }
+        }
         self.metrics
             .record_generation(g.prompt_tokens, g.ids.len(), g.prefill_secs, g.decode_secs);
         Ok(Some(Outcome {
@@ -269,11 +367,18 @@ impl WorkerState {
             prompt_tokens: g.prompt_tokens,
             completion_tokens: g.ids.len(),
             text,
+            tool_calls,
             queue_secs,
             prefill_secs: g.prefill_secs,
             decode_secs: g.decode_secs,
         }))
     }
+}
+
+/// Whether `e` is serde_json refusing a number too large for an f64 (valid JSON that
+/// it cannot represent).
+pub fn is_number_overflow(e: &serde_json::Error) -> bool {
+    e.to_string().starts_with("number out of range")
 }
 
 /// Cuts streamed text at the first stop sequence. Text that could be the start of a

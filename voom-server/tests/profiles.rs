@@ -1,0 +1,409 @@
+//! Runtime profiles end to end through the real `voom` binary: listing, resolving
+//! with sources, generating under a profile (same ids: budgets never change
+//! arithmetic), and bad profile files.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+/// Environment that would change resolution, removed so tests see only what they set.
+const ENV: &[&str] = &[
+    "VOOM_PROFILE",
+    "VOOM_PROFILES_DIR",
+    "VOOM_THREADS",
+    "VOOM_VERIFY",
+    "VOOM_MAX_CONTEXT",
+    "VOOM_PREFETCH_DEPTH",
+    "VOOM_CACHE_BUDGET",
+    "VOOM_PIN_FIRST_LAYERS",
+    "VOOM_PIN_LAST_LAYERS",
+    "VOOM_KV_BUDGET",
+    "VOOM_VPAGED",
+    "VOOM_VPAGED_FALLBACK",
+];
+
+/// `voom` with a fresh `$VOOM_HOME` (no profiles of its own) and a clean environment.
+fn voom(home: &Path) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_voom"));
+    for v in ENV {
+        c.env_remove(v);
+    }
+    c.env("VOOM_HOME", home);
+    c
+}
+
+fn fixture() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny/llama_gqa_untied")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn ok(o: Output) -> Output {
+    assert!(
+        o.status.success(),
+        "voom failed: {}\n{}",
+        stderr(&o),
+        stdout(&o)
+    );
+    o
+}
+
+fn last_json(o: &Output) -> Value {
+    let out = stdout(o);
+    let line = out
+        .lines()
+        .last()
+        .unwrap_or_else(|| panic!("no output: {}", stderr(o)));
+    serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"))
+}
+
+/// The fixture's longest reference prompt: its ids (comma-separated) and greedy ids.
+fn reference() -> (String, Value) {
+    let r: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture().join("reference.json")).unwrap())
+            .unwrap();
+    let p = r["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .max_by_key(|p| p["prompt_ids"].as_array().unwrap().len())
+        .unwrap()
+        .clone();
+    assert!(!p["stopped_on_eos"].as_bool().unwrap());
+    let ids: Vec<String> = p["prompt_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.to_string())
+        .collect();
+    (ids.join(","), p["generated_ids"].clone())
+}
+
+fn generate(home: &Path, model: &Path, extra: &[&str]) -> Output {
+    let (ids, want) = reference();
+    let n = want.as_array().unwrap().len().to_string();
+    voom(home)
+        .args(["generate", "--json", "--model"])
+        .arg(model)
+        .args(["--prompt-ids", &ids, "--max-new-tokens", &n])
+        .args(extra)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn list_shows_the_shipped_profiles() {
+    let home = tempfile::tempdir().unwrap();
+    let o = ok(voom(home.path())
+        .args(["profiles", "list"])
+        .output()
+        .unwrap());
+    let text = stdout(&o);
+    for (name, inherits) in [
+        ("default", "-"),
+        ("low-memory", "default"),
+        ("throughput", "default"),
+    ] {
+        let line = text
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(name))
+            .unwrap_or_else(|| panic!("{name} not listed:\n{text}"));
+        assert_eq!(line.split_whitespace().nth(1), Some(inherits), "{line}");
+        assert!(line.split_whitespace().count() > 3, "no notes: {line}");
+    }
+    let o = ok(voom(home.path())
+        .args(["profiles", "list", "--json"])
+        .output()
+        .unwrap());
+    let v: Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    let names: Vec<&str> = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["default", "low-memory", "throughput"]);
+}
+
+#[test]
+fn show_resolves_inherited_values_with_their_sources() {
+    let home = tempfile::tempdir().unwrap();
+    let o = ok(voom(home.path())
+        .args(["profiles", "show", "low-memory", "--json"])
+        .output()
+        .unwrap());
+    let j = last_json(&o);
+    assert_eq!(j["name"], "low-memory");
+    assert_eq!(j["exact"], true);
+    assert_eq!(j["chain"], serde_json::json!(["low-memory", "default"]));
+    let s = &j["settings"];
+    assert_eq!(s["cache_budget"], 2u64 << 30);
+    assert_eq!(s["kv_budget"], 512u64 << 20);
+    assert_eq!(s["pin_first_layers"], 1);
+    assert_eq!(s["pin_last_layers"], 1);
+    // Inherited from default.yaml.
+    assert_eq!(s["verify"], "first-use");
+    assert_eq!(s["threads"], 0);
+    let src = &j["sources"];
+    assert_eq!(
+        src["cache_budget"],
+        "profile built-in profiles/low-memory.yaml"
+    );
+    assert_eq!(src["verify"], "profile built-in profiles/default.yaml");
+    assert_eq!(src["max_context"], "default");
+    let digest = j["digest"].as_str().unwrap();
+    assert_eq!(digest.len(), 16);
+    assert!(digest.chars().all(|c| c.is_ascii_hexdigit()));
+
+    // Flag over environment over profile; the digest follows the settings.
+    let o = ok(voom(home.path())
+        .env("VOOM_THREADS", "3")
+        .env("VOOM_PREFETCH_DEPTH", "4")
+        .args([
+            "profiles",
+            "show",
+            "low-memory",
+            "--json",
+            "--prefetch-depth",
+            "2",
+        ])
+        .output()
+        .unwrap());
+    let k = last_json(&o);
+    assert_eq!(k["settings"]["threads"], 3);
+    assert_eq!(k["sources"]["threads"], "env VOOM_THREADS");
+    assert_eq!(k["settings"]["prefetch_depth"], 2);
+    assert_eq!(k["sources"]["prefetch_depth"], "flag --prefetch-depth");
+    assert_ne!(k["digest"], j["digest"]);
+
+    // The text form names the same sources.
+    let o = ok(voom(home.path())
+        .args(["profiles", "show", "low-memory"])
+        .output()
+        .unwrap());
+    let text = stdout(&o);
+    assert!(text.contains(digest), "{text}");
+    let line = text
+        .lines()
+        .find(|l| l.trim_start().starts_with("kv_budget"))
+        .unwrap();
+    assert!(
+        line.contains("512MiB") && line.contains("low-memory.yaml"),
+        "{line}"
+    );
+}
+
+#[test]
+fn generate_under_low_memory_gives_the_same_ids_and_reports_the_profile() {
+    let home = tempfile::tempdir().unwrap();
+    let (_, want) = reference();
+
+    let plain = last_json(&ok(generate(home.path(), &fixture(), &[])));
+    assert_eq!(plain["ids"], want);
+    assert_eq!(plain["profile"], "default");
+    assert_eq!(plain["exact"], true);
+
+    // The fixture has no page manifest: the page cache cannot be used, and says so.
+    let o = ok(generate(
+        home.path(),
+        &fixture(),
+        &["--profile", "low-memory"],
+    ));
+    assert!(stderr(&o).contains("no page manifest"), "{}", stderr(&o));
+    let j = last_json(&o);
+    assert_eq!(j["ids"], want);
+    assert_eq!(j["profile"], "low-memory");
+    let show = last_json(&ok(voom(home.path())
+        .args(["profiles", "show", "low-memory", "--json"])
+        .output()
+        .unwrap()));
+    assert_eq!(j["profile_digest"], show["digest"]);
+    assert_ne!(j["profile_digest"], plain["profile_digest"]);
+
+    // With a manifest the weights go through the in-process page cache: same ids,
+    // also with a cache far smaller than the model (pages evicted and reloaded; no
+    // pins, which on this 2-layer model would hold every page).
+    let copy = tempfile::tempdir().unwrap();
+    for f in ["config.json", "generation_config.json", "model.safetensors"] {
+        std::fs::copy(fixture().join(f), copy.path().join(f)).unwrap();
+    }
+    let ckpt = voom_formats::Checkpoint::open(copy.path()).unwrap();
+    voom_formats::manifest::Manifest::build(&ckpt, &mut |_, _| {})
+        .save(copy.path())
+        .unwrap();
+    let model_bytes = std::fs::metadata(copy.path().join("model.safetensors"))
+        .unwrap()
+        .len();
+    let small = (model_bytes / 2).to_string();
+    for extra in [
+        vec!["--profile", "low-memory"],
+        vec!["--profile", "throughput"],
+        vec![
+            "--profile",
+            "low-memory",
+            "--cache-budget",
+            small.as_str(),
+            "--pin-first-layers",
+            "0",
+            "--pin-last-layers",
+            "0",
+        ],
+    ] {
+        let o = ok(generate(home.path(), copy.path(), &extra));
+        let j = last_json(&o);
+        assert_eq!(j["ids"], want, "{extra:?}");
+        assert!(
+            j["page_source"].as_str().unwrap().starts_with("store:"),
+            "{extra:?}: {}",
+            j["page_source"]
+        );
+        assert_eq!(j["profile"], extra[1]);
+    }
+}
+
+#[test]
+fn the_kv_budget_bounds_the_context() {
+    let home = tempfile::tempdir().unwrap();
+    let (ids, want) = reference();
+    let prompt_len = ids.split(',').count();
+    // 2 layers x 2 x 2 KV heads x 16 x 4 bytes = 512 bytes a position.
+    let cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture().join("config.json")).unwrap())
+            .unwrap();
+    let per = cfg["num_hidden_layers"].as_u64().unwrap()
+        * 2
+        * cfg["num_key_value_heads"].as_u64().unwrap()
+        * cfg["head_dim"].as_u64().unwrap()
+        * 4;
+    // Room for the prompt and 3 more positions: generation stops at the limit, and
+    // what it generated is the reference's prefix.
+    let budget = (per * (prompt_len as u64 + 3)).to_string();
+    let o = ok(generate(home.path(), &fixture(), &["--kv-budget", &budget]));
+    let j = last_json(&o);
+    let got = j["ids"].as_array().unwrap();
+    // 3 positions after the prompt: 3 tokens fed back, and a 4th sampled from the
+    // last position's logits.
+    assert_eq!(got.len(), 4, "{j}");
+    assert_eq!(got[..], want.as_array().unwrap()[..4]);
+    assert_eq!(j["finish_reason"], "context_full");
+    // A budget below one position is an error that says why.
+    let o = generate(
+        home.path(),
+        &fixture(),
+        &["--kv-budget", &(per - 1).to_string()],
+    );
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("kv_budget"), "{}", stderr(&o));
+}
+
+#[test]
+fn bad_profiles_are_clear_errors() {
+    let home = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, text: &str| std::fs::write(dir.path().join(name), text).unwrap();
+    write("typo.yaml", "inherits: default\ncache_budgte: 1GiB\n");
+    write("lossy.yaml", "lossy: true\n");
+    write("orphan.yaml", "inherits: missing\n");
+    write("loop.yaml", "inherits: loop2\n");
+    write("loop2.yaml", "inherits: loop\n");
+    write("size.yaml", "kv_budget: 12 parsecs\n");
+    let cases = [
+        ("typo", vec!["typo.yaml", "unknown key 'cache_budgte'"]),
+        (
+            "lossy",
+            vec!["lossy.yaml", "no lossy encodings are implemented"],
+        ),
+        ("orphan", vec!["orphan.yaml", "'missing'"]),
+        ("loop", vec!["loop -> loop2 -> loop"]),
+        ("size", vec!["size.yaml", "kv_budget", "parsecs"]),
+        ("absent", vec!["no profile 'absent'", "low-memory"]),
+    ];
+    for (name, wants) in cases {
+        // Both where profiles are read: `profiles show` and an engine command.
+        let show = voom(home.path())
+            .args(["profiles", "show", name, "--profiles-dir"])
+            .arg(dir.path())
+            .output()
+            .unwrap();
+        let gen = voom(home.path())
+            .env("VOOM_PROFILES_DIR", dir.path())
+            .args([
+                "generate",
+                "--prompt-ids",
+                "1",
+                "--profile",
+                name,
+                "--model",
+            ])
+            .arg(fixture())
+            .output()
+            .unwrap();
+        for o in [show, gen] {
+            assert_eq!(o.status.code(), Some(1), "{name}: {}", stderr(&o));
+            let e = stderr(&o);
+            assert!(!e.contains("panicked"), "{e}");
+            for w in &wants {
+                assert!(e.contains(w), "{name}: '{w}' not in: {e}");
+            }
+        }
+    }
+    // `profiles list` reads every file, so it reports the first bad one.
+    let o = voom(home.path())
+        .args(["profiles", "list", "--profiles-dir"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    // A bad environment value names the variable.
+    let o = voom(home.path())
+        .env("VOOM_CACHE_BUDGET", "huge")
+        .args(["profiles", "show"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("VOOM_CACHE_BUDGET"), "{}", stderr(&o));
+}
+
+#[test]
+fn home_profiles_shadow_the_shipped_ones() {
+    let home = tempfile::tempdir().unwrap();
+    std::fs::create_dir(home.path().join("profiles")).unwrap();
+    std::fs::write(
+        home.path().join("profiles/default.yaml"),
+        "notes: site defaults\nthreads: 1\n",
+    )
+    .unwrap();
+    std::fs::write(
+        home.path().join("profiles/mine.yaml"),
+        "inherits: low-memory\nnotes: my profile\nsampling: {temperature: 0.2}\n",
+    )
+    .unwrap();
+    let j = last_json(&ok(voom(home.path())
+        .args(["profiles", "show", "mine", "--json"])
+        .output()
+        .unwrap()));
+    assert_eq!(
+        j["chain"],
+        serde_json::json!(["mine", "low-memory", "default"])
+    );
+    assert_eq!(j["settings"]["threads"], 1);
+    assert_eq!(j["settings"]["sampling"]["temperature"], 0.2);
+    assert_eq!(j["settings"]["cache_budget"], 2u64 << 30);
+    let src = j["sources"]["threads"].as_str().unwrap();
+    assert!(
+        src.ends_with("profiles/default.yaml") && !src.contains("built-in"),
+        "{src}"
+    );
+    let o = ok(voom(home.path())
+        .args(["profiles", "list"])
+        .output()
+        .unwrap());
+    assert!(stdout(&o).contains("my profile"), "{}", stdout(&o));
+}
