@@ -223,6 +223,11 @@ impl Engine {
         self.source.as_ref()
     }
 
+    /// A shared handle on the page source (to read its statistics from elsewhere).
+    pub fn source_arc(&self) -> Arc<dyn PageSource> {
+        Arc::clone(&self.source)
+    }
+
     pub fn eos_ids(&self) -> &[u32] {
         &self.eos
     }

@@ -56,8 +56,21 @@ struct Server {
 
 impl Server {
     fn start(extra: &[&str]) -> Server {
+        Self::start_with(extra, false)
+    }
+
+    /// `manifest`: give the model copy a page manifest (the store core's page cache,
+    /// `--cache-budget`, needs one).
+    fn start_with(extra: &[&str], manifest: bool) -> Server {
         let models = tempfile::tempdir().unwrap();
         copy_dir(&fixture(), &models.path().join(MODEL));
+        if manifest {
+            let dir = models.path().join(MODEL);
+            let ckpt = voom_formats::Checkpoint::open(&dir).unwrap();
+            voom_formats::Manifest::build(&ckpt, &mut |_, _| {})
+                .save(&dir)
+                .unwrap();
+        }
         let mut child = voom()
             .args(["serve", "--port", "0", "--models-dir"])
             .arg(models.path())
@@ -1413,4 +1426,26 @@ fn no_input_crashes_the_server() {
     );
     drop(c);
     s.assert_healthy();
+}
+
+/// With a page cache (`--cache-budget`), /metrics reports its hits and misses.
+#[test]
+fn metrics_report_the_page_cache_of_the_resident_engine() {
+    let s = Server::start_with(&["--cache-budget", "64MiB"], true);
+    let body = json!({"model": MODEL, "prompt": "Hi", "max_tokens": 4, "temperature": 0});
+    assert_eq!(s.post_json("/v1/completions", &body).status, 200);
+    let misses = s.metric("voom_page_cache_misses");
+    let hits = s.metric("voom_page_cache_hits");
+    assert!(misses > 0.0, "the first request loaded pages");
+    assert_eq!(
+        s.metric("voom_page_cache_capacity_bytes"),
+        (64u64 << 20) as f64
+    );
+    assert!(s.metric("voom_page_cache_used_bytes") > 0.0);
+    // The model fits: a second request is served from the cache.
+    assert_eq!(s.post_json("/v1/completions", &body).status, 200);
+    assert_eq!(s.metric("voom_page_cache_misses"), misses);
+    assert!(s.metric("voom_page_cache_hits") > hits);
+    let r = s.metric("voom_page_cache_hit_ratio");
+    assert!(r > 0.0 && r < 1.0, "{r}");
 }

@@ -407,6 +407,21 @@ impl PageSource for DaemonSource {
         self.client.flush();
     }
 
+    /// The daemon's cache counters (one Stats round trip); `None` if it cannot be
+    /// asked.
+    fn cache_stats(&self) -> Option<crate::source::SourceCacheStats> {
+        let v = self.client.stats().ok()?;
+        let c = &v["cache"];
+        let n = |k: &str| c[k].as_u64().unwrap_or(0);
+        Some(crate::source::SourceCacheStats {
+            hits: n("hits"),
+            misses: n("misses"),
+            bytes_loaded: n("bytes_loaded"),
+            used_bytes: n("used"),
+            capacity_bytes: n("capacity"),
+        })
+    }
+
     fn describe(&self) -> String {
         format!("vpaged:{}", self.client.socket().display())
     }

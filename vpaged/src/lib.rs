@@ -26,4 +26,4 @@ pub mod tier;
 
 pub use embedded::{EmbeddedStore, VerifyMode};
 pub use error::StoreError;
-pub use source::{PageId, PageLease, PageMeta, PageSource};
+pub use source::{PageId, PageLease, PageMeta, PageSource, SourceCacheStats};

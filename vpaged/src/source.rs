@@ -22,6 +22,21 @@ pub struct PageMeta {
     pub len: u64,
 }
 
+/// A page cache's counters as a source reports them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct SourceCacheStats {
+    /// Demand requests served from a resident page.
+    pub hits: u64,
+    /// Demand requests that started a load.
+    pub misses: u64,
+    /// Bytes of pages loaded into the cache (demand and prefetch).
+    pub bytes_loaded: u64,
+    /// Bytes of cache slots in use.
+    pub used_bytes: u64,
+    /// The cache's capacity in bytes.
+    pub capacity_bytes: u64,
+}
+
 /// A source of pages: the embedded store or the daemon.
 ///
 /// Callers' obligations: hold the [`PageLease`] for as long as they read its bytes
@@ -55,6 +70,12 @@ pub trait PageSource: Send + Sync {
 
     /// Hint that these pages will be acquired soon. Never blocks for I/O.
     fn prefetch(&self, _ids: &[PageId]) {}
+
+    /// The page cache's counters, for sources that have one (the store core's cache,
+    /// the daemon's); `None` for memory-mapped files, whose caching is the OS's.
+    fn cache_stats(&self) -> Option<SourceCacheStats> {
+        None
+    }
 
     /// Delivers anything the source deferred (a remote source batches releases and
     /// hints into its next request). Engines call it when a forward pass ends, so

@@ -577,6 +577,17 @@ impl PageSource for StoreSource {
         Some(self.store.cache().capacity() as u64)
     }
 
+    fn cache_stats(&self) -> Option<crate::source::SourceCacheStats> {
+        let c = self.store.cache_stats();
+        Some(crate::source::SourceCacheStats {
+            hits: c.hits,
+            misses: c.misses,
+            bytes_loaded: c.bytes_loaded,
+            used_bytes: c.used as u64,
+            capacity_bytes: c.capacity as u64,
+        })
+    }
+
     fn describe(&self) -> String {
         format!("store:{}", self.model.dir.display())
     }

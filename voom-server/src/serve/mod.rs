@@ -223,7 +223,54 @@ async fn health(State(app): State<Arc<App>>) -> Response {
 }
 
 async fn metrics_text(State(app): State<Arc<App>>) -> Response {
-    let body = app.metrics.render(&[]);
+    // The resident engine's page cache (the in-process store's or the daemon's: one
+    // Stats round trip); the embedded mmap store has none (the OS caches its pages).
+    let source = app.worker.resident_source();
+    let stats = tokio::task::spawn_blocking(move || source.and_then(|s| s.cache_stats()))
+        .await
+        .ok()
+        .flatten();
+    let mut extra = Vec::new();
+    if let Some(c) = stats {
+        let lookups = c.hits + c.misses;
+        extra = vec![
+            (
+                "voom_page_cache_hits".to_string(),
+                c.hits as f64,
+                "Page requests served from the page cache (resident engine's source).",
+            ),
+            (
+                "voom_page_cache_misses".to_string(),
+                c.misses as f64,
+                "Page requests that loaded the page.",
+            ),
+            (
+                "voom_page_cache_hit_ratio".to_string(),
+                if lookups == 0 {
+                    0.0
+                } else {
+                    c.hits as f64 / lookups as f64
+                },
+                "Hits over page requests.",
+            ),
+            (
+                "voom_page_cache_bytes_loaded".to_string(),
+                c.bytes_loaded as f64,
+                "Bytes loaded into the page cache.",
+            ),
+            (
+                "voom_page_cache_used_bytes".to_string(),
+                c.used_bytes as f64,
+                "Bytes of the page cache in use.",
+            ),
+            (
+                "voom_page_cache_capacity_bytes".to_string(),
+                c.capacity_bytes as f64,
+                "The page cache's capacity.",
+            ),
+        ];
+    }
+    let body = app.metrics.render(&extra);
     (
         StatusCode::OK,
         [("content-type", "text/plain; version=0.0.4")],

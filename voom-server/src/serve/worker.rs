@@ -23,6 +23,7 @@ use libvoom::engine::{Engine, FinishReason, GenerateParams};
 use libvoom::text::StreamDecoder;
 use serde_json::Value;
 use tokio::sync::mpsc::UnboundedSender;
+use vpaged::PageSource;
 
 use super::catalog::ModelMeta;
 use super::error::ApiError;
@@ -86,11 +87,17 @@ pub enum Event {
     Failed(ApiError),
 }
 
+/// The engine loaded now.
+struct Resident {
+    model: String,
+    source: Arc<dyn PageSource>,
+}
+
 /// Handle to the worker thread.
 pub struct Worker {
     tx: Mutex<mpsc::Sender<Job>>,
     metrics: Arc<Metrics>,
-    resident: Arc<Mutex<Option<String>>>,
+    resident: Arc<Mutex<Option<Resident>>>,
 }
 
 impl Worker {
@@ -128,7 +135,17 @@ impl Worker {
         self.resident
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .clone()
+            .as_ref()
+            .map(|r| r.model.clone())
+    }
+
+    /// The resident engine's page source (for its cache statistics).
+    pub fn resident_source(&self) -> Option<Arc<dyn PageSource>> {
+        self.resident
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map(|r| Arc::clone(&r.source))
     }
 
     pub fn queue_depth(&self) -> usize {
@@ -140,7 +157,7 @@ struct WorkerState {
     engine_args: EngineArgs,
     engine: Option<Engine>,
     metrics: Arc<Metrics>,
-    resident: Arc<Mutex<Option<String>>>,
+    resident: Arc<Mutex<Option<Resident>>>,
 }
 
 impl WorkerState {
@@ -204,7 +221,10 @@ impl WorkerState {
             );
             self.metrics.model_loads.fetch_add(1, Ordering::Relaxed);
             self.engine = Some(e);
-            *self.resident.lock().unwrap_or_else(|e| e.into_inner()) = Some(meta.id.clone());
+            *self.resident.lock().unwrap_or_else(|e| e.into_inner()) = Some(Resident {
+                model: meta.id.clone(),
+                source: self.engine.as_ref().expect("just loaded").source_arc(),
+            });
         }
         Ok(self.engine.as_ref().expect("set above"))
     }
