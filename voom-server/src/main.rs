@@ -46,14 +46,19 @@ enum Command {
 }
 
 fn main() {
+    let cli = Cli::parse();
+    // The server logs one line per request by default; one-shot commands only warn.
+    let default_filter = match cli.command {
+        Command::Serve(_) => "info",
+        _ => "warn",
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("VOOM_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter)),
         )
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
     let r = match cli.command {
         Command::Run(a) => cli::run::run(a),
         Command::Generate(a) => cli::generate::run(a),

@@ -382,6 +382,17 @@ impl WorkerState {
         }
         self.metrics
             .record_generation(g.prompt_tokens, g.ids.len(), g.prefill_secs, g.decode_secs);
+        tracing::info!(
+            "generated: model {} prompt {} tokens, completion {} tokens ({:?}); queue {:.3}s prefill {:.3}s decode {:.3}s ({:.1} tok/s)",
+            job.meta.id,
+            g.prompt_tokens,
+            g.ids.len(),
+            finish,
+            queue_secs,
+            g.prefill_secs,
+            g.decode_secs,
+            g.decode_tokens_per_sec()
+        );
         Ok(Some(Outcome {
             finish,
             prompt_tokens: g.prompt_tokens,
