@@ -9,7 +9,12 @@
 //!   (`Arena::prefault`, `vpaged --prefault`), GB/s, and the time the pre-fault took;
 //! - store, steady state: sweeps over the model with a cache half its size, after a
 //!   sweep that touched the whole arena: GB/s of bytes loaded (misses) per second,
-//!   against the serial bound of read then hash, 1 / (1/direct + 1/blake3);
+//!   against the serial bound of read then hash, 1 / (1/direct + 1/blake3); and the
+//!   share of the swept bytes served from the cache (not re-read), beside the ideal
+//!   for a cyclic sweep (plain LRU scores zero): a resident subset that hits every
+//!   sweep while the other pages stream through a window of the largest of them, the
+//!   largest such subset: max over window sizes w of (cache - w) / model bytes where
+//!   every page longer than w fits in cache - w (slot bytes);
 //! - store, warm cache: acquire + release of a resident page, µs.
 //!
 //! `cargo run --release -p vpaged --example store_bench -- MODEL_DIR [RUNS]`
@@ -25,6 +30,30 @@ use vpaged::store::{Store, StoreConfig};
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
+}
+
+/// Share of a cyclic sweep's bytes a cache of `cache` bytes can serve at best, one
+/// page at a time: the pages longer than the window `w` must be resident, the rest
+/// stream through it; the resident subset holds at most `cache - w`.
+fn cyclic_ideal(manifest: &Manifest, cache: u64) -> f64 {
+    let mut slots: Vec<u64> = manifest
+        .pages
+        .iter()
+        .map(|p| p.len.max(1).next_multiple_of(16 << 10))
+        .collect();
+    slots.sort_unstable_by(|a, b| b.cmp(a));
+    let total: u64 = slots.iter().sum();
+    let mut longer = 0; // bytes of the pages longer than slots[i]
+    let mut best = 0u64;
+    for (i, &w) in slots.iter().enumerate() {
+        if i > 0 && slots[i - 1] > w {
+            longer = slots[..i].iter().sum();
+        }
+        if w <= cache && longer <= cache - w {
+            best = best.max((cache - w).min(total - w));
+        }
+    }
+    best as f64 / total as f64
 }
 
 fn main() {
@@ -53,6 +82,7 @@ fn main() {
     let (mut direct, mut hash, mut cold, mut warm_us, mut steady) =
         (vec![], vec![], vec![], vec![], vec![]);
     let (mut cold_prefaulted, mut prefault_secs) = (vec![], vec![]);
+    let (mut steady_hit, mut steady_ideal) = (vec![], vec![]);
     for _ in 0..runs {
         let t = Instant::now();
         for p in &manifest.pages {
@@ -134,6 +164,8 @@ fn main() {
         }
         let loaded = store.cache_stats().bytes_loaded - before;
         steady.push(loaded as f64 / t.elapsed().as_secs_f64() / 1e9);
+        steady_hit.push(1.0 - loaded as f64 / (3 * total) as f64);
+        steady_ideal.push(cyclic_ideal(&manifest, half as u64));
     }
     let (d, h, c, w, st) = (
         median(direct),
@@ -143,6 +175,7 @@ fn main() {
         median(steady),
     );
     let (cp, ps) = (median(cold_prefaulted), median(prefault_secs));
+    let (sh, si) = (median(steady_hit), median(steady_ideal));
     let bound = 1.0 / (1.0 / d + 1.0 / h);
     println!(
         "{} pages, {:.1} MB; medians of {runs} runs\n\
@@ -152,12 +185,15 @@ fn main() {
          store, first fill                {c:>7.2} GB/s = {:.0}% of bound\n\
          store, first fill, prefaulted    {cp:>7.2} GB/s = {:.0}% of bound (pre-fault took {:.2} s)\n\
          store, steady state loads        {st:>7.2} GB/s = {:.0}% of bound\n\
+         store, steady state bytes hit    {:>7.1} %    (ideal for the sweep {:.1} %, LRU 0 %)\n\
          store, warm cache acquire        {w:>7.2} us per page",
         manifest.pages.len(),
         total as f64 / 1e6,
         100.0 * c / bound,
         100.0 * cp / bound,
         ps,
-        100.0 * st / bound
+        100.0 * st / bound,
+        100.0 * sh,
+        100.0 * si
     );
 }

@@ -9,13 +9,15 @@
 //! like TinyLFU's: every `10 x resident pages` recorded accesses all counts halve.
 //!
 //! Regions:
-//! - **Main**: admitted pages. Victims are taken lowest frequency first, least
-//!   recently used among equals.
+//! - **Main**: admitted pages. Victims are taken lowest frequency first, *most*
+//!   recently used among equals (see "cyclic sweeps" below for why not least).
 //! - **Window**: pages served on demand that lost the admission test (and prefetched
 //!   pages that lost it). They are evicted first: used ones oldest first, then
 //!   prefetched pages not yet requested; a second demand request while still in the
-//!   window proves reuse and promotes the page to main (as in S3-FIFO's small queue). The window has no fixed size: it is what streaming needs (the pages an
-//!   engine holds at once), carved out of main by eviction when it must grow.
+//!   window proves reuse and promotes the page to main (as in S3-FIFO's small queue).
+//!   The window has no fixed size: it is what streaming needs (the pages an engine
+//!   holds at once, and the layer it prefetched), carved out of main by eviction when
+//!   it must grow.
 //!
 //! Why it resists what defeats LRU:
 //! - *Cyclic sweeps* (a model larger than the cache read layer 0..N, 0..N, ...): the
@@ -23,7 +25,38 @@
 //!   yet reused in this cycle, so its frequency ties with main's victim and it is not
 //!   admitted. It streams through the window while main keeps a stable subset, which
 //!   hits on every cycle: the hit ratio tends to (cache - window) / working set, where
-//!   LRU scores zero.
+//!   LRU scores zero. Three rules keep that subset stable when page sizes are very
+//!   uneven (a released model: one embedding of a fifth of the model, layer matrices
+//!   of 0.2 to 2 MB, norms of one slot), each the fix of a way it used to collapse to
+//!   no hits at all:
+//!   1. *Free room is not a free pass.* Evicting a large page for a smaller one leaves
+//!      free room; were every load that fits in free room admitted untested, the pages
+//!      after it would join main, main would outgrow its share and the window would
+//!      have to be carved out of main again on every sweep. Free room goes to main
+//!      only when the page passes admission or the room is *spare*: the window plus
+//!      the free bytes still cover the window's recent need ([`Policy::spare_room`]),
+//!      the most bytes streaming could not do without (leased and pending window
+//!      pages plus the page being placed) over the last one or two aging periods. So
+//!      the first fill goes to main, and main regrows into room streaming stopped
+//!      using, but never into the window's working room.
+//!   2. *When main must shrink, it gives up its most recently used page.* A demand load
+//!      the window cannot make room for (a large page behind small ones, a leased
+//!      layer) evicts main's victim. Least recently used among equal counts is, in a
+//!      cycle, exactly the page needed next; it then misses, needs room in turn, and
+//!      the cascade empties main within one sweep. Most recently used among equals is
+//!      the page whose reuse is furthest away (Belady's choice for a loop), so a
+//!      forced eviction costs one hit on the next sweep and nothing more. Frequency
+//!      still ranks first: a page requested more often is never given up for a page
+//!      requested less.
+//!   3. *Ties are never admitted* (strictly more requests than the victim), so in a
+//!      steady cycle no page displaces another and main does not churn.
+//!
+//!   A prefetch anticipates a request: it may evict window pages and main pages
+//!   requested no more often than it will have been once that request comes (its
+//!   count plus one). Pages already requested in this sweep lead the pages still to
+//!   come by one request, so without the plus one the layer prefetched ahead would
+//!   find no room once the resident subset had been swept, and the window could not
+//!   grow to the leased layer plus the prefetched one.
 //! - *Scans* (a burst of one-use pages): a page never seen before has frequency 0 and
 //!   never displaces a main page that was used; scans churn only the window.
 //!
@@ -35,6 +68,7 @@
 //! unleased, unpinned); the cache calls [`Policy::set_evictable`] on every transition
 //! and removes every evicted page with [`Policy::remove`].
 
+use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use super::PageKey;
@@ -78,11 +112,18 @@ pub struct Policy {
     /// Evictable window pages by (pending, insertion tick): used pages first, FIFO; then
     /// prefetched pages not yet requested ("pending"), FIFO.
     window: BTreeMap<(bool, u64), PageKey>,
-    /// Evictable main pages by (frequency, last access): first is the victim.
-    main: BTreeSet<(u32, u64, PageKey)>,
+    /// Evictable main pages by (frequency, most recent access first): first is the
+    /// victim.
+    main: BTreeSet<(u32, Reverse<u64>, PageKey)>,
     window_bytes: u64,
     pending_bytes: u64,
     main_bytes: u64,
+    /// Bytes of every resident window page, evictable or not (leased, pinned).
+    window_resident: u64,
+    /// The most window bytes streaming could not do without (leased or pending window
+    /// pages plus the page being placed), in this aging period and in the previous
+    /// one: see [`Policy::note_window_need`].
+    window_need: [u64; 2],
     agings: u64,
 }
 
@@ -116,6 +157,7 @@ impl Policy {
     fn age(&mut self) {
         self.samples = 0;
         self.agings += 1;
+        self.window_need = [0, self.window_need[0]];
         self.freq.retain(|_, f| {
             *f /= 2;
             *f > 0
@@ -148,12 +190,19 @@ impl Policy {
             },
         );
         debug_assert!(old.is_none(), "page inserted twice");
+        if region == Region::Window {
+            self.window_resident += size;
+        }
     }
 
     /// A page left the cache (evicted, or its residency ended).
     pub fn remove(&mut self, key: PageKey) {
         self.unindex(key);
-        self.entries.remove(&key);
+        if let Some(m) = self.entries.remove(&key) {
+            if m.region == Region::Window {
+                self.window_resident -= m.size;
+            }
+        }
     }
 
     pub fn region(&self, key: PageKey) -> Option<Region> {
@@ -171,6 +220,7 @@ impl Policy {
                 m.window_demands += 1;
                 if m.window_demands >= 2 {
                     m.region = Region::Main;
+                    self.window_resident -= m.size;
                 }
             }
         }
@@ -205,7 +255,7 @@ impl Policy {
                 IndexPos::Window(pending, m.inserted)
             }
             Region::Main => {
-                self.main.insert((f, m.last_access, key));
+                self.main.insert((f, Reverse(m.last_access), key));
                 self.main_bytes += m.size;
                 IndexPos::Main(f, m.last_access)
             }
@@ -228,7 +278,7 @@ impl Policy {
                 true
             }
             Some(IndexPos::Main(f, t)) => {
-                self.main.remove(&(f, t, key));
+                self.main.remove(&(f, Reverse(t), key));
                 self.main_bytes -= m.size;
                 true
             }
@@ -252,8 +302,8 @@ impl Policy {
             .map(|(_, &k)| k)
     }
 
-    /// Evictable main page with the lowest frequency (least recently used among
-    /// equals), and that frequency.
+    /// Evictable main page with the lowest frequency (most recently used among
+    /// equals: in a cycle, the one needed last), and that frequency.
     pub fn main_victim(&self) -> Option<(PageKey, u32)> {
         self.main.first().map(|&(_, _, k)| (k, self.frequency(k)))
     }
@@ -279,6 +329,27 @@ impl Policy {
         total
     }
 
+    /// Records that a page of `incoming` bytes is being placed in the window: streaming
+    /// then holds the window pages it cannot give up (leased, or prefetched and not yet
+    /// requested) plus this one. The largest such figure over the last one to two aging
+    /// periods is the window's need.
+    pub fn note_window_need(&mut self, incoming: u64) {
+        let held = self.window_resident - (self.window_bytes - self.pending_bytes);
+        self.window_need[0] = self.window_need[0].max(held + incoming);
+    }
+
+    /// The window bytes streaming has needed recently (see [`Self::note_window_need`]).
+    pub fn window_need(&self) -> u64 {
+        self.window_need[0].max(self.window_need[1])
+    }
+
+    /// Whether the window, with `free` unallocated bytes beside it, still covers its
+    /// recent need: then free space is spare and may go to main without displacing
+    /// anything.
+    pub fn spare_room(&self, free: u64) -> bool {
+        self.window_resident + free >= self.window_need()
+    }
+
     /// Bytes of all evictable pages.
     pub fn evictable_bytes(&self) -> u64 {
         self.window_bytes + self.main_bytes
@@ -299,7 +370,7 @@ mod tests {
     }
 
     #[test]
-    fn window_is_fifo_and_main_is_lfu_then_lru() {
+    fn window_is_fifo_and_main_is_lfu_then_mru() {
         let mut p = Policy::new();
         for i in 0..3 {
             p.record_access(k(i));
@@ -308,8 +379,9 @@ mod tests {
         }
         p.record_access(k(0));
         p.touch(k(0));
-        // k(1) and k(2) have 1 request; k(1) is older.
-        assert_eq!(p.main_victim(), Some((k(1), 1)));
+        // k(1) and k(2) have 1 request; k(2) is the more recent, so (in a cycle) the
+        // one needed last.
+        assert_eq!(p.main_victim(), Some((k(2), 1)));
         p.insert(k(10), 1, Region::Window, true);
         p.insert(k(11), 1, Region::Window, false);
         p.set_evictable(k(11), true);
@@ -329,9 +401,9 @@ mod tests {
         );
         assert_eq!(p.evictable_bytes(), 4);
         p.remove(k(11));
-        p.remove(k(1));
+        p.remove(k(2));
         assert_eq!(p.evictable_bytes(), 2);
-        assert_eq!(p.main_victim(), Some((k(2), 1)));
+        assert_eq!(p.main_victim(), Some((k(1), 1)));
     }
 
     #[test]
@@ -375,5 +447,58 @@ mod tests {
         assert_eq!(p.main_victim(), Some((k(1), 3)));
         p.remove(k(1));
         assert_eq!(p.evictable_bytes(), 0);
+    }
+
+    #[test]
+    fn a_more_requested_page_outranks_recency() {
+        let mut p = Policy::new();
+        for _ in 0..2 {
+            p.record_access(k(0));
+        }
+        p.insert(k(0), 1, Region::Main, true);
+        p.set_evictable(k(0), true);
+        p.record_access(k(1));
+        p.insert(k(1), 1, Region::Main, true);
+        p.set_evictable(k(1), true);
+        p.touch(k(0));
+        assert_eq!(p.main_victim(), Some((k(1), 1)), "fewer requests go first");
+    }
+
+    #[test]
+    fn free_room_is_spare_only_beyond_the_windows_recent_need() {
+        let mut p = Policy::new();
+        assert!(p.spare_room(0), "no streaming yet: all free room is spare");
+        // A leased window page of 4 and an incoming one of 3: streaming needs 7.
+        p.insert(k(1), 4, Region::Window, true);
+        p.note_window_need(3);
+        assert_eq!(p.window_need(), 7);
+        p.insert(k(2), 3, Region::Window, true);
+        assert!(p.spare_room(0));
+        // Released, the pages stay in the window (evictable): still its room.
+        p.set_evictable(k(1), true);
+        p.set_evictable(k(2), true);
+        assert!(p.spare_room(0));
+        p.remove(k(1));
+        assert!(!p.spare_room(3), "3 + 3 < 7");
+        assert!(p.spare_room(4));
+        // Evictable used window pages do not count in the need; pending ones do.
+        p.insert(k(3), 5, Region::Window, false);
+        p.set_evictable(k(3), true);
+        p.note_window_need(1);
+        assert_eq!(p.window_need(), 7, "pending 5 + incoming 1 < 7");
+        p.note_window_need(4);
+        assert_eq!(p.window_need(), 9);
+        // A promoted page leaves the window's bytes.
+        p.touch(k(2));
+        p.touch(k(2));
+        assert_eq!(p.region(k(2)), Some(Region::Main));
+        assert!(!p.spare_room(3), "window 5 + free 3 < 9");
+        // The need is forgotten after two aging periods without it.
+        for round in 0..2 {
+            for i in 0..MIN_AGING_PERIOD as u32 {
+                p.record_access(k(1000 + i));
+            }
+            assert_eq!(p.window_need(), if round == 0 { 9 } else { 0 });
+        }
     }
 }

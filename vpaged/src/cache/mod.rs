@@ -294,22 +294,34 @@ impl Inner {
     }
 
     /// Finds a slot of `units`, evicting per policy. Demand loads may evict anything
-    /// evictable (window first, then main's victims); prefetches only window pages and
-    /// main pages with no more requests than theirs.
+    /// evictable (window first, then main's victims); prefetches only used window
+    /// pages and main pages with no more requests than theirs will be once requested.
+    /// Free room goes to main only for pages admitted or when it is spare (rules in
+    /// [`eviction`]).
     fn make_room(&self, st: &mut State, units: u32, mode: Mode) -> Room {
         let freq = match mode {
             Mode::Demand { freq } | Mode::Prefetch { freq } => freq,
         };
+        let admitted = st.policy.admits(freq);
+        let need = units as u64 * SLOT_ALIGN as u64;
         if let Some(unit) = st.slots.alloc(units) {
-            // Free space: warming up, nothing is displaced, so admit.
-            return Room::Slot(Slot { unit, units }, Region::Main);
+            // Free room displaces nothing: it goes to main if the page passes admission
+            // or the room is spare (the window keeps what streaming recently needed);
+            // otherwise the page streams through the window like any other.
+            let free_after = st.slots.free_units() as u64 * SLOT_ALIGN as u64;
+            let region = if admitted || st.policy.spare_room(free_after) {
+                Region::Main
+            } else {
+                st.policy.note_window_need(need);
+                Region::Window
+            };
+            return Room::Slot(Slot { unit, units }, region);
         }
-        let region = if st.policy.admits(freq) {
+        let region = if admitted {
             Region::Main
         } else {
             Region::Window
         };
-        let need = units as u64 * SLOT_ALIGN as u64;
         let free = st.slots.free_units() as u64 * SLOT_ALIGN as u64;
         match mode {
             Mode::Demand { .. } => {
@@ -320,7 +332,7 @@ impl Inner {
             Mode::Prefetch { .. } => {
                 if free
                     + st.policy
-                        .reclaimable_for_prefetch(freq, need.saturating_sub(free))
+                        .reclaimable_for_prefetch(freq.saturating_add(1), need.saturating_sub(free))
                     < need
                 {
                     return Room::Declined;
@@ -336,13 +348,16 @@ impl Inner {
                 Some(v) => v,
                 None => match (st.policy.main_victim(), mode) {
                     (Some((v, _)), Mode::Demand { .. }) => v,
-                    (Some((v, f)), Mode::Prefetch { .. }) if f <= freq => v,
+                    (Some((v, f)), Mode::Prefetch { .. }) if f <= freq.saturating_add(1) => v,
                     (_, Mode::Prefetch { .. }) => return Room::Declined,
                     (None, Mode::Demand { .. }) => return Room::Full,
                 },
             };
             Self::evict(st, victim);
             if let Some(unit) = st.slots.alloc(units) {
+                if region == Region::Window {
+                    st.policy.note_window_need(need);
+                }
                 return Room::Slot(Slot { unit, units }, region);
             }
         }
@@ -594,9 +609,11 @@ impl PageCache {
     }
 
     /// Loads page `key` without leasing it, as a low-priority hint: it may evict only
-    /// window pages and main pages requested no more often than it was, and does not
-    /// count as a request. (Ties are allowed so the window can grow to hold the layer
-    /// being computed plus the one prefetched; pages with more requests are safe.)
+    /// used window pages and main pages requested no more often than it will have been
+    /// once the request it anticipates comes (its count plus one), and does not count
+    /// as a request. (Ties are allowed, and pages of the sweep in progress lead the
+    /// prefetched one by a request, so the window can grow to hold the layer being
+    /// computed plus the one prefetched; pages with more requests are safe.)
     /// Returns at once if the page is resident or being loaded.
     pub fn prefetch<E, F>(
         &self,
