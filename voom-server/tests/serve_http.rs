@@ -1449,3 +1449,62 @@ fn metrics_report_the_page_cache_of_the_resident_engine() {
     let r = s.metric("voom_page_cache_hit_ratio");
     assert!(r > 0.0 && r < 1.0, "{r}");
 }
+
+/// A client that stops reading is cut off after `--write-timeout`: 40 pipelined
+/// 2000-token streams (about 240 KB each) on one connection that is never read fill
+/// the socket buffers; the server's next write stalls, the connection is dropped, and
+/// the requests behind it never run. The server keeps serving others.
+#[test]
+fn a_client_that_stops_reading_is_cut_off_after_the_write_deadline() {
+    let s = Server::start(&["--write-timeout", "1"]);
+    let body = json!({"model": MODEL, "prompt": [12], "max_tokens": 2000,
+        "temperature": 0, "stream": true})
+    .to_string();
+    let one = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        s.addr,
+        body.len()
+    );
+    let mut c = TcpStream::connect(s.addr).unwrap();
+    c.write_all(one.repeat(40).as_bytes()).unwrap();
+    // Not reading: wait until generation has stopped for good.
+    let t = Instant::now();
+    let mut last = -1.0;
+    loop {
+        std::thread::sleep(Duration::from_millis(1500));
+        let now = s.metric("voom_completion_tokens_total");
+        if now == last && s.metric("voom_engine_busy") == 0.0 {
+            break;
+        }
+        last = now;
+        assert!(
+            t.elapsed() < Duration::from_secs(120),
+            "generation never stopped"
+        );
+    }
+    assert!(
+        last < 40.0 * 2000.0,
+        "every pipelined request ran: the stalled writes were never cut off"
+    );
+    // The connection was closed by the server: reading drains what was buffered, then
+    // ends (EOF or reset), without all 40 answers.
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut data = Vec::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        match c.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => data.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == ErrorKind::ConnectionReset => break,
+            Err(e) => panic!("the connection was not closed: {e}"),
+        }
+    }
+    let done = String::from_utf8_lossy(&data).matches("[DONE]").count();
+    assert!(done < 40, "{done} answers arrived");
+    // Others are still served.
+    let r = s.post_json(
+        "/v1/completions",
+        &json!({"model": MODEL, "prompt": "Hi", "max_tokens": 3, "temperature": 0}),
+    );
+    assert_eq!(r.status, 200);
+}
