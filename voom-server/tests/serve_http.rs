@@ -1508,3 +1508,42 @@ fn a_client_that_stops_reading_is_cut_off_after_the_write_deadline() {
     );
     assert_eq!(r.status, 200);
 }
+
+/// One engine resident at a time: a request for another model swaps it, and each
+/// model answers as it does alone.
+#[test]
+fn requesting_another_model_swaps_the_engine() {
+    let s = Server::start(&[]);
+    // A second model in the same store: the fixture under another name.
+    copy_dir(&fixture(), &s.models.path().join("tiny-chat-b"));
+    let ask = |model: &str| {
+        let r = s.post_json(
+            "/v1/completions",
+            &json!({"model": model, "prompt": "Hello", "max_tokens": 5, "temperature": 0}),
+        );
+        assert_eq!(r.status, 200, "{}", r.text());
+        (
+            r.json()["choices"][0]["text"].as_str().unwrap().to_string(),
+            s.get("/health").json()["resident_model"].clone(),
+        )
+    };
+    let (a1, res) = ask(MODEL);
+    assert_eq!(res, MODEL);
+    let (b1, res) = ask("tiny-chat-b");
+    assert_eq!(res, "tiny-chat-b");
+    assert_eq!(s.metric("voom_model_loads_total"), 2.0);
+    let (a2, res) = ask(MODEL);
+    assert_eq!(res, MODEL);
+    assert_eq!(s.metric("voom_model_loads_total"), 3.0);
+    // Same weights, same greedy text, whichever engine was resident before.
+    assert_eq!(a1, b1);
+    assert_eq!(a1, a2);
+    let models = s.get("/v1/models").json();
+    let ids: Vec<&str> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, [MODEL, "tiny-chat-b"]);
+}
