@@ -46,6 +46,13 @@ pub struct BenchArgs {
     /// Decoder layers hinted to the page source ahead of the one computing (0: off).
     #[arg(long, default_value_t = 1)]
     pub prefetch_depth: usize,
+    /// Also run every configuration under this runtime profile (its cache budget,
+    /// pins, prefetch depth...; the thread count is the bench's), in the same runs.
+    #[arg(long)]
+    pub profile: Option<String>,
+    /// Directory of profiles (as for `voom run --profiles-dir`).
+    #[arg(long)]
+    pub profiles_dir: Option<PathBuf>,
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -101,6 +108,25 @@ pub fn run(a: BenchArgs) -> Result<()> {
             };
             let mut engines: Vec<(&str, Engine)> =
                 vec![("embedded", Engine::open(dir, opts.clone())?)];
+            if let Some(name) = &a.profile {
+                let args = common::EngineArgs {
+                    profile: name.clone(),
+                    profiles_dir: a.profiles_dir.clone(),
+                    threads: Some(threads),
+                    verify: None,
+                    max_context: None,
+                    vpaged: None,
+                    vpaged_fallback: false,
+                    prefetch_depth: None,
+                    cache_budget: None,
+                    pin_first_layers: None,
+                    pin_last_layers: None,
+                    kv_budget: None,
+                    resolved: None,
+                };
+                let engine = common::open_engine(dir, &args)?;
+                engines.push(("profile", engine));
+            }
             if let Some(socket) = &a.vpaged {
                 // The store core in this process, over an arena like the daemon's: the
                 // same memory and cache, without the socket. Against it, the daemon's
@@ -240,12 +266,14 @@ pub fn run(a: BenchArgs) -> Result<()> {
                             .collect();
                         median(&mut v)
                     };
+                    // The in-process store is pushed with the daemon, just before it.
+                    let store_i = i - 1;
                     let vs_embedded = 1.0 - dec_med / medians[0];
-                    let vs_store = 1.0 - dec_med / medians[1];
+                    let vs_store = 1.0 - dec_med / medians[store_i];
                     r["handoff_overhead_vs_embedded"] = vs_embedded.into();
                     r["handoff_overhead_vs_store"] = vs_store.into();
                     r["handoff_overhead_vs_embedded_paired"] = pairs(0).into();
-                    r["handoff_overhead_vs_store_paired"] = pairs(1).into();
+                    r["handoff_overhead_vs_store_paired"] = pairs(store_i).into();
                     if !a.json {
                         println!(
                             "{:<28} daemon overhead on decode: {:+.1}% vs embedded (paired runs {:+.1}%), {:+.1}% vs the in-process store (paired {:+.1}%)",
@@ -253,7 +281,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
                             100.0 * vs_embedded,
                             100.0 * pairs(0),
                             100.0 * vs_store,
-                            100.0 * pairs(1),
+                            100.0 * pairs(store_i),
                         );
                     }
                 }
