@@ -28,7 +28,7 @@ use vpaged::PageSource;
 use super::catalog::ModelMeta;
 use super::error::ApiError;
 use super::metrics::Metrics;
-use super::tools::{ToolCall, ToolParser};
+use super::tools::{Layout, ToolCall, ToolFormat, ToolParser};
 use crate::cli::common::EngineArgs;
 
 /// One generation request, ready for the engine: the prompt is already tokens.
@@ -245,8 +245,13 @@ impl WorkerState {
                 job.meta.id, job.grammar_eos, eos
             )));
         }
-        // Output with tools is held back: calls are only known at the end.
-        let hold = job.tools.is_some();
+        // With tools, text streams until a call may be starting (CallGate); from there
+        // on output is held back, because calls are only known at the end. Forced
+        // calls hold everything.
+        let mut gate = job
+            .tools
+            .as_ref()
+            .map(|t| CallGate::new(t.format, t.forced));
         let keep_special = job
             .tools
             .as_ref()
@@ -256,15 +261,19 @@ impl WorkerState {
         let mut text = String::new();
         let mut gone = false;
         let mut failure = None;
-        let send = |piece: &str, text: &mut String| -> bool {
+        let mut send = |piece: &str, text: &mut String| -> bool {
             if piece.is_empty() {
                 return true;
             }
             text.push_str(piece);
-            if hold {
+            let emit = match gate.as_mut() {
+                Some(g) => g.push(piece),
+                None => piece.to_string(),
+            };
+            if emit.is_empty() {
                 return !job.events.is_closed();
             }
-            job.events.send(Event::Text(piece.to_string())).is_ok()
+            job.events.send(Event::Text(emit)).is_ok()
         };
         let mut on_token = |id| {
             if eos.contains(&id) && !job.params.ignore_eos {
@@ -351,7 +360,18 @@ impl WorkerState {
             }
             text = parsed.content;
             tool_calls = parsed.calls;
-            if !text.is_empty() && job.events.send(Event::Text(text.clone())).is_err() {
+            // What was streamed is text before any call: the rest of the content
+            // follows it.
+            let streamed = gate.as_ref().map_or(0, |g| g.streamed);
+            let rest = match text.get(streamed..) {
+                Some(r) if text.is_char_boundary(streamed) => r.to_string(),
+                _ => {
+                    return Err(ApiError::internal(
+                        "tool-call parsing changed text that was already streamed",
+                    ))
+                }
+            };
+            if !rest.is_empty() && job.events.send(Event::Text(rest)).is_err() {
                 self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
                 return Ok(None);
             }
@@ -410,6 +430,82 @@ impl WorkerState {
 /// it cannot represent).
 pub fn is_number_overflow(e: &serde_json::Error) -> bool {
     e.to_string().starts_with("number out of range")
+}
+
+/// Decides how much of the output may stream while tools are offered: text before
+/// the first place a call could begin (the format's opening marker; for formats whose
+/// calls are the whole output, its start), holding back a tail that could be the
+/// start of that marker. From there on everything is held until the calls are parsed
+/// at the end.
+pub struct CallGate {
+    format: &'static ToolFormat,
+    /// Output seen, not yet streamed.
+    pending: String,
+    /// A call may have begun: nothing more streams.
+    closed: bool,
+    /// The output is plain text for good (a whole-output format that began otherwise).
+    plain: bool,
+    /// Bytes of output streamed so far.
+    pub streamed: usize,
+}
+
+impl CallGate {
+    /// `forced`: the output is only calls; nothing streams.
+    pub fn new(format: &'static ToolFormat, forced: bool) -> Self {
+        CallGate {
+            format,
+            pending: String::new(),
+            closed: forced,
+            plain: false,
+            streamed: 0,
+        }
+    }
+
+    /// Adds output; returns what may be streamed now.
+    pub fn push(&mut self, piece: &str) -> String {
+        if self.closed {
+            return String::new();
+        }
+        self.pending.push_str(piece);
+        let marker = self.format.open;
+        let keep = if self.plain {
+            0
+        } else if self.format.layout == Layout::Bare {
+            // Calls are the whole output: decide on its first visible characters.
+            let start = self.pending.trim_start();
+            let body = match start.strip_prefix(marker) {
+                Some(b) if !marker.is_empty() => b.trim_start(),
+                _ => start,
+            };
+            if start.is_empty() || (!marker.is_empty() && marker.starts_with(start)) {
+                return String::new(); // nothing visible yet, or maybe the marker
+            }
+            if body.is_empty() || body.starts_with('{') {
+                self.closed = true;
+                return String::new();
+            }
+            self.plain = true;
+            0
+        } else if let Some(i) = self.pending.find(marker).filter(|_| !marker.is_empty()) {
+            let out = self.pending[..i].to_string();
+            self.closed = true;
+            self.streamed += out.len();
+            return out;
+        } else {
+            // The longest tail that could begin the marker.
+            marker
+                .char_indices()
+                .skip(1)
+                .map(|(k, _)| k)
+                .filter(|&k| self.pending.ends_with(&marker[..k]))
+                .max()
+                .unwrap_or(0)
+        };
+        let cut = self.pending.len() - keep;
+        let out: String = self.pending.drain(..cut).collect();
+        self.streamed += out.len();
+        out
+    }
 }
 
 /// Cuts streamed text at the first stop sequence. Text that could be the start of a
@@ -515,6 +611,40 @@ mod tests {
         assert_eq!(
             run(&["\n\n"], &["one\n", "\ntwo"]),
             ("one".into(), Some("\n\n".into()))
+        );
+    }
+
+    fn gate(format: &'static ToolFormat, forced: bool, pieces: &[&str]) -> Vec<String> {
+        let mut g = CallGate::new(format, forced);
+        pieces.iter().map(|p| g.push(p)).collect()
+    }
+
+    #[test]
+    fn text_streams_until_a_call_may_begin() {
+        use super::super::tools::{HERMES, LLAMA3_JSON};
+        // Tagged: text before the marker streams; a partial marker is held; after
+        // the marker nothing streams.
+        assert_eq!(
+            gate(
+                &HERMES,
+                false,
+                &["Let me check. <tool", "_call>\n{", "\"name\""]
+            ),
+            ["Let me check. ", "", ""]
+        );
+        // A tail that turns out not to be the marker is released.
+        assert_eq!(gate(&HERMES, false, &["a <to", "p>"]), ["a ", "<top>"]);
+        // Forced calls: nothing streams.
+        assert_eq!(gate(&HERMES, true, &["<tool_call>", "x"]), ["", ""]);
+        // Whole-output JSON calls: an output starting with '{' is held; plain text
+        // streams from its first visible character.
+        assert_eq!(
+            gate(&LLAMA3_JSON, false, &["  ", "{\"name\"", "x"]),
+            ["", "", ""]
+        );
+        assert_eq!(
+            gate(&LLAMA3_JSON, false, &[" ", "Hello", " there"]),
+            ["", " Hello", " there"]
         );
     }
 
