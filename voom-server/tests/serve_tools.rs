@@ -482,3 +482,39 @@ fn tool_round_trip_renders_the_history() {
         "{text}"
     );
 }
+
+/// With tools offered under `auto`, text streams as it is generated (the random
+/// model writes no call): several content deltas, joining to the non-streamed text.
+#[test]
+fn streaming_auto_streams_text_as_it_comes() {
+    let s = Server::start();
+    let req = |stream: bool| {
+        json!({
+            "model": MODEL, "messages": user("What is the weather in Oslo?"), "tools": tools(),
+            "tool_choice": "auto", "temperature": 0, "max_tokens": 24, "stream": stream,
+        })
+    };
+    let whole = s.chat(req(false));
+    let (status, body) = s.post("/v1/chat/completions", &req(true));
+    assert_eq!(status, 200, "{body}");
+    let deltas: Vec<String> = body
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|e| *e != "[DONE]")
+        .filter_map(|e| {
+            let v: Value = serde_json::from_str(e).unwrap();
+            v["choices"][0]["delta"]["content"]
+                .as_str()
+                .filter(|t| !t.is_empty())
+                .map(str::to_string)
+        })
+        .collect();
+    assert_eq!(
+        deltas.concat(),
+        whole["choices"][0]["message"]["content"].as_str().unwrap()
+    );
+    assert!(
+        deltas.len() > 3,
+        "the text came in one piece at the end: {deltas:?}"
+    );
+}
