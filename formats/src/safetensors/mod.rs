@@ -15,8 +15,8 @@
 
 mod write;
 
-pub use write::write;
 pub(crate) use write::write_atomically;
+pub use write::{write, write_with};
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;

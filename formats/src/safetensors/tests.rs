@@ -484,3 +484,58 @@ fn open_reports_short_and_missing_files() {
         "{e}"
     );
 }
+
+#[test]
+fn streamed_writes_equal_whole_writes_and_wrong_lengths_are_errors() {
+    use std::collections::BTreeMap;
+    let d = tempfile::tempdir().unwrap();
+    let a: Vec<u8> = (0..24u8).collect();
+    let b: Vec<u8> = (0..6u8).map(|x| x * 3).collect();
+    let meta = BTreeMap::from([("format".to_string(), "pt".to_string())]);
+    let whole = d.path().join("whole.safetensors");
+    write(
+        &whole,
+        &[("a", DType::F32, &[2, 3], &a), ("b", DType::BF16, &[3], &b)],
+        &meta,
+    )
+    .unwrap();
+    let streamed = d.path().join("streamed.safetensors");
+    let specs: [(&str, DType, &[usize]); 2] =
+        [("a", DType::F32, &[2, 3]), ("b", DType::BF16, &[3])];
+    write_with(&streamed, &specs, &meta, &mut |i, w| {
+        // Written in small pieces, as a converter would.
+        let bytes = if i == 0 { &a } else { &b };
+        for c in bytes.chunks(5) {
+            w.write_all(c)?;
+        }
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(
+        std::fs::read(&whole).unwrap(),
+        std::fs::read(&streamed).unwrap()
+    );
+
+    // Too few bytes for a tensor: an error naming it; the existing file is untouched.
+    let e = write_with(&streamed, &specs, &meta, &mut |i, w| {
+        w.write_all(if i == 0 { &a[..20] } else { &b })
+    })
+    .unwrap_err();
+    assert!(e.to_string().contains("20 bytes written"), "{e}");
+    assert!(
+        e.to_string().contains("'a'") || e.to_string().contains("a"),
+        "{e}"
+    );
+    // A failing fill: its error, and nothing replaced.
+    let e = write_with(&streamed, &specs, &meta, &mut |_, _| {
+        Err(std::io::Error::other("conversion failed"))
+    })
+    .unwrap_err();
+    assert!(e.to_string().contains("conversion failed"), "{e}");
+    assert_eq!(
+        std::fs::read(&whole).unwrap(),
+        std::fs::read(&streamed).unwrap()
+    );
+    let leftovers = std::fs::read_dir(d.path()).unwrap().count();
+    assert_eq!(leftovers, 2, "no temporary file is left behind");
+}

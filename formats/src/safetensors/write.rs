@@ -27,21 +27,101 @@ pub fn write(
     tensors: &[(&str, DType, &[usize], &[u8])],
     metadata: &BTreeMap<String, String>,
 ) -> Result<()> {
-    let header = header_bytes(path, tensors, metadata)?;
-    write_atomically(path, |w| {
-        w.write_all(&(header.len() as u64).to_le_bytes())?;
-        w.write_all(&header)?;
-        for (_, _, _, bytes) in tensors {
-            w.write_all(bytes)?;
+    let bad = |name: &str, detail: String| FormatError::BadTensor {
+        path: path.to_path_buf(),
+        tensor: name.to_string(),
+        detail,
+    };
+    for &(name, dtype, shape, bytes) in tensors {
+        let expected = tensor_len(shape, dtype)
+            .ok_or_else(|| bad(name, format!("shape {shape:?} overflows")))?;
+        if bytes.len() != expected {
+            return Err(bad(
+                name,
+                format!(
+                    "{} bytes given but shape {shape:?} of {dtype} needs {expected}",
+                    bytes.len()
+                ),
+            ));
         }
-        Ok(())
+    }
+    let specs: Vec<(&str, DType, &[usize])> =
+        tensors.iter().map(|&(n, d, s, _)| (n, d, s)).collect();
+    write_with(path, &specs, metadata, &mut |i, w| {
+        w.write_all(tensors[i].3)
     })
 }
 
-/// Builds the padded JSON header, validating every tensor.
+/// Like [`write`], with each tensor's bytes produced when they are due: `fill(i, w)`
+/// writes tensor `i`'s bytes (exactly the length its dtype and shape give) into `w`,
+/// in order. Only one tensor need exist in memory at a time, so a file larger than
+/// memory can be written. A fill that writes too few or too many bytes, or fails, is
+/// an error and leaves `path` untouched.
+pub fn write_with(
+    path: &Path,
+    tensors: &[(&str, DType, &[usize])],
+    metadata: &BTreeMap<String, String>,
+    fill: &mut dyn FnMut(usize, &mut dyn Write) -> io::Result<()>,
+) -> Result<()> {
+    let header = header_bytes(path, tensors, metadata)?;
+    let mut wrong: Option<FormatError> = None;
+    let r = write_atomically(path, |w| {
+        w.write_all(&(header.len() as u64).to_le_bytes())?;
+        w.write_all(&header)?;
+        for (i, &(name, dtype, shape)) in tensors.iter().enumerate() {
+            let expected = tensor_len(shape, dtype).expect("checked by header_bytes") as u64;
+            let mut counted = Counted { inner: w, n: 0 };
+            fill(i, &mut counted)?;
+            if counted.n != expected {
+                wrong = Some(FormatError::BadTensor {
+                    path: path.to_path_buf(),
+                    tensor: name.to_string(),
+                    detail: format!(
+                        "{} bytes written but shape {shape:?} of {dtype} needs {expected}",
+                        counted.n
+                    ),
+                });
+                return Err(io::Error::other("a tensor's bytes have the wrong length"));
+            }
+        }
+        Ok(())
+    });
+    match (r, wrong) {
+        (_, Some(e)) => Err(e),
+        (r, None) => r,
+    }
+}
+
+/// Bytes of a tensor of `shape` and `dtype`, if that fits a usize.
+fn tensor_len(shape: &[usize], dtype: DType) -> Option<usize> {
+    shape
+        .iter()
+        .try_fold(1usize, |a, &d| a.checked_mul(d))
+        .and_then(|n| n.checked_mul(dtype.size()))
+}
+
+/// A writer that counts the bytes through it.
+struct Counted<'a> {
+    inner: &'a mut dyn Write,
+    n: u64,
+}
+
+impl Write for Counted<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let k = self.inner.write(buf)?;
+        self.n += k as u64;
+        Ok(k)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+/// Builds the padded JSON header, validating every tensor's name and shape.
 fn header_bytes(
     path: &Path,
-    tensors: &[(&str, DType, &[usize], &[u8])],
+    tensors: &[(&str, DType, &[usize])],
     metadata: &BTreeMap<String, String>,
 ) -> Result<Vec<u8>> {
     let bad = |name: &str, detail: String| FormatError::BadTensor {
@@ -60,28 +140,16 @@ fn header_bytes(
     }
     let mut seen = HashSet::new();
     let mut offset = 0u64;
-    for &(name, dtype, shape, bytes) in tensors {
+    for &(name, dtype, shape) in tensors {
         if name == METADATA_KEY {
             return Err(bad(name, format!("'{METADATA_KEY}' is reserved")));
         }
         if !seen.insert(name) {
             return Err(bad(name, "tensor name given twice".into()));
         }
-        let expected = shape
-            .iter()
-            .try_fold(1usize, |a, &d| a.checked_mul(d))
-            .and_then(|n| n.checked_mul(dtype.size()))
+        let expected = tensor_len(shape, dtype)
             .ok_or_else(|| bad(name, format!("shape {shape:?} overflows")))?;
-        if bytes.len() != expected {
-            return Err(bad(
-                name,
-                format!(
-                    "{} bytes given but shape {shape:?} of {dtype} needs {expected}",
-                    bytes.len()
-                ),
-            ));
-        }
-        let end = offset + bytes.len() as u64;
+        let end = offset + expected as u64;
         if !first {
             out.push(',');
         }

@@ -197,20 +197,6 @@ fn shortest_f64(x: f32) -> f64 {
     x.to_string().parse().unwrap_or(x as f64)
 }
 
-/// One converted tensor: Hugging Face name, torch shape, BF16 bytes.
-pub(super) struct Tensor {
-    pub name: String,
-    pub shape: Vec<usize>,
-    pub data: Vec<u8>,
-}
-
-pub(super) struct Converted {
-    /// Sorted by name.
-    pub tensors: Vec<Tensor>,
-    pub parameters: u64,
-    pub rounded_elements: u64,
-}
-
 /// Which projection a GGUF tensor is, for the row un-permutation.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Rope {
@@ -313,11 +299,21 @@ fn unpermute_rows(w: &[f32], rows: usize, cols: usize, heads: usize) -> Vec<f32>
     out
 }
 
-pub(super) fn convert_tensors(
-    g: &GgufFile,
+/// One tensor to convert: its GGUF entry, Hugging Face name and shape, and whether
+/// its rows are un-permuted.
+pub(super) struct Planned<'a> {
+    pub info: &'a GgufTensorInfo,
+    pub name: String,
+    pub shape: Vec<usize>,
+    rope: Rope,
+}
+
+/// Checks every tensor against the parameters and lists them in output order (sorted
+/// by Hugging Face name). Nothing is dequantized yet.
+pub(super) fn plan_tensors<'a>(
+    g: &'a GgufFile,
     p: &Params,
-    progress: &mut dyn FnMut(u64, u64),
-) -> Result<Converted, ImportError> {
+) -> Result<Vec<Planned<'a>>, ImportError> {
     let path: PathBuf = g.path().to_path_buf();
     let inconsistent = |detail: String| ImportError::Inconsistent {
         path: path.clone(),
@@ -328,7 +324,7 @@ pub(super) fn convert_tensors(
             return Err(inconsistent(format!("tensor '{name}' is missing")));
         }
     }
-    let mut plan: Vec<(&GgufTensorInfo, String, Vec<u64>, Rope)> = Vec::new();
+    let mut plan = Vec::new();
     for t in g.tensors() {
         let Some((hf, shape, rope)) = hf_name(p, t.name()) else {
             return Err(ImportError::Unsupported {
@@ -343,52 +339,58 @@ pub(super) fn convert_tensors(
                 t.torch_shape()
             )));
         }
-        plan.push((t, hf, shape, rope));
-    }
-    plan.sort_by(|a, b| a.1.cmp(&b.1));
-
-    let total: u64 = plan.iter().map(|(t, ..)| t.n_bytes()).sum();
-    let mut done = 0u64;
-    progress(done, total);
-    let mut tensors = Vec::with_capacity(plan.len());
-    let (mut parameters, mut rounded) = (0u64, 0u64);
-    for (info, hf, shape, rope) in plan {
-        let too_big = || {
-            inconsistent(format!(
-                "tensor '{}' is too large for this platform",
-                info.name()
-            ))
-        };
         let shape: Vec<usize> = shape
             .iter()
-            .map(|&d| usize::try_from(d).map_err(|_| too_big()))
-            .collect::<Result<_, _>>()?;
-        let mut values = g.dequantize_tensor(info)?;
-        if let Rope::Heads(heads) = rope {
-            let heads = usize::try_from(heads).map_err(|_| too_big())?;
-            // Shape checked above: rows = heads * head_dim with head_dim even.
-            values = unpermute_rows(&values, shape[0], shape[1], heads);
-        }
-        let mut data = Vec::with_capacity(values.len() * 2);
-        for &x in &values {
-            let b = f32_to_bf16(x);
-            if voom_formats::dtype::bf16_to_f32(b).to_bits() != x.to_bits() {
-                rounded += 1;
-            }
-            data.extend_from_slice(&b.to_le_bytes());
-        }
-        parameters += values.len() as u64;
-        tensors.push(Tensor {
+            .map(|&d| usize::try_from(d))
+            .collect::<Result<_, _>>()
+            .map_err(|_| {
+                inconsistent(format!(
+                    "tensor '{}' is too large for this platform",
+                    t.name()
+                ))
+            })?;
+        plan.push(Planned {
+            info: t,
             name: hf,
             shape,
-            data,
+            rope,
         });
-        done += info.n_bytes();
-        progress(done, total);
     }
-    Ok(Converted {
-        tensors,
-        parameters,
+    plan.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(plan)
+}
+
+/// One tensor converted: its BF16 bytes, elements, and how many of them rounding to
+/// BF16 changed.
+pub(super) struct ConvertedTensor {
+    pub data: Vec<u8>,
+    pub parameters: u64,
+    pub rounded_elements: u64,
+}
+
+/// Dequantizes one planned tensor, un-permutes Q/K rows, and rounds to BF16.
+pub(super) fn convert_one(g: &GgufFile, t: &Planned<'_>) -> Result<ConvertedTensor, ImportError> {
+    let mut values = g.dequantize_tensor(t.info)?;
+    if let Rope::Heads(heads) = t.rope {
+        let heads = usize::try_from(heads).map_err(|_| ImportError::Inconsistent {
+            path: g.path().to_path_buf(),
+            detail: format!("tensor '{}' has too many heads", t.info.name()),
+        })?;
+        // Shape checked by the plan: rows = heads * head_dim with head_dim even.
+        values = unpermute_rows(&values, t.shape[0], t.shape[1], heads);
+    }
+    let mut data = Vec::with_capacity(values.len() * 2);
+    let mut rounded = 0u64;
+    for &x in &values {
+        let b = f32_to_bf16(x);
+        if voom_formats::dtype::bf16_to_f32(b).to_bits() != x.to_bits() {
+            rounded += 1;
+        }
+        data.extend_from_slice(&b.to_le_bytes());
+    }
+    Ok(ConvertedTensor {
+        data,
+        parameters: values.len() as u64,
         rounded_elements: rounded,
     })
 }

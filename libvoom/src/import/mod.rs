@@ -118,25 +118,42 @@ pub fn import_gguf(
     // Claim the destination before the expensive conversion.
     let staging = Staging::new(out_dir)?;
     let dir = staging.path();
-    let converted = llama::convert_tensors(&gguf, &params, progress)?;
+    let plan = llama::plan_tensors(&gguf, &params)?;
 
     let mut bytes_written = 0u64;
 
+    // One tensor is converted at a time and written as it is due: peak memory is one
+    // tensor (its f32 values and BF16 bytes), not the model.
     let st_path = dir.join("model.safetensors");
-    let entries: Vec<(&str, DType, &[usize], &[u8])> = converted
-        .tensors
+    let specs: Vec<(&str, DType, &[usize])> = plan
         .iter()
-        .map(|t| {
-            (
-                t.name.as_str(),
-                DType::BF16,
-                t.shape.as_slice(),
-                t.data.as_slice(),
-            )
-        })
+        .map(|t| (t.name.as_str(), DType::BF16, t.shape.as_slice()))
         .collect();
     let metadata = BTreeMap::from([("format".to_string(), "pt".to_string())]);
-    voom_formats::safetensors::write(&st_path, &entries, &metadata)?;
+    let total: u64 = plan.iter().map(|t| t.info.n_bytes()).sum();
+    let (mut done, mut parameters, mut rounded) = (0u64, 0u64, 0u64);
+    progress(done, total);
+    let mut failed: Option<ImportError> = None;
+    let written =
+        voom_formats::safetensors::write_with(&st_path, &specs, &metadata, &mut |i, w| {
+            let c = match llama::convert_one(&gguf, &plan[i]) {
+                Ok(c) => c,
+                Err(e) => {
+                    failed = Some(e);
+                    return Err(std::io::Error::other("tensor conversion failed"));
+                }
+            };
+            w.write_all(&c.data)?;
+            parameters += c.parameters;
+            rounded += c.rounded_elements;
+            done += plan[i].info.n_bytes();
+            progress(done, total);
+            Ok(())
+        });
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    written?;
     bytes_written += fs::metadata(&st_path)
         .map_err(|e| ImportError::io(&st_path, e))?
         .len();
@@ -158,9 +175,9 @@ pub fn import_gguf(
     Ok(ImportReport {
         architecture,
         name,
-        tensors: converted.tensors.len(),
-        parameters: converted.parameters,
-        rounded_elements: converted.rounded_elements,
+        tensors: plan.len(),
+        parameters,
+        rounded_elements: rounded,
         bytes_written,
         out_dir: out_dir.to_path_buf(),
     })
