@@ -250,17 +250,7 @@ impl DaemonSource {
             store: dir.clone(),
             detail: "no manifest".into(),
         })?;
-        let pages: Vec<PageMeta> = manifest
-            .pages
-            .iter()
-            .map(|e| PageMeta {
-                id: PageId(e.id),
-                name: e.name.clone(),
-                dtype: e.dtype,
-                shape: e.shape.clone(),
-                len: e.decoded_len().unwrap_or(e.len),
-            })
-            .collect();
+        let pages: Vec<PageMeta> = manifest.pages.iter().map(PageMeta::from_entry).collect();
         if pages.len() != count as usize {
             return Err(DaemonClient::err(
                 client.socket(),

@@ -22,6 +22,20 @@ pub struct PageMeta {
     pub len: u64,
 }
 
+impl PageMeta {
+    /// A manifest entry's page (its decoded length: the raw bytes, whatever the
+    /// stored encoding).
+    pub fn from_entry(e: &voom_formats::manifest::PageEntry) -> Self {
+        PageMeta {
+            id: PageId(e.id),
+            name: e.name.clone(),
+            dtype: e.dtype,
+            shape: e.shape.clone(),
+            len: e.decoded_len().unwrap_or(e.len),
+        }
+    }
+}
+
 /// A page cache's counters as a source reports them.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct SourceCacheStats {

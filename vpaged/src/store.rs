@@ -270,17 +270,7 @@ impl Store {
         nas: Option<NasTier>,
         manifest: Manifest,
     ) -> u32 {
-        let pages: Vec<PageMeta> = manifest
-            .pages
-            .iter()
-            .map(|e| PageMeta {
-                id: PageId(e.id),
-                name: e.name.clone(),
-                dtype: e.dtype,
-                shape: e.shape.clone(),
-                len: e.shape.iter().product::<usize>() as u64 * e.dtype.size() as u64,
-            })
-            .collect();
+        let pages: Vec<PageMeta> = manifest.pages.iter().map(PageMeta::from_entry).collect();
         let mut models = self.models.write().unwrap_or_else(|e| e.into_inner());
         if let Some(m) = models.iter().find(|m| m.dir == dir) {
             return m.id;

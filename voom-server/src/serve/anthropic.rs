@@ -683,21 +683,23 @@ async fn handle(app: Arc<App>, req: Request) -> Result<Response, ApiError> {
             )?,
             Some(prefill) => {
                 let ids = prefill_ids(&app2, &r.model, &r.messages, prefill)?;
-                prepare::prepare(
+                prepare::prepare_with(
                     &app2,
                     &r.model,
                     Prompt::Ids(&ids),
                     Some(r.max_tokens),
                     r.sampling,
                     r.stop.clone(),
+                    None,
                 )?
             }
         };
         Ok((p, r))
     })
     .await?;
-    let rx = prepare::start(&app, &prepared)?;
     let meta = Arc::clone(&prepared.meta);
+    let prompt_tokens = prepared.prompt_ids.len();
+    let rx = prepare::start(&app, prepared)?;
     let id = new_id("msg_");
     let provenance = app.provenance_json(&meta);
     let mut resp = if r.stream {
@@ -706,7 +708,7 @@ async fn handle(app: Arc<App>, req: Request) -> Result<Response, ApiError> {
             rx,
             id,
             meta.id.clone(),
-            prepared.prompt_ids.len(),
+            prompt_tokens,
             r.max_tokens,
             tools_active,
             provenance,
@@ -742,12 +744,7 @@ fn prefill_ids(
     prefill: &str,
 ) -> Result<Vec<u32>, ApiError> {
     let meta = app.catalog.get(model)?;
-    let tok = meta.tokenizer.as_ref().ok_or_else(|| {
-        ApiError::invalid(
-            "model",
-            format!("model '{model}' has no tokenizer.json, so it cannot take text"),
-        )
-    })?;
+    let tok = meta.text_tokenizer()?;
     let tpl = tok.chat_template_for(false).ok_or_else(|| {
         ApiError::invalid("messages", format!("model '{model}' has no chat template"))
     })?;

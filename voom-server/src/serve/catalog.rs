@@ -60,6 +60,19 @@ impl SamplingDefaults {
 }
 
 impl ModelMeta {
+    /// The tokenizer, which text requests need: a model without one is a 400.
+    pub fn text_tokenizer(&self) -> Result<&Tokenizer, ApiError> {
+        self.tokenizer.as_ref().ok_or_else(|| {
+            ApiError::invalid(
+                "model",
+                format!(
+                    "model '{}' has no tokenizer.json, so it cannot take text",
+                    self.id
+                ),
+            )
+        })
+    }
+
     /// "name@digest": which checkpoint produced a response.
     pub fn checkpoint(&self) -> String {
         format!("{}@{}", self.id, self.checkpoint_digest)

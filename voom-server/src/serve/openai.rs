@@ -18,7 +18,7 @@ use serde_json::{json, Value};
 
 use super::error::{ApiError, Dialect};
 use super::prepare::{self, blocking, new_id, now, Prompt, Sampling};
-use super::request::{kind, wrong, Body};
+use super::request::{kind, text_parts, wrong, Body};
 use super::stream;
 use super::tools::{
     empty_parameters, history_arguments, ResponseFormat, ToolCall, ToolChoice, ToolRequest,
@@ -405,7 +405,11 @@ fn chat_messages(b: &Body) -> Result<Vec<Value>, ApiError> {
                 ))
             }
             Some(Value::String(s)) => Value::String(s.clone()),
-            Some(Value::Array(parts)) => Value::String(text_parts(parts, &at("content"))?),
+            Some(Value::Array(parts)) => Value::String(text_parts(
+                parts,
+                &at("content"),
+                &["text", "input_text", "output_text"],
+            )?),
             Some(v) => {
                 return Err(ApiError::invalid(
                     &at("content"),
@@ -469,32 +473,6 @@ fn history_calls(calls: &Value, at: &str) -> Result<Value, ApiError> {
         out.push(Value::Object(o));
     }
     Ok(Value::Array(out))
-}
-
-/// The text of content parts; other kinds of part are refused.
-pub fn text_parts(parts: &[Value], at: &str) -> Result<String, ApiError> {
-    let mut texts = Vec::with_capacity(parts.len());
-    for (j, p) in parts.iter().enumerate() {
-        let ty = p.get("type").and_then(Value::as_str).unwrap_or("");
-        match (ty, p.get("text")) {
-            ("text" | "input_text" | "output_text", Some(Value::String(t))) => {
-                texts.push(t.as_str())
-            }
-            ("text" | "input_text" | "output_text", _) => {
-                return Err(ApiError::invalid(
-                    &format!("{at}[{j}].text"),
-                    "a text part needs a string 'text'",
-                ))
-            }
-            (other, _) => {
-                return Err(ApiError::invalid(
-                    &format!("{at}[{j}].type"),
-                    format!("content of type '{other}' is not supported: these models take text"),
-                ))
-            }
-        }
-    }
-    Ok(texts.join("\n"))
 }
 
 fn finish_reason(f: &Finish) -> &'static str {
@@ -611,8 +589,8 @@ async fn handle(app: Arc<App>, req: Request, ep: Endpoint) -> Result<Response, A
         Ok((p, c))
     })
     .await?;
-    let rx = prepare::start(&app, &prepared)?;
     let meta = Arc::clone(&prepared.meta);
+    let rx = prepare::start(&app, prepared)?;
     let id = new_id(if ep == Endpoint::Chat {
         "chatcmpl-"
     } else {

@@ -66,20 +66,6 @@ pub struct Prepared {
     pub json_schema: Option<Value>,
 }
 
-/// [`prepare_with`] without a response format.
-// Endpoints without response formats (Anthropic messages) call this one.
-#[allow(dead_code)]
-pub fn prepare(
-    app: &App,
-    model: &str,
-    prompt: Prompt<'_>,
-    max_tokens: Option<u64>,
-    sampling: Sampling,
-    stop: Vec<String>,
-) -> Result<Prepared, ApiError> {
-    prepare_with(app, model, prompt, max_tokens, sampling, stop, None)
-}
-
 /// Resolves the model, renders and tokenizes the prompt, checks it against the
 /// context and compiles the output's grammar, before any model work (a bad schema
 /// is a 400 here). Blocking (reads tokenizer files the first time, builds the
@@ -99,12 +85,7 @@ pub fn prepare_with(
     response_format: Option<&ResponseFormat>,
 ) -> Result<Prepared, ApiError> {
     let meta = app.catalog.get(model)?;
-    let tok = meta.tokenizer.as_ref().ok_or_else(|| {
-        ApiError::invalid(
-            "model",
-            format!("model '{model}' has no tokenizer.json, so it cannot take text"),
-        )
-    })?;
+    let tok = meta.text_tokenizer()?;
     let response_format = response_format.filter(|f| **f != ResponseFormat::Text);
     let mut tool_parser = None;
     let mut lark = None;
@@ -288,17 +269,10 @@ fn compiler_for(meta: &ModelMeta, tok: &Tokenizer) -> Result<Arc<GrammarCompiler
 
 /// Queues a prepared request; its events arrive on the returned receiver. Dropping
 /// the receiver cancels it.
-pub fn start(app: &App, p: &Prepared) -> Result<UnboundedReceiver<Event>, ApiError> {
+pub fn start(app: &App, p: Prepared) -> Result<UnboundedReceiver<Event>, ApiError> {
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     app.worker.submit(Job {
-        meta: Arc::clone(&p.meta),
-        prompt: p.prompt_ids.clone(),
-        params: p.params.clone(),
-        stop: p.stop.clone(),
-        grammar: p.grammar.clone(),
-        grammar_eos: p.grammar_eos.clone(),
-        tools: p.tools.clone(),
-        json_schema: p.json_schema.clone(),
+        request: p,
         events: tx,
         enqueued: Instant::now(),
     })?;

@@ -133,6 +133,42 @@ impl Body {
     }
 }
 
+/// The text of content parts whose `type` is one of `kinds`, joined with newlines;
+/// a part of another type (an image, a file) is refused: these models take text.
+/// `at` names the parts' field in errors.
+pub fn text_parts(parts: &[Value], at: &str, kinds: &[&str]) -> Result<String, ApiError> {
+    let mut texts = Vec::with_capacity(parts.len());
+    for (j, p) in parts.iter().enumerate() {
+        let here = format!("{at}[{j}]");
+        let ty = match p.get("type") {
+            Some(Value::String(t)) => t.as_str(),
+            Some(v) => return Err(wrong(&format!("{here}.type"), "a string", v)),
+            None => {
+                return Err(ApiError::invalid(
+                    &format!("{here}.type"),
+                    format!("content part needs a 'type', not {}", kind(p)),
+                ))
+            }
+        };
+        if !kinds.contains(&ty) {
+            return Err(ApiError::invalid(
+                &format!("{here}.type"),
+                format!("content of type '{ty}' is not supported: these models take text"),
+            ));
+        }
+        match p.get("text") {
+            Some(Value::String(t)) => texts.push(t.as_str()),
+            _ => {
+                return Err(ApiError::invalid(
+                    &format!("{here}.text"),
+                    "a text part needs a string 'text'",
+                ))
+            }
+        }
+    }
+    Ok(texts.join("\n"))
+}
+
 /// JSON type names for messages.
 pub fn kind(v: &Value) -> &'static str {
     match v {

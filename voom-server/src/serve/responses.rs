@@ -29,7 +29,7 @@ use serde_json::{json, Map, Value};
 
 use super::error::{ApiError, Dialect};
 use super::prepare::{self, blocking, new_id, now, Prompt, ResponseFormat, Sampling};
-use super::request::{kind, wrong, Body};
+use super::request::{text_parts, wrong, Body};
 use super::stream;
 use super::tools::{empty_parameters, history_arguments, ToolChoice, ToolRequest, ToolSpec};
 use super::worker::{Event, Finish, Outcome};
@@ -458,7 +458,7 @@ fn input_messages(b: &Body, out: &mut Vec<Value>) -> Result<(), ApiError> {
                 .to_string();
                 let content = match o.get("content") {
                     Some(Value::String(s)) => s.clone(),
-                    Some(Value::Array(parts)) => text_parts(parts, &format!("{at}.content"))?,
+                    Some(Value::Array(parts)) => text_parts(parts, &format!("{at}.content"), &["input_text", "output_text"])?,
                     Some(v) => {
                         return Err(wrong(
                             &format!("{at}.content"),
@@ -512,7 +512,7 @@ fn input_messages(b: &Body, out: &mut Vec<Value>) -> Result<(), ApiError> {
                 let call_id = str_field("call_id")?;
                 let output = match o.get("output") {
                     Some(Value::String(s)) => s.clone(),
-                    Some(Value::Array(parts)) => text_parts(parts, &format!("{at}.output"))?,
+                    Some(Value::Array(parts)) => text_parts(parts, &format!("{at}.output"), &["input_text", "output_text"])?,
                     Some(v) => {
                         return Err(wrong(
                             &format!("{at}.output"),
@@ -563,40 +563,6 @@ fn find_call_name(messages: &[Value], call_id: &str) -> Option<Value> {
             .find(|c| c["id"] == call_id)
             .map(|c| c["function"]["name"].clone())
     })
-}
-
-/// The text of content parts (`input_text`, `output_text`); others are refused.
-fn text_parts(parts: &[Value], at: &str) -> Result<String, ApiError> {
-    let mut texts = Vec::with_capacity(parts.len());
-    for (j, p) in parts.iter().enumerate() {
-        let here = format!("{at}[{j}]");
-        let ty = match p.get("type") {
-            Some(Value::String(t)) => t.as_str(),
-            Some(v) => return Err(wrong(&format!("{here}.type"), "a string", v)),
-            None => {
-                return Err(ApiError::invalid(
-                    &format!("{here}.type"),
-                    format!("content part needs a 'type', not {}", kind(p)),
-                ))
-            }
-        };
-        match (ty, p.get("text")) {
-            ("input_text" | "output_text", Some(Value::String(t))) => texts.push(t.as_str()),
-            ("input_text" | "output_text", _) => {
-                return Err(ApiError::invalid(
-                    &format!("{here}.text"),
-                    "a text part needs a string 'text'",
-                ))
-            }
-            (other, _) => {
-                return Err(ApiError::invalid(
-                    &format!("{here}.type"),
-                    format!("content of type '{other}' is not supported: these models take text"),
-                ))
-            }
-        }
-    }
-    Ok(texts.join("\n"))
 }
 
 /// What a response object is built from.
@@ -739,8 +705,8 @@ async fn handle(app: Arc<App>, req: Request) -> Result<Response, ApiError> {
         Ok((p, r))
     })
     .await?;
-    let rx = prepare::start(&app, &prepared)?;
     let meta = Arc::clone(&prepared.meta);
+    let rx = prepare::start(&app, prepared)?;
     let d = meta.sampling_defaults;
     let shape = Shape {
         id: new_id("resp_"),

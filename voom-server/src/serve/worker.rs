@@ -18,8 +18,8 @@ use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Instant;
 
-use libvoom::constrain::{validate_json, CompiledGrammar};
-use libvoom::engine::{Engine, FinishReason, GenerateParams};
+use libvoom::constrain::validate_json;
+use libvoom::engine::{Engine, FinishReason};
 use libvoom::text::StreamDecoder;
 use serde_json::Value;
 use tokio::sync::mpsc::UnboundedSender;
@@ -28,24 +28,13 @@ use vpaged::PageSource;
 use super::catalog::ModelMeta;
 use super::error::ApiError;
 use super::metrics::Metrics;
-use super::tools::{Layout, ToolCall, ToolFormat, ToolParser};
+use super::prepare::Prepared;
+use super::tools::{Layout, ToolCall, ToolFormat};
 use crate::cli::common::EngineArgs;
 
 /// One generation request, ready for the engine: the prompt is already tokens.
 pub struct Job {
-    pub meta: Arc<ModelMeta>,
-    pub prompt: Vec<u32>,
-    pub params: GenerateParams,
-    /// Stop sequences: generation ends before the first of them, which is not output.
-    pub stop: Vec<String>,
-    /// The grammar the output must follow, if any.
-    pub grammar: Option<Arc<CompiledGrammar>>,
-    /// The end-of-sequence ids `grammar` was compiled with.
-    pub grammar_eos: Vec<u32>,
-    /// Tool calls to find in the output (the output is held back until the end).
-    pub tools: Option<ToolParser>,
-    /// The schema complete output must satisfy (a JSON response format).
-    pub json_schema: Option<Value>,
+    pub request: Prepared,
     pub events: UnboundedSender<Event>,
     pub enqueued: Instant,
 }
@@ -233,31 +222,36 @@ impl WorkerState {
     fn serve(&mut self, job: Job) -> Result<Option<Outcome>, ApiError> {
         let started = Instant::now();
         let queue_secs = (started - job.enqueued).as_secs_f64();
-        let engine = self.engine_for(&job.meta)?;
+        let engine = self.engine_for(&job.request.meta)?;
         let tok = engine.tokenizer().ok_or_else(|| {
-            ApiError::internal(format!("model '{}' has no tokenizer.json", job.meta.id))
+            ApiError::internal(format!(
+                "model '{}' has no tokenizer.json",
+                job.request.meta.id
+            ))
         })?;
         let eos = engine.eos_ids().to_vec();
-        if job.grammar.is_some() && job.grammar_eos != eos {
+        if job.request.grammar.is_some() && job.request.grammar_eos != eos {
             // The grammar leaves the eos ids to the engine: both must mean the same ids.
             return Err(ApiError::internal(format!(
                 "the grammar for model '{}' was compiled with end-of-sequence ids {:?}, but the engine stops on {:?}",
-                job.meta.id, job.grammar_eos, eos
+                job.request.meta.id, job.request.grammar_eos, eos
             )));
         }
         // With tools, text streams until a call may be starting (CallGate); from there
         // on output is held back, because calls are only known at the end. Forced
         // calls hold everything.
         let mut gate = job
+            .request
             .tools
             .as_ref()
             .map(|t| CallGate::new(t.format, t.forced));
         let keep_special = job
+            .request
             .tools
             .as_ref()
             .is_some_and(|t| t.format.keep_special_tokens);
         let mut dec = StreamDecoder::new(tok, !keep_special);
-        let mut out = StopScanner::new(&job.stop);
+        let mut out = StopScanner::new(&job.request.stop);
         let mut text = String::new();
         let mut gone = false;
         let mut failure = None;
@@ -276,7 +270,7 @@ impl WorkerState {
             job.events.send(Event::Text(emit)).is_ok()
         };
         let mut on_token = |id| {
-            if eos.contains(&id) && !job.params.ignore_eos {
+            if eos.contains(&id) && !job.request.params.ignore_eos {
                 return ControlFlow::Continue(());
             }
             let piece = match dec.push(id) {
@@ -297,10 +291,15 @@ impl WorkerState {
                 ControlFlow::Continue(())
             }
         };
-        let mut matcher = job.grammar.as_ref().map(|g| g.matcher());
+        let mut matcher = job.request.grammar.as_ref().map(|g| g.matcher());
         let g = match matcher.as_mut() {
-            Some(m) => engine.generate_constrained(&job.prompt, &job.params, m, &mut on_token),
-            None => engine.generate(&job.prompt, &job.params, &mut on_token),
+            Some(m) => engine.generate_constrained(
+                &job.request.prompt_ids,
+                &job.request.params,
+                m,
+                &mut on_token,
+            ),
+            None => engine.generate(&job.request.prompt_ids, &job.request.params, &mut on_token),
         }
         .map_err(|e| ApiError::internal(format!("generation failed: {e}")))?;
         if let Some(e) = failure {
@@ -342,7 +341,7 @@ impl WorkerState {
             }
         };
         let mut tool_calls = Vec::new();
-        if let Some(tp) = &job.tools {
+        if let Some(tp) = &job.request.tools {
             let parsed = tp.parse(&text);
             if tp.forced
                 && finish == Finish::Eos
@@ -379,7 +378,7 @@ impl WorkerState {
                 finish = Finish::ToolCalls;
             }
         }
-        if let Some(schema) = &job.json_schema {
+        if let Some(schema) = &job.request.json_schema {
             // Complete JSON output (not cut by a limit or a stop sequence, not calls)
             // must satisfy the schema the grammar enforced.
             if finish == Finish::Eos {
@@ -404,7 +403,7 @@ impl WorkerState {
             .record_generation(g.prompt_tokens, g.ids.len(), g.prefill_secs, g.decode_secs);
         tracing::info!(
             "generated: model {} prompt {} tokens, completion {} tokens ({:?}); queue {:.3}s prefill {:.3}s decode {:.3}s ({:.1} tok/s)",
-            job.meta.id,
+            job.request.meta.id,
             g.prompt_tokens,
             g.ids.len(),
             finish,
