@@ -7,129 +7,23 @@
 //! call with parallel calls off, JSON matching a schema), what is refused (a bad
 //! schema, a named tool not offered) and that a tool round trip renders.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpStream};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::Duration;
-
 use libvoom::constrain::validate_json;
 use serde_json::{json, Value};
 
-const MODEL: &str = "tiny-chat";
+mod common;
+use common::*;
 
-fn fixture() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny_chat")
+/// POSTs `body` to `path`; the status and the body (de-chunked).
+fn post(s: &Server, path: &str, body: &Value) -> (u16, String) {
+    let r = s.post_json(path, body);
+    (r.status, r.text())
 }
 
-/// A running `voom serve` on a temporary models dir holding the fixture; killed when
-/// dropped.
-struct Server {
-    child: Child,
-    addr: SocketAddr,
-    _models: tempfile::TempDir,
-}
-
-impl Server {
-    fn start() -> Server {
-        let models = tempfile::tempdir().unwrap();
-        let dir = models.path().join(MODEL);
-        std::fs::create_dir_all(&dir).unwrap();
-        for e in std::fs::read_dir(fixture()).unwrap() {
-            let e = e.unwrap();
-            std::fs::copy(e.path(), dir.join(e.file_name())).unwrap();
-        }
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_voom"));
-        for (k, _) in std::env::vars() {
-            if k.starts_with("VOOM_") && k != "VOOM_HOME" {
-                cmd.env_remove(k);
-            }
-        }
-        let mut child = cmd
-            .env("VOOM_THREADS", "1")
-            .args(["serve", "--port", "0", "--models-dir"])
-            .arg(models.path())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("starting voom serve");
-        let mut err = BufReader::new(child.stderr.take().unwrap());
-        let mut line = String::new();
-        let addr = loop {
-            line.clear();
-            if err.read_line(&mut line).unwrap() == 0 {
-                let _ = child.kill();
-                panic!("voom serve exited before listening");
-            }
-            if let Some(rest) = line.split("listening on http://").nth(1) {
-                break rest.split_whitespace().next().unwrap().parse().unwrap();
-            }
-        };
-        // Keep draining stderr so the server never blocks on a full pipe.
-        std::thread::spawn(move || {
-            let mut sink = String::new();
-            let _ = err.read_to_string(&mut sink);
-        });
-        Server {
-            child,
-            addr,
-            _models: models,
-        }
-    }
-
-    /// POSTs `body` to `path`; the status and the body (de-chunked).
-    fn post(&self, path: &str, body: &Value) -> (u16, String) {
-        let mut s = TcpStream::connect(self.addr).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
-        let b = body.to_string();
-        write!(
-            s,
-            "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{b}",
-            b.len()
-        )
-        .unwrap();
-        let mut raw = Vec::new();
-        s.read_to_end(&mut raw).unwrap();
-        let raw = String::from_utf8(raw).unwrap();
-        let (head, rest) = raw.split_once("\r\n\r\n").unwrap();
-        let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
-        let body = if head
-            .to_ascii_lowercase()
-            .contains("transfer-encoding: chunked")
-        {
-            dechunk(rest)
-        } else {
-            rest.to_string()
-        };
-        (status, body)
-    }
-
-    /// A chat completion that must succeed; its JSON.
-    fn chat(&self, body: Value) -> Value {
-        let (status, text) = self.post("/v1/chat/completions", &body);
-        assert_eq!(status, 200, "{text}");
-        serde_json::from_str(&text).unwrap()
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn dechunk(mut s: &str) -> String {
-    let mut out = String::new();
-    loop {
-        let (size, rest) = s.split_once("\r\n").unwrap();
-        let n = usize::from_str_radix(size.trim(), 16).unwrap();
-        if n == 0 {
-            return out;
-        }
-        out.push_str(&rest[..n]);
-        s = &rest[n + 2..];
-    }
+/// A chat completion that must succeed; its JSON.
+fn chat_completion(s: &Server, body: Value) -> Value {
+    let (status, text) = post(s, "/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{text}");
+    serde_json::from_str(&text).unwrap()
 }
 
 fn weather_params() -> Value {
@@ -194,49 +88,64 @@ fn calls_of(resp: &Value) -> Vec<(String, Value)> {
 
 #[test]
 fn required_named_and_parallel_off() {
-    let s = Server::start();
+    let s = Server::start(&[]);
     // Required, greedy: a schema-valid call to an offered tool.
-    let r = s.chat(json!({
-        "model": MODEL, "messages": user("What is the weather in Oslo?"),
-        "tools": tools(), "tool_choice": "required", "temperature": 0, "max_tokens": 400,
-    }));
+    let r = chat_completion(
+        &s,
+        json!({
+            "model": MODEL, "messages": user("What is the weather in Oslo?"),
+            "tools": tools(), "tool_choice": "required", "temperature": 0, "max_tokens": 400,
+        }),
+    );
     let calls = calls_of(&r);
     assert!(["get_weather", "get_time"].contains(&calls[0].0.as_str()));
     // Deterministic under greedy.
-    let again = s.chat(json!({
-        "model": MODEL, "messages": user("What is the weather in Oslo?"),
-        "tools": tools(), "tool_choice": "required", "temperature": 0, "max_tokens": 400,
-    }));
+    let again = chat_completion(
+        &s,
+        json!({
+            "model": MODEL, "messages": user("What is the weather in Oslo?"),
+            "tools": tools(), "tool_choice": "required", "temperature": 0, "max_tokens": 400,
+        }),
+    );
     assert_eq!(calls_of(&again), calls);
     // A named tool: that tool, whichever the model would prefer.
     for name in ["get_weather", "get_time"] {
-        let r = s.chat(json!({
-            "model": MODEL, "messages": user("Hello"), "tools": tools(),
-            "tool_choice": {"type": "function", "function": {"name": name}},
-            "temperature": 0, "max_tokens": 400,
-        }));
+        let r = chat_completion(
+            &s,
+            json!({
+                "model": MODEL, "messages": user("Hello"), "tools": tools(),
+                "tool_choice": {"type": "function", "function": {"name": name}},
+                "temperature": 0, "max_tokens": 400,
+            }),
+        );
         let calls = calls_of(&r);
         assert!(calls.iter().all(|(n, _)| n == name), "{r}");
     }
     // Parallel calls off: exactly one call, over several seeds at temperature 1.
     for seed in 0..4 {
-        let r = s.chat(json!({
-            "model": MODEL, "messages": user("Weather and time in Rome?"), "tools": tools(),
-            "tool_choice": "required", "parallel_tool_calls": false,
-            "temperature": 1, "seed": seed, "max_tokens": 400,
-        }));
+        let r = chat_completion(
+            &s,
+            json!({
+                "model": MODEL, "messages": user("Weather and time in Rome?"), "tools": tools(),
+                "tool_choice": "required", "parallel_tool_calls": false,
+                "temperature": 1, "seed": seed, "max_tokens": 400,
+            }),
+        );
         assert_eq!(calls_of(&r).len(), 1, "seed {seed}: {r}");
     }
 }
 
 #[test]
 fn auto_and_none_leave_random_output_as_text() {
-    let s = Server::start();
+    let s = Server::start(&[]);
     for choice in ["auto", "none"] {
-        let r = s.chat(json!({
-            "model": MODEL, "messages": user("What is the weather in Oslo?"),
-            "tools": tools(), "tool_choice": choice, "temperature": 0, "max_tokens": 24,
-        }));
+        let r = chat_completion(
+            &s,
+            json!({
+                "model": MODEL, "messages": user("What is the weather in Oslo?"),
+                "tools": tools(), "tool_choice": choice, "temperature": 0, "max_tokens": 24,
+            }),
+        );
         let m = &r["choices"][0]["message"];
         // Random weights write no well-formed call: all of it is text.
         assert!(m.get("tool_calls").is_none(), "{r}");
@@ -244,16 +153,25 @@ fn auto_and_none_leave_random_output_as_text() {
         assert_ne!(r["choices"][0]["finish_reason"], "tool_calls");
     }
     // none does not render the tools: the prompt is the plain chat's.
-    let none = s.chat(json!({
-        "model": MODEL, "messages": user("Hi"), "tools": tools(), "tool_choice": "none",
-        "temperature": 0, "max_tokens": 4,
-    }));
-    let plain = s.chat(json!({
-        "model": MODEL, "messages": user("Hi"), "temperature": 0, "max_tokens": 4,
-    }));
-    let auto = s.chat(json!({
-        "model": MODEL, "messages": user("Hi"), "tools": tools(), "temperature": 0, "max_tokens": 4,
-    }));
+    let none = chat_completion(
+        &s,
+        json!({
+            "model": MODEL, "messages": user("Hi"), "tools": tools(), "tool_choice": "none",
+            "temperature": 0, "max_tokens": 4,
+        }),
+    );
+    let plain = chat_completion(
+        &s,
+        json!({
+            "model": MODEL, "messages": user("Hi"), "temperature": 0, "max_tokens": 4,
+        }),
+    );
+    let auto = chat_completion(
+        &s,
+        json!({
+            "model": MODEL, "messages": user("Hi"), "tools": tools(), "temperature": 0, "max_tokens": 4,
+        }),
+    );
     assert_eq!(
         none["usage"]["prompt_tokens"],
         plain["usage"]["prompt_tokens"]
@@ -266,8 +184,9 @@ fn auto_and_none_leave_random_output_as_text() {
 
 #[test]
 fn streaming_required_sends_the_call_at_the_end() {
-    let s = Server::start();
-    let (status, body) = s.post(
+    let s = Server::start(&[]);
+    let (status, body) = post(
+        &s,
         "/v1/chat/completions",
         &json!({
             "model": MODEL, "messages": user("Time in Tokyo?"), "tools": tools(),
@@ -302,17 +221,20 @@ fn streaming_required_sends_the_call_at_the_end() {
         "tool_calls"
     );
     // The same call as without streaming (greedy).
-    let r = s.chat(json!({
-        "model": MODEL, "messages": user("Time in Tokyo?"), "tools": tools(),
-        "tool_choice": {"type": "function", "function": {"name": "get_time"}},
-        "temperature": 0, "max_tokens": 400,
-    }));
+    let r = chat_completion(
+        &s,
+        json!({
+            "model": MODEL, "messages": user("Time in Tokyo?"), "tools": tools(),
+            "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+            "temperature": 0, "max_tokens": 400,
+        }),
+    );
     assert_eq!(calls_of(&r), vec![("get_time".to_string(), args)]);
 }
 
 #[test]
 fn response_format_json_schema_and_json_object() {
-    let s = Server::start();
+    let s = Server::start(&[]);
     let schema = json!({
         "type": "object",
         "properties": {
@@ -324,11 +246,14 @@ fn response_format_json_schema_and_json_object() {
         "additionalProperties": false
     });
     for seed in 0..3 {
-        let r = s.chat(json!({
-            "model": MODEL, "messages": user("Answer in JSON."),
-            "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": true}},
-            "temperature": if seed == 0 { 0 } else { 1 }, "seed": seed, "max_tokens": 300,
-        }));
+        let r = chat_completion(
+            &s,
+            json!({
+                "model": MODEL, "messages": user("Answer in JSON."),
+                "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": true}},
+                "temperature": if seed == 0 { 0 } else { 1 }, "seed": seed, "max_tokens": 300,
+            }),
+        );
         assert_eq!(r["choices"][0]["finish_reason"], "stop", "{r}");
         let text = r["choices"][0]["message"]["content"].as_str().unwrap();
         let v: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
@@ -340,10 +265,10 @@ fn response_format_json_schema_and_json_object() {
         "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
         "temperature": 0, "max_tokens": 300,
     });
-    let whole = s.chat(body.clone());
+    let whole = chat_completion(&s, body.clone());
     let mut sb = body.clone();
     sb["stream"] = json!(true);
-    let (status, text) = s.post("/v1/chat/completions", &sb);
+    let (status, text) = post(&s, "/v1/chat/completions", &sb);
     assert_eq!(status, 200);
     let streamed: String = text
         .lines()
@@ -357,10 +282,13 @@ fn response_format_json_schema_and_json_object() {
         .collect();
     assert_eq!(streamed, whole["choices"][0]["message"]["content"]);
     // json_object: any object.
-    let r = s.chat(json!({
-        "model": MODEL, "messages": user("JSON please"), "response_format": {"type": "json_object"},
-        "temperature": 0, "max_tokens": 400,
-    }));
+    let r = chat_completion(
+        &s,
+        json!({
+            "model": MODEL, "messages": user("JSON please"), "response_format": {"type": "json_object"},
+            "temperature": 0, "max_tokens": 400,
+        }),
+    );
     let text = r["choices"][0]["message"]["content"].as_str().unwrap();
     if r["choices"][0]["finish_reason"] == "stop" {
         match serde_json::from_str::<Value>(text) {
@@ -381,7 +309,7 @@ fn response_format_json_schema_and_json_object() {
 
 #[test]
 fn bad_schemas_and_choices_are_400s_naming_the_field() {
-    let s = Server::start();
+    let s = Server::start(&[]);
     let cases = [
         (
             json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "integr"}}}}}}),
@@ -420,7 +348,7 @@ fn bad_schemas_and_choices_are_400s_naming_the_field() {
         for (k, v) in extra.as_object().unwrap() {
             body[k] = v.clone();
         }
-        let (status, text) = s.post("/v1/chat/completions", &body);
+        let (status, text) = post(&s, "/v1/chat/completions", &body);
         assert_eq!(status, 400, "{body}: {text}");
         let e: Value = serde_json::from_str(&text).unwrap();
         assert_eq!(e["error"]["param"], param, "{text}");
@@ -433,12 +361,15 @@ fn bad_schemas_and_choices_are_400s_naming_the_field() {
 
 #[test]
 fn tool_round_trip_renders_the_history() {
-    let s = Server::start();
-    let first = s.chat(json!({
-        "model": MODEL, "messages": user("What is the weather in Oslo?"), "tools": tools(),
-        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
-        "temperature": 0, "max_tokens": 400,
-    }));
+    let s = Server::start(&[]);
+    let first = chat_completion(
+        &s,
+        json!({
+            "model": MODEL, "messages": user("What is the weather in Oslo?"), "tools": tools(),
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            "temperature": 0, "max_tokens": 400,
+        }),
+    );
     let call = first["choices"][0]["message"]["tool_calls"][0].clone();
     let mut history = user("What is the weather in Oslo?");
     let history = history.as_array_mut().unwrap();
@@ -448,14 +379,17 @@ fn tool_round_trip_renders_the_history() {
     let follow = json!({
         "model": MODEL, "messages": history, "tools": tools(), "temperature": 0, "max_tokens": 8,
     });
-    let r = s.chat(follow.clone());
+    let r = chat_completion(&s, follow.clone());
     assert!(r["choices"][0]["message"]["content"].is_string(), "{r}");
     // The history grew the prompt by the call and the result: the arguments string was
     // rendered as JSON (an object, like the fixture's own render of a dict).
-    let plain = s.chat(json!({
-        "model": MODEL, "messages": user("What is the weather in Oslo?"), "tools": tools(),
-        "temperature": 0, "max_tokens": 1,
-    }));
+    let plain = chat_completion(
+        &s,
+        json!({
+            "model": MODEL, "messages": user("What is the weather in Oslo?"), "tools": tools(),
+            "temperature": 0, "max_tokens": 1,
+        }),
+    );
     assert!(
         r["usage"]["prompt_tokens"].as_u64().unwrap()
             > plain["usage"]["prompt_tokens"].as_u64().unwrap() + 20,
@@ -466,7 +400,7 @@ fn tool_round_trip_renders_the_history() {
     let args: Value =
         serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
     as_object["messages"][1]["tool_calls"][0]["function"]["arguments"] = args;
-    let r2 = s.chat(as_object);
+    let r2 = chat_completion(&s, as_object);
     assert_eq!(r2["usage"]["prompt_tokens"], r["usage"]["prompt_tokens"]);
     assert_eq!(
         r2["choices"][0]["message"]["content"],
@@ -475,7 +409,7 @@ fn tool_round_trip_renders_the_history() {
     // Arguments that are not JSON are a 400 naming where.
     let mut broken = follow;
     broken["messages"][1]["tool_calls"][0]["function"]["arguments"] = json!("{not json");
-    let (status, text) = s.post("/v1/chat/completions", &broken);
+    let (status, text) = post(&s, "/v1/chat/completions", &broken);
     assert_eq!(status, 400, "{text}");
     assert!(
         text.contains("messages[1].tool_calls[0].function.arguments"),
@@ -487,15 +421,15 @@ fn tool_round_trip_renders_the_history() {
 /// model writes no call): several content deltas, joining to the non-streamed text.
 #[test]
 fn streaming_auto_streams_text_as_it_comes() {
-    let s = Server::start();
+    let s = Server::start(&[]);
     let req = |stream: bool| {
         json!({
             "model": MODEL, "messages": user("What is the weather in Oslo?"), "tools": tools(),
             "tool_choice": "auto", "temperature": 0, "max_tokens": 24, "stream": stream,
         })
     };
-    let whole = s.chat(req(false));
-    let (status, body) = s.post("/v1/chat/completions", &req(true));
+    let whole = chat_completion(&s, req(false));
+    let (status, body) = post(&s, "/v1/chat/completions", &req(true));
     assert_eq!(status, 200, "{body}");
     let deltas: Vec<String> = body
         .lines()
