@@ -1,10 +1,5 @@
 """Tool calls and structured output through the official `openai` SDK.
 
-These turn on by themselves: while the server refuses tools / response_format with
-400 "... not available in this version" (the refusal in voom-server/src/serve/
-openai.rs before tools landed), each test SKIPS, naming that refusal. Any other error
-fails. Once the server implements them, the tests run with no change here.
-
 The fixture model is random, so only a grammar can make it call a tool or write JSON:
 `tool_choice` "required" / a named tool and `response_format` json_schema are forced
 by constrained decoding, so their outputs must parse and validate against the schema
@@ -14,10 +9,12 @@ by constrained decoding, so their outputs must parse and validate against the sc
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
+
+from typing import List, Literal
 
 import jsonschema
 import openai
+import pydantic
 import pytest
 
 WEATHER = {
@@ -63,20 +60,6 @@ PERSON = {
     "required": ["name", "age", "tags"],
     "additionalProperties": False,
 }
-UNAVAILABLE = "not available in this version"
-
-
-@contextmanager
-def skip_if_unavailable():
-    """Skips the test while the server refuses the feature as not yet available."""
-    try:
-        yield
-    except openai.BadRequestError as e:
-        if UNAVAILABLE in e.message:
-            pytest.skip(f"the server refuses it: {e.message}")
-        raise
-
-
 def schema_of(tool):
     return tool["function"]["parameters"]
 
@@ -87,15 +70,14 @@ def schema_of(tool):
 def test_forced_tool_call_and_round_trip(client, model, choice):
     tools = [WEATHER, TIME]
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
-    with skip_if_unavailable():
-        r = client.chat.completions.create(
-            model=model,
-            messages=messages,
-            tools=tools,
-            tool_choice=choice,
-            temperature=0,
-            max_tokens=200,
-        )
+    r = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        tools=tools,
+        tool_choice=choice,
+        temperature=0,
+        max_tokens=200,
+    )
     c = r.choices[0]
     assert c.finish_reason == "tool_calls", c
     calls = c.message.tool_calls
@@ -141,17 +123,16 @@ def test_forced_tool_call_and_round_trip(client, model, choice):
 
 
 def test_forced_tool_call_streams(client, model):
-    with skip_if_unavailable():
-        stream = client.chat.completions.create(
-            model=model,
-            messages=[{"role": "user", "content": "What time is it?"}],
-            tools=[TIME],
-            tool_choice="required",
-            temperature=0,
-            max_tokens=200,
-            stream=True,
-        )
-        chunks = list(stream)
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "What time is it?"}],
+        tools=[TIME],
+        tool_choice="required",
+        temperature=0,
+        max_tokens=200,
+        stream=True,
+    )
+    chunks = list(stream)
     args = {}
     names = {}
     finish = None
@@ -172,31 +153,29 @@ def test_forced_tool_call_streams(client, model):
 
 
 def test_parallel_tool_calls_false_gives_one_call(client, model):
-    with skip_if_unavailable():
-        r = client.chat.completions.create(
-            model=model,
-            messages=[{"role": "user", "content": "Weather in Paris and the time in UTC?"}],
-            tools=[WEATHER, TIME],
-            tool_choice="required",
-            parallel_tool_calls=False,
-            temperature=0,
-            max_tokens=200,
-        )
+    r = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Weather in Paris and the time in UTC?"}],
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=200,
+    )
     assert len(r.choices[0].message.tool_calls or []) == 1
 
 
 def test_json_schema_output_parses_and_validates(client, model):
-    with skip_if_unavailable():
-        r = client.chat.completions.create(
-            model=model,
-            messages=[{"role": "user", "content": "Describe a person as JSON."}],
-            response_format={
-                "type": "json_schema",
-                "json_schema": {"name": "person", "schema": PERSON, "strict": True},
-            },
-            temperature=0,
-            max_tokens=300,
-        )
+    r = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Describe a person as JSON."}],
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "person", "schema": PERSON, "strict": True},
+        },
+        temperature=0,
+        max_tokens=300,
+    )
     c = r.choices[0]
     assert c.finish_reason == "stop", c
     value = json.loads(c.message.content)
@@ -218,14 +197,13 @@ def test_json_schema_output_parses_and_validates(client, model):
 
 
 def test_json_object_output_parses(client, model):
-    with skip_if_unavailable():
-        r = client.chat.completions.create(
-            model=model,
-            messages=[{"role": "user", "content": "Any JSON object."}],
-            response_format={"type": "json_object"},
-            temperature=0,
-            max_tokens=300,
-        )
+    r = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Any JSON object."}],
+        response_format={"type": "json_object"},
+        temperature=0,
+        max_tokens=300,
+    )
     c = r.choices[0]
     if c.finish_reason == "stop":
         assert isinstance(json.loads(c.message.content), dict)
@@ -235,18 +213,66 @@ def test_json_object_output_parses(client, model):
 
 
 def test_invalid_schema_is_a_bad_request(client, model):
-    with skip_if_unavailable():
-        with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(
-                model=model,
-                messages=[{"role": "user", "content": "x"}],
-                response_format={
-                    "type": "json_schema",
-                    "json_schema": {"name": "bad", "schema": {"type": "no-such-type"}},
-                },
-                max_tokens=8,
-            )
-        if UNAVAILABLE in e.value.message:
-            raise e.value
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "x"}],
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "bad", "schema": {"type": "no-such-type"}},
+            },
+            max_tokens=8,
+        )
     body = e.value.body
     assert isinstance(body, dict) and (body.get("param") or "").startswith("response_format"), body
+
+
+# Typed models, as agent code writes tools and output formats: the SDK turns them into
+# strict JSON schemas whose nested types are `$defs` reached by `$ref`.
+class Place(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=12)
+    country: Literal["NO", "FR", "JP"]
+
+
+class Route(pydantic.BaseModel):
+    """A trip from one place to another, through stops."""
+
+    start: Place
+    end: Place
+    stops: List[Place] = pydantic.Field(max_length=2)
+
+
+def test_typed_model_tool_with_nested_types(client, model):
+    tool = openai.pydantic_function_tool(Route)
+    assert "$defs" in tool["function"]["parameters"], tool
+    r = client.chat.completions.parse(
+        model=model,
+        messages=[{"role": "user", "content": "Plan a trip."}],
+        tools=[tool],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=400,
+    )
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls", c
+    [call] = c.message.tool_calls
+    assert call.function.name == "Route"
+    # The SDK parsed the arguments into the model (it raises if they do not fit).
+    assert isinstance(call.function.parsed_arguments, Route), call
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+
+
+def test_typed_model_response_format_with_nested_types(client, model):
+    for seed in (1, 2):
+        r = client.chat.completions.parse(
+            model=model,
+            messages=[{"role": "user", "content": "A route, as JSON."}],
+            response_format=Route,
+            temperature=1,
+            seed=seed,
+            max_tokens=400,
+        )
+        c = r.choices[0]
+        assert c.finish_reason == "stop", c
+        assert isinstance(c.message.parsed, Route), c.message

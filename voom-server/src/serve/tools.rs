@@ -351,11 +351,21 @@ impl ToolFormat {
 
     /// The JSON schema of one call to any of `tools`: `{"name": NAME, ARGS_KEY:
     /// ARGS}` (name first, as templates write it).
+    ///
+    /// Each tool's schema is written where its arguments go, so the local `$ref`s it
+    /// holds (`#/$defs/...`, `#/definitions/...`, `#` for recursion), which name
+    /// places in its own document, are rebased onto that place ([`rebase_refs`]):
+    /// schemas generated from typed models (Pydantic, zod) use them for every
+    /// nested type.
     pub fn call_schema(&self, tools: &[&ToolSpec]) -> Value {
-        let one = |t: &ToolSpec| {
+        let one = |i: Option<usize>, t: &ToolSpec| {
+            let at = match i {
+                None => format!("#/properties/{}", self.args_key),
+                Some(i) => format!("#/anyOf/{i}/properties/{}", self.args_key),
+            };
             let mut props = Map::new();
             props.insert("name".into(), json!({"const": t.name}));
-            props.insert(self.args_key.into(), t.parameters.clone());
+            props.insert(self.args_key.into(), rebase_refs(&t.parameters, &at));
             json!({
                 "type": "object",
                 "properties": props,
@@ -364,8 +374,10 @@ impl ToolFormat {
             })
         };
         match tools {
-            [t] => one(t),
-            _ => json!({"anyOf": tools.iter().map(|t| one(t)).collect::<Vec<_>>()}),
+            [t] => one(None, t),
+            _ => {
+                json!({"anyOf": tools.iter().enumerate().map(|(i, t)| one(Some(i), t)).collect::<Vec<_>>()})
+            }
         }
     }
 
@@ -585,6 +597,44 @@ impl ToolFormat {
             name: name.clone(),
             arguments: args,
         })
+    }
+}
+
+/// `schema`, to be moved from the root of its document to the place `at` (a URI
+/// fragment holding a JSON pointer, such as `#/properties/arguments`): each local
+/// `$ref` (`#` or `#/...`) is rewritten to name the same place under `at`. Values
+/// that are data, not schemas (`const`, `enum`, `default`, `examples`), are left as
+/// they are, as are references to other documents or to `$id`s.
+fn rebase_refs(schema: &Value, at: &str) -> Value {
+    match schema {
+        Value::Object(m) => Value::Object(
+            m.iter()
+                .map(|(k, v)| {
+                    let v = match (k.as_str(), v) {
+                        ("$ref", Value::String(r)) if r == "#" || r.starts_with("#/") => {
+                            Value::String(format!("{at}{}", &r[1..]))
+                        }
+                        ("const" | "enum" | "default" | "examples", _) => v.clone(),
+                        // Maps from names (which may be any word, "$ref" or
+                        // "const" included) to schemas.
+                        (
+                            "properties" | "patternProperties" | "$defs" | "definitions"
+                            | "dependentSchemas",
+                            Value::Object(named),
+                        ) => Value::Object(
+                            named
+                                .iter()
+                                .map(|(n, s)| (n.clone(), rebase_refs(s, at)))
+                                .collect(),
+                        ),
+                        _ => rebase_refs(v, at),
+                    };
+                    (k.clone(), v)
+                })
+                .collect(),
+        ),
+        Value::Array(a) => Value::Array(a.iter().map(|v| rebase_refs(v, at)).collect()),
+        other => other.clone(),
     }
 }
 
@@ -1019,6 +1069,88 @@ mod tests {
         assert!(accepts(&compiler, &either, &ids));
         let ids = tok.encode("{\"y\": 3}", false).unwrap();
         assert!(!accepts(&compiler, &either, &ids));
+    }
+
+    /// Tool schemas with `$defs`, `definitions` and recursion, as typed-model
+    /// generators write them: their references still resolve once the schema sits
+    /// inside a call, alone or among several tools.
+    #[test]
+    fn forced_calls_resolve_the_tools_own_references() {
+        let tok = Tokenizer::from_dir(&tiny_chat()).unwrap();
+        let compiler = GrammarCompiler::new(&tok, tok.vocab_size(), &[2]).unwrap();
+        let route = ToolSpec {
+            name: "route".into(),
+            description: None,
+            parameters: json!({
+                "type": "object",
+                "properties": {
+                    "from": {"$ref": "#/$defs/Place"},
+                    "via": {"type": "array", "items": {"$ref": "#/definitions/Stop"}},
+                    // A property named like a keyword is still a schema.
+                    "const": {"$ref": "#/$defs/Place"},
+                    "note": {"const": {"$ref": "#/not/a/schema"}}
+                },
+                "required": ["from"],
+                "additionalProperties": false,
+                "$defs": {"Place": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string"}},
+                    "required": ["city"],
+                    "additionalProperties": false
+                }},
+                "definitions": {"Stop": {"$ref": "#/$defs/Place"}}
+            }),
+        };
+        let tree = ToolSpec {
+            name: "tree".into(),
+            description: None,
+            parameters: json!({
+                "type": "object",
+                "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}},
+                "additionalProperties": false
+            }),
+        };
+        let ids = |name: &str, args: &str| {
+            let mut ids = vec![766];
+            ids.extend(
+                tok.encode(
+                    &format!("\n{{\"name\": \"{name}\", \"arguments\": {args}}}\n"),
+                    false,
+                )
+                .unwrap(),
+            );
+            ids.push(767);
+            ids
+        };
+        let good_route = ids(
+            "route",
+            r#"{"from": {"city": "Oslo"}, "via": [{"city": "Bergen"}]}"#,
+        );
+        let bad_route = ids("route", r#"{"from": {"town": "Oslo"}}"#);
+        let bad_stop = ids("route", r#"{"from": {"city": "A"}, "via": [{"c": 1}]}"#);
+        let good_tree = ids("tree", r#"{"kids": [{"kids": []}, {}]}"#);
+        let bad_tree = ids("tree", r#"{"kids": [{"leaf": 1}]}"#);
+        let literal = ids(
+            "route",
+            r##"{"from": {"city": "A"}, "note": {"$ref": "#/not/a/schema"}}"##,
+        );
+        for tools in [vec![&route], vec![&tree], vec![&tree, &route]] {
+            let g = HERMES.grammar_text(&tools, false, &tok, None).unwrap();
+            let has = |t: &ToolSpec| tools.iter().any(|u| u.name == t.name);
+            assert_eq!(accepts(&compiler, &g, &good_route), has(&route), "{g}");
+            assert_eq!(accepts(&compiler, &g, &literal), has(&route), "{g}");
+            assert_eq!(accepts(&compiler, &g, &good_tree), has(&tree), "{g}");
+            assert!(!accepts(&compiler, &g, &bad_route), "{g}");
+            assert!(!accepts(&compiler, &g, &bad_stop), "{g}");
+            assert!(!accepts(&compiler, &g, &bad_tree), "{g}");
+        }
+        // What the grammar forces, validation accepts.
+        let p = HERMES.parse(
+            &tok.decode(&good_route, false).unwrap(),
+            &[route.clone(), tree.clone()],
+            false,
+        );
+        assert_eq!(p.calls.len(), 1, "{p:?}");
     }
 
     #[test]
