@@ -21,6 +21,7 @@ pub use write::{write, write_with};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::fs::File;
+use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
@@ -422,13 +423,35 @@ impl SafetensorsFile {
                 ),
             });
         }
+        // The header is read with read(2), not through the mapping: on a network mount
+        // that goes away, a read fails with an I/O error where a fault on the mapping
+        // would kill the process with SIGBUS. Opening a file (and so a checkpoint, and
+        // checking a manifest against it) touches no mapped page.
+        let io = |e| FormatError::io(path, e);
+        let mut head = vec![0u8; 8];
+        (&file).read_exact(&mut head).map_err(io)?;
+        let data_start = header_end(path, &head, meta.len())?;
+        // In range: data_start <= 8 + MAX_HEADER_LEN (header_end).
+        head.resize(data_start as usize, 0);
+        (&file).read_exact(&mut head[8..]).map_err(io)?;
+        let header = parse_header(path, &head, meta.len())?;
         // SAFETY: the mapping is read-only and private to this process. A model store's
         // files are immutable while served (the store only ever replaces files by rename,
         // which leaves existing mappings intact); a file truncated or rewritten in place
         // by another process is outside that contract, and page contents are checked
         // against the manifest's blake3 before use.
-        let map = unsafe { Mmap::map(&file) }.map_err(|e| FormatError::io(path, e))?;
-        let header = parse_header(path, &map, map.len() as u64)?;
+        let map = unsafe { Mmap::map(&file) }.map_err(io)?;
+        if map.len() as u64 != meta.len() {
+            return Err(FormatError::Malformed {
+                path: path.to_path_buf(),
+                what: WHAT,
+                detail: format!(
+                    "the file changed while it was opened ({} bytes, then {})",
+                    meta.len(),
+                    map.len()
+                ),
+            });
+        }
         let by_name = header
             .tensors
             .iter()
