@@ -150,6 +150,27 @@ def test_forced_tool_call_streams(client, model):
     assert names and set(names.values()) == {"get_time"}
     for a in args.values():
         jsonschema.validate(json.loads(a), schema_of(TIME))
+    # The arguments arrive as they are written, in several fragments, and the SDK's
+    # stream helper assembles the same call as a request without streaming.
+    assert sum(1 for ch in chunks if ch.choices and ch.choices[0].delta.tool_calls) > 2
+    kwargs = dict(
+        model=model,
+        messages=[{"role": "user", "content": "What time is it?"}],
+        tools=[TIME],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=200,
+    )
+    with client.chat.completions.stream(**kwargs) as s:
+        deltas = [e.arguments_delta for e in s if e.type == "tool_calls.function.arguments.delta"]
+        final = s.get_final_completion()
+    whole = client.chat.completions.create(**kwargs)
+    assert len(deltas) > 1
+    got = [(c.function.name, c.function.arguments) for c in final.choices[0].message.tool_calls]
+    want = [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls]
+    assert got == want
+    assert "".join(deltas) == want[0][1]
 
 
 def test_parallel_tool_calls_false_gives_one_call(client, model):

@@ -182,54 +182,143 @@ fn auto_and_none_leave_random_output_as_text() {
     );
 }
 
+/// A forced call streams as it is written, in each dialect: the call's id and name
+/// first, then its arguments in several fragments that join to exactly the
+/// arguments of the same request without streaming (greedy).
 #[test]
-fn streaming_required_sends_the_call_at_the_end() {
+fn streaming_required_streams_the_call_as_it_is_written() {
     let s = Server::start(&[]);
-    let (status, body) = post(
-        &s,
-        "/v1/chat/completions",
-        &json!({
-            "model": MODEL, "messages": user("Time in Tokyo?"), "tools": tools(),
-            "tool_choice": {"type": "function", "function": {"name": "get_time"}},
-            "temperature": 0, "max_tokens": 400, "stream": true,
-        }),
-    );
-    assert_eq!(status, 200, "{body}");
-    let events: Vec<&str> = body
-        .lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .collect();
-    assert_eq!(events.last(), Some(&"[DONE]"));
+    let named = json!({"type": "function", "function": {"name": "get_weather"}});
+    let body = |stream: bool| {
+        json!({
+            "model": MODEL, "messages": user("Weather in Oslo?"), "tools": tools(),
+            "tool_choice": named, "temperature": 0, "max_tokens": 400, "stream": stream,
+        })
+    };
+    let whole = chat_completion(&s, body(false));
+    let want = &whole["choices"][0]["message"]["tool_calls"][0];
+    let want_args = want["function"]["arguments"].as_str().unwrap();
+    validate_json(&weather_params(), &serde_json::from_str(want_args).unwrap()).unwrap();
+
+    // OpenAI chat completions: tool_calls deltas by index.
+    let (status, text) = post(&s, "/v1/chat/completions", &body(true));
+    assert_eq!(status, 200, "{text}");
+    let events = sse_data(&text);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
     let chunks: Vec<Value> = events[..events.len() - 1]
         .iter()
         .map(|e| serde_json::from_str(e).unwrap())
         .collect();
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
-    let calls: Vec<&Value> = chunks
+    let deltas: Vec<&Value> = chunks
         .iter()
         .filter_map(|c| c["choices"][0]["delta"].get("tool_calls"))
+        .map(|d| &d[0])
         .collect();
-    assert_eq!(calls.len(), 1, "{body}");
-    let call = &calls[0][0];
-    assert_eq!(call["index"], 0);
-    assert_eq!(call["function"]["name"], "get_time");
-    let args: Value =
-        serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
-    validate_json(&time_params(), &args).unwrap();
+    assert!(deltas.len() > 2, "the arguments come in fragments: {text}");
+    assert!(deltas.iter().all(|d| d["index"] == 0));
+    assert!(deltas[0]["id"].as_str().unwrap().starts_with("call_"));
+    assert_eq!(deltas[0]["type"], "function");
+    assert_eq!(deltas[0]["function"]["name"], "get_weather");
+    assert!(deltas[1..].iter().all(|d| d.get("id").is_none()));
+    let joined: String = deltas
+        .iter()
+        .map(|d| d["function"]["arguments"].as_str().unwrap())
+        .collect();
+    assert_eq!(joined, want_args);
     assert_eq!(
         chunks.last().unwrap()["choices"][0]["finish_reason"],
         "tool_calls"
     );
-    // The same call as without streaming (greedy).
-    let r = chat_completion(
-        &s,
+
+    // Anthropic messages: a tool_use block, its input in input_json_delta fragments.
+    let body = |stream: bool| {
         json!({
-            "model": MODEL, "messages": user("Time in Tokyo?"), "tools": tools(),
-            "tool_choice": {"type": "function", "function": {"name": "get_time"}},
-            "temperature": 0, "max_tokens": 400,
-        }),
-    );
-    assert_eq!(calls_of(&r), vec![("get_time".to_string(), args)]);
+            "model": MODEL, "max_tokens": 400, "temperature": 0, "stream": stream,
+            "messages": user("Weather in Oslo?"),
+            "tools": [{"name": "get_weather", "input_schema": weather_params()}],
+            "tool_choice": {"type": "tool", "name": "get_weather"},
+        })
+    };
+    let (status, text) = post(&s, "/v1/messages", &body(false));
+    assert_eq!(status, 200, "{text}");
+    let whole: Value = serde_json::from_str(&text).unwrap();
+    let want_input = &whole["content"][0]["input"];
+    let (status, text) = post(&s, "/v1/messages", &body(true));
+    assert_eq!(status, 200, "{text}");
+    let events: Vec<Value> = sse_data(&text)
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    let start = events
+        .iter()
+        .find(|e| e["type"] == "content_block_start")
+        .unwrap();
+    assert_eq!(start["content_block"]["type"], "tool_use", "{text}");
+    assert_eq!(start["content_block"]["name"], "get_weather");
+    let fragments: Vec<&str> = events
+        .iter()
+        .filter(|e| e["delta"]["type"] == "input_json_delta")
+        .map(|e| e["delta"]["partial_json"].as_str().unwrap())
+        .collect();
+    assert!(fragments.len() > 1, "{text}");
+    let input: Value = serde_json::from_str(&fragments.concat()).unwrap();
+    assert_eq!(&input, want_input);
+    let stops = events
+        .iter()
+        .filter(|e| e["type"] == "content_block_stop")
+        .count();
+    assert_eq!(stops, 1, "{text}");
+    let delta = events
+        .iter()
+        .find(|e| e["type"] == "message_delta")
+        .unwrap();
+    assert_eq!(delta["delta"]["stop_reason"], "tool_use");
+
+    // Responses: a function_call item, function_call_arguments.delta fragments, and
+    // the .done event and the completed response holding the joined arguments.
+    let body = |stream: bool| {
+        json!({
+            "model": MODEL, "input": "Weather in Oslo?", "temperature": 0,
+            "max_output_tokens": 400, "stream": stream,
+            "tools": [{"type": "function", "name": "get_weather", "parameters": weather_params()}],
+            "tool_choice": {"type": "function", "name": "get_weather"},
+        })
+    };
+    let (status, text) = post(&s, "/v1/responses", &body(false));
+    assert_eq!(status, 200, "{text}");
+    let whole: Value = serde_json::from_str(&text).unwrap();
+    let want_args = whole["output"][0]["arguments"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let (status, text) = post(&s, "/v1/responses", &body(true));
+    assert_eq!(status, 200, "{text}");
+    let events: Vec<Value> = sse_data(&text)
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    let fragments: Vec<&str> = events
+        .iter()
+        .filter(|e| e["type"] == "response.function_call_arguments.delta")
+        .map(|e| e["delta"].as_str().unwrap())
+        .collect();
+    assert!(fragments.len() > 1, "{text}");
+    assert_eq!(fragments.concat(), want_args);
+    let done = events
+        .iter()
+        .find(|e| e["type"] == "response.function_call_arguments.done")
+        .unwrap();
+    assert_eq!(done["arguments"], want_args);
+    let completed = events
+        .iter()
+        .find(|e| e["type"] == "response.completed")
+        .unwrap();
+    let item = &completed["response"]["output"][0];
+    assert_eq!(item["type"], "function_call", "{completed}");
+    assert_eq!(item["arguments"], want_args);
+    assert_eq!(item["status"], "completed");
+    assert_eq!(completed["response"]["output"].as_array().unwrap().len(), 1);
 }
 
 #[test]

@@ -34,7 +34,7 @@ use super::error::{ApiError, Dialect};
 use super::prepare::{self, blocking, new_id, Prompt, ResponseFormat, Sampling};
 use super::request::{wrong, Body};
 use super::stream;
-use super::tools::{ToolCall, ToolChoice, ToolRequest, ToolSpec};
+use super::tools::{ToolChoice, ToolRequest, ToolSpec};
 use super::worker::{Event, Finish, Outcome};
 use super::App;
 
@@ -630,8 +630,8 @@ fn stop_reason(o: &Outcome, max_tokens: u64) -> (&'static str, Value) {
 }
 
 /// Anthropic's tool_use ids start "toolu_".
-fn tool_use_id(c: &ToolCall) -> String {
-    format!("toolu_{}", c.id.strip_prefix("call_").unwrap_or(&c.id))
+fn tool_use_id(call_id: &str) -> String {
+    format!("toolu_{}", call_id.strip_prefix("call_").unwrap_or(call_id))
 }
 
 /// The content blocks of an outcome: its text (if any), then its tool calls.
@@ -642,7 +642,7 @@ fn content(o: &Outcome) -> Vec<Value> {
     }
     for c in &o.tool_calls {
         blocks.push(json!({
-            "type": "tool_use", "id": tool_use_id(c), "name": c.name, "input": c.arguments,
+            "type": "tool_use", "id": tool_use_id(&c.id), "name": c.name, "input": c.arguments,
         }));
     }
     blocks
@@ -764,10 +764,11 @@ fn event(name: &str, data: Value) -> SseEvent {
 /// `content_block_delta`..., `content_block_stop`), `message_delta` with the stop
 /// reason and usage, `message_stop`; a `ping` after the first block's start, as
 /// Anthropic sends it. Without tools the text block opens at once; with tools the
-/// worker holds the output back until the calls are known, so the text block opens
-/// with the first text (none for a bare call) and each call follows as a `tool_use`
-/// block with its input as one `input_json_delta`. A failure mid-stream is an
-/// `error` event.
+/// text block opens with the first text (none for a bare call). A forced call
+/// streams as it is written: a `tool_use` block whose input arrives in
+/// `input_json_delta` fragments. Calls the model makes under `auto` are known at the
+/// end: each follows as a `tool_use` block with its input as one `input_json_delta`.
+/// A failure mid-stream is an `error` event.
 fn stream_response(
     rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
     id: String,
@@ -799,10 +800,28 @@ fn stream_response(
             json!({"type": "content_block_stop", "index": index}),
         )
     };
+    let tool_start = |index: usize, call_id: &str, name: &str| {
+        event(
+            "content_block_start",
+            json!({"type": "content_block_start", "index": index, "content_block": {
+                "type": "tool_use", "id": tool_use_id(call_id), "name": name, "input": {},
+            }}),
+        )
+    };
+    let input_delta = |index: usize, json: &str| {
+        event(
+            "content_block_delta",
+            json!({"type": "content_block_delta", "index": index, "delta": {
+                "type": "input_json_delta", "partial_json": json,
+            }}),
+        )
+    };
     let mut prelude = vec![start];
-    // Blocks opened so far, and whether the last one (text) is still open.
+    // Blocks opened so far, and whether the last one is still open (text, or a
+    // streamed tool_use).
     let mut blocks = 0usize;
     let mut text_open = false;
+    let mut tool_open = false;
     if !tools_active {
         prelude.push(text_start(0));
         blocks = 1;
@@ -812,6 +831,10 @@ fn stream_response(
     let sse = stream::sse(rx, prelude, move |ev| match ev {
         Event::Text(t) => {
             let mut out = Vec::new();
+            if tool_open {
+                out.push(block_stop(blocks - 1));
+                tool_open = false;
+            }
             if !text_open {
                 out.push(text_start(blocks));
                 blocks += 1;
@@ -824,27 +847,34 @@ fn stream_response(
             ));
             (out, false)
         }
-        Event::Done(o) => {
+        // A forced call as it is written: a tool_use block, then its input in
+        // input_json_delta fragments.
+        Event::CallStart { id, name, .. } => {
             let mut out = Vec::new();
-            if text_open {
+            if text_open || tool_open {
                 out.push(block_stop(blocks - 1));
                 text_open = false;
             }
-            for c in &o.tool_calls {
+            out.push(tool_start(blocks, &id, &name));
+            blocks += 1;
+            tool_open = true;
+            (out, false)
+        }
+        Event::CallArgs { text, .. } => (vec![input_delta(blocks - 1, &text)], false),
+        Event::Done(o) => {
+            let mut out = Vec::new();
+            if text_open || tool_open {
+                out.push(block_stop(blocks - 1));
+                text_open = false;
+                tool_open = false;
+            }
+            // Calls not streamed are known at the end: each is one block with its
+            // whole input.
+            for c in o.tool_calls.iter().skip(o.streamed_calls) {
                 let index = blocks;
                 blocks += 1;
-                out.push(event(
-                    "content_block_start",
-                    json!({"type": "content_block_start", "index": index, "content_block": {
-                        "type": "tool_use", "id": tool_use_id(c), "name": c.name, "input": {},
-                    }}),
-                ));
-                out.push(event(
-                    "content_block_delta",
-                    json!({"type": "content_block_delta", "index": index, "delta": {
-                        "type": "input_json_delta", "partial_json": c.arguments.to_string(),
-                    }}),
-                ));
+                out.push(tool_start(index, &c.id, &c.name));
+                out.push(input_delta(index, &c.arguments_json()));
                 out.push(block_stop(index));
             }
             let (reason, seq) = stop_reason(&o, max_tokens);
@@ -871,6 +901,7 @@ fn stream_response(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::serve::tools::ToolCall;
 
     fn parse_str(s: &str) -> Result<MessagesRequest, ApiError> {
         parse(&Body::parse(s.as_bytes())?)
@@ -1172,6 +1203,7 @@ mod tests {
             completion_tokens,
             text: "hi".into(),
             tool_calls: vec![],
+            streamed_calls: 0,
             queue_secs: 0.0,
             prefill_secs: 0.0,
             decode_secs: 0.0,
@@ -1196,6 +1228,7 @@ mod tests {
             id: "call_abc".into(),
             name: "f".into(),
             arguments: json!({"a": 1}),
+            arguments_text: None,
         });
         assert_eq!(stop_reason(&o, 9).0, "tool_use");
         assert_eq!(

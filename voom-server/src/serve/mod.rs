@@ -15,6 +15,7 @@
 //! when its connection is dropped).
 
 pub mod anthropic;
+pub mod call_stream;
 pub mod catalog;
 pub mod error;
 pub mod metrics;

@@ -490,7 +490,7 @@ fn tool_calls_json(calls: &[ToolCall]) -> Value {
         .map(|c| {
             json!({
                 "id": c.id, "type": "function",
-                "function": {"name": c.name, "arguments": c.arguments.to_string()},
+                "function": {"name": c.name, "arguments": c.arguments_json()},
             })
         })
         .collect()
@@ -690,21 +690,32 @@ fn stream_response(
         Endpoint::Completion => vec![],
     };
     let chunk2 = chunk.clone();
+    let call_delta = |call: Value| json!([{"index": 0, "delta": {"tool_calls": [call]}, "logprobs": null, "finish_reason": null}]);
     let sse = stream::sse(rx, prelude, move |ev| match ev {
         Event::Text(t) => (vec![chunk2(delta(Some(&t), None), None)], false),
+        // A forced call as it is written: its id, type and name first, then argument
+        // fragments by index (OpenAI's clients concatenate them).
+        Event::CallStart { index, id, name } => {
+            let call = json!({
+                "index": index, "id": id, "type": "function",
+                "function": {"name": name, "arguments": ""},
+            });
+            (vec![chunk2(call_delta(call), None)], false)
+        }
+        Event::CallArgs { index, text } => {
+            let call = json!({"index": index, "function": {"arguments": text}});
+            (vec![chunk2(call_delta(call), None)], false)
+        }
         Event::Done(o) => {
             let mut out = Vec::new();
-            // Calls are known at the end: one chunk per call with its whole arguments
-            // (OpenAI's clients concatenate argument fragments by index).
-            for (i, c) in o.tool_calls.iter().enumerate() {
+            // Calls not streamed are known at the end: one chunk per call with its
+            // whole arguments.
+            for (i, c) in o.tool_calls.iter().enumerate().skip(o.streamed_calls) {
                 let call = json!({
                     "index": i, "id": c.id, "type": "function",
-                    "function": {"name": c.name, "arguments": c.arguments.to_string()},
+                    "function": {"name": c.name, "arguments": c.arguments_json()},
                 });
-                out.push(chunk2(
-                    json!([{"index": 0, "delta": {"tool_calls": [call]}, "logprobs": null, "finish_reason": null}]),
-                    None,
-                ));
+                out.push(chunk2(call_delta(call), None));
             }
             out.push(chunk2(delta(None, Some(finish_reason(&o.finish))), None));
             if include_usage {

@@ -31,7 +31,9 @@ use super::error::{ApiError, Dialect};
 use super::prepare::{self, blocking, new_id, now, Prompt, ResponseFormat, Sampling};
 use super::request::{text_parts, wrong, Body};
 use super::stream;
-use super::tools::{empty_parameters, history_arguments, ToolChoice, ToolRequest, ToolSpec};
+use super::tools::{
+    empty_parameters, history_arguments, ToolCall, ToolChoice, ToolRequest, ToolSpec,
+};
 use super::worker::{Event, Finish, Outcome};
 use super::App;
 
@@ -654,7 +656,7 @@ fn output_text(t: &str) -> Value {
     json!({"type": "output_text", "text": t, "annotations": [], "logprobs": []})
 }
 
-fn function_call_item(c: &super::tools::ToolCall, status: &str, arguments: &str) -> Value {
+fn function_call_item(c: &ToolCall, status: &str, arguments: &str) -> Value {
     json!({
         "type": "function_call",
         "id": format!("fc_{}", c.id.strip_prefix("call_").unwrap_or(&c.id)),
@@ -673,7 +675,7 @@ fn output_items(o: &Outcome, msg_id: &str) -> Vec<Value> {
         items.push(message_item(msg_id, status(o), Some(&o.text)));
     }
     for c in &o.tool_calls {
-        items.push(function_call_item(c, "completed", &c.arguments.to_string()));
+        items.push(function_call_item(c, "completed", &c.arguments_json()));
     }
     items
 }
@@ -748,10 +750,11 @@ impl Seq {
 /// `output_text.done`, `content_part.done`, `output_item.done`); each function call
 /// as an item with one `function_call_arguments.delta` and `.done`; then
 /// `response.completed` (or `response.incomplete` at the token limit). Without
-/// tools the message opens at once; with tools the worker holds the output back
-/// until the calls are known, so the message opens with the first text (and is
-/// left out when the output is only calls). A failure is an `error` event then
-/// `response.failed`.
+/// tools the message opens at once; with tools the message opens with the first
+/// text (and is left out when the output is only calls). A forced call streams as
+/// it is written: its item, then `function_call_arguments.delta` fragments; calls
+/// the model makes under `auto` are known at the end, each with one delta. A
+/// failure is an `error` event then `response.failed`.
 fn stream_response(
     rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
     shape: Shape,
@@ -812,10 +815,80 @@ fn stream_response(
         prelude.extend(open_message(&mut seq, &mut items));
         msg_open = true;
     }
+    // The streamed call whose item is open: its output index, call id, name and
+    // arguments so far.
+    let mut open_call: Option<(usize, String, String, String)> = None;
+    let close_call = |seq: &mut Seq,
+                      items: &mut Vec<Value>,
+                      (index, id, name, args): (usize, String, String, String),
+                      status: &str|
+     -> Vec<SseEvent> {
+        let c = ToolCall {
+            id,
+            name,
+            arguments: Value::Null,
+            arguments_text: None,
+        };
+        let item = function_call_item(&c, status, &args);
+        items[index] = item.clone();
+        vec![
+            seq.event(
+                "response.function_call_arguments.done",
+                json!({"item_id": item["id"], "output_index": index, "name": c.name, "arguments": args}),
+            ),
+            seq.event(
+                "response.output_item.done",
+                json!({"output_index": index, "item": item}),
+            ),
+        ]
+    };
     let msg_id3 = msg_id.clone();
     let sse = stream::sse(rx, prelude, move |ev| match ev {
+        Event::CallStart { id, name, .. } => {
+            let mut out = Vec::new();
+            if msg_open {
+                out.extend(close_message(&mut seq, &mut items, &text, "completed"));
+                msg_open = false;
+            }
+            if let Some(c) = open_call.take() {
+                out.extend(close_call(&mut seq, &mut items, c, "completed"));
+            }
+            let index = items.len();
+            let c = ToolCall {
+                id,
+                name,
+                arguments: Value::Null,
+                arguments_text: None,
+            };
+            let item = function_call_item(&c, "in_progress", "");
+            items.push(item.clone());
+            out.push(seq.event(
+                "response.output_item.added",
+                json!({"output_index": index, "item": item}),
+            ));
+            open_call = Some((index, c.id, c.name, String::new()));
+            (out, false)
+        }
+        Event::CallArgs { text: delta, .. } => {
+            let Some((index, id, _, args)) = open_call.as_mut() else {
+                return (vec![], false);
+            };
+            args.push_str(&delta);
+            let item_id = format!("fc_{}", id.strip_prefix("call_").unwrap_or(id));
+            let index = *index;
+            (
+                vec![seq.event(
+                    "response.function_call_arguments.delta",
+                    json!({"item_id": item_id, "output_index": index, "delta": delta}),
+                )],
+                false,
+            )
+        }
         Event::Text(t) => {
             let mut out = Vec::new();
+            if let Some(c) = open_call.take() {
+                out.extend(close_call(&mut seq, &mut items, c, "completed"));
+            }
             if !msg_open {
                 out.extend(open_message(&mut seq, &mut items));
                 msg_open = true;
@@ -831,7 +904,7 @@ fn stream_response(
         Event::Done(o) => {
             let mut out = Vec::new();
             let st = status(&o);
-            if !msg_open && o.tool_calls.is_empty() {
+            if !msg_open && o.tool_calls.is_empty() && o.streamed_calls == 0 {
                 // No text and no calls: the answer is an empty message.
                 out.extend(open_message(&mut seq, &mut items));
                 msg_open = true;
@@ -840,9 +913,15 @@ fn stream_response(
                 out.extend(close_message(&mut seq, &mut items, &text, st));
                 msg_open = false;
             }
-            for c in &o.tool_calls {
+            if let Some(c) = open_call.take() {
+                // The last streamed call: cut by the token limit if the parse lacks it.
+                let cut = o.tool_calls.len() < o.streamed_calls;
+                let status = if cut { "incomplete" } else { "completed" };
+                out.extend(close_call(&mut seq, &mut items, c, status));
+            }
+            for c in o.tool_calls.iter().skip(o.streamed_calls) {
                 let index = items.len();
-                let args = c.arguments.to_string();
+                let args = c.arguments_json();
                 let item_id = format!("fc_{}", c.id.strip_prefix("call_").unwrap_or(&c.id));
                 out.push(seq.event(
                     "response.output_item.added",
@@ -893,7 +972,6 @@ fn stream_response(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::serve::tools::ToolCall;
 
     fn parse_str(s: &str) -> Result<ResponsesRequest, ApiError> {
         parse(&Body::parse(s.as_bytes())?)
@@ -1071,6 +1149,7 @@ mod tests {
             completion_tokens: 4,
             text: "abcd".into(),
             tool_calls: vec![],
+            streamed_calls: 0,
             queue_secs: 0.0,
             prefill_secs: 0.0,
             decode_secs: 0.0,
@@ -1099,6 +1178,7 @@ mod tests {
             id: "call_9".into(),
             name: "f".into(),
             arguments: json!({"a": 1}),
+            arguments_text: None,
         });
         let v = shape.object(status(&o), output_items(&o, "msg_1"), Some(&o));
         assert_eq!(v["status"], "completed");

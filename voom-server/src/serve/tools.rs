@@ -75,6 +75,20 @@ pub struct ToolCall {
     /// The arguments, valid against the tool's schema (always a JSON value, never a
     /// string holding JSON).
     pub arguments: Value,
+    /// The arguments' JSON text as it was streamed (compact, as the model wrote it),
+    /// for a call streamed while it was generated; `None` for the others.
+    pub arguments_text: Option<String>,
+}
+
+impl ToolCall {
+    /// The arguments as JSON text, as the APIs that take a string give them: the
+    /// streamed text where the call was streamed (so streamed and whole responses
+    /// agree), else `arguments` serialized.
+    pub fn arguments_json(&self) -> String {
+        self.arguments_text
+            .clone()
+            .unwrap_or_else(|| self.arguments.to_string())
+    }
 }
 
 /// The arguments schema of a tool that gives none: an object with any properties.
@@ -596,6 +610,7 @@ impl ToolFormat {
             id: super::prepare::new_id("call_"),
             name: name.clone(),
             arguments: args,
+            arguments_text: None,
         })
     }
 }

@@ -25,6 +25,7 @@ use serde_json::Value;
 use tokio::sync::mpsc::UnboundedSender;
 use vpaged::PageSource;
 
+use super::call_stream::{CallPiece, CallStreamer};
 use super::catalog::ModelMeta;
 use super::error::ApiError;
 use super::metrics::Metrics;
@@ -62,6 +63,10 @@ pub struct Outcome {
     pub text: String,
     /// The tool calls found in the output, in order.
     pub tool_calls: Vec<ToolCall>,
+    /// How many calls were streamed as they were written ([`Event::CallStart`]);
+    /// they are the first of `tool_calls` (a streamed call cut by the token limit
+    /// is not among them).
+    pub streamed_calls: usize,
     pub queue_secs: f64,
     pub prefill_secs: f64,
     pub decode_secs: f64,
@@ -70,6 +75,16 @@ pub struct Outcome {
 pub enum Event {
     /// More output text.
     Text(String),
+    /// A forced tool call begins ([`super::call_stream`]): calls are numbered from 0
+    /// in output order; its id is the one the finished call keeps.
+    CallStart {
+        index: usize,
+        id: String,
+        name: String,
+    },
+    /// More of call `index`'s arguments: JSON text, joining to the call's
+    /// [`ToolCall::arguments_json`].
+    CallArgs { index: usize, text: String },
     /// The request finished; no events follow.
     Done(Outcome),
     /// The request failed; no events follow.
@@ -239,12 +254,20 @@ impl WorkerState {
         }
         // With tools, text streams until a call may be starting (CallGate); from there
         // on output is held back, because calls are only known at the end. Forced
-        // calls hold everything.
+        // calls are streamed as they are written instead (CallStreamer): the grammar
+        // admits only valid ones.
         let mut gate = job
             .request
             .tools
             .as_ref()
             .map(|t| CallGate::new(t.format, t.forced));
+        let mut calls = job
+            .request
+            .tools
+            .as_ref()
+            .filter(|t| t.forced)
+            .map(|t| CallStreamer::new(t.format));
+        let mut call_ids: Vec<String> = Vec::new();
         let keep_special = job
             .request
             .tools
@@ -260,6 +283,19 @@ impl WorkerState {
                 return true;
             }
             text.push_str(piece);
+            for p in calls.as_mut().map(|c| c.push(piece)).unwrap_or_default() {
+                let ev = match p {
+                    CallPiece::Start { index, name } => {
+                        let id = super::prepare::new_id("call_");
+                        call_ids.push(id.clone());
+                        Event::CallStart { index, id, name }
+                    }
+                    CallPiece::Args { index, text } => Event::CallArgs { index, text },
+                };
+                if job.events.send(ev).is_err() {
+                    return false;
+                }
+            }
             let emit = match gate.as_mut() {
                 Some(g) => g.push(piece),
                 None => piece.to_string(),
@@ -341,6 +377,7 @@ impl WorkerState {
             }
         };
         let mut tool_calls = Vec::new();
+        let mut streamed_calls = 0;
         if let Some(tp) = &job.request.tools {
             let parsed = tp.parse(&text);
             if tp.forced
@@ -359,6 +396,25 @@ impl WorkerState {
             }
             text = parsed.content;
             tool_calls = parsed.calls;
+            if let Some(cs) = &calls {
+                // The streamed calls are the first parsed ones: they keep the ids
+                // and the argument text the client has already seen.
+                let complete = finish == Finish::Eos;
+                if (complete && tool_calls.len() < cs.names().len())
+                    || tool_calls.iter().zip(cs.names()).any(|(c, n)| &c.name != n)
+                {
+                    return Err(ApiError::internal(format!(
+                        "the streamed tool calls ({:?}) are not the parsed ones ({:?})",
+                        cs.names(),
+                        tool_calls.iter().map(|c| &c.name).collect::<Vec<_>>()
+                    )));
+                }
+                for (i, c) in tool_calls.iter_mut().enumerate().take(cs.names().len()) {
+                    c.id = call_ids[i].clone();
+                    c.arguments_text = cs.args(i).map(str::to_string);
+                }
+                streamed_calls = cs.names().len();
+            }
             // What was streamed is text before any call: the rest of the content
             // follows it.
             let streamed = gate.as_ref().map_or(0, |g| g.streamed);
@@ -370,7 +426,12 @@ impl WorkerState {
                     ))
                 }
             };
-            if !rest.is_empty() && job.events.send(Event::Text(rest)).is_err() {
+            // A streamed call cut by the token limit is already shown as a call: its
+            // text is not sent again as text.
+            if !rest.is_empty()
+                && streamed_calls == 0
+                && job.events.send(Event::Text(rest)).is_err()
+            {
                 self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
                 return Ok(None);
             }
@@ -418,6 +479,7 @@ impl WorkerState {
             completion_tokens: g.ids.len(),
             text,
             tool_calls,
+            streamed_calls,
             queue_secs,
             prefill_secs: g.prefill_secs,
             decode_secs: g.decode_secs,
