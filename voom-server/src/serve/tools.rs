@@ -1008,6 +1008,15 @@ mod tests {
         m.is_complete() || m.may_stop(ids.len()).unwrap()
     }
 
+    /// The fixture's token ids of one Hermes call, tags included.
+    fn hermes_call(tok: &Tokenizer, name: &str, args: &str) -> Vec<u32> {
+        let mut ids = vec![766];
+        let body = format!("\n{{\"name\": \"{name}\", \"arguments\": {args}}}\n");
+        ids.extend(tok.encode(&body, false).unwrap());
+        ids.push(767);
+        ids
+    }
+
     #[test]
     fn forced_grammars_accept_exactly_well_formed_calls() {
         let tok = Tokenizer::from_dir(&tiny_chat()).unwrap();
@@ -1017,18 +1026,7 @@ mod tests {
         let one = HERMES.grammar_text(&all, false, &tok, None).unwrap();
         // The tags are the fixture's tokens.
         assert!(one.contains("<[766]>") && one.contains("<[767]>"), "{one}");
-        let call = |name: &str, args: &str| {
-            let mut ids = vec![766];
-            ids.extend(
-                tok.encode(
-                    &format!("\n{{\"name\": \"{name}\", \"arguments\": {args}}}\n"),
-                    false,
-                )
-                .unwrap(),
-            );
-            ids.push(767);
-            ids
-        };
+        let call = |name: &str, args: &str| hermes_call(&tok, name, args);
         let good = call("get_weather", "{\"city\": \"Oslo\"}");
         assert!(accepts(&compiler, &one, &good));
         assert!(!accepts(&compiler, &one, &call("launch", "{}")));
@@ -1125,18 +1123,7 @@ mod tests {
                 "additionalProperties": false
             }),
         };
-        let ids = |name: &str, args: &str| {
-            let mut ids = vec![766];
-            ids.extend(
-                tok.encode(
-                    &format!("\n{{\"name\": \"{name}\", \"arguments\": {args}}}\n"),
-                    false,
-                )
-                .unwrap(),
-            );
-            ids.push(767);
-            ids
-        };
+        let ids = |name: &str, args: &str| hermes_call(&tok, name, args);
         let good_route = ids(
             "route",
             r#"{"from": {"city": "Oslo"}, "via": [{"city": "Bergen"}]}"#,
