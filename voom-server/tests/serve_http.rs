@@ -841,7 +841,7 @@ fn health_and_metrics_formats() {
 }
 
 #[test]
-fn routes_without_v1_work_and_unknown_routes_are_404_json() {
+fn routes_without_v1_work_unknown_routes_are_404_and_wrong_methods_405() {
     let s = Server::start(&[]);
     let r = s.get("/models");
     assert_eq!(r.status, 200, "{}", r.text());
@@ -876,9 +876,34 @@ fn routes_without_v1_work_and_unknown_routes_are_404_json() {
     // An unknown route ending in /messages answers in Anthropic's shape.
     let r = request(s.addr, "POST", "/v2/messages", Some(b"{}"));
     assert_anthropic_error(&r, 404, "not_found_error", "/v2/messages", "/v2/messages");
-    // A route that exists with the wrong method is refused, not run.
-    let r = request(s.addr, "GET", "/v1/chat/completions", None);
-    assert!(r.status == 404 || r.status == 405, "{}", r.status);
+    // A route that exists with the wrong method is refused, not run: 405 in the
+    // endpoint's dialect, with the method it takes in Allow.
+    for (method, path, allow) in [
+        ("GET", "/v1/chat/completions", "POST"),
+        ("GET", "/responses", "POST"),
+        ("POST", "/v1/models", "GET"),
+        ("DELETE", "/v1/models/x", "GET"),
+        ("POST", "/health", "GET"),
+    ] {
+        let r = request(s.addr, method, path, None);
+        assert_eq!(r.status, 405, "{method} {path}: {}", r.text());
+        assert_eq!(r.header("allow"), Some(allow), "{method} {path}");
+        let j = r.json();
+        assert_eq!(j["error"]["code"], "method_not_allowed", "{j}");
+        assert!(
+            j["error"]["message"].as_str().unwrap().contains(path),
+            "{j}"
+        );
+    }
+    let r = request(s.addr, "GET", "/v1/messages", None);
+    assert_anthropic_error(
+        &r,
+        405,
+        "invalid_request_error",
+        "/v1/messages",
+        "GET messages",
+    );
+    assert_eq!(r.header("allow"), Some("POST"));
 }
 
 /// `voom generate --json` on the same model directory.

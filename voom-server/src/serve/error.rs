@@ -22,6 +22,8 @@ pub enum Kind {
     Invalid,
     /// 404: no such model (or route).
     NotFound,
+    /// 405: the route exists, not with this method.
+    MethodNotAllowed,
     /// 413: body over the limit.
     TooLarge,
     /// 408: the body did not arrive in time.
@@ -69,6 +71,7 @@ impl ApiError {
         match self.kind {
             Kind::Invalid => StatusCode::BAD_REQUEST,
             Kind::NotFound => StatusCode::NOT_FOUND,
+            Kind::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             Kind::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Kind::Timeout => StatusCode::REQUEST_TIMEOUT,
             Kind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
@@ -82,6 +85,7 @@ impl ApiError {
                 let (ty, code) = match self.kind {
                     Kind::Invalid => ("invalid_request_error", None),
                     Kind::NotFound => ("invalid_request_error", Some("model_not_found")),
+                    Kind::MethodNotAllowed => ("invalid_request_error", Some("method_not_allowed")),
                     Kind::TooLarge => ("invalid_request_error", Some("request_too_large")),
                     Kind::Timeout => ("invalid_request_error", Some("request_timeout")),
                     Kind::Internal => ("server_error", None),
@@ -95,7 +99,9 @@ impl ApiError {
             }
             Dialect::Anthropic => {
                 let ty = match self.kind {
-                    Kind::Invalid | Kind::Timeout => "invalid_request_error",
+                    Kind::Invalid | Kind::Timeout | Kind::MethodNotAllowed => {
+                        "invalid_request_error"
+                    }
                     Kind::NotFound => "not_found_error",
                     Kind::TooLarge => "request_too_large",
                     Kind::Internal => "api_error",

@@ -172,6 +172,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(
             Arc::clone(&app),
             log_request,
@@ -190,6 +191,35 @@ async fn not_found(req: Request) -> ApiError {
         format!("no route for {} {}", req.method(), req.uri().path()),
     )
     .in_dialect(dialect)
+}
+
+/// A known route asked with another method: 405 in the endpoint's dialect, with the
+/// method it takes in `Allow`.
+async fn method_not_allowed(req: Request) -> Response {
+    let path = req.uri().path();
+    let dialect = if path.ends_with("/messages") {
+        Dialect::Anthropic
+    } else {
+        Dialect::OpenAi
+    };
+    let allow = if path.ends_with("/health")
+        || path.ends_with("/metrics")
+        || path.trim_end_matches('/').rsplit('/').nth(1) == Some("models")
+        || path.trim_end_matches('/').ends_with("/models")
+    {
+        "GET"
+    } else {
+        "POST"
+    };
+    let e = ApiError::new(
+        Kind::MethodNotAllowed,
+        format!("{path} takes {allow}, not {}", req.method()),
+    )
+    .in_dialect(dialect);
+    let mut resp = e.into_response();
+    resp.headers_mut()
+        .insert(axum::http::header::ALLOW, HeaderValue::from_static(allow));
+    resp
 }
 
 /// One log line per request, with its status and time; counted in the metrics.

@@ -114,6 +114,22 @@ impl ToolRequest {
                     format!("tool {i} has an empty name"),
                 ));
             }
+            // The APIs' own rule. It also keeps names from holding a format's markers
+            // (`<tool_call>`), which would break the call grammar.
+            if t.name.len() > 64
+                || !t
+                    .name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+            {
+                return Err(ApiError::invalid(
+                    param,
+                    format!(
+                        "tool {i}: '{}' is not a valid tool name: 1 to 64 of a-z, A-Z, 0-9, _ and -",
+                        t.name
+                    ),
+                ));
+            }
             if tools[..i].iter().any(|u| u.name == t.name) {
                 return Err(ApiError::invalid(
                     param,
@@ -129,6 +145,21 @@ impl ToolRequest {
                         kind(&t.parameters)
                     ),
                 ));
+            }
+            // Arguments are a JSON object in every dialect (Anthropic's `input`
+            // is one), so the schema must describe one.
+            match t.parameters.get("type") {
+                None => {}
+                Some(Value::String(ty)) if ty == "object" => {}
+                Some(ty) => {
+                    return Err(ApiError::invalid(
+                        param,
+                        format!(
+                        "the parameters schema of tool '{}' must have type \"object\", not {ty}",
+                        t.name
+                    ),
+                    ))
+                }
             }
             Grammar::json_schema(&t.parameters).map_err(|e| {
                 ApiError::invalid(
@@ -377,9 +408,14 @@ impl ToolFormat {
                 None => format!("#/properties/{}", self.args_key),
                 Some(i) => format!("#/anyOf/{i}/properties/{}", self.args_key),
             };
+            let mut args = rebase_refs(&t.parameters, &at);
+            // Arguments are an object, also where the schema leaves the type open.
+            if let Some(o) = args.as_object_mut() {
+                o.entry("type").or_insert_with(|| json!("object"));
+            }
             let mut props = Map::new();
             props.insert("name".into(), json!({"const": t.name}));
-            props.insert(self.args_key.into(), rebase_refs(&t.parameters, &at));
+            props.insert(self.args_key.into(), args);
             json!({
                 "type": "object",
                 "properties": props,
@@ -604,6 +640,12 @@ impl ToolFormat {
             })?,
             Some(a) => a.clone(),
         };
+        if !args.is_object() {
+            return Err(format!(
+                "the arguments of '{name}' must be a JSON object, not {}",
+                kind(&args)
+            ));
+        }
         validate_json(&tool.parameters, &args)
             .map_err(|e| format!("the arguments of '{name}' do not match its schema: {e}"))?;
         Ok(ToolCall {
@@ -619,9 +661,13 @@ impl ToolFormat {
 /// fragment holding a JSON pointer, such as `#/properties/arguments`): each local
 /// `$ref` (`#` or `#/...`) is rewritten to name the same place under `at`. Values
 /// that are data, not schemas (`const`, `enum`, `default`, `examples`), are left as
-/// they are, as are references to other documents or to `$id`s.
+/// they are, as are references to other documents or to `$id`s, and everything
+/// below a schema with an `$id` (a resource of its own).
 fn rebase_refs(schema: &Value, at: &str) -> Value {
     match schema {
+        // A schema with its own `$id` is a resource of its own: the references in
+        // it resolve against it wherever it sits, so they stay as they are.
+        Value::Object(m) if m.contains_key("$id") => schema.clone(),
         Value::Object(m) => Value::Object(
             m.iter()
                 .map(|(k, v)| {
@@ -971,6 +1017,20 @@ mod tests {
         )
         .unwrap();
         assert_eq!(r.forced().unwrap().len(), 1);
+        // Names the APIs allow, and nothing that could be a format's marker.
+        for name in ["<tool_call>", "a b", &"x".repeat(65)] {
+            let mut t = weather();
+            t.name = name.to_string();
+            let e = ToolRequest::new(vec![t], ToolChoice::Auto, true, "tools").unwrap_err();
+            assert!(e.message.contains("not a valid tool name"), "{e}");
+        }
+        // Arguments are objects.
+        for ty in [json!("string"), json!(["object", "null"])] {
+            let mut t = weather();
+            t.parameters = json!({"type": ty});
+            let e = ToolRequest::new(vec![t], ToolChoice::Required, true, "tools").unwrap_err();
+            assert!(e.message.contains("must have type \"object\""), "{e}");
+        }
     }
 
     #[test]
@@ -1136,6 +1196,30 @@ mod tests {
             "route",
             r##"{"from": {"city": "A"}, "note": {"$ref": "#/not/a/schema"}}"##,
         );
+        // A schema with its own `$id` is a resource: its references resolve against
+        // it wherever it sits (absolute or relative `$id`).
+        let with_id = |id: &str| {
+            let mut t = route.clone();
+            t.parameters["$id"] = json!(id);
+            t
+        };
+        for t in [
+            with_id("https://example.com/route.json"),
+            with_id("route.json"),
+        ] {
+            let g = HERMES.grammar_text(&[&t], false, &tok, None).unwrap();
+            assert!(accepts(&compiler, &g, &good_route), "{g}");
+            assert!(!accepts(&compiler, &g, &bad_route), "{g}");
+        }
+        // A schema without a type still forces an object.
+        let open = ToolSpec {
+            name: "open".into(),
+            description: None,
+            parameters: json!({"properties": {"a": {"type": "integer"}}}),
+        };
+        let g = HERMES.grammar_text(&[&open], false, &tok, None).unwrap();
+        assert!(accepts(&compiler, &g, &ids("open", r#"{"a": 1}"#)), "{g}");
+        assert!(!accepts(&compiler, &g, &ids("open", "3")), "{g}");
         for tools in [vec![&route], vec![&tree], vec![&tree, &route]] {
             let g = HERMES.grammar_text(&tools, false, &tok, None).unwrap();
             let has = |t: &ToolSpec| tools.iter().any(|u| u.name == t.name);

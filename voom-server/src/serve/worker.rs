@@ -379,7 +379,8 @@ impl WorkerState {
         let mut tool_calls = Vec::new();
         let mut streamed_calls = 0;
         if let Some(tp) = &job.request.tools {
-            let parsed = tp.parse(&text);
+            let raw = std::mem::take(&mut text);
+            let parsed = tp.parse(&raw);
             if tp.forced
                 && finish == Finish::Eos
                 && (parsed.calls.is_empty() || !parsed.rejected.is_empty())
@@ -387,51 +388,40 @@ impl WorkerState {
             {
                 // The grammar admits only well-formed calls with valid arguments.
                 return Err(ApiError::internal(format!(
-                    "the forced tool call output did not parse ({}): {text:?}",
+                    "the forced tool call output did not parse ({}): {raw:?}",
                     parsed.rejected.join("; ")
                 )));
             }
             if !parsed.rejected.is_empty() {
                 tracing::debug!("tool calls left as text: {}", parsed.rejected.join("; "));
             }
-            text = parsed.content;
             tool_calls = parsed.calls;
             if let Some(cs) = &calls {
-                // The streamed calls are the first parsed ones: they keep the ids
-                // and the argument text the client has already seen.
-                let complete = finish == Finish::Eos;
-                if (complete && tool_calls.len() < cs.names().len())
-                    || tool_calls.iter().zip(cs.names()).any(|(c, n)| &c.name != n)
-                {
-                    return Err(ApiError::internal(format!(
-                        "the streamed tool calls ({:?}) are not the parsed ones ({:?})",
-                        cs.names(),
-                        tool_calls.iter().map(|c| &c.name).collect::<Vec<_>>()
-                    )));
-                }
-                for (i, c) in tool_calls.iter_mut().enumerate().take(cs.names().len()) {
-                    c.id = call_ids[i].clone();
-                    c.arguments_text = cs.args(i).map(str::to_string);
-                }
-                streamed_calls = cs.names().len();
+                streamed_calls =
+                    adopt_streamed(cs, &call_ids, &mut tool_calls, finish == Finish::Eos).or_else(
+                        |e| {
+                            if parsed.unrepresentable {
+                                Ok(0)
+                            } else {
+                                Err(e)
+                            }
+                        },
+                    )?;
             }
-            // What was streamed is text before any call: the rest of the content
-            // follows it.
+            // What was streamed is text before the first call; the rest of the content
+            // follows it. Forced calls stream as calls: the output is only calls, and
+            // what is left (a call cut by the token limit) is not text.
             let streamed = gate.as_ref().map_or(0, |g| g.streamed);
-            let rest = match text.get(streamed..) {
-                Some(r) if text.is_char_boundary(streamed) => r.to_string(),
-                _ => {
-                    return Err(ApiError::internal(
-                        "tool-call parsing changed text that was already streamed",
-                    ))
-                }
+            let sent = raw.get(..streamed).unwrap_or(&raw);
+            let rest = if streamed_calls > 0 {
+                String::new()
+            } else {
+                text_after(sent, &parsed.content).ok_or_else(|| {
+                    ApiError::internal("tool-call parsing changed text that was already streamed")
+                })?
             };
-            // A streamed call cut by the token limit is already shown as a call: its
-            // text is not sent again as text.
-            if !rest.is_empty()
-                && streamed_calls == 0
-                && job.events.send(Event::Text(rest)).is_err()
-            {
+            text = format!("{sent}{rest}");
+            if !rest.is_empty() && job.events.send(Event::Text(rest)).is_err() {
                 self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
                 return Ok(None);
             }
@@ -484,6 +474,48 @@ impl WorkerState {
             prefill_secs: g.prefill_secs,
             decode_secs: g.decode_secs,
         }))
+    }
+}
+
+/// Gives the first parsed calls the ids and argument text of the calls streamed
+/// while they were written (`ids`, in order); returns how many were streamed. The
+/// streamed calls must be the first parsed ones, by name and count (a streamed call
+/// missing at the end is allowed only when the output was cut: not `complete`).
+fn adopt_streamed(
+    cs: &CallStreamer,
+    ids: &[String],
+    calls: &mut [ToolCall],
+    complete: bool,
+) -> Result<usize, ApiError> {
+    let names = cs.names();
+    if (complete && calls.len() < names.len()) || calls.iter().zip(names).any(|(c, n)| &c.name != n)
+    {
+        return Err(ApiError::internal(format!(
+            "the streamed tool calls ({names:?}) are not the parsed ones ({:?})",
+            calls.iter().map(|c| &c.name).collect::<Vec<_>>()
+        )));
+    }
+    for (i, c) in calls.iter_mut().enumerate().take(names.len()) {
+        c.id = ids[i].clone();
+        c.arguments_text = cs.args(i).map(str::to_string);
+    }
+    Ok(names.len())
+}
+
+/// What of `content` (the output with its calls taken out, and trimmed when there
+/// were calls) follows `sent` (the text streamed before the first call, as it was
+/// written). `None` if `content` does not continue `sent`.
+fn text_after(sent: &str, content: &str) -> Option<String> {
+    for s in [sent, sent.trim_start()] {
+        if let Some(rest) = content.strip_prefix(s) {
+            return Some(rest.to_string());
+        }
+    }
+    // The trim took whitespace that was streamed (before a call that ends the
+    // output): nothing follows.
+    match sent.trim_start().strip_prefix(content) {
+        Some(extra) if extra.trim().is_empty() => Some(String::new()),
+        _ => None,
     }
 }
 
@@ -673,6 +705,27 @@ mod tests {
             run(&["\n\n"], &["one\n", "\ntwo"]),
             ("one".into(), Some("\n\n".into()))
         );
+    }
+
+    #[test]
+    fn text_after_continues_what_was_streamed() {
+        // Calls in the middle: the content is the text before and after them.
+        assert_eq!(
+            text_after("I'll check. ", "I'll check. \nDone").as_deref(),
+            Some("\nDone")
+        );
+        // A call ending the output: the content was trimmed of the streamed newline.
+        assert_eq!(
+            text_after("I'll check.\n", "I'll check.").as_deref(),
+            Some("")
+        );
+        // Leading whitespace streamed, then trimmed away.
+        assert_eq!(text_after("\n\nHi ", "Hi \nx").as_deref(), Some("\nx"));
+        // No calls: the content is the output itself.
+        assert_eq!(text_after("  a", "  a b").as_deref(), Some(" b"));
+        assert_eq!(text_after("", "abc").as_deref(), Some("abc"));
+        assert_eq!(text_after("abc", "xyz"), None);
+        assert_eq!(text_after("abc d", "abc"), None);
     }
 
     fn gate(format: &'static ToolFormat, forced: bool, pieces: &[&str]) -> Vec<String> {
