@@ -627,3 +627,52 @@ fn smollm2_unconstrained_generation_is_unaffected() {
 
     // Its cost: `cargo run --release -p libvoom --example constrain_bench -- MODEL_DIR`.
 }
+
+/// A schema whose strings are the text of added tokens (`<tool_call>`, the chat's
+/// `<|im_end|>`): the grammar spells them with ordinary tokens (a special token is
+/// never text), and the output decodes to the JSON the schema asks for.
+#[test]
+fn strings_spelling_special_tokens_are_written_with_ordinary_tokens() {
+    let engine = open(&tiny_chat());
+    let compiler = GrammarCompiler::for_engine(&engine).unwrap();
+    let tok = engine.tokenizer().unwrap();
+    let specials: Vec<u32> = ["<tool_call>", "</tool_call>", "<|im_end|>"]
+        .iter()
+        .map(|t| tok.token_to_id(t).unwrap())
+        .collect();
+    let schema = json!({
+        "type": "object",
+        "properties": {
+            "open": {"const": "<tool_call>"},
+            "end": {"enum": ["<|im_end|>"]},
+            "close": {"type": "string", "pattern": "^</tool_call>$"}
+        },
+        "required": ["open", "end", "close"],
+        "additionalProperties": false
+    });
+    let grammar = compiler
+        .compile(&Grammar::json_schema(&schema).unwrap())
+        .unwrap();
+    let prompt = chat_prompt(&engine, "JSON please.");
+    for seed in 0..3 {
+        let s = SamplingParams {
+            temperature: if seed == 0 { 0.0 } else { 1.0 },
+            seed,
+            ..SamplingParams::default()
+        };
+        let g = run(&engine, &prompt, &params(100, s), &mut grammar.matcher());
+        let v = json_of(&engine, &g);
+        assert_eq!(
+            v,
+            json!({"open": "<tool_call>", "end": "<|im_end|>", "close": "</tool_call>"})
+        );
+        let body = match g.finish {
+            FinishReason::Eos => &g.ids[..g.ids.len() - 1],
+            _ => &g.ids[..],
+        };
+        assert!(
+            body.iter().all(|id| !specials.contains(id)),
+            "special tokens in {body:?}"
+        );
+    }
+}

@@ -14,6 +14,7 @@ use std::time::SystemTime;
 use llguidance::api::TopLevelGrammar;
 use llguidance::{Matcher, ParserFactory, TokenParser};
 use serde_json::{json, Value};
+use toktrie::{TokEnv, TokTrie, TokenId, TokenizerEnv};
 use toktrie_hf_tokenizers::ByteTokenizer;
 
 use super::validate::check_schema;
@@ -205,6 +206,42 @@ struct CacheKey {
 const CACHE_ENTRIES: usize = 4;
 static CACHE: Mutex<Vec<(CacheKey, Arc<GrammarCompiler>)>> = Mutex::new(Vec::new());
 
+/// The tokenizer environment grammars are compiled against: the Hugging Face
+/// tokenizer's, except that text is never tokenized into special tokens. A Hugging
+/// Face tokenizer splits its added tokens out of text (`<tool_call>` becomes one
+/// token), but in the grammar's token table such tokens are special: a grammar names
+/// them (`<tool_call>`, `<[766]>`), and text never matches them. So when a grammar
+/// forces the characters of one (a schema's `"const": "<tool_call>"`), they are
+/// spelled with ordinary tokens, as the mask allows, instead of the special token,
+/// which the matcher would then refuse.
+struct TextOnlyEnv {
+    base: TokEnv,
+}
+
+impl TokenizerEnv for TextOnlyEnv {
+    fn tok_trie(&self) -> &TokTrie {
+        self.base.tok_trie()
+    }
+
+    fn tokenize_bytes(&self, s: &[u8]) -> Vec<TokenId> {
+        let ids = self.base.tokenize_bytes(s);
+        let trie = self.base.tok_trie();
+        if ids.iter().any(|&t| trie.is_special_token(t)) {
+            trie.greedy_tokenize(s)
+        } else {
+            ids
+        }
+    }
+
+    fn tokenize_bytes_special(&self, s: &[u8]) -> Vec<TokenId> {
+        self.base.tokenize_bytes_special(s)
+    }
+
+    fn tokenize_is_canonical(&self) -> bool {
+        self.base.tokenize_is_canonical()
+    }
+}
+
 impl GrammarCompiler {
     /// Builds the token table of `tokenizer` for a model whose logits have
     /// `model_vocab` entries (ids from the tokenizer's size up are never allowed)
@@ -237,6 +274,7 @@ impl GrammarCompiler {
             bt.into_tok_env(Some(width))
         }))
         .map_err(|e| err(format!("{e:#}")))?;
+        let env: TokEnv = Arc::new(TextOnlyEnv { base: env });
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| err(format!("{e:#}")))?;
         factory.quiet();
         Ok(GrammarCompiler {
