@@ -277,9 +277,12 @@ impl ArenaView {
 
     /// The bytes of `offset..offset+len`, checked against the mapping's length.
     ///
-    /// The daemon only names ranges of leased pages, which it does not write while
-    /// the lease lives; the engine must hold the lease while it reads.
-    pub fn bytes(&self, offset: usize, len: usize) -> Result<&[u8], ArenaError> {
+    /// # Safety
+    /// The owner rewrites any slot that is not leased, so the range must be (part of) a
+    /// slot the owner leased to this process (an `Acquired` slot of the daemon), and
+    /// that lease must be held for as long as the returned slice lives. (The one other
+    /// sound use: an arena whose owner writes nothing while the slice lives.)
+    pub unsafe fn bytes(&self, offset: usize, len: usize) -> Result<&[u8], ArenaError> {
         match offset.checked_add(len) {
             Some(end) if end <= self.len => {}
             _ => {
@@ -291,8 +294,8 @@ impl ArenaView {
             }
         }
         // SAFETY: the range lies inside the live read-only mapping (checked above); the
-        // memory is shared with the owner, which by protocol does not write a slot while
-        // it is leased (the same contract as a `PageLease`).
+        // memory is shared with the owner, which does not write a leased slot, and the
+        // caller holds the lease while the slice lives (this function's contract).
         Ok(unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(offset), len) })
     }
 }
@@ -485,19 +488,26 @@ mod tests {
         w.copy_from_slice(b"vpaged!!");
         let fd = a.fd().try_clone_to_owned().unwrap();
         let v = ArenaView::map_readonly(fd, a.capacity()).unwrap();
-        assert_eq!(v.bytes(SLOT_ALIGN, 8).unwrap(), b"vpaged!!");
-        assert_eq!(v.bytes(0, 4).unwrap(), &[0, 0, 0, 0]);
+        // Nothing writes the arena while the slices below live; the owner's one later
+        // write comes after they are dead.
+        // SAFETY: as just said.
+        assert_eq!(unsafe { v.bytes(SLOT_ALIGN, 8) }.unwrap(), b"vpaged!!");
+        // SAFETY: as above.
+        assert_eq!(unsafe { v.bytes(0, 4) }.unwrap(), &[0, 0, 0, 0]);
         assert!(matches!(
-            v.bytes(4 * SLOT_ALIGN - 1, 2),
+            // SAFETY: as above (and the range is refused).
+            unsafe { v.bytes(4 * SLOT_ALIGN - 1, 2) },
             Err(ArenaError::OutOfRange { .. })
         ));
-        assert!(v.bytes(usize::MAX, 2).is_err());
+        // SAFETY: as above (and the range is refused).
+        assert!(unsafe { v.bytes(usize::MAX, 2) }.is_err());
         // SAFETY: shared read of a range nothing writes now.
         assert!(unsafe { a.bytes(4 * SLOT_ALIGN, 1) }.is_err());
         // A later owner write is visible through the shared mapping.
         // SAFETY: exclusive: the view's earlier slices are dead.
         unsafe { a.bytes_mut(SLOT_ALIGN, 1) }.unwrap()[0] = b'V';
-        assert_eq!(v.bytes(SLOT_ALIGN, 1).unwrap(), b"V");
+        // SAFETY: the owner's write is done and nothing writes while this slice lives.
+        assert_eq!(unsafe { v.bytes(SLOT_ALIGN, 1) }.unwrap(), b"V");
     }
 
     #[test]

@@ -3,18 +3,26 @@
 //! and returns a lease on its bytes in place (no copy); dropping the lease releases the
 //! page at the daemon. If the daemon dies, requests fail with an error naming the
 //! socket; leases already held stay readable (the mapping is this process's own).
+//!
+//! A daemon that never answers does not hang the engine: the handshake and every
+//! request are bounded ([`HANDSHAKE_TIMEOUT`], [`DaemonClient::set_request_timeout`]).
+//! After a timeout, an end of stream or any failure mid-frame the connection is out of
+//! step and every later request fails at once with the first error; the socket itself
+//! stays open until the client is dropped, so the daemon keeps the leases the engine
+//! still holds (closing it would let the daemon reuse their slots under the engine).
 
-use std::io::Write;
+use std::io::{ErrorKind, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use voom_formats::manifest::{Manifest, MANIFEST_FILE};
 
 use crate::arena::ArenaView;
 use crate::protocol::{
-    read_frame, recv_frame_with_fd, write_frame, FrameDecoder, Message, ModelId, FLAG_NO_REPLY,
-    PROTOCOL_VERSION,
+    read_frame, recv_frame_with_fd, write_frame, Frame, FrameDecoder, Message, ModelId,
+    ProtocolError, Version, FLAG_NO_REPLY, PROTOCOL_VERSION,
 };
 use crate::source::{PageId, PageLease, PageMeta, PageSource};
 use crate::StoreError;
@@ -26,6 +34,10 @@ struct Conn {
     /// with the next request or by [`DaemonClient::flush`]: one write, one wake-up of
     /// the daemon, instead of one each.
     pending: Vec<u8>,
+    /// Why the connection can no longer be used (it is out of step with the daemon).
+    broken: Option<String>,
+    /// The socket's read and write timeout (for error messages).
+    timeout: Option<Duration>,
 }
 
 impl Conn {
@@ -34,6 +46,26 @@ impl Conn {
         self.next_id = self.next_id.wrapping_add(1).max(2);
         id
     }
+
+    /// Marks the connection unusable; returns the reason, for the error at hand.
+    fn break_with(&mut self, reason: String) -> String {
+        self.pending.clear();
+        self.broken = Some(reason.clone());
+        reason
+    }
+}
+
+/// Longest the daemon may take to answer `Hello`.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Longest a request may wait for its reply (or a write for the daemon to take the
+/// bytes), by default: far above any bounded wait in the daemon (a cache full of
+/// loading pages, a NAS timeout), so only a daemon that is stuck reaches it.
+pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Whether an I/O failure is a socket timeout.
+fn timed_out(e: &ProtocolError) -> bool {
+    matches!(e, ProtocolError::Io(x) if matches!(x.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut))
 }
 
 /// A connection to the daemon.
@@ -46,6 +78,12 @@ pub struct DaemonClient {
     minor: u16,
 }
 
+/// Sets the read and write timeouts of `stream`.
+fn set_timeouts(stream: &UnixStream, t: Option<Duration>) -> std::io::Result<()> {
+    stream.set_read_timeout(t)?;
+    stream.set_write_timeout(t)
+}
+
 impl DaemonClient {
     fn err(socket: &Path, detail: impl std::fmt::Display) -> StoreError {
         StoreError::Daemon {
@@ -54,11 +92,14 @@ impl DaemonClient {
         }
     }
 
-    /// Connects, says hello and maps the arena read-only.
+    /// Connects, says hello and maps the arena read-only. The daemon must answer
+    /// within [`HANDSHAKE_TIMEOUT`]; requests then wait at most
+    /// [`DEFAULT_REQUEST_TIMEOUT`] (see [`set_request_timeout`](Self::set_request_timeout)).
     pub fn connect(socket: &Path, name: &str) -> Result<Arc<DaemonClient>, StoreError> {
         let e = |d: String| Self::err(socket, d);
         let mut stream =
             UnixStream::connect(socket).map_err(|x| e(format!("cannot connect: {x}")))?;
+        set_timeouts(&stream, Some(HANDSHAKE_TIMEOUT)).map_err(|x| e(x.to_string()))?;
         let hello = Message::Hello {
             version: PROTOCOL_VERSION,
             pid: std::process::id(),
@@ -68,10 +109,16 @@ impl DaemonClient {
             &mut stream,
             &hello.to_frame(1).map_err(|x| e(x.to_string()))?,
         )
-        .map_err(|x| e(x.to_string()))?;
+        .map_err(|x| e(format!("handshake: {x}")))?;
         let mut dec = FrameDecoder::new();
         let (frame, fd) = recv_frame_with_fd(&stream, &mut dec)
-            .map_err(|x| e(format!("handshake: {x}")))?
+            .map_err(|x| {
+                if timed_out(&x) {
+                    e(format!("no answer to Hello within {HANDSHAKE_TIMEOUT:?}"))
+                } else {
+                    e(format!("handshake: {x}"))
+                }
+            })?
             .ok_or_else(|| e("the daemon closed the connection during the handshake".into()))?;
         let (arena_len, server_id, minor) =
             match Message::decode(&frame).map_err(|x| e(x.to_string()))? {
@@ -79,7 +126,7 @@ impl DaemonClient {
                     arena_len,
                     server_id,
                     version,
-                } => (arena_len, server_id, version.minor),
+                } => (arena_len, server_id, Self::check_version(socket, version)?),
                 Message::Error { code, message } => {
                     return Err(e(format!("refused ({code:?}): {message}")))
                 }
@@ -93,17 +140,53 @@ impl DaemonClient {
         let fd = fd.ok_or_else(|| e("the daemon sent no arena descriptor".into()))?;
         let arena = ArenaView::map_readonly(fd, arena_len as usize)
             .map_err(|x| e(format!("cannot map the arena: {x}")))?;
+        set_timeouts(&stream, Some(DEFAULT_REQUEST_TIMEOUT)).map_err(|x| e(x.to_string()))?;
         Ok(Arc::new(DaemonClient {
             socket: socket.to_path_buf(),
             conn: Mutex::new(Conn {
                 stream,
                 next_id: 2,
                 pending: Vec::new(),
+                broken: None,
+                timeout: Some(DEFAULT_REQUEST_TIMEOUT),
             }),
             arena,
             server_id,
             minor,
         }))
+    }
+
+    /// The minor version to speak, from the version in `Welcome`: the daemon's choice
+    /// must have our major; a minor above ours (a daemon that sent its own version
+    /// rather than the negotiated one) is brought down to ours.
+    fn check_version(socket: &Path, welcome: Version) -> Result<u16, StoreError> {
+        PROTOCOL_VERSION
+            .negotiate(welcome)
+            .map(|v| v.minor)
+            .ok_or_else(|| {
+                Self::err(
+                    socket,
+                    format!("the daemon answered with protocol {welcome}; this client speaks {PROTOCOL_VERSION}"),
+                )
+            })
+    }
+
+    /// The longest a request waits for its reply (and a write for the daemon to take
+    /// its bytes); `None` waits forever. A request that times out breaks the
+    /// connection (see the module doc).
+    pub fn set_request_timeout(&self, timeout: Option<Duration>) -> Result<(), StoreError> {
+        let mut c = self.conn.lock().unwrap_or_else(|p| p.into_inner());
+        set_timeouts(&c.stream, timeout).map_err(|x| Self::err(&self.socket, x))?;
+        c.timeout = timeout;
+        Ok(())
+    }
+
+    /// The negotiated protocol version.
+    pub fn version(&self) -> Version {
+        Version {
+            major: PROTOCOL_VERSION.major,
+            minor: self.minor,
+        }
     }
 
     pub fn socket(&self) -> &Path {
@@ -122,32 +205,69 @@ impl DaemonClient {
 
     /// Sends a request (after any deferred frames, in the same write) and waits for its
     /// reply. Replies to earlier messages that nobody waits for are skipped; an error
-    /// among them is logged.
+    /// among them is logged. An `Error` reply is an error.
     fn request(&self, m: &Message) -> Result<Message, StoreError> {
+        let frame = self.exchange(m)?;
+        match Message::decode(&frame).map_err(|x| Self::err(&self.socket, x))? {
+            Message::Error { code, message } => {
+                Err(Self::err(&self.socket, format!("{code:?}: {message}")))
+            }
+            reply => Ok(reply),
+        }
+    }
+
+    /// Sends a request and returns its reply frame, not decoded. Fails at once on a
+    /// broken connection; a failure here breaks it.
+    fn exchange(&self, m: &Message) -> Result<Frame, StoreError> {
         let e = |d: String| Self::err(&self.socket, d);
         let mut c = self.conn.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(why) = &c.broken {
+            return Err(e(format!(
+                "{} not sent: the connection is unusable since: {why}",
+                m.name()
+            )));
+        }
         let id = c.take_id();
         let mut bytes = std::mem::take(&mut c.pending);
         m.to_frame(id)
             .and_then(|f| f.encode_into(&mut bytes))
             .map_err(|x| e(x.to_string()))?;
-        c.stream
-            .write_all(&bytes)
-            .map_err(|x| e(format!("{} request failed: {x}", m.name())))?;
+        if let Err(x) = c.stream.write_all(&bytes) {
+            let why = match x.kind() {
+                ErrorKind::WouldBlock | ErrorKind::TimedOut => format!(
+                    "the daemon did not take the {} request within {:?}",
+                    m.name(),
+                    c.timeout.unwrap_or_default()
+                ),
+                _ => format!("{} request failed: {x}", m.name()),
+            };
+            return Err(e(c.break_with(why)));
+        }
         loop {
-            let frame = read_frame(&mut c.stream)
-                .map_err(|x| e(format!("reading the reply to {}: {x}", m.name())))?
-                .ok_or_else(|| {
-                    e(format!(
+            let frame = match read_frame(&mut c.stream) {
+                Ok(Some(f)) => f,
+                Ok(None) => {
+                    return Err(e(c.break_with(format!(
                         "the daemon closed the connection before replying to {}",
                         m.name()
+                    ))))
+                }
+                Err(x) if timed_out(&x) => {
+                    let why = format!(
+                        "no reply to {} within {:?}",
+                        m.name(),
+                        c.timeout.unwrap_or_default()
+                    );
+                    return Err(e(c.break_with(why)));
+                }
+                Err(x) => {
+                    return Err(e(
+                        c.break_with(format!("reading the reply to {}: {x}", m.name()))
                     ))
-                })?;
+                }
+            };
             if frame.request_id == id {
-                return match Message::decode(&frame).map_err(|x| e(x.to_string()))? {
-                    Message::Error { code, message } => Err(e(format!("{code:?}: {message}"))),
-                    reply => Ok(reply),
-                };
+                return Ok(frame);
             }
             if let Ok(Message::Error { message, .. }) = Message::decode(&frame) {
                 tracing::warn!("vpaged: an earlier release or prefetch failed: {message}");
@@ -158,9 +278,12 @@ impl DaemonClient {
     /// Sends a message whose reply nobody waits for (`Prefetch`, `Release`). With a
     /// daemon of protocol 1.2 or later it is deferred to the next request or
     /// [`flush`](Self::flush) and asks for no reply; with an older one it is written
-    /// now and its `Ack` is skipped later.
+    /// now and its `Ack` is skipped later. Nothing is sent on a broken connection.
     fn send(&self, m: &Message) {
         let mut c = self.conn.lock().unwrap_or_else(|p| p.into_inner());
+        if c.broken.is_some() {
+            return;
+        }
         let id = c.take_id();
         let Ok(mut f) = m.to_frame(id) else { return };
         if self.minor >= 2 {
@@ -168,8 +291,8 @@ impl DaemonClient {
             let mut pending = std::mem::take(&mut c.pending);
             let _ = f.encode_into(&mut pending);
             c.pending = pending;
-        } else {
-            let _ = write_frame(&mut c.stream, &f);
+        } else if let Err(x) = write_frame(&mut c.stream, &f) {
+            c.break_with(format!("{} failed: {x}", m.name()));
         }
     }
 
@@ -177,9 +300,11 @@ impl DaemonClient {
     /// wait for a next request that may be long in coming).
     pub fn flush(&self) {
         let mut c = self.conn.lock().unwrap_or_else(|p| p.into_inner());
-        if !c.pending.is_empty() {
+        if !c.pending.is_empty() && c.broken.is_none() {
             let bytes = std::mem::take(&mut c.pending);
-            let _ = c.stream.write_all(&bytes);
+            if let Err(x) = c.stream.write_all(&bytes) {
+                c.break_with(format!("writing deferred releases and hints failed: {x}"));
+            }
         }
     }
 
@@ -266,6 +391,11 @@ impl DaemonSource {
 }
 
 impl DaemonSource {
+    /// The daemon's id of this model store (as in its stats).
+    pub fn model_id(&self) -> ModelId {
+        self.model
+    }
+
     /// Asks the daemon to copy this model's most requested pages onto its fast tier,
     /// up to `max_bytes`; returns (pages, bytes) staged.
     pub fn stage(&self, max_bytes: u64) -> Result<(u64, u64), StoreError> {
@@ -329,17 +459,32 @@ impl PageSource for DaemonSource {
 
     fn acquire_many(&self, ids: &[PageId]) -> Result<Vec<PageLease>, StoreError> {
         let bad = |d: String| DaemonClient::err(self.client.socket(), d);
-        let reply = self.client.request(&Message::Acquire {
+        let frame = self.client.exchange(&Message::Acquire {
             model: self.model,
             pages: ids.to_vec(),
         })?;
-        let slots = match reply {
-            Message::Acquired { slots, .. } if slots.len() == ids.len() => slots,
+        let slots = match Message::decode(&frame) {
+            Ok(Message::Acquired { slots, .. }) if slots.len() == ids.len() => slots,
+            // The daemon leased nothing.
+            Ok(Message::Error { code, message }) => {
+                return Err(bad(format!("{code:?}: {message}")))
+            }
+            // Anything else may have leased the pages: release them (a release of
+            // pages not leased is only refused by the daemon, and logged here).
             other => {
-                return Err(bad(format!(
-                    "unexpected reply to Acquire: {}",
-                    other.name()
-                )))
+                self.client.send(&Message::Release {
+                    model: self.model,
+                    pages: ids.to_vec(),
+                });
+                return Err(bad(match other {
+                    Ok(Message::Acquired { slots, .. }) => format!(
+                        "the daemon answered Acquire of {} pages with {} slots",
+                        ids.len(),
+                        slots.len()
+                    ),
+                    Ok(m) => format!("unexpected reply to Acquire: {}", m.name()),
+                    Err(x) => format!("the reply to Acquire does not decode: {x}"),
+                }));
             }
         };
         // One holder for the whole batch, created first, so an error below releases
@@ -364,11 +509,15 @@ impl PageSource for DaemonSource {
                     id.0, slot.len
                 )));
             }
-            let bytes = self
-                .client
-                .arena
-                .bytes(slot.offset as usize, slot.len as usize)
-                .map_err(|x| bad(x.to_string()))?;
+            // SAFETY: the daemon leased this slot to this connection (`Acquired`), and
+            // the lease is held until the last clone of `holder` drops; the slice only
+            // yields the pointer and length the `PageLease` below keeps with `holder`.
+            let bytes = unsafe {
+                self.client
+                    .arena
+                    .bytes(slot.offset as usize, slot.len as usize)
+            }
+            .map_err(|x| bad(x.to_string()))?;
             let (ptr, len) = (bytes.as_ptr(), bytes.len());
             let holder: Arc<Leased> = Arc::clone(&holder);
             // SAFETY: the bytes lie in this process's read-only mapping of the arena,

@@ -8,6 +8,7 @@
 //! fast_tier_size = "20GiB"
 //! pin_first_layers = 1
 //! pin_last_layers = 1
+//! max_sessions = 128
 //!
 //! [[nas]]
 //! mount = "/Volumes/nas"
@@ -149,6 +150,7 @@ pub struct FileConfig {
     pub pin_first_layers: Option<u32>,
     pub pin_last_layers: Option<u32>,
     pub prefault: Option<bool>,
+    pub max_sessions: Option<usize>,
     #[serde(default)]
     pub nas: Vec<NasMount>,
 }
@@ -185,6 +187,9 @@ pub struct DaemonArgs {
     /// for the kernel zeroing fresh pages (about 3-4x faster first fills).
     #[arg(long, env = "VPAGED_PREFAULT")]
     pub prefault: bool,
+    /// Most engine connections served at once (default 128); more are refused.
+    #[arg(long, env = "VPAGED_MAX_SESSIONS")]
+    pub max_sessions: Option<usize>,
     /// TOML config file.
     #[arg(long, env = "VPAGED_CONFIG")]
     pub config: Option<PathBuf>,
@@ -200,6 +205,7 @@ pub struct DaemonConfig {
     pub pin_first_layers: u32,
     pub pin_last_layers: u32,
     pub prefault: bool,
+    pub max_sessions: usize,
     pub nas: Vec<NasMount>,
 }
 
@@ -236,6 +242,13 @@ impl DaemonConfig {
                 "cache size {cache_size} bytes is below one 16 KiB slot"
             ));
         }
+        let max_sessions = args
+            .max_sessions
+            .or(file.max_sessions)
+            .unwrap_or(crate::daemon::DEFAULT_MAX_SESSIONS);
+        if max_sessions == 0 {
+            return Err("max_sessions must be at least 1".into());
+        }
         Ok(DaemonConfig {
             socket: args
                 .socket
@@ -248,6 +261,7 @@ impl DaemonConfig {
             pin_first_layers: args.pin_first_layers.or(file.pin_first_layers).unwrap_or(0),
             pin_last_layers: args.pin_last_layers.or(file.pin_last_layers).unwrap_or(0),
             prefault: args.prefault || file.prefault.unwrap_or(false),
+            max_sessions,
             nas: file.nas.clone(),
         })
     }
@@ -285,6 +299,7 @@ mod tests {
             fast_tier = "/fast"
             fast_tier_size = "20GiB"
             pin_last_layers = 2
+            max_sessions = 16
             [[nas]]
             mount = "/mnt/nas"
             timeout = "3s"
@@ -302,6 +317,7 @@ mod tests {
         assert_eq!(c.fast_tier.as_deref(), Some(Path::new("/fast")));
         assert_eq!(c.fast_tier_size, 20 << 30);
         assert_eq!((c.pin_first_layers, c.pin_last_layers), (0, 2));
+        assert_eq!(c.max_sessions, 16);
         assert_eq!(c.nas[0].timeout, Some(Duration::from_secs(3)));
         let n = c.nas[0].nas_config();
         assert_eq!(n.mount, Path::new("/mnt/nas"));
@@ -310,6 +326,12 @@ mod tests {
         assert_eq!(n.remount_command.as_deref(), Some("mount -a"));
         let c = DaemonConfig::merge(&DaemonArgs::default(), &FileConfig::default()).unwrap();
         assert_eq!(c.cache_size, 2 << 30);
+        assert_eq!(c.max_sessions, crate::daemon::DEFAULT_MAX_SESSIONS);
+        let zero = DaemonArgs {
+            max_sessions: Some(0),
+            ..Default::default()
+        };
+        assert!(DaemonConfig::merge(&zero, &FileConfig::default()).is_err());
     }
 
     #[test]

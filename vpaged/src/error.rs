@@ -28,4 +28,8 @@ pub enum StoreError {
     Daemon { socket: PathBuf, detail: String },
     #[error("model store {store}: {detail}")]
     Store { store: PathBuf, detail: String },
+    /// No model store at the path (no such directory, or no page manifest in it), or no
+    /// open model of that id.
+    #[error("model store {store}: {detail}")]
+    NotFound { store: PathBuf, detail: String },
 }

@@ -128,6 +128,14 @@ impl Location<'_> {
         }
     }
 
+    /// Checks that `ext` lies inside its file, before a buffer is sized by it.
+    fn check_extent(&self, ext: &Extent) -> Result<(), TierError> {
+        match self {
+            Location::File(t) => t.check_extent(ext),
+            Location::Nas(t) => t.check_extent(ext),
+        }
+    }
+
     fn record_integrity_failure(&self) {
         match self {
             Location::File(t) => t.counters().record_integrity_failure(),
@@ -142,7 +150,13 @@ impl Location<'_> {
         ext: &Extent,
         buf: &mut [u8],
     ) -> Result<(), StoreError> {
-        let mut body = vec![0u8; ext.len as usize];
+        // The body's length comes from the manifest: allocate only what the file holds.
+        self.check_extent(ext)?;
+        let len = usize::try_from(ext.len).map_err(|_| StoreError::Store {
+            store: std::path::PathBuf::from(&ext.file),
+            detail: format!("vpack body of {} bytes does not fit in memory", ext.len),
+        })?;
+        let mut body = vec![0u8; len];
         self.read(ext, &mut body)?;
         vpack::decode(&body, buf).map_err(|e| {
             // A body that does not decode is corrupt: an integrity failure of the tier.
@@ -356,6 +370,44 @@ mod tests {
             }
             other => panic!("{other}"),
         }
+    }
+
+    /// A vpack body whose manifest length is far beyond its file (a hostile or corrupt
+    /// manifest) is refused before a buffer is sized by it; the raw copy serves.
+    #[test]
+    fn a_vpack_body_longer_than_its_file_is_refused_before_allocating() {
+        let f = fixture();
+        let primary = ModelTier::File(FileTier::new("primary", &f.primary_dir));
+        let nas_primary = ModelTier::Nas(nas(&f));
+        let mut a = f.manifest.page("a").unwrap().clone();
+        a.encoded = vec![voom_formats::manifest::EncodedBody {
+            encoding: voom_formats::manifest::Encoding::Vpack,
+            file: "model.safetensors".into(),
+            offset: 0,
+            len: 1 << 50,
+        }];
+        for tier in [&primary, &nas_primary] {
+            let loader = PageLoader {
+                fast: None,
+                primary: tier,
+                nas: None,
+            };
+            let mut buf = vec![0u8; a.len as usize];
+            loader.load(&a, &mut buf).unwrap();
+            assert_eq!(blake3::hash(&buf).to_hex().as_str(), a.blake3);
+        }
+        // With no raw copy to fall back on, the error names the short file (a fresh
+        // tier: the old one holds the replaced file open).
+        std::fs::write(f.nas_mount.join("m/model.safetensors"), b"tiny").unwrap();
+        let fresh = ModelTier::Nas(nas(&f));
+        let loader = PageLoader {
+            fast: None,
+            primary: &fresh,
+            nas: None,
+        };
+        let mut buf = vec![0u8; a.len as usize];
+        let e = loader.load(&a, &mut buf).unwrap_err().to_string();
+        assert!(e.contains("ends before"), "{e}");
     }
 
     #[test]

@@ -11,16 +11,27 @@
 //! a dead mount is re-checked and remounted, and loads resume when it is back. A local
 //! model may also have a NAS copy (same directory name under a mount), tried after
 //! the local files.
+//!
+//! A model keeps the manifest it was opened with, and the blake3 of the very bytes that
+//! manifest was parsed from (what the daemon reports to engines). Opening the same
+//! directory again re-checks the manifest on disk (a `stat`; the file is read again only
+//! if that changed, and on a NAS only through its tier's timed calls): if it now says
+//! something else, it is opened as a new model with a new id, and the old id keeps
+//! serving the engines that opened it.
+//!
+//! Pinned pages (`pin_first_layers`, `pin_last_layers`) may take at most half of the
+//! cache, so that unpinned pages always have room to stream through.
 
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, RwLock};
 
-use voom_formats::manifest::{Manifest, PageGroup};
-use voom_formats::Checkpoint;
+use voom_formats::manifest::{Manifest, PageEntry, PageGroup, MANIFEST_FILE};
+use voom_formats::{Checkpoint, FormatError};
 
-use crate::arena::Arena;
+use crate::arena::{Arena, SLOT_ALIGN};
 use crate::cache::{CacheError, CacheStats, Lease, PageCache, PageKey};
 use crate::loader::{PageLoader, Served};
 use crate::source::{PageId, PageLease, PageMeta, PageSource};
@@ -39,7 +50,8 @@ pub struct StoreConfig {
     /// ignored (set per model).
     pub nas: Vec<NasConfig>,
     /// Keep the first/last N decoder layers (and embeddings, final norm, LM head when
-    /// either is non-zero) resident once loaded.
+    /// either is non-zero) resident once loaded: as many of them as fit in half of the
+    /// cache (all models' pins together), in that order of priority.
     pub pin_first_layers: u32,
     pub pin_last_layers: u32,
 }
@@ -49,7 +61,18 @@ pub struct OpenModel {
     pub id: u32,
     pub dir: PathBuf,
     pub manifest: Manifest,
+    /// blake3 of the manifest file's bytes that `manifest` was parsed from.
+    pub manifest_digest: [u8; 32],
     pub pages: Vec<PageMeta>,
+    /// The manifest file as `stat` saw it before it was read, for a cheap re-check when
+    /// the model is opened again (updated when a re-read found the same bytes).
+    manifest_stamp: Mutex<FileStamp>,
+    /// Set when a later open found another manifest in `dir` and opened it as a new
+    /// model; this one still serves the sessions that opened it.
+    superseded: AtomicBool,
+    /// The pages pinned for this model and their slot bytes (part of the pin budget).
+    pins: Vec<PageKey>,
+    pinned_slot_bytes: usize,
     /// The model's own directory: local, or on a NAS mount.
     primary: ModelTier,
     /// The NAS copy of a local model.
@@ -97,12 +120,94 @@ impl OpenModel {
     pub fn nas_health(&self) -> Option<Health> {
         self.nas_tier().map(|n| n.health())
     }
+
+    /// Whether a later open of `dir` found another manifest and opened it as a new
+    /// model (this one then serves only the sessions that had opened it).
+    pub fn is_superseded(&self) -> bool {
+        self.superseded.load(Ordering::Relaxed)
+    }
+
+    /// The pages pinned for this model (at most what fit in the pin budget).
+    pub fn pinned_pages(&self) -> &[PageKey] {
+        &self.pins
+    }
+
+    fn stamp(&self) -> FileStamp {
+        *self
+            .manifest_stamp
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn set_stamp(&self, stamp: FileStamp) {
+        *self
+            .manifest_stamp
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = stamp;
+    }
+}
+
+/// A manifest file's identity and version as `stat` sees it: if none of it changed, the
+/// file holds the bytes it held (rewrites change the modification or change time, or
+/// the inode when a new file is renamed over it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FileStamp {
+    dev: u64,
+    ino: u64,
+    len: u64,
+    mtime: (i64, i64),
+    ctime: (i64, i64),
+}
+
+impl FileStamp {
+    fn of(path: &Path) -> std::io::Result<FileStamp> {
+        let m = std::fs::metadata(path)?;
+        Ok(FileStamp {
+            dev: m.dev(),
+            ino: m.ino(),
+            len: m.len(),
+            mtime: (m.mtime(), m.mtime_nsec()),
+            ctime: (m.ctime(), m.ctime_nsec()),
+        })
+    }
+}
+
+/// A checked manifest with the digest of the bytes it was parsed from.
+struct LoadedManifest {
+    manifest: Manifest,
+    digest: [u8; 32],
+    stamp: FileStamp,
+}
+
+/// Where I/O in a model directory runs: in place for a local one; for one on a NAS, on
+/// the tier's helper thread, bounded by its timeout (a dead mount can block a `stat`
+/// for minutes).
+#[derive(Clone, Copy)]
+enum DirIo<'a> {
+    Local,
+    Nas(&'a NasTier),
+}
+
+impl DirIo<'_> {
+    fn run<T: Send + 'static>(
+        self,
+        what: &str,
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> Result<T, StoreError> {
+        match self {
+            DirIo::Local => Ok(f()),
+            DirIo::Nas(t) => Ok(t.call(what, f)?),
+        }
+    }
 }
 
 pub struct Store {
     cache: PageCache,
     fast: Option<FastTier>,
     models: RwLock<Vec<Arc<OpenModel>>>,
+    /// Slot bytes of every current model's pins; changed only under the `models` write
+    /// lock.
+    pinned_reserved: AtomicUsize,
     cfg: StoreConfig,
     prefetch_tx: Mutex<Option<mpsc::SyncSender<(u32, u32)>>>,
 }
@@ -112,6 +217,13 @@ const FULL_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// The prefetch queue's length: hints beyond it are dropped, never waited on.
 const PREFETCH_QUEUE: usize = 256;
+
+/// Pinned pages may take at most 1/`PIN_SHARE_DIVISOR` of the cache, so a budget
+/// smaller than a layer still streams the unpinned pages.
+const PIN_SHARE_DIVISOR: usize = 2;
+
+/// Page names listed in the warning about pages left unpinned.
+const UNPINNED_NAMES_SHOWN: usize = 8;
 
 impl Store {
     /// A store with a fresh shared-memory cache of `cfg.cache_bytes`.
@@ -128,6 +240,7 @@ impl Store {
             cache: PageCache::new(arena),
             fast,
             models: RwLock::new(Vec::new()),
+            pinned_reserved: AtomicUsize::new(0),
             cfg,
             prefetch_tx: Mutex::new(None),
         });
@@ -178,34 +291,43 @@ impl Store {
             .unwrap_or_else(|e| e.into_inner())
             .get(id as usize)
             .cloned()
-            .ok_or_else(|| StoreError::Store {
+            .ok_or_else(|| StoreError::NotFound {
                 store: PathBuf::from(format!("<model {id}>")),
                 detail: "no such open model".into(),
             })
     }
 
     /// Opens a model store (its manifest is required: `vpagectl hash` writes it), or
-    /// returns the id it already has. A `dir` under a configured NAS mount is opened
-    /// through the mount's [`NasTier`] (bounded by its timeout; a dead mount is an
-    /// error naming it, after the remount command had its chance).
+    /// returns the id it already has if its manifest did not change since (see the
+    /// module doc). A `dir` under a configured NAS mount is opened through the mount's
+    /// [`NasTier`] (bounded by its timeout; a dead mount is an error naming it, after
+    /// the remount command had its chance). A directory or manifest that does not exist
+    /// is [`StoreError::NotFound`].
     pub fn open_model(&self, dir: &Path) -> Result<u32, StoreError> {
         // A path on a NAS is not touched outside the NAS tier: on a dead mount even
         // `canonicalize` can block for minutes.
         if let Some(nas) = self.nas_holding(&lexical_absolute(dir)) {
             return self.open_on_nas(nas);
         }
-        let dir = dir.canonicalize().map_err(|e| StoreError::Store {
-            store: dir.to_path_buf(),
-            detail: format!("cannot open: {e}"),
+        let dir = dir.canonicalize().map_err(|e| {
+            let detail = format!("cannot open: {e}");
+            let store = dir.to_path_buf();
+            match e.kind() {
+                std::io::ErrorKind::NotFound => StoreError::NotFound { store, detail },
+                _ => StoreError::Store { store, detail },
+            }
         })?;
         // Reached through a symbolic link.
         if let Some(nas) = self.nas_holding(&dir) {
             return self.open_on_nas(nas);
         }
-        if let Some(id) = self.find(&dir) {
-            return Ok(id);
-        }
-        let manifest = load_checked(&dir)?;
+        let loaded = match self.current(&dir) {
+            Some(m) => match self.changed_manifest(&m, DirIo::Local)? {
+                None => return Ok(m.id),
+                Some(loaded) => loaded,
+            },
+            None => load_checked(&dir)?,
+        };
         let name = dir.file_name().map(PathBuf::from).unwrap_or_default();
         // The copy on a mount is looked for with a timed probe (never a plain `stat`
         // of the mount, which could hang).
@@ -224,7 +346,7 @@ impl Store {
             })
             .find(|t| t.probe().is_ok());
         let primary = ModelTier::File(FileTier::new("primary", &dir));
-        Ok(self.insert(dir, primary, nas, manifest))
+        Ok(self.insert(dir, primary, nas, loaded))
     }
 
     /// The NAS tier of the configured mount that `dir` (absolute, normalized) lies
@@ -249,33 +371,106 @@ impl Store {
 
     fn open_on_nas(&self, tier: NasTier) -> Result<u32, StoreError> {
         let dir = tier.root().to_path_buf();
-        if let Some(id) = self.find(&dir) {
-            return Ok(id);
+        if let Some(m) = self.current(&dir) {
+            // The open model's own tier, which keeps the mount's health.
+            let own = m.location().nas().unwrap_or(&tier);
+            if let Some(loaded) = self.changed_manifest(&m, DirIo::Nas(own))? {
+                return Ok(self.insert(dir, ModelTier::Nas(tier), None, loaded));
+            }
+            return Ok(m.id);
         }
         tier.check_now()?;
         let d = dir.clone();
-        let manifest = tier.call("opening the model store", move || load_checked(&d))??;
-        Ok(self.insert(dir, ModelTier::Nas(tier), None, manifest))
+        let loaded = tier.call("opening the model store", move || load_checked(&d))??;
+        Ok(self.insert(dir, ModelTier::Nas(tier), None, loaded))
     }
 
-    fn find(&self, dir: &Path) -> Option<u32> {
-        self.models().iter().find(|m| m.dir == dir).map(|m| m.id)
+    /// The open model of `dir` that new opens get (not superseded).
+    fn current(&self, dir: &Path) -> Option<Arc<OpenModel>> {
+        self.models()
+            .into_iter()
+            .rev()
+            .find(|m| m.dir == dir && !m.is_superseded())
     }
 
-    /// Adds an opened model (or returns the id a concurrent open gave it).
+    /// Re-checks the manifest of an open model before its id is handed out again:
+    /// `None` if it is still the one the model was loaded from (one `stat` when nothing
+    /// changed), the new manifest if it changed. If the manifest cannot even be
+    /// `stat`ed (a NAS that is down, or known to be), the model is kept as it is: its
+    /// resident pages are still served, and the digest an engine gets is still that
+    /// of the bytes the store uses. A manifest that changed but cannot be loaded is an
+    /// error.
+    fn changed_manifest(
+        &self,
+        m: &OpenModel,
+        io: DirIo<'_>,
+    ) -> Result<Option<LoadedManifest>, StoreError> {
+        if let DirIo::Nas(t) = io {
+            if let Health::Unavailable(reason) = t.health() {
+                tracing::warn!(
+                    "{}: not re-checking the page manifest while the NAS is down ({reason}); \
+                     serving the one opened before",
+                    m.dir.display()
+                );
+                return Ok(None);
+            }
+        }
+        let path = m.dir.join(MANIFEST_FILE);
+        let stamp = match io.run("checking the page manifest", move || FileStamp::of(&path)) {
+            Ok(Ok(stamp)) => stamp,
+            Ok(Err(e)) => return Ok(keep_unchecked(m, &e)),
+            Err(e) => return Ok(keep_unchecked(m, &e)),
+        };
+        if stamp == m.stamp() {
+            return Ok(None);
+        }
+        let dir = m.dir.clone();
+        let loaded = io.run("re-reading the page manifest", move || load_checked(&dir))??;
+        if loaded.digest == m.manifest_digest {
+            m.set_stamp(loaded.stamp);
+            return Ok(None);
+        }
+        tracing::info!(
+            "{}: the page manifest changed since model {} was opened; opening it as a new \
+             model (sessions that opened model {} keep it)",
+            m.dir.display(),
+            m.id,
+            m.id
+        );
+        Ok(Some(loaded))
+    }
+
+    /// Adds an opened model (or returns the id a concurrent open gave the same
+    /// manifest). A current model of the same directory with another manifest is
+    /// superseded: it keeps its id for the sessions that opened it, and its pins go.
     fn insert(
         &self,
         dir: PathBuf,
         primary: ModelTier,
         nas: Option<NasTier>,
-        manifest: Manifest,
+        loaded: LoadedManifest,
     ) -> u32 {
+        let LoadedManifest {
+            manifest,
+            digest,
+            stamp,
+        } = loaded;
         let pages: Vec<PageMeta> = manifest.pages.iter().map(PageMeta::from_entry).collect();
         let mut models = self.models.write().unwrap_or_else(|e| e.into_inner());
-        if let Some(m) = models.iter().find(|m| m.dir == dir) {
-            return m.id;
+        if let Some(old) = models.iter().find(|m| m.dir == dir && !m.is_superseded()) {
+            if old.manifest_digest == digest {
+                return old.id;
+            }
+            old.superseded.store(true, Ordering::Relaxed);
+            self.cache.unpin(old.pins.iter().copied());
+            self.pinned_reserved
+                .fetch_sub(old.pinned_slot_bytes, Ordering::Relaxed);
         }
         let id = models.len() as u32;
+        let (pins, pinned_slot_bytes) = self.pins_within_budget(id, &dir, &manifest);
+        self.cache.pin(pins.iter().copied());
+        self.pinned_reserved
+            .fetch_add(pinned_slot_bytes, Ordering::Relaxed);
         let n = pages.len();
         let model = Arc::new(OpenModel {
             id,
@@ -286,40 +481,71 @@ impl Store {
             served: Default::default(),
             pages,
             manifest,
+            manifest_digest: digest,
+            manifest_stamp: Mutex::new(stamp),
+            superseded: AtomicBool::new(false),
+            pins,
+            pinned_slot_bytes,
         });
-        self.cache.pin(self.pins_of(&model));
         models.push(model);
         id
     }
 
-    fn pins_of(&self, m: &OpenModel) -> Vec<PageKey> {
+    /// The pages of a new model to pin: the candidates in priority order (see
+    /// [`pin_candidates`]) while they fit in what is left of the pin budget (half the
+    /// cache, shared by every model); the rest are named in a warning. Returns the keys
+    /// and their slot bytes. Called under the `models` write lock.
+    fn pins_within_budget(
+        &self,
+        id: u32,
+        dir: &Path,
+        manifest: &Manifest,
+    ) -> (Vec<PageKey>, usize) {
         let (first, last) = (self.cfg.pin_first_layers, self.cfg.pin_last_layers);
-        if first == 0 && last == 0 {
-            return vec![];
+        let wanted = pin_candidates(manifest, first, last);
+        let cap = self.cache.capacity() / PIN_SHARE_DIVISOR;
+        let budget = cap.saturating_sub(self.pinned_reserved.load(Ordering::Relaxed));
+        let mut used = 0usize;
+        let fitting = wanted
+            .iter()
+            .take_while(|p| {
+                let bytes = slot_bytes(p);
+                if used + bytes > budget {
+                    return false;
+                }
+                used += bytes;
+                true
+            })
+            .count();
+        if fitting < wanted.len() {
+            let left: Vec<&str> = wanted[fitting..]
+                .iter()
+                .take(UNPINNED_NAMES_SHOWN)
+                .map(|p| p.name.as_str())
+                .collect();
+            let more = wanted.len() - fitting - left.len();
+            tracing::warn!(
+                "{}: pinned {fitting} of the {} pages asked for ({used} bytes): pins may take \
+                 at most {cap} bytes (half the cache, all models together), so these stay \
+                 unpinned: {}{}",
+                dir.display(),
+                wanted.len(),
+                left.join(", "),
+                if more > 0 {
+                    format!(" and {more} more")
+                } else {
+                    String::new()
+                }
+            );
         }
-        let layers = m
-            .manifest
-            .pages
+        let keys = wanted[..fitting]
             .iter()
-            .filter_map(|p| match p.group {
-                PageGroup::Layer(l) => Some(l + 1),
-                _ => None,
-            })
-            .max()
-            .unwrap_or(0);
-        m.manifest
-            .pages
-            .iter()
-            .filter(|p| match p.group {
-                PageGroup::Layer(l) => l < first || l + last >= layers,
-                PageGroup::Embedding | PageGroup::Final => true,
-                PageGroup::Other => false,
-            })
             .map(|p| PageKey {
-                model: m.id,
+                model: id,
                 page: p.id,
             })
-            .collect()
+            .collect();
+        (keys, used)
     }
 
     fn load_into(&self, m: &OpenModel, page: u32, buf: &mut [u8]) -> Result<(), StoreError> {
@@ -493,14 +719,89 @@ fn cache_error(m: &OpenModel, page: u32, e: CacheError<StoreError>) -> StoreErro
     }
 }
 
-/// A model store's manifest, checked against the checkpoint that is there.
-fn load_checked(dir: &Path) -> Result<Manifest, StoreError> {
-    let manifest = Manifest::load(dir)?.ok_or_else(|| StoreError::Store {
+/// The pages `--pin-first-layers`/`--pin-last-layers` ask to pin, most valuable
+/// first: embeddings, final norm and LM head (used by every token), then the chosen
+/// decoder layers from the ends of the stack inwards (layer 0, the last layer, layer
+/// 1, ...); page id order within each. Nothing when both counts are zero.
+fn pin_candidates(manifest: &Manifest, first: u32, last: u32) -> Vec<&PageEntry> {
+    if first == 0 && last == 0 {
+        return vec![];
+    }
+    let layers = manifest
+        .pages
+        .iter()
+        .filter_map(|p| match p.group {
+            PageGroup::Layer(l) => Some(l + 1),
+            _ => None,
+        })
+        .max()
+        .unwrap_or(0);
+    // (rank, page id): 0 for the always-used pages, 1 + distance from the nearer end
+    // of the stack for a chosen layer.
+    let mut ranked: Vec<(u32, &PageEntry)> = manifest
+        .pages
+        .iter()
+        .filter_map(|p| match p.group {
+            PageGroup::Embedding | PageGroup::Final => Some((0, p)),
+            PageGroup::Layer(l) if l < first || l + last >= layers => {
+                Some((1 + l.min(layers - 1 - l), p))
+            }
+            PageGroup::Layer(_) | PageGroup::Other => None,
+        })
+        .collect();
+    ranked.sort_by_key(|(rank, p)| (*rank, p.id));
+    ranked.into_iter().map(|(_, p)| p).collect()
+}
+
+/// Bytes of the cache slot a page takes (whole 16 KiB units, at least one).
+fn slot_bytes(p: &PageEntry) -> usize {
+    let len = p.decoded_len().unwrap_or(p.len);
+    usize::try_from(len)
+        .unwrap_or(usize::MAX)
+        .div_ceil(SLOT_ALIGN)
+        .max(1)
+        .saturating_mul(SLOT_ALIGN)
+}
+
+/// Warns that an open model's manifest could not be re-checked, and keeps the model.
+fn keep_unchecked(m: &OpenModel, e: &dyn std::fmt::Display) -> Option<LoadedManifest> {
+    tracing::warn!(
+        "{}: cannot re-check the page manifest ({e}); serving the one opened before",
+        m.dir.display()
+    );
+    None
+}
+
+/// A model store's manifest, checked against the checkpoint that is there, with the
+/// blake3 of the very bytes it was parsed from.
+fn load_checked(dir: &Path) -> Result<LoadedManifest, StoreError> {
+    let path = dir.join(MANIFEST_FILE);
+    let missing = || StoreError::NotFound {
         store: dir.to_path_buf(),
         detail: "no page manifest (voom-manifest.json): run `vpagectl hash` on it".into(),
-    })?;
+    };
+    let io = |e: std::io::Error| match e.kind() {
+        std::io::ErrorKind::NotFound => missing(),
+        _ => StoreError::Format(FormatError::io(path.clone(), e)),
+    };
+    // Taken first: a change after it shows at the next re-check.
+    let stamp = FileStamp::of(&path).map_err(io)?;
+    let bytes = std::fs::read(&path).map_err(io)?;
+    let manifest = Manifest::load(dir)?.ok_or_else(missing)?;
+    // `Manifest::load` reads the file again (and validates it): the digest must
+    // describe what it parsed, so the two reads must agree.
+    if serde_json::from_slice::<Manifest>(&bytes).ok().as_ref() != Some(&manifest) {
+        return Err(StoreError::Store {
+            store: dir.to_path_buf(),
+            detail: "the page manifest changed while it was being read; open it again".into(),
+        });
+    }
     manifest.check_matches(&Checkpoint::open(dir)?)?;
-    Ok(manifest)
+    Ok(LoadedManifest {
+        manifest,
+        digest: *blake3::hash(&bytes).as_bytes(),
+        stamp,
+    })
 }
 
 /// `p` made absolute (against the current directory) with `.` and `..` resolved
@@ -776,6 +1077,214 @@ mod tests {
         s.acquire(id, b.id).unwrap();
         assert_eq!(m.served_counts(), [0, 0, 1]);
         assert_eq!(m.primary_stats().integrity_failures, 1);
+    }
+
+    /// Writes a model whose tensors fall in the manifest's page groups: embeddings and
+    /// LM head of `big` bytes each, a final norm, and `layers` decoder layers of one
+    /// `big`-byte matrix and one norm each.
+    fn write_layered_model(dir: &Path, layers: u32, big: usize) {
+        std::fs::create_dir_all(dir).unwrap();
+        let big_bytes: Vec<u8> = (0..big).map(|i| (i % 251) as u8).collect();
+        let norm = [1u8; 64];
+        let mut names: Vec<(String, bool)> = vec![
+            ("model.embed_tokens.weight".into(), true),
+            ("lm_head.weight".into(), true),
+            ("model.norm.weight".into(), false),
+        ];
+        for l in 0..layers {
+            names.push((format!("model.layers.{l}.mlp.down_proj.weight"), true));
+            names.push((format!("model.layers.{l}.input_layernorm.weight"), false));
+        }
+        let big_shape = [big / 2];
+        let norm_shape = [16usize];
+        let tensors: Vec<(&str, DType, &[usize], &[u8])> = names
+            .iter()
+            .map(|(n, is_big)| match is_big {
+                true => (n.as_str(), DType::BF16, &big_shape[..], &big_bytes[..]),
+                false => (n.as_str(), DType::F32, &norm_shape[..], &norm[..]),
+            })
+            .collect();
+        voom_formats::safetensors::write(
+            &dir.join("model.safetensors"),
+            &tensors,
+            &BTreeMap::new(),
+        )
+        .unwrap();
+        Manifest::build(&Checkpoint::open(dir).unwrap(), &mut |_, _| {})
+            .save(dir)
+            .unwrap();
+    }
+
+    /// Pins never take more than half the cache, in priority order, so a cache too
+    /// small for everything asked to be pinned still streams every other page.
+    #[test]
+    fn pins_are_capped_at_half_the_cache_and_unpinned_pages_still_stream() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path().join("m");
+        // 32 KiB matrices: two slots each. Asked for: embeddings, LM head, final norm,
+        // layer 0 = 8 slots, the whole cache.
+        write_layered_model(&dir, 4, 2 * SLOT_ALIGN);
+        let s = Store::new(StoreConfig {
+            cache_bytes: 8 * SLOT_ALIGN,
+            pin_first_layers: 1,
+            ..Default::default()
+        })
+        .unwrap();
+        let id = s.open_model(&dir).unwrap();
+        let m = s.model(id).unwrap();
+        let pinned: Vec<&str> = m
+            .pinned_pages()
+            .iter()
+            .map(|k| m.pages[k.page as usize].name.as_str())
+            .collect();
+        // Priority: the pages every token uses first, in page id order; the norm's slot
+        // would pass half the cache, so pinning stops there.
+        assert_eq!(pinned, ["lm_head.weight", "model.embed_tokens.weight"]);
+        for k in m.pinned_pages() {
+            drop(s.acquire(id, k.page).unwrap());
+        }
+        assert_eq!(s.cache_stats().pinned_bytes, 4 * SLOT_ALIGN);
+        // Every other page streams through the other half, twice over.
+        for _ in 0..2 {
+            for p in 0..m.pages.len() as u32 {
+                drop(s.acquire(id, p).unwrap());
+            }
+        }
+        assert_eq!(s.cache_stats().full_refusals, 0);
+        assert_eq!(s.cache_stats().pinned_bytes, 4 * SLOT_ALIGN);
+    }
+
+    /// The pin budget is shared: a second model gets what the first left.
+    #[test]
+    fn the_pin_budget_is_shared_by_every_model() {
+        let d = tempfile::tempdir().unwrap();
+        write_layered_model(&d.path().join("a"), 2, 2 * SLOT_ALIGN);
+        write_layered_model(&d.path().join("b"), 2, 2 * SLOT_ALIGN);
+        let s = Store::new(StoreConfig {
+            cache_bytes: 12 * SLOT_ALIGN,
+            pin_last_layers: 1,
+            ..Default::default()
+        })
+        .unwrap();
+        let a = s.model(s.open_model(&d.path().join("a")).unwrap()).unwrap();
+        let b = s.model(s.open_model(&d.path().join("b")).unwrap()).unwrap();
+        // Six slots in all: model a takes LM head, embeddings, final norm and its last
+        // layer's norm (6 slots; the layer's matrix does not fit); model b gets none.
+        assert_eq!(a.pinned_pages().len(), 4);
+        assert!(b.pinned_pages().is_empty(), "{:?}", b.pinned_pages());
+    }
+
+    /// The digest a model reports is that of the manifest bytes it was loaded from; a
+    /// manifest changed on disk opens as a new model, the old id still serving its
+    /// sessions, while an unchanged (or rewritten but identical) one keeps its id.
+    #[test]
+    fn a_changed_manifest_opens_as_a_new_model_and_the_digest_is_the_parsed_one() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path().join("m");
+        write_model(&dir);
+        let manifest_path = dir.join(MANIFEST_FILE);
+        let s = store(vec![]);
+        let old = s.open_model(&dir).unwrap();
+        let m_old = s.model(old).unwrap();
+        let old_bytes = std::fs::read(&manifest_path).unwrap();
+        assert_eq!(m_old.manifest_digest, *blake3::hash(&old_bytes).as_bytes());
+        let a = page_id(&m_old, "a");
+        let old_page = s.acquire(old, a).unwrap().bytes().to_vec();
+
+        // Rewritten with the same bytes: the same model.
+        std::fs::write(&manifest_path, &old_bytes).unwrap();
+        assert_eq!(s.open_model(&dir).unwrap(), old);
+
+        // New weights, same shapes, re-hashed: a new model with the new digest.
+        let a_new: Vec<u8> = (0..8192u32).map(|i| (i % 7) as u8).collect();
+        let b: Vec<u8> = (0..64u8).map(|x| x.wrapping_mul(13)).collect();
+        voom_formats::safetensors::write(
+            &dir.join("model.safetensors"),
+            &[
+                ("a", DType::BF16, &[64, 64], &a_new),
+                ("b", DType::F32, &[16], &b),
+            ],
+            &BTreeMap::new(),
+        )
+        .unwrap();
+        Manifest::build(&Checkpoint::open(&dir).unwrap(), &mut |_, _| {})
+            .save(&dir)
+            .unwrap();
+        let new = s.open_model(&dir).unwrap();
+        assert_ne!(new, old);
+        let m_new = s.model(new).unwrap();
+        let new_bytes = std::fs::read(&manifest_path).unwrap();
+        assert_eq!(m_new.manifest_digest, *blake3::hash(&new_bytes).as_bytes());
+        assert!(m_old.is_superseded() && !m_new.is_superseded());
+        assert_eq!(s.acquire(new, a).unwrap().bytes(), a_new.as_slice());
+        // The old id still serves what its manifest says (resident here).
+        assert_eq!(s.acquire(old, a).unwrap().bytes(), old_page.as_slice());
+        // And later opens get the new model.
+        assert_eq!(s.open_model(&dir).unwrap(), new);
+    }
+
+    /// Re-opening a model on a NAS touches the mount only through the tier's timed
+    /// calls: a manifest that blocks (a FIFO, like a hung mount) is an error after the
+    /// timeout, not a hang; a mount that is gone keeps the open model.
+    #[test]
+    fn reopening_a_model_on_a_nas_is_bounded_by_its_timeout() {
+        let d = tempfile::tempdir().unwrap();
+        let mount = d.path().join("nas");
+        let dir = mount.join("m");
+        write_model(&dir);
+        let s = store(vec![nas_config(&mount, None)]);
+        let id = s.open_model(&dir).unwrap();
+
+        // Gone: the open model is kept (its resident pages are still served).
+        let away = d.path().join("nas.away");
+        std::fs::rename(&mount, &away).unwrap();
+        let t = Instant::now();
+        assert_eq!(s.open_model(&dir).unwrap(), id);
+        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+        std::fs::rename(&away, &mount).unwrap();
+        s.model(id)
+            .unwrap()
+            .nas_tier()
+            .unwrap()
+            .check_now()
+            .unwrap();
+
+        // A manifest that blocks when read.
+        let manifest = dir.join(MANIFEST_FILE);
+        std::fs::remove_file(&manifest).unwrap();
+        let st = std::process::Command::new("mkfifo")
+            .arg(&manifest)
+            .status()
+            .unwrap();
+        assert!(st.success());
+        let t = Instant::now();
+        let e = s.open_model(&dir).unwrap_err();
+        assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+        assert!(matches!(e, StoreError::Tier(_)), "{e}");
+        assert!(
+            e.to_string().contains("re-reading the page manifest"),
+            "{e}"
+        );
+        // Let the abandoned read finish.
+        drop(
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(&manifest)
+                .unwrap(),
+        );
+    }
+
+    #[test]
+    fn a_missing_model_is_not_found() {
+        let d = tempfile::tempdir().unwrap();
+        let s = store(vec![]);
+        let e = s.open_model(&d.path().join("nope")).unwrap_err();
+        assert!(matches!(e, StoreError::NotFound { .. }), "{e}");
+        // A directory without a manifest is no model store either.
+        let e = s.open_model(d.path()).unwrap_err();
+        assert!(matches!(e, StoreError::NotFound { .. }), "{e}");
+        assert!(e.to_string().contains("vpagectl hash"), "{e}");
+        assert!(matches!(s.model(42), Err(StoreError::NotFound { .. })));
     }
 
     #[test]

@@ -522,17 +522,32 @@ fn status(socket: Option<&Path>, json: bool) -> Result<ExitCode> {
         );
     }
     for m in s["models"].as_array().into_iter().flatten() {
+        // Tier statistics are left out of a summary (many models open).
+        let tier = match m["primary"].is_object() {
+            true => format!(
+                "; primary {} reads at {:.2} GB/s",
+                m["primary"]["reads"],
+                m["primary"]["gb_per_sec"].as_f64().unwrap_or(0.0)
+            ),
+            false => String::new(),
+        };
         println!(
-            "model {} {}: {} pages; served fast {} / primary {} / nas {}; primary {} reads at {:.2} GB/s",
+            "model {} {}{}: {} pages; served fast {} / primary {} / nas {}{tier}",
             m["id"],
             m["dir"].as_str().unwrap_or("?"),
+            if m["current"] == false {
+                " (superseded by a newer manifest)"
+            } else {
+                ""
+            },
             m["pages"],
             m["served"]["fast"],
             m["served"]["primary"],
             m["served"]["nas"],
-            m["primary"]["reads"],
-            m["primary"]["gb_per_sec"].as_f64().unwrap_or(0.0)
         );
+    }
+    if s["models"].is_null() {
+        println!("{} models open (too many to list)", s["open_models"]);
     }
     let sess = &s["sessions"];
     println!(
@@ -546,14 +561,22 @@ fn pages(socket: Option<&Path>, dir: &Path, json: bool) -> Result<ExitCode> {
     let manifest = load_manifest(dir)?;
     let c = connect(socket)?;
     // Opening the model through the daemon gives its id there.
-    let _source = vpaged::client::DaemonSource::open(std::sync::Arc::clone(&c), dir)?;
+    let source = vpaged::client::DaemonSource::open(std::sync::Arc::clone(&c), dir)?;
+    let id = u64::from(source.model_id().0);
     let s = c.stats()?;
     let canon = dir.canonicalize()?;
+    if s["detail"].as_str().is_some_and(|d| d != "full") {
+        anyhow::bail!(
+            "the daemon's stats leave out per-page residency ({} models open: the full \
+             document would exceed the protocol's stats limit)",
+            s["open_models"]
+        );
+    }
     let m = s["models"]
         .as_array()
         .into_iter()
         .flatten()
-        .find(|m| m["dir"].as_str().map(Path::new) == Some(canon.as_path()))
+        .find(|m| m["id"].as_u64() == Some(id))
         .context("the daemon does not list the model it opened")?;
     let resident: std::collections::HashSet<u64> = m["resident"]
         .as_array()

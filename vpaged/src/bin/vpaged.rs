@@ -9,7 +9,7 @@ use std::os::unix::fs::PermissionsExt;
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use vpaged::config::{DaemonArgs, DaemonConfig};
-use vpaged::daemon::Daemon;
+use vpaged::daemon::{bind_private, Daemon, DaemonLimits};
 use vpaged::store::{Store, StoreConfig};
 
 #[derive(Parser)]
@@ -68,14 +68,20 @@ fn main() -> Result<()> {
         std::fs::remove_file(&socket)
             .with_context(|| format!("removing the stale {}", socket.display()))?;
     }
+    // Bound before the runtime's threads start (the umask is process-wide), mode 0600
+    // from the start.
+    let listener =
+        bind_private(&socket).with_context(|| format!("binding {}", socket.display()))?;
+    // Only restates the mode (never looser).
+    std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o600))?;
+    listener.set_nonblocking(true)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
     rt.block_on(async move {
-        let listener = tokio::net::UnixListener::bind(&socket)
-            .with_context(|| format!("binding {}", socket.display()))?;
-        std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o600))?;
+        let listener = tokio::net::UnixListener::from_std(listener)
+            .with_context(|| format!("listening on {}", socket.display()))?;
         tracing::info!(
             "serving {} (cache {} bytes{})",
             socket.display(),
@@ -85,7 +91,13 @@ fn main() -> Result<()> {
                 .map(|f| format!(", fast tier {}", f.display()))
                 .unwrap_or_default()
         );
-        let daemon = Daemon::new(store);
+        let daemon = Daemon::with_limits(
+            store,
+            DaemonLimits {
+                max_sessions: cfg.max_sessions,
+                ..DaemonLimits::default()
+            },
+        );
         let shutdown = async {
             let mut term =
                 tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())

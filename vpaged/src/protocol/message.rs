@@ -89,7 +89,9 @@ impl std::fmt::Display for Version {
     }
 }
 
-/// A model opened on a connection (the daemon's handle; valid on that connection).
+/// A model store opened by the daemon: its index among the daemon's open models, the
+/// same on every connection that opens the same store (and manifest). A connection may
+/// use only the ids the daemon gave it in `ModelOpened`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ModelId(pub u32);
 
@@ -332,6 +334,16 @@ impl Message {
         Ok(w.out)
     }
 
+    /// An `Error` whose message is cut to [`MAX_ERROR_MESSAGE_LEN`] bytes (at a character
+    /// boundary, ending in `…` when cut), so that it always encodes: an error about an
+    /// over-long path or a long list of tier failures must still reach the peer.
+    pub fn error(code: ErrorCode, message: impl Into<String>) -> Message {
+        Message::Error {
+            code,
+            message: truncate_to(message.into(), MAX_ERROR_MESSAGE_LEN),
+        }
+    }
+
     /// This message as a frame with `request_id` (a reply carries its request's id).
     pub fn to_frame(&self, request_id: u32) -> Result<Frame, ProtocolError> {
         Ok(Frame {
@@ -477,6 +489,21 @@ pub fn type_name(t: u16) -> Option<&'static str> {
         STATS_REPLY => "StatsReply",
         _ => return None,
     })
+}
+
+/// `s` cut to at most `max` bytes at a character boundary, with `…` marking the cut.
+fn truncate_to(mut s: String, max: usize) -> String {
+    const MARK: &str = "…";
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max.saturating_sub(MARK.len());
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    s.truncate(end);
+    s.push_str(MARK);
+    s
 }
 
 fn invalid(message: &'static str, field: &'static str, detail: &str) -> ProtocolError {
@@ -767,6 +794,28 @@ mod tests {
             assert_eq!(ErrorCode::from_u16(c).unwrap().to_u16(), c);
             assert!(!matches!(ErrorCode::from_u16(c), Some(ErrorCode::Other(_))));
         }
+    }
+
+    #[test]
+    fn long_error_messages_are_cut_at_a_char_boundary_and_encode() {
+        // 'é' is two bytes: a cut at an odd byte count would split one.
+        let long = format!("x{}", "é".repeat(MAX_ERROR_MESSAGE_LEN));
+        let m = Message::error(ErrorCode::NotFound, long.clone());
+        let Message::Error { message, .. } = &m else {
+            unreachable!()
+        };
+        assert!(message.len() <= MAX_ERROR_MESSAGE_LEN, "{}", message.len());
+        assert!(message.ends_with('…') && long.starts_with(message.trim_end_matches('…')));
+        assert_eq!(Message::decode(&m.to_frame(3).unwrap()).unwrap(), m);
+        // A message within the bound is kept whole.
+        let exact = "y".repeat(MAX_ERROR_MESSAGE_LEN);
+        assert_eq!(
+            Message::error(ErrorCode::Internal, exact.clone()),
+            Message::Error {
+                code: ErrorCode::Internal,
+                message: exact
+            }
+        );
     }
 
     #[test]

@@ -10,10 +10,12 @@
 //! - [`fdpass`]: `SCM_RIGHTS` passing of the arena's descriptor alongside the
 //!   `Welcome` frame, and [`peer_uid`] for admitting peers.
 //!
-//! A session: the client sends `Hello`; the server answers `Welcome` with the arena fd
-//! attached (or `Error{Version}` and closes); then requests, each answered by exactly
-//! one reply carrying the request's id (possibly out of order), until `Close` or the
-//! connection drops (either way the server releases the connection's leases).
+//! A session: the client sends `Hello`; the server answers `Welcome` with the
+//! negotiated version and the arena fd attached (or `Error{Version}` and closes); then
+//! requests, each answered by exactly one reply carrying the request's id (in the order
+//! the requests came; hints and releases flagged `NO_REPLY` only when they fail), until
+//! `Close` or the connection drops (either way the server releases the connection's
+//! leases and the peer sees the end of the stream).
 
 pub mod fdpass;
 pub mod frame;

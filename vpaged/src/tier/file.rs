@@ -96,7 +96,48 @@ impl FileTier {
         r
     }
 
+    /// The end of `ext` (offset + length), or an error naming the extent if it
+    /// overflows (a hostile or corrupt manifest).
+    fn extent_end(&self, ext: &Extent) -> Result<u64, TierError> {
+        ext.offset
+            .checked_add(ext.len)
+            .ok_or_else(|| TierError::Invalid {
+                tier: self.name.clone(),
+                detail: format!(
+                    "extent of '{}' at offset {} with length {} ends past 2^64",
+                    ext.file, ext.offset, ext.len
+                ),
+            })
+    }
+
+    /// Checks that `ext` lies inside its file (one `fstat` of the open file), so a
+    /// caller may size a buffer by it: a manifest's length must not make the reader
+    /// allocate more than the file holds.
+    pub fn check_extent(&self, ext: &Extent) -> Result<(), TierError> {
+        let end = self.extent_end(ext)?;
+        let f = self.open(&ext.file)?;
+        let path = self.path_of(&ext.file)?;
+        let file_len = f
+            .metadata()
+            .map_err(|source| TierError::Io {
+                tier: self.name.clone(),
+                path: path.clone(),
+                source,
+            })?
+            .len();
+        if end > file_len {
+            return Err(TierError::Truncated {
+                tier: self.name.clone(),
+                path,
+                end,
+                file_len,
+            });
+        }
+        Ok(())
+    }
+
     fn read_inner(&self, ext: &Extent, buf: &mut [u8]) -> Result<(), TierError> {
+        let end = self.extent_end(ext)?;
         let f = self.open(&ext.file)?;
         let path = self.path_of(&ext.file)?;
         match f.read_exact_at(buf, ext.offset) {
@@ -106,7 +147,7 @@ impl FileTier {
                 Err(TierError::Truncated {
                     tier: self.name.clone(),
                     path,
-                    end: ext.offset + ext.len,
+                    end,
                     file_len,
                 })
             }
@@ -171,5 +212,42 @@ mod tests {
         assert!(e.to_string().contains("leaves"), "{e}");
         let s = t.stats();
         assert_eq!((s.reads, s.bytes, s.errors), (1, 10, 2));
+    }
+
+    /// A hostile extent whose end overflows a u64 is an error naming it, not an
+    /// arithmetic overflow; `check_extent` bounds an extent by the file's length.
+    #[test]
+    fn overflowing_and_oversized_extents_are_errors() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::write(d.path().join("m.bin"), [7u8; 100]).unwrap();
+        let t = FileTier::new("primary", d.path());
+        let hostile = Extent {
+            file: "m.bin".into(),
+            offset: u64::MAX - 1,
+            len: 4,
+        };
+        let e = t.read_extent(&hostile, &mut [0u8; 4]).unwrap_err();
+        assert!(
+            matches!(e, TierError::Invalid { .. }) && e.to_string().contains("2^64"),
+            "{e}"
+        );
+        let e = t.check_extent(&hostile).unwrap_err();
+        assert!(matches!(e, TierError::Invalid { .. }), "{e}");
+        let huge = Extent {
+            file: "m.bin".into(),
+            offset: 10,
+            len: 1 << 40,
+        };
+        let e = t.check_extent(&huge).unwrap_err();
+        assert!(
+            matches!(e, TierError::Truncated { file_len: 100, .. }),
+            "{e}"
+        );
+        t.check_extent(&Extent {
+            file: "m.bin".into(),
+            offset: 90,
+            len: 10,
+        })
+        .unwrap();
     }
 }

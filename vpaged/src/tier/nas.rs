@@ -368,6 +368,20 @@ impl NasTier {
         })
     }
 
+    /// [`FileTier::check_extent`] on the mount, bounded by the timeout. While the mount
+    /// is known to be down it fails at once unless a re-check is due and finds it back
+    /// (a healthy mount is probed by the read that follows, not twice).
+    pub fn check_extent(&self, ext: &Extent) -> Result<(), TierError> {
+        if let Health::Unavailable(_) = self.health() {
+            self.check_if_due()?;
+        }
+        let inner = Arc::clone(&self.inner);
+        let ext = ext.clone();
+        self.call("checking an extent's file length", move || {
+            inner.check_extent(&ext)
+        })?
+    }
+
     fn timed_read(&self, ext: &Extent, buf: &mut [u8]) -> Result<(), Option<TierError>> {
         let inner = Arc::clone(&self.inner);
         let ext2 = ext.clone();

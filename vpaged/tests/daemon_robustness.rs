@@ -1,0 +1,505 @@
+//! The daemon against peers that misbehave or fail: real Unix sockets, real model
+//! files, the daemon in this process (with short limits) or as the `vpaged` binary.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use voom_formats::{Checkpoint, DType, Manifest};
+use vpaged::client::{DaemonClient, DaemonSource};
+use vpaged::daemon::{Daemon, DaemonLimits};
+use vpaged::protocol::{
+    read_frame, recv_frame_with_fd, ErrorCode, FrameDecoder, Message, ModelId, Version,
+    FLAG_NO_REPLY, MAX_ERROR_MESSAGE_LEN, PROTOCOL_VERSION,
+};
+use vpaged::store::{Store, StoreConfig};
+use vpaged::tier::NasConfig;
+use vpaged::{PageId, PageSource};
+
+/// A four-page model store (40 000 bytes a page) under `dir`; returns its directory
+/// and each page's bytes.
+fn model(dir: &Path, seed: u8) -> (PathBuf, Vec<Vec<u8>>) {
+    let m = dir.join("m");
+    std::fs::create_dir_all(&m).unwrap();
+    let pages: Vec<Vec<u8>> = (0..4u8)
+        .map(|i| {
+            (0..40_000u32)
+                .map(|j| (j as u8).wrapping_mul(i + 3).wrapping_add(seed))
+                .collect()
+        })
+        .collect();
+    let names = ["a", "b", "c", "d"];
+    let shape = [20_000usize];
+    let tensors: Vec<(&str, DType, &[usize], &[u8])> = names
+        .iter()
+        .zip(&pages)
+        .map(|(n, p)| (*n, DType::BF16, &shape[..], p.as_slice()))
+        .collect();
+    voom_formats::safetensors::write(&m.join("model.safetensors"), &tensors, &BTreeMap::new())
+        .unwrap();
+    Manifest::build(&Checkpoint::open(&m).unwrap(), &mut |_, _| {})
+        .save(&m)
+        .unwrap();
+    (m.canonicalize().unwrap(), pages)
+}
+
+/// A daemon served in this process on a thread of its own; stopped when dropped.
+struct InProcess {
+    socket: PathBuf,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for InProcess {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn serve(dir: &Path, cfg: StoreConfig, limits: DaemonLimits) -> InProcess {
+    let socket = dir.join("vpaged.sock");
+    let store = Store::new(StoreConfig {
+        cache_bytes: 4 << 20,
+        ..cfg
+    })
+    .unwrap();
+    let daemon = Daemon::with_limits(store, limits);
+    let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let path = socket.clone();
+    let thread = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let listener = tokio::net::UnixListener::from_std(listener).unwrap();
+            daemon
+                .serve(listener, path, async {
+                    let _ = stopped.await;
+                })
+                .await
+                .unwrap();
+        });
+    });
+    InProcess {
+        socket,
+        stop: Some(stop),
+        thread: Some(thread),
+    }
+}
+
+fn limits() -> DaemonLimits {
+    DaemonLimits {
+        max_sessions: 8,
+        hello_timeout: Duration::from_millis(300),
+        drain_grace: Duration::from_millis(300),
+    }
+}
+
+/// A raw protocol connection: frames by hand, to see exactly what the daemon sends.
+struct Raw {
+    s: UnixStream,
+    next_id: u32,
+}
+
+impl Raw {
+    /// Connects and sends `Hello{version}`; returns the connection and the daemon's
+    /// first reply.
+    fn hello(socket: &Path, version: Version) -> (Raw, Message) {
+        let mut s = UnixStream::connect(socket).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let hello = Message::Hello {
+            version,
+            pid: std::process::id(),
+            name: "raw".into(),
+        };
+        s.write_all(&hello.encode(1).unwrap()).unwrap();
+        let (f, _fd) = recv_frame_with_fd(&s, &mut FrameDecoder::new())
+            .unwrap()
+            .unwrap();
+        let reply = Message::decode(&f).unwrap();
+        (Raw { s, next_id: 2 }, reply)
+    }
+
+    fn connect(socket: &Path) -> Raw {
+        let (raw, reply) = Raw::hello(socket, PROTOCOL_VERSION);
+        assert!(matches!(reply, Message::Welcome { .. }), "{reply:?}");
+        raw
+    }
+
+    fn send(&mut self, m: &Message, flags: u16) -> u32 {
+        let id = self.next_id;
+        self.next_id += 1;
+        let mut f = m.to_frame(id).unwrap();
+        f.flags = flags;
+        self.s.write_all(&f.encode().unwrap()).unwrap();
+        id
+    }
+
+    fn request(&mut self, m: &Message) -> Message {
+        let id = self.send(m, 0);
+        let f = read_frame(&mut self.s).unwrap().unwrap();
+        assert_eq!(f.request_id, id);
+        Message::decode(&f).unwrap()
+    }
+
+    /// Whether the daemon closes the connection (end of stream) within 5 s.
+    fn sees_eof(&mut self) -> bool {
+        self.s
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        matches!(read_frame(&mut self.s), Ok(None))
+    }
+}
+
+fn open(raw: &mut Raw, dir: &Path) -> ModelId {
+    match raw.request(&Message::OpenModel {
+        path: dir.to_string_lossy().into_owned(),
+    }) {
+        Message::ModelOpened { model, .. } => model,
+        other => panic!("{other:?}"),
+    }
+}
+
+fn error_of(m: Message) -> (ErrorCode, String) {
+    match m {
+        Message::Error { code, message } => (code, message),
+        other => panic!("expected an error, got {other:?}"),
+    }
+}
+
+/// `Welcome` carries the negotiated version; a session the server ends (Close, a
+/// version it refuses, a first message other than Hello) ends with the end of the
+/// stream at the peer.
+#[test]
+fn the_server_negotiates_and_closes_the_sessions_it_ends() {
+    let d = tempfile::tempdir().unwrap();
+    let daemon = serve(d.path(), StoreConfig::default(), limits());
+    let v10 = Version { major: 1, minor: 0 };
+    let (mut raw, welcome) = Raw::hello(&daemon.socket, v10);
+    match welcome {
+        Message::Welcome { version, .. } => assert_eq!(version, v10),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(raw.request(&Message::Close), Message::Ack);
+    assert!(raw.sees_eof(), "no end of stream after Close");
+
+    let (mut raw, reply) = Raw::hello(&daemon.socket, Version { major: 2, minor: 0 });
+    assert_eq!(error_of(reply).0, ErrorCode::Version);
+    assert!(raw.sees_eof(), "no end of stream after Error{{Version}}");
+
+    let mut s = UnixStream::connect(&daemon.socket).unwrap();
+    s.write_all(&Message::Stats.encode(4).unwrap()).unwrap();
+    let mut raw = Raw { s, next_id: 5 };
+    let f = read_frame(&mut raw.s).unwrap().unwrap();
+    assert_eq!(
+        error_of(Message::decode(&f).unwrap()).0,
+        ErrorCode::BadRequest
+    );
+    assert!(raw.sees_eof(), "no end of stream after a bad first message");
+}
+
+/// An error whose text would pass the protocol's bound is cut, not dropped with the
+/// session: the leases held stay held and the session goes on.
+#[test]
+fn an_over_long_error_is_cut_and_the_session_and_its_leases_survive() {
+    let d = tempfile::tempdir().unwrap();
+    let (m, _) = model(d.path(), 0);
+    let daemon = serve(d.path(), StoreConfig::default(), limits());
+    let mut raw = Raw::connect(&daemon.socket);
+    let model = open(&mut raw, &m);
+    let got = raw.request(&Message::Acquire {
+        model,
+        pages: vec![PageId(0)],
+    });
+    assert!(matches!(got, Message::Acquired { .. }), "{got:?}");
+    let path = format!("/nonexistent/{}", "x".repeat(4080));
+    let (code, message) = error_of(raw.request(&Message::OpenModel { path }));
+    assert_eq!(code, ErrorCode::NotFound);
+    assert!(message.len() <= MAX_ERROR_MESSAGE_LEN && message.ends_with('…'));
+    match raw.request(&Message::Stats) {
+        Message::StatsReply { json } => {
+            let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+            assert_eq!(v["sessions"]["leases"], 1, "{v}");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+/// Requests naming a model need it opened on the connection, hints included; model
+/// ids are the daemon's, the same for every connection.
+#[test]
+fn prefetch_needs_the_model_opened_on_the_connection() {
+    let d = tempfile::tempdir().unwrap();
+    let (m, _) = model(d.path(), 0);
+    let daemon = serve(d.path(), StoreConfig::default(), limits());
+    let mut a = Raw::connect(&daemon.socket);
+    let model = open(&mut a, &m);
+    let mut b = Raw::connect(&daemon.socket);
+    let hint = Message::Prefetch {
+        model,
+        pages: vec![PageId(1)],
+    };
+    let (code, message) = error_of(b.request(&hint));
+    assert_eq!(code, ErrorCode::BadRequest);
+    assert!(message.contains("not open on this connection"), "{message}");
+    // Sent without wanting a reply, the failure is still reported.
+    let id = b.send(&hint, FLAG_NO_REPLY);
+    let f = read_frame(&mut b.s).unwrap().unwrap();
+    assert_eq!(f.request_id, id);
+    assert_eq!(
+        error_of(Message::decode(&f).unwrap()).0,
+        ErrorCode::BadRequest
+    );
+    // Once opened there, the same id works.
+    assert_eq!(open(&mut b, &m), model);
+    assert_eq!(b.request(&hint), Message::Ack);
+}
+
+/// OpenModel's error code says what failed: a missing model is NotFound, a dead NAS
+/// is Unavailable.
+#[test]
+fn open_model_errors_carry_their_codes() {
+    let d = tempfile::tempdir().unwrap();
+    let mount = d.path().join("nas");
+    std::fs::create_dir_all(&mount).unwrap();
+    let (m, _) = model(&mount, 0);
+    let cfg = StoreConfig {
+        nas: vec![NasConfig {
+            mount: mount.clone(),
+            model: PathBuf::new(),
+            timeout: Duration::from_millis(500),
+            recheck: Duration::ZERO,
+            remount_command: None,
+        }],
+        ..Default::default()
+    };
+    let daemon = serve(d.path(), cfg, limits());
+    let mut raw = Raw::connect(&daemon.socket);
+    let missing = d.path().join("no-such-model");
+    let (code, _) = error_of(raw.request(&Message::OpenModel {
+        path: missing.to_string_lossy().into_owned(),
+    }));
+    assert_eq!(code, ErrorCode::NotFound);
+    std::fs::rename(&mount, d.path().join("nas.away")).unwrap();
+    let (code, message) = error_of(raw.request(&Message::OpenModel {
+        path: m.to_string_lossy().into_owned(),
+    }));
+    assert_eq!(code, ErrorCode::Unavailable, "{message}");
+    assert!(message.contains("NAS mount"), "{message}");
+}
+
+/// The digest in ModelOpened is that of the manifest the daemon serves by: an engine
+/// with a new manifest gets the new model (and its bytes), one that opened the old
+/// manifest keeps it.
+#[test]
+fn a_changed_manifest_gives_new_engines_the_new_model() {
+    let d = tempfile::tempdir().unwrap();
+    let (m, old_pages) = model(d.path(), 0);
+    let daemon = serve(d.path(), StoreConfig::default(), limits());
+    let c1 = DaemonClient::connect(&daemon.socket, "old").unwrap();
+    let s1 = DaemonSource::open(Arc::clone(&c1), &m).unwrap();
+    let held = s1.acquire(PageId(0)).unwrap();
+    assert_eq!(held.bytes(), old_pages[0].as_slice());
+    // The operator replaces the weights and re-hashes.
+    let (_, new_pages) = model(d.path(), 1);
+    let c2 = DaemonClient::connect(&daemon.socket, "new").unwrap();
+    let s2 = DaemonSource::open(Arc::clone(&c2), &m).unwrap();
+    assert_ne!(s1.model_id(), s2.model_id());
+    assert_eq!(
+        s2.acquire(PageId(0)).unwrap().bytes(),
+        new_pages[0].as_slice()
+    );
+    // The old engine's resident page is still the old one.
+    assert_eq!(
+        s1.acquire(PageId(0)).unwrap().bytes(),
+        old_pages[0].as_slice()
+    );
+    drop(held);
+}
+
+/// A connection that does not say Hello within the hello timeout is closed.
+#[test]
+fn a_silent_connection_is_closed_after_the_hello_timeout() {
+    let d = tempfile::tempdir().unwrap();
+    let daemon = serve(d.path(), StoreConfig::default(), limits());
+    let mut s = UnixStream::connect(&daemon.socket).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let t = Instant::now();
+    assert!(matches!(read_frame(&mut s), Ok(None)));
+    assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    // Nor can a peer stretch the wait by sending its Hello a byte at a time.
+    let hello = Message::Hello {
+        version: PROTOCOL_VERSION,
+        pid: 1,
+        name: "slow".into(),
+    }
+    .encode(1)
+    .unwrap();
+    let mut s = UnixStream::connect(&daemon.socket).unwrap();
+    let t = Instant::now();
+    let mut closed = false;
+    for b in &hello {
+        if s.write_all(std::slice::from_ref(b)).is_err() {
+            closed = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(closed, "the whole Hello went through, slowly");
+    assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    // The daemon still serves.
+    DaemonClient::connect(&daemon.socket, "after").unwrap();
+}
+
+/// Beyond the session cap a connection is refused with a clear error; when a session
+/// ends there is room again.
+#[test]
+fn sessions_beyond_the_cap_are_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let daemon = serve(
+        d.path(),
+        StoreConfig::default(),
+        DaemonLimits {
+            max_sessions: 2,
+            ..limits()
+        },
+    );
+    let c1 = DaemonClient::connect(&daemon.socket, "1").unwrap();
+    let _c2 = DaemonClient::connect(&daemon.socket, "2").unwrap();
+    let e = DaemonClient::connect(&daemon.socket, "3")
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("Unavailable") && e.contains("at most 2 sessions"),
+        "{e}"
+    );
+    drop(c1);
+    let t = Instant::now();
+    loop {
+        match DaemonClient::connect(&daemon.socket, "4") {
+            Ok(c) => {
+                assert_eq!(c.stats().unwrap()["sessions"]["connected"], 2);
+                break;
+            }
+            Err(e) => assert!(t.elapsed() < Duration::from_secs(5), "{e}"),
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The `vpaged` binary, started by `sh` (for `ulimit`), its stderr discarded.
+struct Binary {
+    child: Child,
+    socket: PathBuf,
+}
+
+impl Drop for Binary {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start_binary(dir: &Path, shell_prefix: &str) -> Binary {
+    let socket = dir.join("bin.sock");
+    let child = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "{shell_prefix} exec \"$0\" --socket \"$1\" --cache-size 4MiB"
+        ))
+        .arg(env!("CARGO_BIN_EXE_vpaged"))
+        .arg(&socket)
+        .env("VPAGED_LOG", "warn")
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while UnixStream::connect(&socket).is_err() {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "vpaged did not start"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Binary { child, socket }
+}
+
+fn exits_within(child: &mut Child, limit: Duration) -> Option<std::process::ExitStatus> {
+    let t = Instant::now();
+    while t.elapsed() < limit {
+        if let Some(status) = child.try_wait().unwrap() {
+            return Some(status);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    None
+}
+
+/// SIGTERM finishes even when a session is blocked writing replies to a peer that
+/// does not read them: after the drain grace its connection is shut both ways.
+#[test]
+fn sigterm_drains_past_a_peer_that_does_not_read() {
+    let d = tempfile::tempdir().unwrap();
+    let mut daemon = start_binary(d.path(), "");
+    let mut raw = Raw::connect(&daemon.socket);
+    // Requests whose replies are never read, until the socket buffers are full.
+    raw.s.set_nonblocking(true).unwrap();
+    let stats = Message::Stats.encode(9).unwrap();
+    let mut queued = 0;
+    loop {
+        match raw.s.write(&stats) {
+            Ok(n) if n == stats.len() => queued += 1,
+            _ => break,
+        }
+        assert!(queued < 1_000_000);
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    // SAFETY: sending a signal to our own child process.
+    unsafe { libc::kill(daemon.child.id() as i32, libc::SIGTERM) };
+    let status = exits_within(&mut daemon.child, Duration::from_secs(15))
+        .expect("vpaged did not exit after SIGTERM");
+    assert!(status.success(), "{status}");
+    assert!(!daemon.socket.exists());
+}
+
+/// Idle connections that exhaust the daemon's descriptors do not take it down: the
+/// failing connections are dropped, and once the idle ones go engines are served.
+#[test]
+fn running_out_of_descriptors_does_not_end_the_daemon() {
+    let d = tempfile::tempdir().unwrap();
+    let (m, pages) = model(d.path(), 0);
+    let mut daemon = start_binary(d.path(), "ulimit -n 40 &&");
+    let idle: Vec<UnixStream> = (0..30)
+        .filter_map(|_| UnixStream::connect(&daemon.socket).ok())
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        daemon.child.try_wait().unwrap().is_none(),
+        "vpaged exited with {} idle connections",
+        idle.len()
+    );
+    drop(idle);
+    let t = Instant::now();
+    let c = loop {
+        match DaemonClient::connect(&daemon.socket, "after") {
+            Ok(c) => break c,
+            Err(e) => assert!(t.elapsed() < Duration::from_secs(10), "{e}"),
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let s = DaemonSource::open(Arc::clone(&c), &m).unwrap();
+    assert_eq!(s.acquire(PageId(3)).unwrap().bytes(), pages[3].as_slice());
+}
