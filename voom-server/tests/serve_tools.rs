@@ -108,6 +108,18 @@ fn required_named_and_parallel_off() {
         }),
     );
     assert_eq!(calls_of(&again), calls);
+    // Stop sequences cut text, not forced calls: the same call, even with stops that
+    // occur in every call (a newline, a quote, a brace).
+    let stopped = chat_completion(
+        &s,
+        json!({
+            "model": MODEL, "messages": user("What is the weather in Oslo?"),
+            "tools": tools(), "tool_choice": "required", "temperature": 0, "max_tokens": 400,
+            "stop": ["\n", "\"", "{"],
+        }),
+    );
+    assert_eq!(calls_of(&stopped), calls);
+    assert_eq!(stopped["choices"][0]["finish_reason"], "tool_calls");
     // A named tool: that tool, whichever the model would prefer.
     for name in ["get_weather", "get_time"] {
         let r = chat_completion(

@@ -274,7 +274,11 @@ impl WorkerState {
             .as_ref()
             .is_some_and(|t| t.format.keep_special_tokens);
         let mut dec = StreamDecoder::new(tok, !keep_special);
-        let mut out = StopScanner::new(&job.request.stop);
+        // Stop sequences cut text. A forced call is no text (its grammar ends it), so
+        // they do not apply there: a `stop` of "\n" or "Observation:", as agent loops
+        // pass, would otherwise cut every call.
+        let forced = job.request.tools.as_ref().is_some_and(|t| t.forced);
+        let mut out = StopScanner::new(if forced { &[] } else { &job.request.stop });
         let mut text = String::new();
         let mut gone = false;
         let mut failure = None;
