@@ -616,9 +616,10 @@ fn pages(socket: Option<&Path>, dir: &Path, json: bool) -> Result<ExitCode> {
         for r in &rows {
             println!(
                 "{:>6} {:>8} {:>12} {:<9} {:<6} {}",
-                r["id"],
-                r["requests"],
-                r["bytes"],
+                // Numbers, not JSON values: a Value's Display ignores the width.
+                r["id"].as_u64().unwrap_or(0),
+                r["requests"].as_u64().unwrap_or(0),
+                r["bytes"].as_u64().unwrap_or(0),
                 if r["resident"].as_bool() == Some(true) {
                     "yes"
                 } else {
