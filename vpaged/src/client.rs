@@ -105,12 +105,21 @@ impl DaemonClient {
             pid: std::process::id(),
             name: name.to_string(),
         };
-        write_frame(
+        let sent = write_frame(
             &mut stream,
             &hello.to_frame(1).map_err(|x| e(x.to_string()))?,
-        )
-        .map_err(|x| e(format!("handshake: {x}")))?;
+        );
         let mut dec = FrameDecoder::new();
+        if let Err(x) = sent {
+            // A daemon that turns the connection away (too many sessions) writes why
+            // and closes before reading Hello: the refusal is the error to report.
+            if let Ok(Some((f, _))) = recv_frame_with_fd(&stream, &mut dec) {
+                if let Ok(Message::Error { code, message }) = Message::decode(&f) {
+                    return Err(e(format!("refused ({code:?}): {message}")));
+                }
+            }
+            return Err(e(format!("handshake: {x}")));
+        }
         let (frame, fd) = recv_frame_with_fd(&stream, &mut dec)
             .map_err(|x| {
                 if timed_out(&x) {
@@ -218,6 +227,13 @@ impl DaemonClient {
 
     /// Sends a request and returns its reply frame, not decoded. Fails at once on a
     /// broken connection; a failure here breaks it.
+    /// Marks the connection unusable (the daemon answered out of protocol): every
+    /// later request fails at once naming `why`. Returns `why`.
+    fn mark_broken(&self, why: String) -> String {
+        let mut c = self.conn.lock().unwrap_or_else(|p| p.into_inner());
+        c.break_with(why)
+    }
+
     fn exchange(&self, m: &Message) -> Result<Frame, StoreError> {
         let e = |d: String| Self::err(&self.socket, d);
         let mut c = self.conn.lock().unwrap_or_else(|p| p.into_inner());
@@ -469,14 +485,12 @@ impl PageSource for DaemonSource {
             Ok(Message::Error { code, message }) => {
                 return Err(bad(format!("{code:?}: {message}")))
             }
-            // Anything else may have leased the pages: release them (a release of
-            // pages not leased is only refused by the daemon, and logged here).
+            // Anything else may have leased some of the pages, and which is unknown:
+            // releasing them all could drop an older lease of this connection that a
+            // live PageLease still reads. The connection is marked unusable instead;
+            // its leases go when the client is dropped.
             other => {
-                self.client.send(&Message::Release {
-                    model: self.model,
-                    pages: ids.to_vec(),
-                });
-                return Err(bad(match other {
+                let why = match other {
                     Ok(Message::Acquired { slots, .. }) => format!(
                         "the daemon answered Acquire of {} pages with {} slots",
                         ids.len(),
@@ -484,7 +498,8 @@ impl PageSource for DaemonSource {
                     ),
                     Ok(m) => format!("unexpected reply to Acquire: {}", m.name()),
                     Err(x) => format!("the reply to Acquire does not decode: {x}"),
-                }));
+                };
+                return Err(bad(self.client.mark_broken(why)));
             }
         };
         // One holder for the whole batch, created first, so an error below releases

@@ -403,7 +403,9 @@ impl Daemon {
     }
 
     /// Ends every session: shuts their sockets for reading, gives them
-    /// [`DaemonLimits::drain_grace`] to finish, shuts the rest both ways, joins all.
+    /// [`DaemonLimits::drain_grace`] to finish, shuts the rest both ways and gives
+    /// them one more grace period; joins those that ended (shutdown is bounded by two
+    /// grace periods, whatever a session is doing).
     fn drain(&self) {
         let sessions: Vec<SessionEntry> = self.sessions().drain().map(|(_, e)| e).collect();
         for s in &sessions {
@@ -423,11 +425,26 @@ impl Daemon {
             for s in &sessions {
                 let _ = s.control.shutdown(std::net::Shutdown::Both);
             }
-        }
-        for s in sessions {
-            if let Some(t) = s.thread {
-                let _ = t.join();
+            // A session inside a long request (a Stage, an Acquire waiting on a slow
+            // tier) notices only when the request ends: give it one more grace
+            // period, then leave it; the process exits and the arena goes with it.
+            let deadline = Instant::now() + self.limits.drain_grace;
+            while Instant::now() < deadline && sessions.iter().any(|s| !s.finished()) {
+                std::thread::sleep(Duration::from_millis(10));
             }
+        }
+        let mut left = 0;
+        for s in sessions {
+            match s.thread {
+                Some(t) if t.is_finished() => {
+                    let _ = t.join();
+                }
+                Some(_) => left += 1,
+                None => {}
+            }
+        }
+        if left > 0 {
+            tracing::warn!("{left} sessions still inside a request at exit: left behind");
         }
     }
 

@@ -550,6 +550,19 @@ impl Store {
 
     fn load_into(&self, m: &OpenModel, page: u32, buf: &mut [u8]) -> Result<(), StoreError> {
         let entry = &m.manifest.pages[page as usize];
+        if m.is_superseded() {
+            // The files now hold the new model: reading them for the old manifest
+            // would only fail verification (and count as a tier's integrity failure).
+            return Err(StoreError::NotFound {
+                store: m.dir.clone(),
+                detail: format!(
+                    "page '{}' of model {} is no longer cached and its files have changed \
+                     (the manifest was rewritten since this model was opened): open the \
+                     model store again",
+                    entry.name, m.id
+                ),
+            });
+        }
         let loader = PageLoader {
             fast: self.fast.as_ref(),
             primary: &m.primary,

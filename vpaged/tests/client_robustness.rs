@@ -16,7 +16,7 @@ use vpaged::client::{DaemonClient, DaemonSource};
 use vpaged::protocol::message::msg_type;
 use vpaged::protocol::{
     read_frame, send_frame_with_fd, write_frame, Frame, Message, ModelId, Slot, Version,
-    FLAG_NO_REPLY, PROTOCOL_VERSION,
+    PROTOCOL_VERSION,
 };
 use vpaged::{PageId, PageSource};
 
@@ -146,69 +146,75 @@ fn model(dir: &Path) -> PathBuf {
     m.canonicalize().unwrap()
 }
 
-/// An `Acquired` with the wrong number of slots, or a reply that does not decode, may
-/// have leased the pages: the client releases them (with its next write).
+/// An `Acquired` with the wrong number of slots, or a reply that does not decode:
+/// which pages were leased is unknown, so the client releases none (a release could
+/// drop an older lease a live page still reads) and marks the connection unusable;
+/// its leases go when the connection closes.
 #[test]
-fn a_mismatched_acquire_reply_releases_the_pages() {
-    let d = tempfile::tempdir().unwrap();
-    let m = model(d.path());
-    let digest = *blake3::hash(&std::fs::read(m.join(MANIFEST_FILE)).unwrap()).as_bytes();
-    let (seen_tx, seen_rx) = mpsc::channel::<Message>();
-    let socket = fake_daemon(d.path(), PROTOCOL_VERSION, move |mut s| {
-        let open = read_frame(&mut s).unwrap().unwrap();
-        let opened = Message::ModelOpened {
-            model: ModelId(7),
-            page_count: 2,
-            manifest_digest: digest,
-        };
-        reply(&mut s, &open, &opened);
-        let mut acquires = 0;
-        while let Ok(Some(f)) = read_frame(&mut s) {
-            match Message::decode(&f).unwrap() {
-                // 1: one slot for a two-page request.
-                Message::Acquire { .. } if acquires == 0 => {
-                    acquires += 1;
-                    let short = Message::Acquired {
-                        model: ModelId(7),
-                        slots: vec![Slot {
-                            page: PageId(0),
-                            offset: 0,
-                            len: 256,
-                        }],
-                    };
-                    reply(&mut s, &f, &short);
+fn a_mismatched_acquire_reply_makes_the_connection_unusable() {
+    for garbage in [false, true] {
+        let d = tempfile::tempdir().unwrap();
+        let m = model(d.path());
+        let digest = *blake3::hash(&std::fs::read(m.join(MANIFEST_FILE)).unwrap()).as_bytes();
+        let (seen_tx, seen_rx) = mpsc::channel::<Message>();
+        let socket = fake_daemon(d.path(), PROTOCOL_VERSION, move |mut s| {
+            let open = read_frame(&mut s).unwrap().unwrap();
+            let opened = Message::ModelOpened {
+                model: ModelId(7),
+                page_count: 2,
+                manifest_digest: digest,
+            };
+            reply(&mut s, &open, &opened);
+            while let Ok(Some(f)) = read_frame(&mut s) {
+                let m = Message::decode(&f).unwrap();
+                if let Message::Acquire { .. } = m {
+                    if garbage {
+                        // An `Acquired` that does not decode.
+                        let bad = Frame {
+                            msg_type: msg_type::ACQUIRED,
+                            flags: 0,
+                            request_id: f.request_id,
+                            payload: vec![1, 2, 3],
+                        };
+                        write_frame(&mut s, &bad).unwrap();
+                    } else {
+                        // One slot for a two-page request.
+                        let short = Message::Acquired {
+                            model: ModelId(7),
+                            slots: vec![Slot {
+                                page: PageId(0),
+                                offset: 0,
+                                len: 256,
+                            }],
+                        };
+                        reply(&mut s, &f, &short);
+                    }
                 }
-                // 2: an `Acquired` that does not decode.
-                Message::Acquire { .. } => {
-                    let garbage = Frame {
-                        msg_type: msg_type::ACQUIRED,
-                        flags: 0,
-                        request_id: f.request_id,
-                        payload: vec![1, 2, 3],
-                    };
-                    write_frame(&mut s, &garbage).unwrap();
-                }
-                m => {
-                    assert_eq!(f.flags, FLAG_NO_REPLY, "{m:?}");
-                    let _ = seen_tx.send(m);
-                }
+                let _ = seen_tx.send(m);
             }
-        }
-    });
-    let c = DaemonClient::connect(&socket, "test").unwrap();
-    let src = DaemonSource::open(Arc::clone(&c), &m).unwrap();
-    let ids = [PageId(0), PageId(1)];
-    let e = src.acquire_many(&ids).err().unwrap().to_string();
-    assert!(e.contains("2 pages with 1 slots"), "{e}");
-    let e = src.acquire_many(&ids).err().unwrap().to_string();
-    assert!(e.contains("does not decode"), "{e}");
-    src.flush();
-    let release = Message::Release {
-        model: ModelId(7),
-        pages: ids.to_vec(),
-    };
-    for _ in 0..2 {
-        let got = seen_rx.recv_timeout(Duration::from_secs(5)).unwrap();
-        assert_eq!(got, release);
+        });
+        let c = DaemonClient::connect(&socket, "test").unwrap();
+        let src = DaemonSource::open(Arc::clone(&c), &m).unwrap();
+        let ids = [PageId(0), PageId(1)];
+        let e = src.acquire_many(&ids).err().unwrap().to_string();
+        let want = if garbage {
+            "does not decode"
+        } else {
+            "2 pages with 1 slots"
+        };
+        assert!(e.contains(want), "{e}");
+        // Later requests fail at once, naming the first failure, and send nothing.
+        let e = src.acquire_many(&ids).err().unwrap().to_string();
+        assert!(e.contains("unusable") && e.contains(want), "{e}");
+        src.flush();
+        drop(src);
+        drop(c);
+        let seen: Vec<Message> = seen_rx.iter().collect();
+        assert_eq!(
+            seen.len(),
+            1,
+            "only the first Acquire reached the daemon: {seen:?}"
+        );
+        assert!(matches!(seen[0], Message::Acquire { .. }), "{seen:?}");
     }
 }

@@ -326,6 +326,15 @@ fn a_changed_manifest_gives_new_engines_the_new_model() {
         s1.acquire(PageId(0)).unwrap().bytes(),
         old_pages[0].as_slice()
     );
+    // A page of the old model that is not cached is not read from the new files (it
+    // would fail verification): an error asking to reopen, no integrity failure.
+    let e = s1.acquire(PageId(1)).err().unwrap().to_string();
+    assert!(
+        e.contains("NotFound") && e.contains("open the model store again"),
+        "{e}"
+    );
+    let stats = c2.stats().unwrap();
+    assert_eq!(stats["cache"]["load_failures"], 1, "{stats}");
     drop(held);
 }
 

@@ -656,6 +656,9 @@ fn stage(
     json: bool,
 ) -> Result<ExitCode> {
     let c = connect(socket)?;
+    // Staging copies up to the whole fast tier before it answers: from a NAS that can
+    // take longer than any fixed bound, so the request waits as long as it takes.
+    c.set_request_timeout(None)?;
     let src = vpaged::client::DaemonSource::open(c, dir)?;
     let (pages, bytes) = src.stage(max_bytes.unwrap_or(u64::MAX))?;
     if json {
@@ -671,6 +674,7 @@ fn stage(
 
 fn unstage(socket: Option<&Path>, dir: &Path, json: bool) -> Result<ExitCode> {
     let c = connect(socket)?;
+    c.set_request_timeout(None)?;
     let src = vpaged::client::DaemonSource::open(c, dir)?;
     let (pages, bytes) = src.unstage()?;
     if json {
