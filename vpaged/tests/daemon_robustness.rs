@@ -422,6 +422,19 @@ impl Drop for Binary {
     }
 }
 
+/// The CPU time (user and system) process `pid` has used so far, from /proc.
+#[cfg(target_os = "linux")]
+fn cpu_time(pid: u32) -> Duration {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // The fields after the command name (which may hold spaces) follow its last ')':
+    // state is the first of them, utime and stime the 12th and 13th.
+    let fields: Vec<&str> = stat[stat.rfind(')').unwrap() + 2..].split(' ').collect();
+    let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
+    // SAFETY: sysconf has no preconditions; _SC_CLK_TCK is always defined on Linux.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    Duration::from_secs_f64(ticks as f64 / hz)
+}
+
 fn start_binary(dir: &Path, shell_prefix: &str) -> Binary {
     let socket = dir.join("bin.sock");
     let child = Command::new("sh")
@@ -500,6 +513,19 @@ fn running_out_of_descriptors_does_not_end_the_daemon() {
         "vpaged exited with {} idle connections",
         idle.len()
     );
+    // Out of descriptors, with connections waiting, every accept fails at once: the
+    // daemon must back off, not spin (a spinning loop burns a whole core).
+    #[cfg(target_os = "linux")]
+    {
+        let pid = daemon.child.id();
+        let (cpu0, t0) = (cpu_time(pid), Instant::now());
+        std::thread::sleep(Duration::from_millis(1500));
+        let (used, wall) = (cpu_time(pid) - cpu0, t0.elapsed());
+        assert!(
+            used.as_secs_f64() < 0.3 * wall.as_secs_f64(),
+            "vpaged used {used:?} of CPU in {wall:?} while out of descriptors"
+        );
+    }
     drop(idle);
     let t = Instant::now();
     let c = loop {
