@@ -648,14 +648,6 @@ fn content(o: &Outcome) -> Vec<Value> {
     blocks
 }
 
-fn timings(o: &Outcome) -> Value {
-    json!({
-        "queue_secs": o.queue_secs,
-        "prefill_secs": o.prefill_secs,
-        "decode_secs": o.decode_secs,
-    })
-}
-
 pub async fn messages(State(app): State<Arc<App>>, req: Request) -> Response {
     handle(app, req)
         .await
@@ -717,7 +709,7 @@ async fn handle(app: Arc<App>, req: Request) -> Result<Response, ApiError> {
         let o = stream::collect(rx).await?;
         let (reason, seq) = stop_reason(&o, r.max_tokens);
         let mut provenance = provenance;
-        provenance["timings"] = timings(&o);
+        provenance["timings"] = o.timings();
         Json(json!({
             "id": id,
             "type": "message",
@@ -879,7 +871,7 @@ fn stream_response(
             }
             let (reason, seq) = stop_reason(&o, max_tokens);
             let mut voom = provenance.clone();
-            voom["timings"] = timings(&o);
+            voom["timings"] = o.timings();
             out.push(event(
                 "message_delta",
                 json!({"type": "message_delta",

@@ -180,12 +180,17 @@ pub fn router(app: Arc<App>) -> Router {
         .with_state(app)
 }
 
-async fn not_found(req: Request) -> ApiError {
-    let dialect = if req.uri().path().ends_with("/messages") {
+/// The error dialect of a path: Anthropic's for `.../messages`, else OpenAI's.
+fn dialect_of(path: &str) -> Dialect {
+    if path.ends_with("/messages") {
         Dialect::Anthropic
     } else {
         Dialect::OpenAi
-    };
+    }
+}
+
+async fn not_found(req: Request) -> ApiError {
+    let dialect = dialect_of(req.uri().path());
     ApiError::new(
         Kind::NotFound,
         format!("no route for {} {}", req.method(), req.uri().path()),
@@ -197,15 +202,11 @@ async fn not_found(req: Request) -> ApiError {
 /// method it takes in `Allow`.
 async fn method_not_allowed(req: Request) -> Response {
     let path = req.uri().path();
-    let dialect = if path.ends_with("/messages") {
-        Dialect::Anthropic
-    } else {
-        Dialect::OpenAi
-    };
-    let allow = if path.ends_with("/health")
-        || path.ends_with("/metrics")
-        || path.trim_end_matches('/').rsplit('/').nth(1) == Some("models")
-        || path.trim_end_matches('/').ends_with("/models")
+    let dialect = dialect_of(path);
+    // GET routes: /health, /metrics, /models and /models/{id}.
+    let mut parts = path.trim_end_matches('/').rsplit('/');
+    let (last, before) = (parts.next(), parts.next());
+    let allow = if matches!(last, Some("health" | "metrics" | "models")) || before == Some("models")
     {
         "GET"
     } else {

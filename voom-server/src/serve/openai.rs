@@ -21,8 +21,8 @@ use super::prepare::{self, blocking, new_id, now, Prompt, Sampling};
 use super::request::{kind, text_parts, wrong, Body};
 use super::stream;
 use super::tools::{
-    empty_parameters, history_arguments, ResponseFormat, ToolCall, ToolChoice, ToolRequest,
-    ToolSpec,
+    empty_parameters, history_arguments, is_valid_tool_name, ResponseFormat, ToolCall, ToolChoice,
+    ToolRequest, ToolSpec,
 };
 use super::worker::{Event, Finish, Outcome};
 use super::App;
@@ -172,12 +172,7 @@ fn tool_request(b: &Body) -> Result<Option<ToolRequest>, ApiError> {
                 ))
             }
         };
-        if name.is_empty()
-            || name.len() > 64
-            || !name
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
-        {
+        if !is_valid_tool_name(&name) {
             return Err(ApiError::invalid(
                 &at("function.name"),
                 format!("'{name}' is not a valid function name: 1 to 64 of a-z, A-Z, 0-9, _ and -"),
@@ -516,14 +511,6 @@ fn usage(o: &Outcome) -> Value {
     })
 }
 
-fn timings(o: &Outcome) -> Value {
-    json!({
-        "queue_secs": o.queue_secs,
-        "prefill_secs": o.prefill_secs,
-        "decode_secs": o.decode_secs,
-    })
-}
-
 #[derive(Clone, Copy, PartialEq)]
 enum Endpoint {
     Chat,
@@ -625,7 +612,7 @@ async fn handle(app: Arc<App>, req: Request, ep: Endpoint) -> Result<Response, A
             }),
         };
         let mut provenance = provenance;
-        provenance["timings"] = timings(&o);
+        provenance["timings"] = o.timings();
         Json(json!({
             "id": id,
             "object": if ep == Endpoint::Chat { "chat.completion" } else { "text_completion" },
@@ -720,7 +707,7 @@ fn stream_response(
             out.push(chunk2(delta(None, Some(finish_reason(&o.finish))), None));
             if include_usage {
                 let mut u = usage(&o);
-                u["voom"] = json!({"timings": timings(&o), "provenance": provenance.clone()});
+                u["voom"] = json!({"timings": o.timings(), "provenance": provenance.clone()});
                 out.push(chunk2(json!([]), Some(u)));
             }
             out.push(SseEvent::default().data("[DONE]"));

@@ -31,9 +31,7 @@ use super::error::{ApiError, Dialect};
 use super::prepare::{self, blocking, new_id, now, Prompt, ResponseFormat, Sampling};
 use super::request::{text_parts, wrong, Body};
 use super::stream;
-use super::tools::{
-    empty_parameters, history_arguments, ToolCall, ToolChoice, ToolRequest, ToolSpec,
-};
+use super::tools::{empty_parameters, history_arguments, ToolChoice, ToolRequest, ToolSpec};
 use super::worker::{Event, Finish, Outcome};
 use super::App;
 
@@ -586,7 +584,7 @@ impl Shape {
         let incomplete = (status == "incomplete").then(|| json!({"reason": "max_output_tokens"}));
         let mut voom = self.provenance.clone();
         if let Some(o) = outcome {
-            voom["timings"] = timings(o);
+            voom["timings"] = o.timings();
         }
         json!({
             "id": self.id,
@@ -628,14 +626,6 @@ fn usage(o: &Outcome) -> Value {
     })
 }
 
-fn timings(o: &Outcome) -> Value {
-    json!({
-        "queue_secs": o.queue_secs,
-        "prefill_secs": o.prefill_secs,
-        "decode_secs": o.decode_secs,
-    })
-}
-
 /// "completed", or "incomplete" when the output was cut by the token limit.
 fn status(o: &Outcome) -> &'static str {
     match o.finish {
@@ -656,12 +646,73 @@ fn output_text(t: &str) -> Value {
     json!({"type": "output_text", "text": t, "annotations": [], "logprobs": []})
 }
 
-fn function_call_item(c: &ToolCall, status: &str, arguments: &str) -> Value {
+/// A function call's item while its arguments stream: its output index, call id,
+/// name and arguments so far.
+struct OpenCall {
+    index: usize,
+    id: String,
+    name: String,
+    args: String,
+}
+
+impl OpenCall {
+    /// Adds the call's item (in progress) to `items`: `output_item.added`.
+    fn added(seq: &mut Seq, items: &mut Vec<Value>, id: String, name: String) -> (Self, SseEvent) {
+        let index = items.len();
+        let item = function_call_item(&id, &name, "in_progress", "");
+        items.push(item.clone());
+        let ev = seq.event(
+            "response.output_item.added",
+            json!({"output_index": index, "item": item}),
+        );
+        let c = OpenCall {
+            index,
+            id,
+            name,
+            args: String::new(),
+        };
+        (c, ev)
+    }
+
+    /// More arguments: `function_call_arguments.delta`.
+    fn delta(&mut self, seq: &mut Seq, delta: &str) -> SseEvent {
+        self.args.push_str(delta);
+        seq.event(
+            "response.function_call_arguments.delta",
+            json!({"item_id": item_id(&self.id), "output_index": self.index, "delta": delta}),
+        )
+    }
+
+    /// The arguments are complete: `function_call_arguments.done`, then
+    /// `output_item.done` with the item, which replaces it in `items`.
+    fn done(self, seq: &mut Seq, items: &mut [Value], status: &str) -> Vec<SseEvent> {
+        let item = function_call_item(&self.id, &self.name, status, &self.args);
+        items[self.index] = item.clone();
+        vec![
+            seq.event(
+                "response.function_call_arguments.done",
+                json!({"item_id": item_id(&self.id), "output_index": self.index,
+                       "name": self.name, "arguments": self.args}),
+            ),
+            seq.event(
+                "response.output_item.done",
+                json!({"output_index": self.index, "item": item}),
+            ),
+        ]
+    }
+}
+
+/// A function call's item id: `fc_` and the call id's digits.
+fn item_id(call_id: &str) -> String {
+    format!("fc_{}", call_id.strip_prefix("call_").unwrap_or(call_id))
+}
+
+fn function_call_item(call_id: &str, name: &str, status: &str, arguments: &str) -> Value {
     json!({
         "type": "function_call",
-        "id": format!("fc_{}", c.id.strip_prefix("call_").unwrap_or(&c.id)),
-        "call_id": c.id,
-        "name": c.name,
+        "id": item_id(call_id),
+        "call_id": call_id,
+        "name": name,
         "arguments": arguments,
         "status": status,
     })
@@ -675,7 +726,12 @@ fn output_items(o: &Outcome, msg_id: &str) -> Vec<Value> {
         items.push(message_item(msg_id, status(o), Some(&o.text)));
     }
     for c in &o.tool_calls {
-        items.push(function_call_item(c, "completed", &c.arguments_json()));
+        items.push(function_call_item(
+            &c.id,
+            &c.name,
+            "completed",
+            &c.arguments_json(),
+        ));
     }
     items
 }
@@ -815,33 +871,8 @@ fn stream_response(
         prelude.extend(open_message(&mut seq, &mut items));
         msg_open = true;
     }
-    // The streamed call whose item is open: its output index, call id, name and
-    // arguments so far.
-    let mut open_call: Option<(usize, String, String, String)> = None;
-    let close_call = |seq: &mut Seq,
-                      items: &mut Vec<Value>,
-                      (index, id, name, args): (usize, String, String, String),
-                      status: &str|
-     -> Vec<SseEvent> {
-        let c = ToolCall {
-            id,
-            name,
-            arguments: Value::Null,
-            arguments_text: None,
-        };
-        let item = function_call_item(&c, status, &args);
-        items[index] = item.clone();
-        vec![
-            seq.event(
-                "response.function_call_arguments.done",
-                json!({"item_id": item["id"], "output_index": index, "name": c.name, "arguments": args}),
-            ),
-            seq.event(
-                "response.output_item.done",
-                json!({"output_index": index, "item": item}),
-            ),
-        ]
-    };
+    // The streamed call whose item is open.
+    let mut open_call: Option<OpenCall> = None;
     let msg_id3 = msg_id.clone();
     let sse = stream::sse(rx, prelude, move |ev| match ev {
         Event::CallStart { id, name, .. } => {
@@ -851,43 +882,21 @@ fn stream_response(
                 msg_open = false;
             }
             if let Some(c) = open_call.take() {
-                out.extend(close_call(&mut seq, &mut items, c, "completed"));
+                out.extend(c.done(&mut seq, &mut items, "completed"));
             }
-            let index = items.len();
-            let c = ToolCall {
-                id,
-                name,
-                arguments: Value::Null,
-                arguments_text: None,
-            };
-            let item = function_call_item(&c, "in_progress", "");
-            items.push(item.clone());
-            out.push(seq.event(
-                "response.output_item.added",
-                json!({"output_index": index, "item": item}),
-            ));
-            open_call = Some((index, c.id, c.name, String::new()));
+            let (c, added) = OpenCall::added(&mut seq, &mut items, id, name);
+            out.push(added);
+            open_call = Some(c);
             (out, false)
         }
-        Event::CallArgs { text: delta, .. } => {
-            let Some((index, id, _, args)) = open_call.as_mut() else {
-                return (vec![], false);
-            };
-            args.push_str(&delta);
-            let item_id = format!("fc_{}", id.strip_prefix("call_").unwrap_or(id));
-            let index = *index;
-            (
-                vec![seq.event(
-                    "response.function_call_arguments.delta",
-                    json!({"item_id": item_id, "output_index": index, "delta": delta}),
-                )],
-                false,
-            )
-        }
+        Event::CallArgs { text: delta, .. } => match open_call.as_mut() {
+            Some(c) => (vec![c.delta(&mut seq, &delta)], false),
+            None => (vec![], false),
+        },
         Event::Text(t) => {
             let mut out = Vec::new();
             if let Some(c) = open_call.take() {
-                out.extend(close_call(&mut seq, &mut items, c, "completed"));
+                out.extend(c.done(&mut seq, &mut items, "completed"));
             }
             if !msg_open {
                 out.extend(open_message(&mut seq, &mut items));
@@ -917,30 +926,15 @@ fn stream_response(
                 // The last streamed call: cut by the token limit if the parse lacks it.
                 let cut = o.tool_calls.len() < o.streamed_calls;
                 let status = if cut { "incomplete" } else { "completed" };
-                out.extend(close_call(&mut seq, &mut items, c, status));
+                out.extend(c.done(&mut seq, &mut items, status));
             }
-            for c in o.tool_calls.iter().skip(o.streamed_calls) {
-                let index = items.len();
-                let args = c.arguments_json();
-                let item_id = format!("fc_{}", c.id.strip_prefix("call_").unwrap_or(&c.id));
-                out.push(seq.event(
-                    "response.output_item.added",
-                    json!({"output_index": index, "item": function_call_item(c, "in_progress", "")}),
-                ));
-                out.push(seq.event(
-                    "response.function_call_arguments.delta",
-                    json!({"item_id": item_id, "output_index": index, "delta": args}),
-                ));
-                out.push(seq.event(
-                    "response.function_call_arguments.done",
-                    json!({"item_id": item_id, "output_index": index, "name": c.name, "arguments": args}),
-                ));
-                let item = function_call_item(c, "completed", &args);
-                items.push(item.clone());
-                out.push(seq.event(
-                    "response.output_item.done",
-                    json!({"output_index": index, "item": item}),
-                ));
+            // Calls not streamed are known at the end: each with one delta.
+            for call in o.tool_calls.iter().skip(o.streamed_calls) {
+                let (mut c, added) =
+                    OpenCall::added(&mut seq, &mut items, call.id.clone(), call.name.clone());
+                out.push(added);
+                out.push(c.delta(&mut seq, &call.arguments_json()));
+                out.extend(c.done(&mut seq, &mut items, "completed"));
             }
             let name = if st == "completed" {
                 "response.completed"
@@ -972,6 +966,7 @@ fn stream_response(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::serve::tools::ToolCall;
 
     fn parse_str(s: &str) -> Result<ResponsesRequest, ApiError> {
         parse(&Body::parse(s.as_bytes())?)

@@ -91,6 +91,16 @@ impl ToolCall {
     }
 }
 
+/// The APIs' rule for tool names: 1 to 64 of `a-z A-Z 0-9 _ -`. It also keeps names
+/// from holding a format's markers (`<tool_call>`), which would break the call grammar.
+pub fn is_valid_tool_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+}
+
 /// The arguments schema of a tool that gives none: an object with any properties.
 pub fn empty_parameters() -> Value {
     json!({"type": "object", "properties": {}})
@@ -114,14 +124,7 @@ impl ToolRequest {
                     format!("tool {i} has an empty name"),
                 ));
             }
-            // The APIs' own rule. It also keeps names from holding a format's markers
-            // (`<tool_call>`), which would break the call grammar.
-            if t.name.len() > 64
-                || !t
-                    .name
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
-            {
+            if !is_valid_tool_name(&t.name) {
                 return Err(ApiError::invalid(
                     param,
                     format!(

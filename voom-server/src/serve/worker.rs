@@ -72,6 +72,17 @@ pub struct Outcome {
     pub decode_secs: f64,
 }
 
+impl Outcome {
+    /// Where the request's time went, as every dialect reports it in its `voom` object.
+    pub fn timings(&self) -> Value {
+        serde_json::json!({
+            "queue_secs": self.queue_secs,
+            "prefill_secs": self.prefill_secs,
+            "decode_secs": self.decode_secs,
+        })
+    }
+}
+
 pub enum Event {
     /// More output text.
     Text(String),
