@@ -1,7 +1,7 @@
 """The OpenAI Responses endpoint of `voom serve` through the official `openai` SDK.
 
-Needs a running server: VOOM_TEST_BASE_URL (e.g. http://127.0.0.1:8080, without /v1)
-and VOOM_TEST_MODEL (a model id it serves, e.g. the tiny_chat fixture). The fixture's
+The server comes from conftest.py (VOOM_TEST_BASE_URL, without /v1, and
+VOOM_TEST_MODEL, e.g. the tiny_chat fixture). The fixture's
 weights are random, so texts are gibberish but deterministic at temperature 0.
 """
 
@@ -11,12 +11,10 @@ import os
 import openai
 import pytest
 
-BASE_URL = os.environ.get("VOOM_TEST_BASE_URL")
-MODEL = os.environ.get("VOOM_TEST_MODEL")
-
-pytestmark = pytest.mark.skipif(
-    not BASE_URL or not MODEL, reason="VOOM_TEST_BASE_URL and VOOM_TEST_MODEL are not set"
-)
+# Set by conftest.py (which starts the server) before this module is imported: a
+# missing value is an error, never a skip.
+BASE_URL = os.environ["VOOM_TEST_BASE_URL"]
+MODEL = os.environ["VOOM_TEST_MODEL"]
 
 WEATHER = {
     "type": "function",

@@ -90,30 +90,6 @@ fn message_text(j: &Value) -> String {
         .collect()
 }
 
-/// Asserts a 4xx Anthropic error body whose message names `field`.
-#[track_caller]
-fn assert_anthropic_error(r: &Reply, status: u16, ty: &str, field: &str, what: &str) {
-    assert_eq!(r.status, status, "{what}: {}", r.text());
-    let j = r.json();
-    assert_eq!(j["type"], "error", "{what}: {j}");
-    assert_eq!(j["error"]["type"], ty, "{what}: {j}");
-    let m = j["error"]["message"].as_str().unwrap_or_default();
-    assert!(
-        m.contains(field),
-        "{what}: the message does not name '{field}': {j}"
-    );
-    assert_eq!(j.as_object().unwrap().len(), 2, "{what}: {j}");
-}
-
-/// Asserts a 4xx OpenAI error body naming `param`.
-#[track_caller]
-fn assert_openai_error(r: &Reply, status: u16, param: &str, what: &str) {
-    assert_eq!(r.status, status, "{what}: {}", r.text());
-    let j = r.json();
-    assert!(j["error"]["message"].is_string(), "{what}: {j}");
-    assert_eq!(j["error"]["param"], param, "{what}: {j}");
-}
-
 #[test]
 fn messages_greedy_text_equals_voom_generate_streamed_or_not() {
     let server = Server::start(&[]);

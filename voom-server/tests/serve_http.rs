@@ -16,37 +16,6 @@ use serde_json::{json, Value};
 mod common;
 use common::*;
 
-/// Asserts a 4xx OpenAI error body naming `param`.
-#[track_caller]
-fn assert_openai_error(r: &Reply, status: u16, param: &str, what: &str) {
-    assert_eq!(r.status, status, "{what}: {}", r.text());
-    assert!(
-        r.header("content-type")
-            .is_some_and(|c| c.starts_with("application/json")),
-        "{what}: content-type {:?}",
-        r.header("content-type")
-    );
-    let j = r.json();
-    let e = &j["error"];
-    assert!(e["message"].is_string(), "{what}: {j}");
-    assert!(e["type"].is_string(), "{what}: {j}");
-    assert_eq!(e["param"], param, "{what}: {j}");
-}
-
-/// Asserts a 4xx Anthropic error body whose message names `field`.
-#[track_caller]
-fn assert_anthropic_error(r: &Reply, status: u16, ty: &str, field: &str, what: &str) {
-    assert_eq!(r.status, status, "{what}: {}", r.text());
-    let j = r.json();
-    assert_eq!(j["type"], "error", "{what}: {j}");
-    assert_eq!(j["error"]["type"], ty, "{what}: {j}");
-    let m = j["error"]["message"].as_str().unwrap_or_default();
-    assert!(
-        m.contains(field),
-        "{what}: the message does not name '{field}': {j}"
-    );
-}
-
 #[test]
 fn malformed_openai_requests_are_400_naming_the_field_before_any_model_work() {
     let mut s = Server::start(&[]);
