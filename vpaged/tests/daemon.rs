@@ -1,15 +1,17 @@
 //! The daemon end to end: a real `vpaged` process, a real Unix socket, the arena
 //! passed by SCM_RIGHTS and mapped read-only here.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use voom_formats::{Checkpoint, DType, Manifest};
+use voom_formats::{Checkpoint, Manifest};
 use vpaged::client::{DaemonClient, DaemonSource};
 use vpaged::{PageId, PageSource};
+
+mod common;
+use common::model;
 
 struct Daemon {
     child: Child,
@@ -43,31 +45,6 @@ fn start(dir: &Path, cache: &str) -> Daemon {
     Daemon { child, socket }
 }
 
-fn model(dir: &Path) -> (PathBuf, Vec<Vec<u8>>) {
-    let m = dir.join("m");
-    std::fs::create_dir_all(&m).unwrap();
-    let pages: Vec<Vec<u8>> = (0..4u8)
-        .map(|i| {
-            (0..40_000u32)
-                .map(|j| (j as u8).wrapping_mul(i + 3))
-                .collect()
-        })
-        .collect();
-    let names = ["a", "b", "c", "d"];
-    let shape = [20_000usize];
-    let tensors: Vec<(&str, DType, &[usize], &[u8])> = names
-        .iter()
-        .zip(&pages)
-        .map(|(n, p)| (*n, DType::BF16, &shape[..], p.as_slice()))
-        .collect();
-    voom_formats::safetensors::write(&m.join("model.safetensors"), &tensors, &BTreeMap::new())
-        .unwrap();
-    Manifest::build(&Checkpoint::open(&m).unwrap(), &mut |_, _| {})
-        .save(&m)
-        .unwrap();
-    (m, pages)
-}
-
 fn stats(c: &DaemonClient) -> serde_json::Value {
     c.stats().unwrap()
 }
@@ -75,7 +52,7 @@ fn stats(c: &DaemonClient) -> serde_json::Value {
 #[test]
 fn engines_share_one_copy_and_leases_die_with_connections() {
     let d = tempfile::tempdir().unwrap();
-    let (m, pages) = model(d.path());
+    let (m, pages) = model(d.path(), 0);
     let daemon = start(d.path(), "4MiB");
 
     let c1 = DaemonClient::connect(&daemon.socket, "test-1").unwrap();
@@ -127,7 +104,7 @@ fn engines_share_one_copy_and_leases_die_with_connections() {
 #[test]
 fn a_dead_daemon_is_a_clear_error_and_sigterm_exits_cleanly() {
     let d = tempfile::tempdir().unwrap();
-    let (m, pages) = model(d.path());
+    let (m, pages) = model(d.path(), 0);
     let mut daemon = start(d.path(), "4MiB");
     let c = DaemonClient::connect(&daemon.socket, "test").unwrap();
     let s = DaemonSource::open(Arc::clone(&c), &m).unwrap();
@@ -186,7 +163,7 @@ fn start_after_stale(dir: &Path) -> Daemon {
 #[test]
 fn bad_requests_are_errors_not_crashes() {
     let d = tempfile::tempdir().unwrap();
-    let (m, _) = model(d.path());
+    let (m, _) = model(d.path(), 0);
     let daemon = start(d.path(), "4MiB");
     let c = DaemonClient::connect(&daemon.socket, "test").unwrap();
     let e = DaemonSource::open(Arc::clone(&c), &d.path().join("nope"))
@@ -204,7 +181,7 @@ fn bad_requests_are_errors_not_crashes() {
 #[test]
 fn vpagectl_reports_status_and_residency() {
     let d = tempfile::tempdir().unwrap();
-    let (m, _) = model(d.path());
+    let (m, _) = model(d.path(), 0);
     let daemon = start(d.path(), "4MiB");
     let c = DaemonClient::connect(&daemon.socket, "engine").unwrap();
     let s = DaemonSource::open(Arc::clone(&c), &m).unwrap();
@@ -245,7 +222,7 @@ fn vpagectl_reports_status_and_residency() {
 #[test]
 fn vpagectl_stages_hot_pages_onto_the_fast_tier_and_unstages_them() {
     let d = tempfile::tempdir().unwrap();
-    let (m, _) = model(d.path());
+    let (m, _) = model(d.path(), 0);
     let socket = d.path().join("vpaged.sock");
     let fast = d.path().join("fast");
     let child = Command::new(env!("CARGO_BIN_EXE_vpaged"))
@@ -312,7 +289,7 @@ fn no_reply_frames_are_answered_only_when_they_fail() {
         PROTOCOL_VERSION,
     };
     let d = tempfile::tempdir().unwrap();
-    let (m, _) = model(d.path());
+    let (m, _) = model(d.path(), 0);
     let daemon = start(d.path(), "4MiB");
     let mut s = std::os::unix::net::UnixStream::connect(&daemon.socket).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();

@@ -1,7 +1,6 @@
 //! The daemon against peers that misbehave or fail: real Unix sockets, real model
 //! files, the daemon in this process (with short limits) or as the `vpaged` binary.
 
-use std::collections::BTreeMap;
 use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -9,7 +8,6 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use voom_formats::{Checkpoint, DType, Manifest};
 use vpaged::client::{DaemonClient, DaemonSource};
 use vpaged::daemon::{Daemon, DaemonLimits};
 use vpaged::protocol::{
@@ -20,32 +18,8 @@ use vpaged::store::{Store, StoreConfig};
 use vpaged::tier::NasConfig;
 use vpaged::{PageId, PageSource};
 
-/// A four-page model store (40 000 bytes a page) under `dir`; returns its directory
-/// and each page's bytes.
-fn model(dir: &Path, seed: u8) -> (PathBuf, Vec<Vec<u8>>) {
-    let m = dir.join("m");
-    std::fs::create_dir_all(&m).unwrap();
-    let pages: Vec<Vec<u8>> = (0..4u8)
-        .map(|i| {
-            (0..40_000u32)
-                .map(|j| (j as u8).wrapping_mul(i + 3).wrapping_add(seed))
-                .collect()
-        })
-        .collect();
-    let names = ["a", "b", "c", "d"];
-    let shape = [20_000usize];
-    let tensors: Vec<(&str, DType, &[usize], &[u8])> = names
-        .iter()
-        .zip(&pages)
-        .map(|(n, p)| (*n, DType::BF16, &shape[..], p.as_slice()))
-        .collect();
-    voom_formats::safetensors::write(&m.join("model.safetensors"), &tensors, &BTreeMap::new())
-        .unwrap();
-    Manifest::build(&Checkpoint::open(&m).unwrap(), &mut |_, _| {})
-        .save(&m)
-        .unwrap();
-    (m.canonicalize().unwrap(), pages)
-}
+mod common;
+use common::model;
 
 /// A daemon served in this process on a thread of its own; stopped when dropped.
 struct InProcess {

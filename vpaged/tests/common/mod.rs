@@ -1,0 +1,36 @@
+//! Fixtures the vpaged integration tests share.
+
+// Each test binary uses its own part.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use voom_formats::{Checkpoint, DType, Manifest};
+
+/// A four-page model store (40 000 bytes a page) under `dir`; returns its directory
+/// and each page's bytes. `seed` changes every byte (a rewritten model).
+pub fn model(dir: &Path, seed: u8) -> (PathBuf, Vec<Vec<u8>>) {
+    let m = dir.join("m");
+    std::fs::create_dir_all(&m).unwrap();
+    let pages: Vec<Vec<u8>> = (0..4u8)
+        .map(|i| {
+            (0..40_000u32)
+                .map(|j| (j as u8).wrapping_mul(i + 3).wrapping_add(seed))
+                .collect()
+        })
+        .collect();
+    let names = ["a", "b", "c", "d"];
+    let shape = [20_000usize];
+    let tensors: Vec<(&str, DType, &[usize], &[u8])> = names
+        .iter()
+        .zip(&pages)
+        .map(|(n, p)| (*n, DType::BF16, &shape[..], p.as_slice()))
+        .collect();
+    voom_formats::safetensors::write(&m.join("model.safetensors"), &tensors, &BTreeMap::new())
+        .unwrap();
+    Manifest::build(&Checkpoint::open(&m).unwrap(), &mut |_, _| {})
+        .save(&m)
+        .unwrap();
+    (m.canonicalize().unwrap(), pages)
+}
