@@ -19,6 +19,7 @@ pub mod embedded;
 pub mod error;
 pub mod loader;
 pub mod protocol;
+pub mod socket_path;
 pub mod source;
 pub mod store;
 pub(crate) mod sync;

@@ -6,10 +6,11 @@
 
 use std::os::unix::fs::PermissionsExt;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use clap::Parser;
 use vpaged::config::{DaemonArgs, DaemonConfig};
 use vpaged::daemon::{bind_private, Daemon, DaemonLimits};
+use vpaged::socket_path::clear_stale_socket;
 use vpaged::store::{Store, StoreConfig};
 
 #[derive(Parser)]
@@ -60,14 +61,8 @@ fn main() -> Result<()> {
         std::fs::create_dir_all(parent)
             .with_context(|| format!("creating {}", parent.display()))?;
     }
-    if socket.exists() {
-        // A live daemon answers; a stale socket file from a crash does not.
-        if std::os::unix::net::UnixStream::connect(&socket).is_ok() {
-            bail!("another vpaged is serving {}", socket.display());
-        }
-        std::fs::remove_file(&socket)
-            .with_context(|| format!("removing the stale {}", socket.display()))?;
-    }
+    // Only a stale socket is replaced; a live one, or any other file, is refused.
+    clear_stale_socket(&socket)?;
     // Bound before the runtime's threads start (the umask is process-wide), mode 0600
     // from the start.
     let listener =
