@@ -31,11 +31,12 @@ use axum::Json;
 use serde_json::{json, Map, Value};
 
 use super::error::{ApiError, Dialect};
-use super::prepare::{self, blocking, new_id, Prompt, ResponseFormat, Sampling};
+use super::ids::new_id;
+use super::job::{Event, Finish, Outcome};
+use super::prepare::{self, blocking, GenerateRequest, Prompt, Sampling};
 use super::request::{wrong, Body};
 use super::stream;
-use super::tools::{ToolChoice, ToolRequest, ToolSpec};
-use super::worker::{Event, Finish, Outcome};
+use super::tools::{ResponseFormat, ToolChoice, ToolRequest, ToolSpec};
 use super::App;
 
 /// Fields this endpoint reads. Any other field is refused, as Anthropic does.
@@ -661,28 +662,32 @@ async fn handle(app: Arc<App>, req: Request) -> Result<Response, ApiError> {
         let b = Body::parse(&bytes)?;
         let r = parse(&b)?;
         let p = match &r.prefill {
-            None => prepare::prepare_with(
+            None => prepare::prepare(
                 &app2,
-                &r.model,
-                Prompt::Chat {
-                    messages: &r.messages,
-                    tools: r.tools.as_ref(),
+                GenerateRequest {
+                    model: &r.model,
+                    prompt: Prompt::Chat {
+                        messages: &r.messages,
+                        tools: r.tools.as_ref(),
+                    },
+                    max_tokens: Some(r.max_tokens),
+                    sampling: r.sampling,
+                    stop: r.stop.clone(),
+                    response_format: r.format.as_ref(),
                 },
-                Some(r.max_tokens),
-                r.sampling,
-                r.stop.clone(),
-                r.format.as_ref(),
             )?,
             Some(prefill) => {
                 let ids = prefill_ids(&app2, &r.model, &r.messages, prefill)?;
-                prepare::prepare_with(
+                prepare::prepare(
                     &app2,
-                    &r.model,
-                    Prompt::Ids(&ids),
-                    Some(r.max_tokens),
-                    r.sampling,
-                    r.stop.clone(),
-                    None,
+                    GenerateRequest {
+                        model: &r.model,
+                        prompt: Prompt::Ids(&ids),
+                        max_tokens: Some(r.max_tokens),
+                        sampling: r.sampling,
+                        stop: r.stop.clone(),
+                        response_format: None,
+                    },
                 )?
             }
         };

@@ -1,13 +1,16 @@
 //! `voom serve`: an HTTP server speaking OpenAI's and Anthropic's APIs over the
 //! engine.
 //!
-//! Layout: [`catalog`] (the models one can ask for), [`worker`] (the one resident
-//! engine and its FIFO queue), [`request`] (reading bodies field by field), [`error`]
-//! (errors in each dialect), [`stream`] (SSE), [`metrics`], [`prepare`] (model,
-//! template, tokens, context check, grammar), [`tools`] (tool calls: rendering,
-//! forcing by grammar, parsing), and one module per API: [`openai`] (chat
-//! completions, completions, models), [`anthropic`] (Messages), [`responses`]
-//! (OpenAI Responses).
+//! Layout, data flowing one way: one module per API ([`openai`]: chat completions,
+//! completions, models; [`anthropic`]: Messages; [`responses`]: OpenAI Responses)
+//! reads its body ([`request`]) into the core [`prepare::GenerateRequest`];
+//! [`prepare`] resolves the model ([`catalog`]), renders, tokenizes, checks the
+//! context and compiles the grammar into a [`job::Prepared`]; the [`worker`] (the one
+//! resident engine and its FIFO queue) runs [`job::Job`]s and answers with
+//! [`job::Event`]s, which the dialects stream ([`stream`], SSE). Below them all:
+//! [`tools`] (tool calls and structured output: formats, grammars, parsing,
+//! streaming), [`stop`] (stop sequences), [`error`] (errors in each dialect),
+//! [`ids`], [`metrics`]; [`app`] is what handlers share.
 //!
 //! Connections: a request's headers and body must arrive within the receive deadline
 //! and bodies are bounded; every write to a client must progress within the write
@@ -15,17 +18,22 @@
 //! when its connection is dropped).
 
 pub mod anthropic;
-pub mod call_stream;
+pub mod app;
 pub mod catalog;
 pub mod error;
+pub mod ids;
+pub mod job;
 pub mod metrics;
 pub mod openai;
 pub mod prepare;
 pub mod request;
 pub mod responses;
+pub mod stop;
 pub mod stream;
 pub mod tools;
 pub mod worker;
+
+pub use app::{App, Profile};
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -33,7 +41,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use axum::body::Bytes;
 use axum::extract::{Request, State};
 use axum::http::{HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
@@ -73,89 +80,6 @@ pub struct ServeArgs {
     pub write_timeout: f64,
     #[command(flatten)]
     pub engine: EngineArgs,
-}
-
-/// What every handler shares.
-pub struct App {
-    pub catalog: Catalog,
-    pub worker: Worker,
-    pub metrics: Arc<Metrics>,
-    pub max_body_bytes: usize,
-    pub receive_timeout: Duration,
-    pub profile: Profile,
-    pub started: Instant,
-}
-
-/// The resolved runtime profile reported with every response.
-#[derive(Debug, Clone)]
-pub struct Profile {
-    pub name: String,
-    /// blake3 of the resolved settings, first 16 hex digits.
-    pub digest: String,
-    /// Lossy profiles change arithmetic; `exact` ones never do.
-    pub exact: bool,
-    /// The resolved settings (crate::profile::Settings as JSON).
-    pub settings: serde_json::Value,
-}
-
-impl App {
-    /// The request body, within the size limit and the receive deadline.
-    pub async fn body(&self, req: Request, dialect: Dialect) -> Result<Bytes, ApiError> {
-        let limit = self.max_body_bytes;
-        let read = axum::body::to_bytes(req.into_body(), limit);
-        match tokio::time::timeout(self.receive_timeout, read).await {
-            Err(_) => Err(ApiError::new(
-                Kind::Timeout,
-                format!(
-                    "the request body did not arrive within {:?}",
-                    self.receive_timeout
-                ),
-            )
-            .in_dialect(dialect)),
-            Ok(Err(e)) => {
-                let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&e);
-                let mut too_large = false;
-                while let Some(s) = source {
-                    too_large |= s.is::<http_body_util::LengthLimitError>();
-                    source = s.source();
-                }
-                Err(if too_large {
-                    ApiError::new(
-                        Kind::TooLarge,
-                        format!("the request body is larger than {limit} bytes"),
-                    )
-                } else {
-                    ApiError::invalid("body", format!("reading the request body: {e}"))
-                }
-                .in_dialect(dialect))
-            }
-            Ok(Ok(b)) => Ok(b),
-        }
-    }
-
-    /// Headers naming the checkpoint and profile that produced a response.
-    pub fn provenance(&self, meta: &catalog::ModelMeta, resp: &mut Response) {
-        let h = resp.headers_mut();
-        if let Ok(v) = HeaderValue::from_str(&meta.checkpoint()) {
-            h.insert("x-voom-checkpoint", v);
-        }
-        if let Ok(v) = HeaderValue::from_str(&self.profile.name) {
-            h.insert("x-voom-profile", v);
-        }
-        if let Ok(v) = HeaderValue::from_str(&self.profile.digest) {
-            h.insert("x-voom-profile-digest", v);
-        }
-    }
-
-    /// The `voom` object added to response bodies.
-    pub fn provenance_json(&self, meta: &catalog::ModelMeta) -> serde_json::Value {
-        serde_json::json!({
-            "checkpoint": meta.checkpoint(),
-            "profile": self.profile.name,
-            "profile_digest": self.profile.digest,
-            "exact": self.profile.exact,
-        })
-    }
 }
 
 pub fn router(app: Arc<App>) -> Router {

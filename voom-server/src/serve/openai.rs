@@ -17,14 +17,15 @@ use axum::Json;
 use serde_json::{json, Value};
 
 use super::error::{ApiError, Dialect};
-use super::prepare::{self, blocking, new_id, now, Prompt, Sampling};
+use super::ids::{new_id, now};
+use super::job::{Event, Finish, Outcome};
+use super::prepare::{self, blocking, GenerateRequest, Prompt, Sampling};
 use super::request::{kind, text_parts, wrong, Body};
 use super::stream;
 use super::tools::{
     empty_parameters, history_arguments, is_valid_tool_name, ResponseFormat, ToolCall, ToolChoice,
     ToolRequest, ToolSpec,
 };
-use super::worker::{Event, Finish, Outcome};
 use super::App;
 
 pub async fn models(State(app): State<Arc<App>>) -> Response {
@@ -541,29 +542,38 @@ async fn handle(app: Arc<App>, req: Request, ep: Endpoint) -> Result<Response, A
             Endpoint::Chat => {
                 let tools = tool_request(&b)?;
                 let messages = chat_messages(&b)?;
-                prepare::prepare_with(
+                prepare::prepare(
                     &app2,
-                    &c.model,
-                    Prompt::Chat { messages: &messages, tools: tools.as_ref() },
-                    c.max_tokens,
-                    c.sampling,
-                    c.stop.clone(),
-                    rf,
+                    GenerateRequest {
+                        model: &c.model,
+                        prompt: Prompt::Chat { messages: &messages, tools: tools.as_ref() },
+                        max_tokens: c.max_tokens,
+                        sampling: c.sampling,
+                        stop: c.stop.clone(),
+                        response_format: rf,
+                    },
                 )?
             }
             Endpoint::Completion => {
                 b.refuse("tools", &[json!([])], "tools are for /v1/chat/completions")?;
                 b.refuse("tool_choice", &["none".into()], "tools are for /v1/chat/completions")?;
                 b.refuse("parallel_tool_calls", &[], "tools are for /v1/chat/completions")?;
-                let max = c.max_tokens.or(Some(16));
+                let request = |prompt| GenerateRequest {
+                    model: &c.model,
+                    prompt,
+                    max_tokens: c.max_tokens.or(Some(16)),
+                    sampling: c.sampling,
+                    stop: c.stop.clone(),
+                    response_format: rf,
+                };
                 match b.get("prompt") {
-                    Some(Value::String(s)) => prepare::prepare_with(&app2, &c.model, Prompt::Text(s), max, c.sampling, c.stop.clone(), rf)?,
+                    Some(Value::String(s)) => prepare::prepare(&app2, request(Prompt::Text(s)))?,
                     Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
-                        prepare::prepare_with(&app2, &c.model, Prompt::Text(a[0].as_str().unwrap_or_default()), max, c.sampling, c.stop.clone(), rf)?
+                        prepare::prepare(&app2, request(Prompt::Text(a[0].as_str().unwrap_or_default())))?
                     }
                     Some(Value::Array(a)) if !a.is_empty() && a.iter().all(|x| x.as_u64().is_some_and(|v| v <= u32::MAX as u64)) => {
                         let ids: Vec<u32> = a.iter().filter_map(Value::as_u64).map(|v| v as u32).collect();
-                        prepare::prepare_with(&app2, &c.model, Prompt::Ids(&ids), max, c.sampling, c.stop.clone(), rf)?
+                        prepare::prepare(&app2, request(Prompt::Ids(&ids)))?
                     }
                     Some(Value::Array(_)) => {
                         return Err(ApiError::invalid("prompt", "'prompt' must be a string, a list of one string, or a list of token ids (one prompt per request)"))

@@ -9,19 +9,18 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use libvoom::config::ModelConfig;
-use libvoom::constrain::{CompiledGrammar, Grammar, GrammarCompiler};
+use libvoom::constrain::{Grammar, GrammarCompiler};
 use libvoom::engine::GenerateParams;
 use libvoom::sampler::SamplingParams;
 use libvoom::text::Tokenizer;
 use serde_json::Value;
 use tokio::sync::mpsc::UnboundedReceiver;
 
+use super::app::App;
 use super::catalog::ModelMeta;
 use super::error::{ApiError, Kind};
-pub use super::tools::ResponseFormat;
-use super::tools::{ToolFormat, ToolParser, ToolRequest};
-use super::worker::{Event, Job};
-use super::App;
+use super::job::{Event, Job, Prepared};
+use super::tools::{ResponseFormat, ToolFormat, ToolParser, ToolRequest};
 
 /// Sampling fields as a request gave them (None: not given).
 #[derive(Debug, Clone, Copy, Default)]
@@ -49,21 +48,16 @@ pub enum Prompt<'a> {
     Ids(&'a [u32]),
 }
 
-/// A request ready to queue.
-pub struct Prepared {
-    pub meta: Arc<ModelMeta>,
-    pub prompt_ids: Vec<u32>,
-    pub params: GenerateParams,
+/// What every dialect asks of the engine, once its body is read: the core request.
+pub struct GenerateRequest<'a> {
+    /// The model's id in the catalog.
+    pub model: &'a str,
+    pub prompt: Prompt<'a>,
+    /// At most this many new tokens (None: up to the context).
+    pub max_tokens: Option<u64>,
+    pub sampling: Sampling,
     pub stop: Vec<String>,
-    /// The grammar the output must follow (forced tool calls, a response format).
-    pub grammar: Option<Arc<CompiledGrammar>>,
-    /// The end-of-sequence ids the grammar was compiled with (the engine must stop on
-    /// exactly these).
-    pub grammar_eos: Vec<u32>,
-    /// How to find tool calls in the output (tools offered, choice not none).
-    pub tools: Option<ToolParser>,
-    /// The schema the text output is validated against (a JSON response format).
-    pub json_schema: Option<Value>,
+    pub response_format: Option<&'a ResponseFormat>,
 }
 
 /// Resolves the model, renders and tokenizes the prompt, checks it against the
@@ -75,15 +69,15 @@ pub struct Prepared {
 /// [`ToolFormat`] (the response format then has nothing to apply to: the output is
 /// calls only); auto with a JSON response format allows either that JSON or calls;
 /// otherwise a JSON response format constrains the whole output.
-pub fn prepare_with(
-    app: &App,
-    model: &str,
-    prompt: Prompt<'_>,
-    max_tokens: Option<u64>,
-    sampling: Sampling,
-    stop: Vec<String>,
-    response_format: Option<&ResponseFormat>,
-) -> Result<Prepared, ApiError> {
+pub fn prepare(app: &App, req: GenerateRequest<'_>) -> Result<Prepared, ApiError> {
+    let GenerateRequest {
+        model,
+        prompt,
+        max_tokens,
+        sampling,
+        stop,
+        response_format,
+    } = req;
     let meta = app.catalog.get(model)?;
     let tok = meta.text_tokenizer()?;
     let response_format = response_format.filter(|f| **f != ResponseFormat::Text);
@@ -289,16 +283,4 @@ pub async fn blocking<T: Send + 'static>(
             format!("request failed: {e}"),
         ))
     })
-}
-
-/// Seconds since the epoch.
-pub fn now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
-}
-
-/// A random id with a prefix ("chatcmpl-", "msg_", ...).
-pub fn new_id(prefix: &str) -> String {
-    format!("{prefix}{:024x}", rand::random::<u128>() >> 32)
 }

@@ -28,11 +28,14 @@ use axum::Json;
 use serde_json::{json, Map, Value};
 
 use super::error::{ApiError, Dialect};
-use super::prepare::{self, blocking, new_id, now, Prompt, ResponseFormat, Sampling};
+use super::ids::{new_id, now};
+use super::job::{Event, Finish, Outcome};
+use super::prepare::{self, blocking, GenerateRequest, Prompt, Sampling};
 use super::request::{text_parts, wrong, Body};
 use super::stream;
-use super::tools::{empty_parameters, history_arguments, ToolChoice, ToolRequest, ToolSpec};
-use super::worker::{Event, Finish, Outcome};
+use super::tools::{
+    empty_parameters, history_arguments, ResponseFormat, ToolChoice, ToolRequest, ToolSpec,
+};
 use super::App;
 
 const KNOWN: &[&str] = &[
@@ -748,17 +751,19 @@ async fn handle(app: Arc<App>, req: Request) -> Result<Response, ApiError> {
     let (prepared, r) = blocking(move || {
         let b = Body::parse(&bytes)?;
         let r = parse(&b)?;
-        let p = prepare::prepare_with(
+        let p = prepare::prepare(
             &app2,
-            &r.model,
-            Prompt::Chat {
-                messages: &r.messages,
-                tools: r.tools.as_ref(),
+            GenerateRequest {
+                model: &r.model,
+                prompt: Prompt::Chat {
+                    messages: &r.messages,
+                    tools: r.tools.as_ref(),
+                },
+                max_tokens: r.max_output_tokens,
+                sampling: r.sampling,
+                stop: vec![],
+                response_format: Some(&r.format),
             },
-            r.max_output_tokens,
-            r.sampling,
-            vec![],
-            Some(&r.format),
         )?;
         Ok((p, r))
     })

@@ -9,7 +9,7 @@ use futures_util::Stream;
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::error::ApiError;
-use super::worker::{Event, Outcome};
+use super::job::{Event, Outcome};
 
 /// Waits for a request's whole output.
 pub async fn collect(mut rx: UnboundedReceiver<Event>) -> Result<Outcome, ApiError> {

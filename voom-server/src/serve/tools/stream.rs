@@ -16,7 +16,9 @@
 //! those when the output is parsed at the end, so streamed calls are always the
 //! first ones, in order.
 
-use super::tools::{Layout, ToolFormat};
+use super::format::{Layout, ToolFormat};
+use super::spec::ToolCall;
+use crate::serve::error::ApiError;
 
 /// A part of a call, as it is written.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -306,9 +308,34 @@ fn match_head(text: &str, args_key: &str) -> Head {
     }
 }
 
+/// Gives the first parsed calls the ids and argument text of the calls streamed
+/// while they were written (`ids`, in order); returns how many were streamed. The
+/// streamed calls must be the first parsed ones, by name and count (a streamed call
+/// missing at the end is allowed only when the output was cut: not `complete`).
+pub fn adopt_streamed(
+    cs: &CallStreamer,
+    ids: &[String],
+    calls: &mut [ToolCall],
+    complete: bool,
+) -> Result<usize, ApiError> {
+    let names = cs.names();
+    if (complete && calls.len() < names.len()) || calls.iter().zip(names).any(|(c, n)| &c.name != n)
+    {
+        return Err(ApiError::internal(format!(
+            "the streamed tool calls ({names:?}) are not the parsed ones ({:?})",
+            calls.iter().map(|c| &c.name).collect::<Vec<_>>()
+        )));
+    }
+    for (i, c) in calls.iter_mut().enumerate().take(names.len()) {
+        c.id = ids[i].clone();
+        c.arguments_text = cs.args(i).map(str::to_string);
+    }
+    Ok(names.len())
+}
+
 #[cfg(test)]
 mod tests {
-    use super::super::tools::{HERMES, LLAMA3_JSON, MISTRAL};
+    use super::super::{HERMES, LLAMA3_JSON, MISTRAL};
     use super::*;
 
     /// Feeds `text` in pieces of `n` characters; returns the pieces joined per call:

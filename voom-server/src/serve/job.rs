@@ -1,0 +1,99 @@
+//! The job types that prepare hands to the worker, and what the worker sends back.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use libvoom::constrain::CompiledGrammar;
+use libvoom::engine::GenerateParams;
+use serde_json::Value;
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::catalog::ModelMeta;
+use super::error::ApiError;
+use super::tools::{ToolCall, ToolParser};
+
+/// A request ready to queue.
+pub struct Prepared {
+    pub meta: Arc<ModelMeta>,
+    pub prompt_ids: Vec<u32>,
+    pub params: GenerateParams,
+    pub stop: Vec<String>,
+    /// The grammar the output must follow (forced tool calls, a response format).
+    pub grammar: Option<Arc<CompiledGrammar>>,
+    /// The end-of-sequence ids the grammar was compiled with (the engine must stop on
+    /// exactly these).
+    pub grammar_eos: Vec<u32>,
+    /// How to find tool calls in the output (tools offered, choice not none).
+    pub tools: Option<ToolParser>,
+    /// The schema the text output is validated against (a JSON response format).
+    pub json_schema: Option<Value>,
+}
+
+/// One generation request, ready for the engine: the prompt is already tokens.
+pub struct Job {
+    pub request: Prepared,
+    pub events: UnboundedSender<Event>,
+    pub enqueued: Instant,
+}
+
+/// Why generation ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Finish {
+    /// The model produced an end-of-sequence token.
+    Eos,
+    /// One of the request's stop sequences appeared (it is not in the text).
+    StopSequence(String),
+    /// The token limit (or the context) was reached.
+    Length,
+    /// The output ended with tool calls (see [`Outcome::tool_calls`]).
+    ToolCalls,
+}
+
+/// The end of a request that ran.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    pub finish: Finish,
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    /// Every piece sent, concatenated (the assistant text without tool calls).
+    pub text: String,
+    /// The tool calls found in the output, in order.
+    pub tool_calls: Vec<ToolCall>,
+    /// How many calls were streamed as they were written ([`Event::CallStart`]);
+    /// they are the first of `tool_calls` (a streamed call cut by the token limit
+    /// is not among them).
+    pub streamed_calls: usize,
+    pub queue_secs: f64,
+    pub prefill_secs: f64,
+    pub decode_secs: f64,
+}
+
+impl Outcome {
+    /// Where the request's time went, as every dialect reports it in its `voom` object.
+    pub fn timings(&self) -> Value {
+        serde_json::json!({
+            "queue_secs": self.queue_secs,
+            "prefill_secs": self.prefill_secs,
+            "decode_secs": self.decode_secs,
+        })
+    }
+}
+
+pub enum Event {
+    /// More output text.
+    Text(String),
+    /// A forced tool call begins ([`super::tools::CallStreamer`]): calls are numbered from 0
+    /// in output order; its id is the one the finished call keeps.
+    CallStart {
+        index: usize,
+        id: String,
+        name: String,
+    },
+    /// More of call `index`'s arguments: JSON text, joining to the call's
+    /// [`ToolCall::arguments_json`].
+    CallArgs { index: usize, text: String },
+    /// The request finished; no events follow.
+    Done(Outcome),
+    /// The request failed; no events follow.
+    Failed(ApiError),
+}
