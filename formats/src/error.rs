@@ -38,6 +38,16 @@ pub enum FormatError {
         expected: String,
         actual: String,
     },
+    /// A read through the file's memory mapping faulted at `offset` (the file was
+    /// truncated, or its storage failed, while it was mapped): the bytes read from the
+    /// mapping may be zeros instead of the file's, and what was computed from them must
+    /// be discarded. See [`crate::mapguard`].
+    #[error(
+        "{path}: reading byte offset {offset} through the memory mapping failed (the file \
+         was truncated or its storage failed while it was open); what was read from it is \
+         discarded: reopen the file"
+    )]
+    Fault { path: PathBuf, offset: u64 },
     /// Valid file, but a feature vOOM does not support (yet).
     #[error("{path}: unsupported {what}")]
     Unsupported { path: PathBuf, what: String },

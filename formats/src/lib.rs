@@ -15,12 +15,16 @@
 //!   the tensor types vOOM imports.
 //! - [`dtype`]: element types and exact conversions.
 //! - [`vpack`]: the lossless byte-plane encoding of BF16/F16 pages (high plane zstd).
+//! - [`mapguard`]: read-only file mappings whose read faults (a file truncated while
+//!   mapped) are errors naming the file and offset instead of a fatal `SIGBUS`, and
+//!   [`FileIdentity`], which tells whether a file changed since it was opened.
 
 pub mod checkpoint;
 pub mod dtype;
 pub mod error;
 pub mod gguf;
 pub mod manifest;
+pub mod mapguard;
 pub mod safetensors;
 pub mod vpack;
 
@@ -28,3 +32,4 @@ pub use checkpoint::Checkpoint;
 pub use dtype::DType;
 pub use error::FormatError;
 pub use manifest::Manifest;
+pub use mapguard::{FileIdentity, GuardedMap};

@@ -185,16 +185,30 @@ impl PageGroup {
 }
 
 impl Manifest {
+    /// [`Manifest::try_build`] for a checkpoint that cannot change while it is hashed.
+    ///
+    /// # Panics
+    /// When a file of `ckpt` is truncated while it is hashed (the panic message names
+    /// the file and the offset). Callers that can see that happen use `try_build`.
+    pub fn build(ckpt: &Checkpoint, progress: &mut dyn FnMut(u64, u64)) -> Manifest {
+        Self::try_build(ckpt, progress).unwrap_or_else(|e| panic!("{e}"))
+    }
+
     /// Hashes every tensor of `ckpt` into a manifest: one raw page per tensor, numbered
     /// in name order. Pages are hashed on all cores; `progress(done_bytes, total_bytes)`
-    /// is called on the calling thread as bytes are hashed.
-    pub fn build(ckpt: &Checkpoint, progress: &mut dyn FnMut(u64, u64)) -> Manifest {
+    /// is called on the calling thread as bytes are hashed. A file truncated while it
+    /// is hashed is a [`FormatError::Fault`] naming the file and the offset (each
+    /// tensor's file is checked after the tensor is hashed), never a signal and never a
+    /// manifest of zeros.
+    pub fn try_build(ckpt: &Checkpoint, progress: &mut dyn FnMut(u64, u64)) -> Result<Manifest> {
         let tensors: Vec<_> = ckpt.tensors().collect();
         let bodies: Vec<&[u8]> = tensors
             .iter()
             .map(|(_, loc)| ckpt.files[loc.file].tensor_bytes(&loc.info))
             .collect();
-        let hashes = hash_all(&bodies, progress);
+        let hashes = hash_all(&bodies, progress, &|i| {
+            ckpt.files[tensors[i].1.file].check_faults()
+        })?;
         let pages = tensors
             .iter()
             .zip(hashes)
@@ -213,10 +227,10 @@ impl Manifest {
                 encoded: Vec::new(),
             })
             .collect();
-        Manifest {
+        Ok(Manifest {
             format_version: MANIFEST_VERSION,
             pages,
-        }
+        })
     }
 
     /// Reads `dir/voom-manifest.json`: `Ok(None)` when there is none; a manifest that
@@ -417,7 +431,8 @@ impl Manifest {
 
     /// Re-hashes every page of `ckpt` against this manifest (on all cores) and returns
     /// one `ChecksumMismatch` per page whose bytes differ, in page-name order. A manifest
-    /// that does not describe `ckpt` is an error ([`Manifest::check_matches`]).
+    /// that does not describe `ckpt` is an error ([`Manifest::check_matches`]), and so
+    /// is a file truncated while it is hashed ([`FormatError::Fault`]).
     pub fn verify_checkpoint(
         &self,
         ckpt: &Checkpoint,
@@ -434,7 +449,9 @@ impl Manifest {
             .iter()
             .map(|loc| ckpt.files[loc.file].tensor_bytes(&loc.info))
             .collect();
-        let hashes = hash_all(&bodies, progress);
+        let hashes = hash_all(&bodies, progress, &|i| {
+            ckpt.files[locs[i].file].check_faults()
+        })?;
         Ok(pages
             .iter()
             .zip(locs)
@@ -623,12 +640,19 @@ fn check_hash(entry: &PageEntry, actual: &blake3::Hash, path: &Path) -> Result<(
 enum Msg {
     Hashed(u64),
     Done(usize, blake3::Hash),
+    Failed(FormatError),
 }
 
 /// blake3 of every body, hashed by a pool of scoped threads that take bodies largest
 /// first (so one huge embedding does not end up last on one core). Progress is reported
-/// on the calling thread because `progress` need not be `Send`.
-fn hash_all(bodies: &[&[u8]], progress: &mut dyn FnMut(u64, u64)) -> Vec<blake3::Hash> {
+/// on the calling thread because `progress` need not be `Send`. `check(i)` runs after
+/// body `i` is hashed (the fault check of its mapping): its first error stops the work
+/// and is returned.
+fn hash_all(
+    bodies: &[&[u8]],
+    progress: &mut dyn FnMut(u64, u64),
+    check: &(dyn Fn(usize) -> Result<()> + Sync),
+) -> Result<Vec<blake3::Hash>> {
     let total: u64 = bodies.iter().map(|b| b.len() as u64).sum();
     progress(0, total);
     let mut order: Vec<usize> = (0..bodies.len()).collect();
@@ -639,6 +663,7 @@ fn hash_all(bodies: &[&[u8]], progress: &mut dyn FnMut(u64, u64)) -> Vec<blake3:
         .max(1);
     let next = AtomicUsize::new(0);
     let mut hashes: Vec<Option<blake3::Hash>> = vec![None; bodies.len()];
+    let mut failure = None;
     std::thread::scope(|s| {
         let (tx, rx) = mpsc::channel();
         for _ in 0..workers {
@@ -653,6 +678,12 @@ fn hash_all(bodies: &[&[u8]], progress: &mut dyn FnMut(u64, u64)) -> Vec<blake3:
                     // The receiver lives until every sender is gone.
                     let _ = tx.send(Msg::Hashed(piece.len() as u64));
                 }
+                if let Err(e) = check(i) {
+                    // No worker takes another body.
+                    next.store(order.len(), Ordering::Relaxed);
+                    let _ = tx.send(Msg::Failed(e));
+                    break;
+                }
                 let _ = tx.send(Msg::Done(i, h.finalize()));
             });
         }
@@ -665,13 +696,19 @@ fn hash_all(bodies: &[&[u8]], progress: &mut dyn FnMut(u64, u64)) -> Vec<blake3:
                     progress(done, total);
                 }
                 Msg::Done(i, h) => hashes[i] = Some(h),
+                Msg::Failed(e) => {
+                    failure.get_or_insert(e);
+                }
             }
         }
     });
-    hashes
+    if let Some(e) = failure {
+        return Err(e);
+    }
+    Ok(hashes
         .into_iter()
         .map(|h| h.expect("every body was hashed"))
-        .collect()
+        .collect())
 }
 
 #[cfg(test)]
@@ -1023,11 +1060,56 @@ mod tests {
         let big: Vec<u8> = (0..(HASH_PIECE * 2 + 5)).map(|i| (i % 251) as u8).collect();
         let bodies: Vec<&[u8]> = vec![&[], &big, b"abc", &[]];
         let mut last = (0, 0);
-        let h = hash_all(&bodies, &mut |d, t| last = (d, t));
+        let h = hash_all(&bodies, &mut |d, t| last = (d, t), &|_| Ok(())).unwrap();
         assert_eq!(last, (big.len() as u64 + 3, big.len() as u64 + 3));
         for (b, h) in bodies.iter().zip(&h) {
             assert_eq!(*h, blake3::hash(b));
         }
-        assert!(hash_all(&[], &mut |_, _| {}).is_empty());
+        assert!(hash_all(&[], &mut |_, _| {}, &|_| Ok(()))
+            .unwrap()
+            .is_empty());
+    }
+
+    /// Defect 4 while hashing: a checkpoint truncated after it was opened is an error
+    /// naming the file and the offset, from try_build and verify_checkpoint alike.
+    #[test]
+    fn sigbus_a_file_truncated_while_hashed_is_an_error_naming_file_and_offset() {
+        let d = tempfile::tempdir().unwrap();
+        let big: Vec<u8> = (0..(256 << 10)).map(|i| (i % 253) as u8).collect();
+        let f = d.path().join("model.safetensors");
+        write(
+            &f,
+            &[
+                ("a.weight", DType::U8, &[16], &big[..16]),
+                ("b.weight", DType::U8, &[big.len()], &big),
+            ],
+            &BTreeMap::new(),
+        )
+        .unwrap();
+        let ckpt = Checkpoint::open(d.path()).unwrap();
+        let m = Manifest::try_build(&ckpt, &mut |_, _| {}).unwrap();
+        let b = ckpt.get("b.weight").unwrap().info.clone();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&f)
+            .unwrap()
+            .set_len(b.offset + 8192)
+            .unwrap();
+        for e in [
+            Manifest::try_build(&ckpt, &mut |_, _| {}).unwrap_err(),
+            m.verify_checkpoint(&ckpt, &mut |_, _| {}).unwrap_err(),
+        ] {
+            match &e {
+                FormatError::Fault { path, offset } => {
+                    assert_eq!(path, &f);
+                    assert!(
+                        *offset >= b.offset + 8192 && *offset < b.offset + b.len,
+                        "{e}"
+                    );
+                }
+                other => panic!("expected a fault, got {other:?}"),
+            }
+            assert!(e.to_string().contains("model.safetensors"), "{e}");
+        }
     }
 }

@@ -5,11 +5,10 @@ use std::fs::File;
 use std::ops::Deref;
 use std::path::{Path, PathBuf};
 
-use memmap2::Mmap;
-
 use super::dequant::dequantize;
 use super::{GgmlType, DEFAULT_ALIGNMENT, GGUF_MAGIC};
 use crate::error::{FormatError, Result};
+use crate::mapguard::GuardedMap;
 
 /// Most dimensions a ggml tensor has (`GGML_MAX_DIMS`).
 const MAX_DIMS: u32 = 4;
@@ -311,7 +310,7 @@ impl GgufTensorInfo {
 }
 
 enum Bytes {
-    Mapped(Mmap),
+    Mapped(GuardedMap),
     Owned(Vec<u8>),
 }
 
@@ -361,12 +360,10 @@ impl GgufFile {
             // mmap of an empty file fails on some platforms; parse reports truncation.
             Bytes::Owned(Vec::new())
         } else {
-            // SAFETY: the mapping is read-only and private to this value. Like every
-            // reader of mapped model files, we rely on the file not being truncated or
-            // rewritten while it is open (model files are immutable once written); all
-            // reads are bounds-checked against the length captured at map time.
-            let map = unsafe { Mmap::map(&file) }.map_err(|e| FormatError::io(path, e))?;
-            Bytes::Mapped(map)
+            // Reads are bounds-checked against the length captured at map time; a file
+            // truncated while mapped reads as zeros past its new end, reported by
+            // check_faults (below, and after every use of the bytes).
+            Bytes::Mapped(GuardedMap::map(&file, path)?)
         };
         Self::parse(path.to_path_buf(), bytes)
     }
@@ -377,7 +374,12 @@ impl GgufFile {
     }
 
     fn parse(path: PathBuf, bytes: Bytes) -> Result<GgufFile> {
-        let parsed = Parser::new(&path, &bytes).parse()?;
+        let parsed = Parser::new(&path, &bytes).parse();
+        if let Bytes::Mapped(m) = &bytes {
+            // A fault while parsing: the parser saw zeros, whatever it concluded.
+            m.check()?;
+        }
+        let parsed = parsed?;
         Ok(GgufFile {
             path,
             bytes,
@@ -537,7 +539,20 @@ impl GgufFile {
         }
     }
 
-    /// The bytes of a tensor of this file.
+    /// `Ok` while no read of the file's mapping has faulted; else
+    /// [`FormatError::Fault`] naming the file and the offset of the first faulting read
+    /// (the file was truncated while mapped). Call it after using bytes from
+    /// [`GgufFile::tensor_bytes`]; on `Err`, discard what was computed from them.
+    /// [`GgufFile::dequantize_tensor`] checks by itself.
+    pub fn check_faults(&self) -> Result<()> {
+        match &self.bytes {
+            Bytes::Mapped(m) => m.check(),
+            Bytes::Owned(_) => Ok(()),
+        }
+    }
+
+    /// The bytes of a tensor of this file, in place in the mapping. If the file is
+    /// truncated while mapped they may read as zeros: see [`GgufFile::check_faults`].
     pub fn tensor_bytes(&self, info: &GgufTensorInfo) -> Result<&[u8]> {
         let range = self
             .data_start
@@ -561,7 +576,10 @@ impl GgufFile {
             tensor: info.name.clone(),
             detail: "too many elements for this platform".into(),
         })?;
-        dequantize(info.ggml_type, bytes, n).map_err(|e| match e {
+        let values = dequantize(info.ggml_type, bytes, n);
+        // Values computed from a faulted read are discarded, whatever they are.
+        self.check_faults()?;
+        values.map_err(|e| match e {
             super::DequantError::Unsupported(t) => FormatError::Unsupported {
                 path: self.path.clone(),
                 what: format!("tensor '{}': dequantization of ggml type {t}", info.name),
@@ -1075,6 +1093,51 @@ mod tests {
         std::fs::write(&p, b"").unwrap();
         let e = GgufFile::open(&p).unwrap_err().to_string();
         assert!(e.contains("truncated"), "{e}");
+    }
+
+    /// Defect 4 on the GGUF path: a file truncated while mapped is an error naming the
+    /// file and the offset of the read, never a SIGBUS.
+    #[test]
+    fn sigbus_a_gguf_truncated_while_open_is_an_error_naming_file_and_offset() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("big.gguf");
+        let n = 64 * 1024; // 256 KiB of f32: many pages
+        let vals: Vec<u8> = (0..n).flat_map(|i| (i as f32).to_le_bytes()).collect();
+        let mut w = GgufWriter::new();
+        w.add_kv("general.architecture", GgufValue::String("llama".into()));
+        w.add_tensor("w", &[n as u64], GgmlType::F32, &vals);
+        std::fs::write(&p, w.to_bytes()).unwrap();
+        let f = GgufFile::open(&p).unwrap();
+        let t = f.tensor("w").unwrap().clone();
+        assert_eq!(f.dequantize_tensor(&t).unwrap()[n - 1], (n - 1) as f32);
+        f.check_faults().unwrap();
+        let start = f.data_start() + t.offset();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&p)
+            .unwrap()
+            .set_len(start + 4096)
+            .unwrap();
+        let e = f.dequantize_tensor(&t).unwrap_err();
+        match &e {
+            FormatError::Fault { path, offset } => {
+                assert_eq!(path, &p);
+                assert!(
+                    *offset >= start + 4096 && *offset < start + t.n_bytes(),
+                    "{e}"
+                );
+            }
+            other => panic!("expected a fault, got {other:?}"),
+        }
+        assert!(e.to_string().contains("big.gguf"), "{e}");
+        // Borrowed bytes: the same report through check_faults.
+        let _ = f
+            .tensor_bytes(&t)
+            .unwrap()
+            .iter()
+            .map(|&b| b as u64)
+            .sum::<u64>();
+        assert!(f.check_faults().is_err());
     }
 
     #[test]

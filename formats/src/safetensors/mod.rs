@@ -24,13 +24,13 @@ use std::fs::File;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
-use memmap2::Mmap;
 use serde::de::{Deserializer, MapAccess, Visitor};
 use serde::Deserialize;
 use serde_json::Value;
 
 use crate::dtype::DType;
 use crate::error::{FormatError, Result};
+use crate::mapguard::{FileIdentity, GuardedMap};
 
 /// Largest header vOOM accepts. Real checkpoints with tens of thousands of tensors
 /// have headers of a few MiB; a larger length is corruption or an attack.
@@ -383,10 +383,19 @@ impl<'de> Deserialize<'de> for OrderedEntries {
 }
 
 /// A safetensors file, memory mapped read-only, with its validated header.
+///
+/// The mapping is a [`GuardedMap`]: a read past a truncation reads zeros instead of
+/// raising `SIGBUS`, and [`SafetensorsFile::check_faults`] reports it. Readers of
+/// [`SafetensorsFile::tensor_bytes`] and [`SafetensorsFile::mapping`] call
+/// `check_faults` after using the bytes and discard what they computed on `Err`. The
+/// file stays open beside the mapping, so its current identity ([`FileIdentity`]) can
+/// be compared with the one it had when it was opened.
 pub struct SafetensorsFile {
     pub path: PathBuf,
     pub header: Header,
-    map: Mmap,
+    map: GuardedMap,
+    file: File,
+    identity: FileIdentity,
     by_name: HashMap<String, usize>,
 }
 
@@ -435,12 +444,11 @@ impl SafetensorsFile {
         head.resize(data_start as usize, 0);
         (&file).read_exact(&mut head[8..]).map_err(io)?;
         let header = parse_header(path, &head, meta.len())?;
-        // SAFETY: the mapping is read-only and private to this process. A model store's
-        // files are immutable while served (the store only ever replaces files by rename,
-        // which leaves existing mappings intact); a file truncated or rewritten in place
-        // by another process is outside that contract, and page contents are checked
-        // against the manifest's blake3 before use.
-        let map = unsafe { Mmap::map(&file) }.map_err(io)?;
+        // A model store's files are immutable while served (the store only replaces
+        // files by rename, which leaves existing mappings intact). A file truncated by
+        // another process faults into the guard (check_faults); one rewritten in place
+        // is for the reader to notice (identity, manifest hashes).
+        let map = GuardedMap::map(&file, path)?;
         if map.len() as u64 != meta.len() {
             return Err(FormatError::Malformed {
                 path: path.to_path_buf(),
@@ -462,8 +470,35 @@ impl SafetensorsFile {
             path: path.to_path_buf(),
             header,
             map,
+            file,
+            identity: FileIdentity::of_metadata(&meta),
             by_name,
         })
+    }
+
+    /// `Ok` while no read of the mapping has faulted; else [`FormatError::Fault`]
+    /// naming this file and the offset of the first faulting read (for good: reopen
+    /// the file). Call it after using bytes from [`SafetensorsFile::tensor_bytes`] or
+    /// [`SafetensorsFile::mapping`]; on `Err`, discard what was computed from them.
+    pub fn check_faults(&self) -> Result<()> {
+        self.map.check()
+    }
+
+    /// The open file behind the mapping (to `fstat` it; it is never read through).
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
+    /// The file's identity when it was opened (the `fstat` the mapping was sized by).
+    pub fn identity(&self) -> FileIdentity {
+        self.identity
+    }
+
+    /// The file's identity now (one `fstat` of the open descriptor): differs from
+    /// [`SafetensorsFile::identity`] once the file was written, truncated or touched.
+    /// A rename over the path does not change it: the descriptor keeps the old inode.
+    pub fn current_identity(&self) -> Result<FileIdentity> {
+        FileIdentity::of_file(&self.file, &self.path)
     }
 
     /// The tensor called `name`, if this file has it.
@@ -471,7 +506,8 @@ impl SafetensorsFile {
         self.by_name.get(name).map(|&i| &self.header.tensors[i])
     }
 
-    /// The bytes of `t`, in place in the mapping (no copy).
+    /// The bytes of `t`, in place in the mapping (no copy). If the file is truncated
+    /// while mapped they may read as zeros: see [`SafetensorsFile::check_faults`].
     ///
     /// # Panics
     /// If `t` is not a tensor of this file's header and lies outside the mapping.
@@ -492,9 +528,10 @@ impl SafetensorsFile {
             })
     }
 
-    /// The whole mapped file.
+    /// The whole mapped file (reads past a truncation: zeros, reported by
+    /// [`SafetensorsFile::check_faults`]).
     pub fn mapping(&self) -> &[u8] {
-        &self.map
+        self.map.bytes()
     }
 
     /// The file's length in bytes.

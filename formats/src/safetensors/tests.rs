@@ -539,3 +539,48 @@ fn streamed_writes_equal_whole_writes_and_wrong_lengths_are_errors() {
     let leftovers = std::fs::read_dir(d.path()).unwrap().count();
     assert_eq!(leftovers, 2, "no temporary file is left behind");
 }
+
+/// Defect 4 on a safetensors file: a tensor read after the file was truncated reads
+/// zeros instead of raising SIGBUS, and check_faults names the file and the offset; the
+/// file's identity shows the truncation.
+#[test]
+fn sigbus_a_file_truncated_while_mapped_is_a_fault_naming_file_and_offset() {
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("model.safetensors");
+    let data: Vec<u8> = (0..(64 << 10)).map(|i| (i % 241) as u8 + 1).collect();
+    write(
+        &p,
+        &[("w", DType::U8, &[data.len()], &data)],
+        &BTreeMap::new(),
+    )
+    .unwrap();
+    let f = SafetensorsFile::open(&p).unwrap();
+    let t = f.tensor("w").unwrap().clone();
+    assert_eq!(f.tensor_bytes(&t), &data[..]);
+    f.check_faults().unwrap();
+    assert_eq!(f.current_identity().unwrap(), f.identity());
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&p)
+        .unwrap()
+        .set_len(t.offset + 100)
+        .unwrap();
+    let now = f.current_identity().unwrap();
+    assert_eq!(now.len, t.offset + 100);
+    assert!(now.content_may_differ(&f.identity()));
+    let sum: u64 = f.tensor_bytes(&t).iter().map(|&b| u64::from(b)).sum();
+    assert!(sum < data.iter().map(|&b| u64::from(b)).sum::<u64>());
+    let e = f.check_faults().unwrap_err();
+    let FormatError::Fault { path, offset } = &e else {
+        panic!("expected a fault, got {e:?}");
+    };
+    assert_eq!(path, &p);
+    assert!(
+        *offset >= t.offset + 100 && *offset < t.offset + t.len,
+        "{e}"
+    );
+    assert!(
+        e.to_string().contains(&format!("byte offset {offset}")),
+        "{e}"
+    );
+}
