@@ -3,13 +3,44 @@
 //! The HF struct ([`HfConfig`]) is kept apart from the internal one ([`ModelConfig`]):
 //! every option that changes arithmetic is either understood here or rejected with an
 //! error naming it. A config vOOM half-understands would give a wrong answer.
+//!
+//! A config is untrusted input, too. Each key is read with its type checked (a wrong
+//! type is an error naming the key), and every value is checked against [`limits`]
+//! and the rules of [`ModelConfig::validate`] before anything is sized from it: a
+//! hostile or broken file is an error naming the key, the value and the allowed range,
+//! never an abort or a run that computes garbage. Whether the values describe the
+//! checkpoint's tensors is checked when the model loads, before it allocates anything
+//! (`model::llama::LlamaModel::load`).
 
+use std::io::Read;
 use std::path::Path;
 
-use serde::Deserialize;
-use serde_json::Value;
+use serde_json::{Map, Value};
 
 use crate::VoomError;
+
+/// Upper bounds on `config.json` values, far above any published model's. They keep a
+/// hostile value from sizing an allocation or overflowing arithmetic before the
+/// checkpoint is consulted; the checkpoint's tensors then decide (every dimension must
+/// match them, and the layer count must be the checkpoint's).
+pub mod limits {
+    /// Bytes of `config.json` read (published ones are a few KiB).
+    pub const CONFIG_BYTES: u64 = 16 << 20;
+    /// Decoder layers (`num_hidden_layers`).
+    pub const LAYERS: usize = 1 << 16;
+    /// Attention heads (`num_attention_heads`; `num_key_value_heads` is at most that).
+    pub const HEADS: usize = 1 << 16;
+    /// `head_dim`.
+    pub const HEAD_DIM: usize = 1 << 16;
+    /// `hidden_size`, `intermediate_size`, and the width of all attention heads
+    /// together (`num_attention_heads × head_dim`).
+    pub const WIDTH: usize = 1 << 24;
+    /// `vocab_size`: every token id below it fits in a u32.
+    pub const VOCAB: usize = u32::MAX as usize;
+    /// `max_position_embeddings` and llama3's `original_max_position_embeddings`:
+    /// rotary angles are computed from positions in float32, exact integers up to 2^24.
+    pub const POSITIONS: usize = 1 << 24;
+}
 
 /// The architectures vOOM computes. All are Llama-family decoders that differ in
 /// small, explicit ways.
@@ -48,6 +79,9 @@ pub enum RopeScaling {
     },
 }
 
+/// The internal configuration. [`ModelConfig::from_hf`] returns only valid ones; a
+/// config built or changed by hand is checked again by [`ModelConfig::validate`] when a
+/// model loads it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelConfig {
     pub arch: Arch,
@@ -73,13 +107,16 @@ pub struct ModelConfig {
     /// Per layer: `Some(w)` when the layer attends only to the last `w` positions
     /// (the query's own included), `None` for full causal attention.
     pub sliding_window: Vec<Option<usize>>,
+    /// Below `vocab_size` (see [`token_ids`]).
     pub bos_token_id: Option<u32>,
+    /// Each below `vocab_size` (see [`token_ids`]).
     pub eos_token_ids: Vec<u32>,
 }
 
-/// The subset of HF `config.json` keys vOOM reads. Unknown keys are ignored unless
-/// they are checked explicitly in [`ModelConfig::from_hf`].
-#[derive(Debug, Deserialize)]
+/// The subset of HF `config.json` keys vOOM reads, each with its JSON type checked
+/// ([`HfConfig::from_value`]). Unknown keys are ignored unless they are checked
+/// explicitly in [`ModelConfig::from_hf`]; `null` is the same as an absent key.
+#[derive(Debug, Clone, Default)]
 pub struct HfConfig {
     pub model_type: Option<String>,
     pub architectures: Option<Vec<String>>,
@@ -110,14 +147,186 @@ pub struct HfConfig {
     pub pretraining_tp: Option<usize>,
 }
 
-fn ids_of(v: &Option<Value>) -> Vec<u32> {
-    match v {
-        Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-        Some(Value::Array(a)) => a
-            .iter()
-            .filter_map(|x| x.as_u64().map(|x| x as u32))
-            .collect(),
-        _ => vec![],
+impl HfConfig {
+    /// Reads the keys vOOM knows from a parsed `config.json`. A value of the wrong
+    /// type (a string for a size, a float or a negative number for a count, an integer
+    /// beyond u64) is an error naming its key and quoting the value.
+    pub fn from_value(v: &Value) -> Result<Self, String> {
+        let obj = v
+            .as_object()
+            .ok_or_else(|| format!("must be a JSON object, got {}", quote(v)))?;
+        let f = Keys(obj);
+        Ok(HfConfig {
+            model_type: f.string("model_type")?,
+            architectures: f.strings("architectures")?,
+            hidden_size: f.count("hidden_size")?,
+            intermediate_size: f.count("intermediate_size")?,
+            num_hidden_layers: f.count("num_hidden_layers")?,
+            num_attention_heads: f.count("num_attention_heads")?,
+            num_key_value_heads: f.count("num_key_value_heads")?,
+            head_dim: f.count("head_dim")?,
+            vocab_size: f.count("vocab_size")?,
+            max_position_embeddings: f.count("max_position_embeddings")?,
+            rms_norm_eps: f.number("rms_norm_eps")?,
+            rope_theta: f.number("rope_theta")?,
+            rope_scaling: f.any("rope_scaling"),
+            rope_parameters: f.any("rope_parameters"),
+            tie_word_embeddings: f.boolean("tie_word_embeddings")?,
+            attention_bias: f.boolean("attention_bias")?,
+            mlp_bias: f.boolean("mlp_bias")?,
+            hidden_act: f.string("hidden_act")?,
+            sliding_window: f.any("sliding_window"),
+            use_sliding_window: f.boolean("use_sliding_window")?,
+            max_window_layers: f.count("max_window_layers")?,
+            layer_types: f.strings("layer_types")?,
+            partial_rotary_factor: f.number("partial_rotary_factor")?,
+            quantization_config: f.any("quantization_config"),
+            bos_token_id: f.any("bos_token_id"),
+            eos_token_id: f.any("eos_token_id"),
+            pretraining_tp: f.count("pretraining_tp")?,
+        })
+    }
+}
+
+/// Typed reads of a JSON object's keys; `null` reads as absent.
+struct Keys<'a>(&'a Map<String, Value>);
+
+impl Keys<'_> {
+    fn any(&self, key: &str) -> Option<Value> {
+        self.0.get(key).filter(|v| !v.is_null()).cloned()
+    }
+
+    fn typed<T>(
+        &self,
+        key: &str,
+        what: &str,
+        read: impl Fn(&Value) -> Option<T>,
+    ) -> Result<Option<T>, String> {
+        match self.0.get(key).filter(|v| !v.is_null()) {
+            None => Ok(None),
+            Some(v) => read(v)
+                .map(Some)
+                .ok_or_else(|| format!("'{key}' must be {what}, got {}", quote(v))),
+        }
+    }
+
+    fn count(&self, key: &str) -> Result<Option<usize>, String> {
+        self.typed(key, "a non-negative integer", as_count)
+    }
+
+    fn number(&self, key: &str) -> Result<Option<f64>, String> {
+        self.typed(key, "a number", Value::as_f64)
+    }
+
+    fn boolean(&self, key: &str) -> Result<Option<bool>, String> {
+        self.typed(key, "true or false", Value::as_bool)
+    }
+
+    fn string(&self, key: &str) -> Result<Option<String>, String> {
+        self.typed(key, "a string", |v| v.as_str().map(str::to_string))
+    }
+
+    fn strings(&self, key: &str) -> Result<Option<Vec<String>>, String> {
+        self.typed(key, "a list of strings", |v| {
+            v.as_array()?
+                .iter()
+                .map(|s| s.as_str().map(str::to_string))
+                .collect()
+        })
+    }
+}
+
+/// A JSON integer that fits usize (no float, however round, and nothing that wraps).
+fn as_count(v: &Value) -> Option<usize> {
+    v.as_u64().and_then(|x| usize::try_from(x).ok())
+}
+
+/// A JSON value for an error message, cut short when long.
+fn quote(v: &Value) -> String {
+    let s = v.to_string();
+    match s.char_indices().nth(80) {
+        Some((i, _)) => format!("{}...", &s[..i]),
+        None => s,
+    }
+}
+
+/// `config.json`'s text: a regular file (a FIFO or a device is refused without being
+/// opened, so nothing blocks) of at most [`limits::CONFIG_BYTES`].
+fn read_config(path: &Path) -> Result<String, String> {
+    let meta = std::fs::metadata(path).map_err(|e| format!("cannot read: {e}"))?;
+    if !meta.is_file() {
+        return Err(format!(
+            "not a regular file ({:?}); config.json must be one",
+            meta.file_type()
+        ));
+    }
+    let too_big = |len: u64| {
+        format!(
+            "is {len} bytes; a config.json of more than {} bytes is refused",
+            limits::CONFIG_BYTES
+        )
+    };
+    if meta.len() > limits::CONFIG_BYTES {
+        return Err(too_big(meta.len()));
+    }
+    let file = std::fs::File::open(path).map_err(|e| format!("cannot read: {e}"))?;
+    let mut text = String::new();
+    file.take(limits::CONFIG_BYTES + 1)
+        .read_to_string(&mut text)
+        .map_err(|e| format!("cannot read: {e}"))?;
+    if text.len() as u64 > limits::CONFIG_BYTES {
+        return Err(too_big(text.len() as u64));
+    }
+    Ok(text)
+}
+
+/// Token ids given by `key` of a config file (one id or a list of them), as
+/// transformers reads `bos_token_id` / `eos_token_id`. An entry that is not a token
+/// id of a vocabulary of `vocab_size` (negative, fractional, not a number, or not
+/// below `vocab_size`) is dropped with a warning naming it: the model can never
+/// produce such an id, so it could never end generation (transformers warns and
+/// generates on, too). Nothing is wrapped: 2^32 is dropped, never read as 0.
+pub fn token_ids(v: Option<&Value>, key: &str, vocab_size: usize, file: &Path) -> Vec<u32> {
+    let entries: Vec<&Value> = match v {
+        None | Some(Value::Null) => vec![],
+        Some(Value::Array(a)) => a.iter().collect(),
+        Some(one) => vec![one],
+    };
+    let mut ids = Vec::with_capacity(entries.len());
+    for e in entries {
+        match e
+            .as_u64()
+            .and_then(|x| u32::try_from(x).ok())
+            .filter(|&x| (x as usize) < vocab_size)
+        {
+            Some(id) => ids.push(id),
+            None => tracing::warn!(
+                "{}: '{key}' {} is not a token id of this model (0..{vocab_size}); ignored, since it can never be generated",
+                file.display(),
+                quote(e)
+            ),
+        }
+    }
+    ids
+}
+
+/// `Err` unless `lo <= v <= hi`, naming `key` and the range.
+fn within(key: &str, v: usize, lo: usize, hi: usize) -> Result<(), String> {
+    if (lo..=hi).contains(&v) {
+        Ok(())
+    } else {
+        Err(format!("'{key}' is {v}; the allowed range is {lo}..={hi}"))
+    }
+}
+
+/// `Err` unless `v` (as float32, as it is computed with) is finite and positive.
+fn positive_finite(key: &str, v: f32) -> Result<(), String> {
+    if v.is_finite() && v > 0.0 {
+        Ok(())
+    } else {
+        Err(format!(
+            "'{key}' is {v} as float32; it must be a positive finite number"
+        ))
     }
 }
 
@@ -125,22 +334,26 @@ impl ModelConfig {
     /// Reads `config.json` in a model directory.
     pub fn from_dir(dir: &Path) -> Result<Self, VoomError> {
         let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|e| VoomError::Config {
+        let text = read_config(&path).map_err(|detail| VoomError::Config {
             path: path.clone(),
-            detail: format!("cannot read: {e}"),
+            detail,
         })?;
         Self::from_json(&text, &path)
     }
 
     /// Parses `config.json` text; `path` is used in errors.
     pub fn from_json(text: &str, path: &Path) -> Result<Self, VoomError> {
-        let hf: HfConfig = serde_json::from_str(text).map_err(|e| VoomError::Config {
+        let err = |detail: String| VoomError::Config {
             path: path.to_path_buf(),
-            detail: format!("not a valid config.json: {e}"),
-        })?;
+            detail,
+        };
+        let v: Value =
+            serde_json::from_str(text).map_err(|e| err(format!("not a valid config.json: {e}")))?;
+        let hf = HfConfig::from_value(&v).map_err(err)?;
         Self::from_hf(&hf, path)
     }
 
+    /// The internal configuration of `hf`, checked by [`ModelConfig::validate`].
     pub fn from_hf(hf: &HfConfig, path: &Path) -> Result<Self, VoomError> {
         let err = |detail: String| VoomError::Config {
             path: path.to_path_buf(),
@@ -168,13 +381,11 @@ impl ModelConfig {
                 )))
             }
         };
-        if let Some(q) = &hf.quantization_config {
-            if !q.is_null() {
-                return Err(err(
-                    "quantized checkpoints ('quantization_config') are not supported in exact mode"
-                        .into(),
-                ));
-            }
+        if hf.quantization_config.is_some() {
+            return Err(err(
+                "quantized checkpoints ('quantization_config') are not supported in exact mode"
+                    .into(),
+            ));
         }
         let act = hf.hidden_act.as_deref().unwrap_or("silu");
         if act != "silu" {
@@ -201,11 +412,6 @@ impl ModelConfig {
             hf.num_key_value_heads.or(Some(num_heads)),
             "num_key_value_heads",
         )?;
-        if num_heads % num_kv_heads != 0 {
-            return Err(err(format!(
-                "num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}"
-            )));
-        }
         let head_dim = match hf.head_dim {
             Some(d) => need(Some(d), "head_dim")?,
             None => {
@@ -217,20 +423,17 @@ impl ModelConfig {
                 hidden_size / num_heads
             }
         };
-        if head_dim % 2 != 0 {
-            return Err(err(format!(
-                "head_dim {head_dim} must be even for rotary embeddings"
-            )));
-        }
         let vocab_size = need(hf.vocab_size, "vocab_size")?;
         let max_position_embeddings = need(hf.max_position_embeddings, "max_position_embeddings")?;
+        // Both are used in float32, as transformers does (validate checks what they
+        // become there: 1e-50 is 0, 1e39 is infinite).
         let rms_norm_eps = hf.rms_norm_eps.unwrap_or(1e-6) as f32;
 
         // Rope: transformers 5 writes `rope_parameters` ({rope_type, rope_theta, ...});
         // older configs have top-level `rope_theta` and optional `rope_scaling`.
         let mut rope_theta = hf.rope_theta;
-        let mut scaling: Option<&Value> = hf.rope_scaling.as_ref().filter(|v| !v.is_null());
-        if let Some(p) = hf.rope_parameters.as_ref().filter(|v| !v.is_null()) {
+        let mut scaling: Option<&Value> = hf.rope_scaling.as_ref();
+        if let Some(p) = hf.rope_parameters.as_ref() {
             let obj = p
                 .as_object()
                 .ok_or_else(|| err("'rope_parameters' must be an object".into()))?;
@@ -240,10 +443,12 @@ impl ModelConfig {
                 ));
             }
             if let Some(t) = obj.get("rope_theta") {
-                rope_theta =
-                    Some(t.as_f64().ok_or_else(|| {
-                        err("'rope_parameters.rope_theta' must be a number".into())
-                    })?);
+                rope_theta = Some(t.as_f64().ok_or_else(|| {
+                    err(format!(
+                        "'rope_parameters.rope_theta' must be a number, got {}",
+                        quote(t)
+                    ))
+                })?);
             }
             scaling = Some(p);
         }
@@ -267,9 +472,7 @@ impl ModelConfig {
             _ => false,
         };
 
-        let sliding_window = sliding_windows(hf, arch, num_layers).map_err(err)?;
-
-        Ok(ModelConfig {
+        let mut cfg = ModelConfig {
             arch,
             hidden_size,
             intermediate_size,
@@ -287,10 +490,147 @@ impl ModelConfig {
             o_bias,
             mlp_bias,
             qk_norm: arch == Arch::Qwen3,
-            sliding_window,
-            bos_token_id: ids_of(&hf.bos_token_id).first().copied(),
-            eos_token_ids: ids_of(&hf.eos_token_id),
-        })
+            sliding_window: Vec::new(),
+            bos_token_id: None,
+            eos_token_ids: Vec::new(),
+        };
+        // The per-layer lists are sized by num_layers: only once it is in range.
+        cfg.check_scalars().map_err(err)?;
+        cfg.sliding_window = sliding_windows(hf, arch, num_layers).map_err(err)?;
+        cfg.bos_token_id = token_ids(hf.bos_token_id.as_ref(), "bos_token_id", vocab_size, path)
+            .first()
+            .copied();
+        cfg.eos_token_ids = token_ids(hf.eos_token_id.as_ref(), "eos_token_id", vocab_size, path);
+        cfg.validate(path)?;
+        Ok(cfg)
+    }
+
+    /// Checks every value against [`limits`] and the rules the arithmetic needs:
+    /// sizes and counts in range, `num_attention_heads` a multiple of
+    /// `num_key_value_heads`, an even `head_dim`, `rms_norm_eps` and `rope_theta`
+    /// positive and finite in float32, rope scaling parameters in range, finite rotary
+    /// angles at every position below `max_position_embeddings`, one attention window
+    /// per layer, special token ids inside the vocabulary. `path` names the config in
+    /// the error. Nothing is allocated in proportion to any value checked.
+    pub fn validate(&self, path: &Path) -> Result<(), VoomError> {
+        self.check_scalars()
+            .and_then(|()| self.check_lists())
+            .map_err(|detail| VoomError::Config {
+                path: path.to_path_buf(),
+                detail,
+            })
+    }
+
+    /// Everything but the per-layer and token lists.
+    fn check_scalars(&self) -> Result<(), String> {
+        within("num_hidden_layers", self.num_layers, 1, limits::LAYERS)?;
+        within("hidden_size", self.hidden_size, 1, limits::WIDTH)?;
+        within(
+            "intermediate_size",
+            self.intermediate_size,
+            1,
+            limits::WIDTH,
+        )?;
+        within("num_attention_heads", self.num_heads, 1, limits::HEADS)?;
+        if self.num_kv_heads == 0 || !self.num_heads.is_multiple_of(self.num_kv_heads) {
+            return Err(format!(
+                "'num_attention_heads' {} is not a multiple of 'num_key_value_heads' {}",
+                self.num_heads, self.num_kv_heads
+            ));
+        }
+        within("head_dim", self.head_dim, 2, limits::HEAD_DIM)?;
+        if !self.head_dim.is_multiple_of(2) {
+            return Err(format!(
+                "'head_dim' {} must be even for rotary embeddings",
+                self.head_dim
+            ));
+        }
+        if !matches!(self.num_heads.checked_mul(self.head_dim), Some(w) if w <= limits::WIDTH) {
+            return Err(format!(
+                "'num_attention_heads' {} × 'head_dim' {} exceeds the largest attention width, {}",
+                self.num_heads,
+                self.head_dim,
+                limits::WIDTH
+            ));
+        }
+        within("vocab_size", self.vocab_size, 1, limits::VOCAB)?;
+        within(
+            "max_position_embeddings",
+            self.max_position_embeddings,
+            1,
+            limits::POSITIONS,
+        )?;
+        positive_finite("rms_norm_eps", self.rms_norm_eps)?;
+        positive_finite("rope_theta", self.rope_theta)?;
+        if let RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        } = self.rope_scaling
+        {
+            positive_finite("rope_scaling.factor", factor)?;
+            positive_finite("rope_scaling.low_freq_factor", low_freq_factor)?;
+            positive_finite("rope_scaling.high_freq_factor", high_freq_factor)?;
+            if high_freq_factor <= low_freq_factor {
+                return Err(format!(
+                    "'rope_scaling.high_freq_factor' {high_freq_factor} must be greater than 'rope_scaling.low_freq_factor' {low_freq_factor}"
+                ));
+            }
+            within(
+                "rope_scaling.original_max_position_embeddings",
+                original_max_position_embeddings,
+                1,
+                limits::POSITIONS,
+            )?;
+        }
+        self.check_rotary_angles()
+    }
+
+    /// Every rotary frequency finite and non-negative, and so is its angle at the last
+    /// position (a tiny `rope_theta` or scaling factor can overflow float32 there).
+    fn check_rotary_angles(&self) -> Result<(), String> {
+        let last = (self.max_position_embeddings - 1) as f32;
+        let inv_freq = crate::model::rope::inv_freq(self);
+        match inv_freq
+            .iter()
+            .enumerate()
+            .find(|(_, &f)| !(f >= 0.0 && f.is_finite() && (f * last).is_finite()))
+        {
+            None => Ok(()),
+            Some((i, f)) => Err(format!(
+                "'rope_theta' {} with rope scaling {:?} gives rotary frequency {i} of {f}: its angle is not finite at every position below 'max_position_embeddings' {}",
+                self.rope_theta, self.rope_scaling, self.max_position_embeddings
+            )),
+        }
+    }
+
+    /// The attention windows (one per layer) and the special token ids.
+    fn check_lists(&self) -> Result<(), String> {
+        if self.sliding_window.len() != self.num_layers {
+            return Err(format!(
+                "{} attention windows for {} layers ('num_hidden_layers')",
+                self.sliding_window.len(),
+                self.num_layers
+            ));
+        }
+        if let Some(i) = self.sliding_window.iter().position(|w| *w == Some(0)) {
+            return Err(format!("the sliding window of layer {i} is 0"));
+        }
+        for (key, id) in self
+            .bos_token_id
+            .iter()
+            .map(|id| ("bos_token_id", id))
+            .chain(self.eos_token_ids.iter().map(|id| ("eos_token_id", id)))
+        {
+            if *id as usize >= self.vocab_size {
+                return Err(format!(
+                    "'{key}' {id} is outside the vocabulary (0..{})",
+                    self.vocab_size
+                ));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -314,17 +654,27 @@ fn parse_rope_scaling(s: &Value) -> Result<RopeScaling, String> {
             let factor = num("factor")?;
             let low = num("low_freq_factor")?;
             let high = num("high_freq_factor")?;
-            let orig = num("original_max_position_embeddings")?;
-            if factor <= 0.0 || low <= 0.0 || high <= low || orig < 1.0 {
-                return Err(format!(
-                    "invalid llama3 rope scaling: factor {factor}, low_freq_factor {low}, high_freq_factor {high}, original_max_position_embeddings {orig}"
-                ));
-            }
+            let key = "original_max_position_embeddings";
+            // An integer; an integral float such as 8192.0 is read as before.
+            let integral = |v: &Value| {
+                as_count(v).or_else(|| {
+                    v.as_f64()
+                        .filter(|x| x.fract() == 0.0 && (0.0..=(1u64 << 53) as f64).contains(x))
+                        .map(|x| x as usize)
+                })
+            };
+            let orig = obj.get(key).and_then(integral).ok_or_else(|| {
+                format!(
+                    "rope scaling 'llama3' needs a non-negative integer '{key}', got {}",
+                    obj.get(key).map_or("nothing".into(), quote)
+                )
+            })?;
+            // Ranges are checked by ModelConfig::validate, on the float32 values.
             Ok(RopeScaling::Llama3 {
                 factor: factor as f32,
                 low_freq_factor: low as f32,
                 high_freq_factor: high as f32,
-                original_max_position_embeddings: orig as usize,
+                original_max_position_embeddings: orig,
             })
         }
         other => Err(format!(
@@ -340,9 +690,12 @@ fn sliding_windows(
 ) -> Result<Vec<Option<usize>>, String> {
     let window = match &hf.sliding_window {
         None | Some(Value::Null) => None,
-        Some(v) => Some(v.as_u64().filter(|&w| w > 0).ok_or_else(|| {
-            format!("'sliding_window' must be a positive integer or null, got {v}")
-        })? as usize),
+        Some(v) => Some(as_count(v).filter(|&w| w > 0).ok_or_else(|| {
+            format!(
+                "'sliding_window' must be a positive integer or null, got {}",
+                quote(v)
+            )
+        })?),
     };
     if let Some(types) = &hf.layer_types {
         if types.len() != num_layers {
@@ -473,5 +826,282 @@ mod tests {
         assert!(e.to_string().contains("multiple"), "{e}");
         let e = parse("{not json").unwrap_err();
         assert!(e.to_string().contains("config.json"), "{e}");
+    }
+
+    /// The error text of `BASE` with `extra` keys replacing or adding to it.
+    fn problem(arch: &str, fields: &str) -> String {
+        let e = parse(&format!(r#"{{"model_type": "{arch}", {fields}}}"#)).unwrap_err();
+        assert!(matches!(e, VoomError::Config { .. }), "{e:?}");
+        e.to_string()
+    }
+
+    /// BASE with `key` set to `value` (JSON text); later keys win in serde_json.
+    fn with(key: &str, value: &str) -> String {
+        format!("{BASE}, \"{key}\": {value}")
+    }
+
+    #[test]
+    fn hostile_num_hidden_layers_is_an_error_before_anything_is_sized_from_it() {
+        // Issue 8: 1e9 layers aborted in sliding_windows (and in LlamaModel::load).
+        for arch in ["llama", "mistral", "qwen2", "qwen3"] {
+            let e = problem(arch, &with("num_hidden_layers", "1000000000"));
+            assert!(
+                e.contains("'num_hidden_layers' is 1000000000") && e.contains("1..=65536"),
+                "{e}"
+            );
+        }
+        let e = problem(
+            "qwen2",
+            &format!(
+                "{}, \"use_sliding_window\": true, \"sliding_window\": 4",
+                with("num_hidden_layers", "18446744073709551615")
+            ),
+        );
+        assert!(e.contains("num_hidden_layers"), "{e}");
+    }
+
+    #[test]
+    fn values_of_the_wrong_type_are_errors_naming_the_key() {
+        for (key, value) in [
+            ("num_hidden_layers", "1e9"),
+            ("num_hidden_layers", "-1"),
+            ("hidden_size", "\"64\""),
+            ("vocab_size", "18446744073709551616"),
+            ("intermediate_size", "12.5"),
+            ("rms_norm_eps", "\"small\""),
+            ("tie_word_embeddings", "1"),
+            ("layer_types", "[1, 2]"),
+        ] {
+            let e = problem("llama", &with(key, value));
+            assert!(e.contains(&format!("'{key}' must be")), "{key}: {e}");
+            assert!(e.contains("config.json"), "{e}");
+        }
+        let e = parse("[1, 2]").unwrap_err().to_string();
+        assert!(e.contains("must be a JSON object"), "{e}");
+    }
+
+    #[test]
+    fn sizes_beyond_the_limits_are_errors_naming_key_value_and_range() {
+        for (key, value, range) in [
+            ("hidden_size", "16777217", "1..=16777216"),
+            ("intermediate_size", "1000000000000", "1..=16777216"),
+            ("num_attention_heads", "65540", "1..=65536"),
+            ("head_dim", "131072", "2..=65536"),
+            ("vocab_size", "4294967296", "1..=4294967295"),
+            ("max_position_embeddings", "1000000000000", "1..=16777216"),
+        ] {
+            // head_dim given, so that hidden_size need not divide by the heads.
+            let extra = if key == "head_dim" {
+                ""
+            } else {
+                r#", "head_dim": 16"#
+            };
+            let e = problem("llama", &format!("{}{extra}", with(key, value)));
+            assert!(
+                e.contains(&format!("'{key}' is {value}")) && e.contains(range),
+                "{key}: {e}"
+            );
+        }
+        // Each in range, their product (the width of q) not.
+        let e = problem(
+            "qwen3",
+            &format!(
+                "{}, \"num_key_value_heads\": 1, \"head_dim\": 65536",
+                with("num_attention_heads", "65536")
+            ),
+        );
+        assert!(e.contains("attention width"), "{e}");
+        let e = problem("llama", &with("num_key_value_heads", "8"));
+        assert!(e.contains("num_key_value_heads"), "{e}");
+        let e = problem("llama", &with("head_dim", "15"));
+        assert!(e.contains("'head_dim' 15 must be even"), "{e}");
+    }
+
+    #[test]
+    fn rope_theta_zero_negative_or_infinite_is_an_error() {
+        // Issue 8: rope_theta 0 ran and emitted id 0 forever (NaN logits).
+        for v in ["0", "-1", "0.0", "1e39"] {
+            let e = problem("llama", &with("rope_theta", v));
+            assert!(e.contains("'rope_theta'"), "{v}: {e}");
+        }
+        let e = problem(
+            "llama",
+            &with(
+                "rope_parameters",
+                r#"{"rope_type": "default", "rope_theta": -5}"#,
+            ),
+        );
+        assert!(e.contains("'rope_theta' is -5"), "{e}");
+        // Positive but so small that the frequencies overflow float32.
+        let e = problem("llama", &with("rope_theta", "1e-44"));
+        assert!(
+            e.contains("rotary frequency") && e.contains("max_position_embeddings"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn rms_norm_eps_zero_negative_or_zero_in_float32_is_an_error() {
+        // Issue 8: rms_norm_eps 0 ran and emitted id 0 forever.
+        for v in ["0", "-1e-6", "1e-50", "1e39"] {
+            let e = problem("llama", &with("rms_norm_eps", v));
+            assert!(e.contains("'rms_norm_eps'"), "{v}: {e}");
+        }
+    }
+
+    #[test]
+    fn llama3_rope_scaling_out_of_range_is_an_error_naming_the_parameter() {
+        let scaling = |factor: &str, low: &str, high: &str, orig: &str| {
+            with(
+                "rope_scaling",
+                &format!(
+                    r#"{{"rope_type": "llama3", "factor": {factor}, "low_freq_factor": {low},
+                    "high_freq_factor": {high}, "original_max_position_embeddings": {orig}}}"#
+                ),
+            )
+        };
+        for (cfg, key) in [
+            (scaling("0", "1", "4", "32"), "rope_scaling.factor"),
+            (scaling("1e39", "1", "4", "32"), "rope_scaling.factor"),
+            (
+                scaling("8", "-1", "4", "32"),
+                "rope_scaling.low_freq_factor",
+            ),
+            (
+                scaling("8", "4", "1", "32"),
+                "rope_scaling.high_freq_factor",
+            ),
+            (
+                scaling("8", "1", "4", "0"),
+                "rope_scaling.original_max_position_embeddings",
+            ),
+            (
+                scaling("8", "1", "4", "100000000"),
+                "rope_scaling.original_max_position_embeddings",
+            ),
+            (
+                scaling("8", "1", "4", "8192.5"),
+                "original_max_position_embeddings",
+            ),
+            (
+                scaling("8", "1", "4", "-1"),
+                "original_max_position_embeddings",
+            ),
+            (scaling("1e-38", "1", "4", "32"), "rotary frequency"),
+        ] {
+            let e = problem("llama", &cfg);
+            assert!(e.contains(key), "{key}: {e}");
+        }
+    }
+
+    #[test]
+    fn per_layer_lists_must_match_the_layer_count() {
+        let e = problem(
+            "llama",
+            &with(
+                "layer_types",
+                r#"["full_attention", "full_attention", "full_attention"]"#,
+            ),
+        );
+        assert!(
+            e.contains("'layer_types' has 3 entries for 2 layers"),
+            "{e}"
+        );
+        let e = problem("mistral", &with("sliding_window", "-4"));
+        assert!(
+            e.contains("'sliding_window' must be a positive integer"),
+            "{e}"
+        );
+        let e = problem("mistral", &with("sliding_window", "18446744073709551616"));
+        assert!(e.contains("'sliding_window'"), "{e}");
+        // A hand-made config is checked again.
+        let mut c = parse(&format!(r#"{{"model_type": "llama", {BASE}}}"#)).unwrap();
+        c.sliding_window.pop();
+        let e = c
+            .validate(Path::new("x/config.json"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("1 attention windows for 2 layers"), "{e}");
+    }
+
+    #[test]
+    fn special_token_ids_outside_the_vocabulary_are_ignored_never_wrapped() {
+        // 2^32 must not become 0 (the first id) by an `as u32` cast.
+        let c = parse(&format!(
+            r#"{{"model_type": "llama", {}, "bos_token_id": -1}}"#,
+            with("eos_token_id", r#"[2, -1, 4294967296, 256, 1e3, "3", 255]"#)
+        ))
+        .unwrap();
+        assert_eq!(c.eos_token_ids, vec![2, 255]);
+        assert_eq!(c.bos_token_id, None);
+        let c = parse(&format!(
+            r#"{{"model_type": "llama", {}}}"#,
+            with("eos_token_id", "4294967296")
+        ))
+        .unwrap();
+        assert!(c.eos_token_ids.is_empty());
+        let mut c = parse(&format!(r#"{{"model_type": "llama", {BASE}}}"#)).unwrap();
+        c.eos_token_ids.push(256);
+        let e = c
+            .validate(Path::new("config.json"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("'eos_token_id' 256 is outside the vocabulary (0..256)"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn config_json_that_is_not_a_regular_file_is_refused_without_blocking() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("config.json");
+        let made = std::process::Command::new("mkfifo").arg(&path).status();
+        if !made.is_ok_and(|s| s.success()) {
+            eprintln!("skipped: mkfifo unavailable");
+            return;
+        }
+        // Opening a FIFO for reading would block until a writer comes.
+        let e = ModelConfig::from_dir(d.path()).unwrap_err().to_string();
+        assert!(e.contains("not a regular file"), "{e}");
+        std::fs::remove_file(&path).unwrap();
+        std::fs::create_dir(&path).unwrap();
+        let e = ModelConfig::from_dir(d.path()).unwrap_err().to_string();
+        assert!(e.contains("not a regular file"), "{e}");
+    }
+
+    #[test]
+    fn config_json_larger_than_the_limit_is_refused_unread() {
+        let d = tempfile::tempdir().unwrap();
+        let f = std::fs::File::create(d.path().join("config.json")).unwrap();
+        f.set_len(limits::CONFIG_BYTES + 1).unwrap(); // sparse: nothing written
+        let e = ModelConfig::from_dir(d.path()).unwrap_err().to_string();
+        assert!(e.contains("16777217 bytes") && e.contains("refused"), "{e}");
+    }
+
+    #[test]
+    fn published_shapes_are_inside_the_limits() {
+        // Llama 3.1 405B's, with the llama3 scaling and its 128K context; Llama 4's 10M.
+        let c = parse(
+            r#"{"model_type": "llama", "hidden_size": 16384, "intermediate_size": 53248,
+            "num_hidden_layers": 126, "num_attention_heads": 128, "num_key_value_heads": 8,
+            "vocab_size": 128256, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+            "rms_norm_eps": 1e-5, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+            "eos_token_id": [128001, 128008, 128009], "bos_token_id": 128000}"#,
+        )
+        .unwrap();
+        assert_eq!(c.eos_token_ids, vec![128001, 128008, 128009]);
+        parse(&format!(
+            r#"{{"model_type": "llama", {}, "rope_theta": 500000.0}}"#,
+            with("max_position_embeddings", "10485760")
+        ))
+        .unwrap();
+        // Qwen2.5's window may exceed its context (use_sliding_window is false).
+        parse(&format!(
+            r#"{{"model_type": "qwen2", {}, "use_sliding_window": false, "max_window_layers": 70}}"#,
+            with("sliding_window", "131072")
+        ))
+        .unwrap();
     }
 }
