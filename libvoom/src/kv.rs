@@ -1,5 +1,10 @@
 //! The KV cache: per layer, the rotated keys and the values of every position so far,
 //! in f32, laid out `[position][kv_head][head_dim]`.
+//!
+//! Memory grows with the positions computed, never with the capacity: a capacity is a
+//! bound (the context limit, at most `max_position_embeddings`), so a config's context
+//! length sizes no allocation. The layer count and width come from a config checked
+//! against the checkpoint (`LlamaModel::load`).
 
 use crate::VoomError;
 
@@ -14,7 +19,7 @@ pub struct KvCache {
 
 impl KvCache {
     /// An empty cache for `layers` layers of `width` floats per position, holding at most
-    /// `capacity` positions.
+    /// `capacity` positions. Allocates `layers` empty lists, nothing per position.
     pub fn new(layers: usize, width: usize, capacity: usize) -> Self {
         KvCache {
             width,
@@ -79,5 +84,29 @@ impl KvCache {
 
     pub fn clear(&mut self) {
         self.truncate(0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cache_reserves_nothing_for_its_capacity() {
+        // Issue 8: a context of 2^24 positions must cost nothing until it is used.
+        let mut kv = KvCache::new(2, 4, 1 << 24);
+        assert_eq!((kv.capacity(), kv.bytes()), (1 << 24, 0));
+        kv.append(0, &[1.0; 8], &[2.0; 8]).unwrap();
+        kv.append(1, &[1.0; 8], &[2.0; 8]).unwrap();
+        kv.commit(2);
+        assert_eq!((kv.len(), kv.bytes()), (2, 2 * 2 * 8 * 4));
+    }
+
+    #[test]
+    fn appending_past_the_capacity_is_an_error() {
+        let mut kv = KvCache::new(1, 2, 2);
+        let e = kv.append(0, &[0.0; 6], &[0.0; 6]).unwrap_err();
+        assert!(e.to_string().contains("limit of 2"), "{e}");
+        assert_eq!(kv.bytes(), 0);
     }
 }

@@ -5,6 +5,8 @@
 //! Each layer's pages are leased for the time that layer is computed, and the next
 //! layer's pages are hinted to the page source meanwhile.
 
+use std::path::Path;
+
 use vpaged::{PageId, PageSource};
 
 use crate::backend::cpu::matmul::{self, matmul};
@@ -13,7 +15,7 @@ use crate::backend::cpu::threads::ThreadPool;
 use crate::config::ModelConfig;
 use crate::kv::KvCache;
 use crate::model::rope;
-use crate::model::weights::{Leased, Matrix, Vector, WeightFinder};
+use crate::model::weights::{Dim, Leased, Matrix, Vector, WeightFinder};
 use crate::VoomError;
 
 struct Linear {
@@ -49,6 +51,49 @@ pub struct LlamaModel {
     prefetch_depth: usize,
 }
 
+/// The tensor dimensions a config implies, each naming its config.json keys.
+struct ConfigDims {
+    vocab: Dim,
+    hidden: Dim,
+    /// Rows of q_proj: all attention heads.
+    q: Dim,
+    /// Rows of k_proj and v_proj: the KV heads.
+    kv: Dim,
+    inter: Dim,
+    head: Dim,
+}
+
+impl ConfigDims {
+    /// `config` names the file in errors (a product that overflows; a validated
+    /// config has none).
+    fn of(cfg: &ModelConfig, config: &Path) -> Result<Self, VoomError> {
+        let product = |a: &str, x: usize, b: &str, y: usize| {
+            Dim::product(a, x, b, y).ok_or_else(|| VoomError::Config {
+                path: config.to_path_buf(),
+                detail: format!("'{a}' {x} × '{b}' {y} overflows"),
+            })
+        };
+        Ok(ConfigDims {
+            vocab: Dim::of("vocab_size", cfg.vocab_size),
+            hidden: Dim::of("hidden_size", cfg.hidden_size),
+            q: product(
+                "num_attention_heads",
+                cfg.num_heads,
+                "head_dim",
+                cfg.head_dim,
+            )?,
+            kv: product(
+                "num_key_value_heads",
+                cfg.num_kv_heads,
+                "head_dim",
+                cfg.head_dim,
+            )?,
+            inter: Dim::of("intermediate_size", cfg.intermediate_size),
+            head: Dim::of("head_dim", cfg.head_dim),
+        })
+    }
+}
+
 /// Which positions' logits a forward pass returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Logits {
@@ -60,12 +105,30 @@ pub enum Logits {
 
 impl LlamaModel {
     /// Resolves every weight the config implies, checking dtypes and shapes.
+    ///
+    /// The config is untrusted until it matches the checkpoint, so nothing is
+    /// allocated from it first: its ranges are checked ([`ModelConfig::validate`]),
+    /// then its layer count against the checkpoint's `model.layers.N.*` tensors, then
+    /// every tensor's shape (each mismatch names the config.json key it contradicts:
+    /// `vocab_size`, `hidden_size`, `num_attention_heads × head_dim`, ...). Only then
+    /// is anything sized by the config.
     pub fn load(cfg: ModelConfig, source: &dyn PageSource, model: &str) -> Result<Self, VoomError> {
+        let config = Path::new(model).join("config.json");
+        cfg.validate(&config)?;
         let f = WeightFinder::new(source, model);
-        let (h, hd) = (cfg.hidden_size, cfg.head_dim);
-        let (qd, kvd) = (cfg.num_heads * hd, cfg.num_kv_heads * hd);
+        let in_checkpoint = f.layer_count()?;
+        if in_checkpoint != cfg.num_layers {
+            return Err(f.err(
+                "model.layers.N.*",
+                format!(
+                    "config.json's 'num_hidden_layers' is {}, but the checkpoint has {in_checkpoint} layers",
+                    cfg.num_layers
+                ),
+            ));
+        }
+        let d = ConfigDims::of(&cfg, &config)?;
         let linear =
-            |name: &str, rows: usize, cols: usize, bias: bool| -> Result<Linear, VoomError> {
+            |name: &str, rows: &Dim, cols: &Dim, bias: bool| -> Result<Linear, VoomError> {
                 Ok(Linear {
                     w: f.matrix(&format!("{name}.weight"), rows, cols)?,
                     bias: if bias {
@@ -75,53 +138,39 @@ impl LlamaModel {
                     },
                 })
             };
-        let embed = f.matrix("model.embed_tokens.weight", cfg.vocab_size, h)?;
+        let embed = f.matrix("model.embed_tokens.weight", &d.vocab, &d.hidden)?;
         let lm_head = if cfg.tie_word_embeddings {
             embed
         } else {
-            f.matrix("lm_head.weight", cfg.vocab_size, h)?
+            f.matrix("lm_head.weight", &d.vocab, &d.hidden)?
         };
-        let final_norm = f.vector("model.norm.weight", h)?;
+        let final_norm = f.vector("model.norm.weight", &d.hidden)?;
+        // As many as the checkpoint has (checked above).
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for i in 0..cfg.num_layers {
             let p = format!("model.layers.{i}");
             let a = format!("{p}.self_attn");
             let m = format!("{p}.mlp");
             let mut layer = Layer {
-                attn_norm: f.vector(&format!("{p}.input_layernorm.weight"), h)?,
-                q: linear(&format!("{a}.q_proj"), qd, h, cfg.qkv_bias)?,
-                k: linear(&format!("{a}.k_proj"), kvd, h, cfg.qkv_bias)?,
-                v: linear(&format!("{a}.v_proj"), kvd, h, cfg.qkv_bias)?,
-                o: linear(&format!("{a}.o_proj"), h, qd, cfg.o_bias)?,
+                attn_norm: f.vector(&format!("{p}.input_layernorm.weight"), &d.hidden)?,
+                q: linear(&format!("{a}.q_proj"), &d.q, &d.hidden, cfg.qkv_bias)?,
+                k: linear(&format!("{a}.k_proj"), &d.kv, &d.hidden, cfg.qkv_bias)?,
+                v: linear(&format!("{a}.v_proj"), &d.kv, &d.hidden, cfg.qkv_bias)?,
+                o: linear(&format!("{a}.o_proj"), &d.hidden, &d.q, cfg.o_bias)?,
                 q_norm: if cfg.qk_norm {
-                    Some(f.vector(&format!("{a}.q_norm.weight"), hd)?)
+                    Some(f.vector(&format!("{a}.q_norm.weight"), &d.head)?)
                 } else {
                     None
                 },
                 k_norm: if cfg.qk_norm {
-                    Some(f.vector(&format!("{a}.k_norm.weight"), hd)?)
+                    Some(f.vector(&format!("{a}.k_norm.weight"), &d.head)?)
                 } else {
                     None
                 },
-                mlp_norm: f.vector(&format!("{p}.post_attention_layernorm.weight"), h)?,
-                gate: linear(
-                    &format!("{m}.gate_proj"),
-                    cfg.intermediate_size,
-                    h,
-                    cfg.mlp_bias,
-                )?,
-                up: linear(
-                    &format!("{m}.up_proj"),
-                    cfg.intermediate_size,
-                    h,
-                    cfg.mlp_bias,
-                )?,
-                down: linear(
-                    &format!("{m}.down_proj"),
-                    h,
-                    cfg.intermediate_size,
-                    cfg.mlp_bias,
-                )?,
+                mlp_norm: f.vector(&format!("{p}.post_attention_layernorm.weight"), &d.hidden)?,
+                gate: linear(&format!("{m}.gate_proj"), &d.inter, &d.hidden, cfg.mlp_bias)?,
+                up: linear(&format!("{m}.up_proj"), &d.inter, &d.hidden, cfg.mlp_bias)?,
+                down: linear(&format!("{m}.down_proj"), &d.hidden, &d.inter, cfg.mlp_bias)?,
                 pages: Vec::new(),
             };
             layer.pages = layer_pages(&layer);
