@@ -125,7 +125,7 @@ pub struct Daemon {
 
 fn error_code(e: &StoreError) -> ErrorCode {
     match e {
-        StoreError::Integrity { .. } => ErrorCode::Integrity,
+        StoreError::Integrity { .. } | StoreError::Corrupt { .. } => ErrorCode::Integrity,
         StoreError::NoSuchPage { .. } | StoreError::NotFound { .. } => ErrorCode::NotFound,
         StoreError::Format(voom_formats::FormatError::Io { source, .. })
             if source.kind() == ErrorKind::NotFound =>

@@ -32,9 +32,13 @@ pub struct PageLoader<'a> {
 
 impl PageLoader<'_> {
     /// Fills `buf` (the page's decoded length) with the page's verified bytes.
+    ///
+    /// When no copy serves: a lone copy that failed verification is
+    /// [`StoreError::Integrity`]; several copies that all failed verification (hash
+    /// mismatches, vpack bodies that do not decode) are [`StoreError::Corrupt`]; if any
+    /// copy could not be read at all, [`StoreError::Unavailable`] with every reason.
     pub fn load(&self, entry: &PageEntry, buf: &mut [u8]) -> Result<Served, StoreError> {
-        let mut failures: Vec<String> = Vec::new();
-        let mut integrity: Option<StoreError> = None;
+        let mut failed = Failures::default();
 
         if let Some(fast) = self.fast.filter(|f| f.contains(&entry.blake3)) {
             match fast.read(&entry.blake3, buf) {
@@ -42,11 +46,10 @@ impl PageLoader<'_> {
                     Ok(()) => return Ok(Served::Fast),
                     Err(e) => {
                         fast.counters().record_integrity_failure();
-                        failures.push(e.to_string());
-                        integrity = Some(e);
+                        failed.corrupt(e, fast.name(), "staged copy");
                     }
                 },
-                Err(e) => failures.push(e.to_string()),
+                Err(e) => failed.unreadable(e.to_string()),
             }
         }
 
@@ -69,16 +72,31 @@ impl PageLoader<'_> {
         let copy = self.nas.map(|t| (Served::Nas, Location::Nas(t)));
         for (served, loc) in std::iter::once(own).chain(copy) {
             if let Some(p) = &packed {
-                match loc.read_packed(entry, p, buf) {
-                    Ok(()) => match check(entry, buf, loc.name()) {
-                        Ok(()) => return Ok(served),
-                        Err(e) => {
-                            loc.record_integrity_failure();
-                            failures.push(format!("{} (vpack)", e));
-                            integrity = Some(e);
-                        }
-                    },
-                    Err(e) => failures.push(e.to_string()),
+                let outcome = match loc.read_packed(entry, p, buf) {
+                    Ok(()) => check(entry, buf, loc.name()).map_err(|e| {
+                        loc.record_integrity_failure();
+                        Packed::Corrupt(e)
+                    }),
+                    Err(e) => Err(e),
+                };
+                match outcome {
+                    Ok(()) => return Ok(served),
+                    Err(Packed::Corrupt(e)) => {
+                        tracing::warn!(
+                            "page '{}': the vpack body on tier '{}' is corrupt ({e});                              falling back to the raw copy",
+                            entry.name,
+                            loc.name()
+                        );
+                        failed.corrupt(e, loc.name(), "vpack body");
+                    }
+                    Err(Packed::Unreadable(e)) => {
+                        tracing::warn!(
+                            "page '{}': cannot read the vpack body on tier '{}' ({e});                              falling back to the raw copy",
+                            entry.name,
+                            loc.name()
+                        );
+                        failed.unreadable(format!("{e} (vpack)"));
+                    }
                 }
             }
             match loc.read(&raw, buf) {
@@ -86,24 +104,70 @@ impl PageLoader<'_> {
                     Ok(()) => return Ok(served),
                     Err(e) => {
                         loc.record_integrity_failure();
-                        failures.push(e.to_string());
-                        integrity = Some(e);
+                        failed.corrupt(e, loc.name(), "raw bytes");
                     }
                 },
-                Err(e) => failures.push(e.to_string()),
+                Err(e) => failed.unreadable(e.to_string()),
             }
         }
+        Err(failed.into_error(entry))
+    }
+}
 
-        // Every tier failed. A single integrity failure with no other tier to try
-        // is reported as such; otherwise every tier's reason is listed.
-        match integrity {
-            Some(e) if failures.len() == 1 => Err(e),
-            _ => Err(StoreError::Unavailable {
+/// Why a copy of a page did not serve, gathered over every copy tried.
+#[derive(Default)]
+struct Failures {
+    /// Every copy's reason, in the order tried.
+    reasons: Vec<String>,
+    /// Each copy that failed verification (hash mismatch or undecodable body): its
+    /// tier and part, and what was wrong, without the page name.
+    corrupt: Vec<String>,
+    /// Copies that could not be read (I/O error, timeout, truncated file).
+    unreadable: usize,
+    /// The last verification failure, reported as is when it was the only copy.
+    last_integrity: Option<StoreError>,
+}
+
+impl Failures {
+    fn corrupt(&mut self, e: StoreError, tier: &str, part: &str) {
+        self.reasons.push(format!("{e} ({part})"));
+        self.corrupt.push(match &e {
+            StoreError::Integrity { actual, .. } => {
+                format!("tier '{tier}' {part}: got blake3 {actual}")
+            }
+            other => format!("tier '{tier}' {part}: {other}"),
+        });
+        self.last_integrity = Some(e);
+    }
+
+    fn unreadable(&mut self, reason: String) {
+        self.reasons.push(reason);
+        self.unreadable += 1;
+    }
+
+    /// The load's error once every copy failed (see [`PageLoader::load`]).
+    fn into_error(self, entry: &PageEntry) -> StoreError {
+        match (self.unreadable, self.corrupt.len(), self.last_integrity) {
+            (0, 1, Some(e @ StoreError::Integrity { .. })) => e,
+            (0, n, _) if n > 0 => StoreError::Corrupt {
                 page: entry.name.clone(),
-                reasons: failures,
-            }),
+                expected: entry.blake3.clone(),
+                copies: self.corrupt,
+            },
+            _ => StoreError::Unavailable {
+                page: entry.name.clone(),
+                reasons: self.reasons,
+            },
         }
     }
+}
+
+/// Why a vpack body did not yield the page.
+enum Packed {
+    /// It was read but is corrupt: it does not decode, or decodes to the wrong bytes.
+    Corrupt(StoreError),
+    /// It could not be read.
+    Unreadable(StoreError),
 }
 
 /// A tier holding the model's files.
@@ -144,31 +208,29 @@ impl Location<'_> {
     }
 
     /// Reads a vpack body and decodes it into `buf`.
-    fn read_packed(
-        &self,
-        entry: &PageEntry,
-        ext: &Extent,
-        buf: &mut [u8],
-    ) -> Result<(), StoreError> {
+    fn read_packed(&self, entry: &PageEntry, ext: &Extent, buf: &mut [u8]) -> Result<(), Packed> {
+        let unreadable = |e: TierError| Packed::Unreadable(e.into());
         // The body's length comes from the manifest: allocate only what the file holds.
-        self.check_extent(ext)?;
-        let len = usize::try_from(ext.len).map_err(|_| StoreError::Store {
-            store: std::path::PathBuf::from(&ext.file),
-            detail: format!("vpack body of {} bytes does not fit in memory", ext.len),
+        self.check_extent(ext).map_err(unreadable)?;
+        let len = usize::try_from(ext.len).map_err(|_| {
+            Packed::Unreadable(StoreError::Store {
+                store: std::path::PathBuf::from(&ext.file),
+                detail: format!("vpack body of {} bytes does not fit in memory", ext.len),
+            })
         })?;
         let mut body = vec![0u8; len];
-        self.read(ext, &mut body)?;
+        self.read(ext, &mut body).map_err(unreadable)?;
         vpack::decode(&body, buf).map_err(|e| {
             // A body that does not decode is corrupt: an integrity failure of the tier.
             self.record_integrity_failure();
-            StoreError::Store {
+            Packed::Corrupt(StoreError::Store {
                 store: std::path::PathBuf::from(&ext.file),
                 detail: format!(
                     "tier '{}': page '{}': vpack body: {e}",
                     self.name(),
                     entry.name
                 ),
-            }
+            })
         })
     }
 }
@@ -336,13 +398,64 @@ mod tests {
         assert_eq!(buf, good);
         assert_eq!(primary.stats().integrity_failures, 1);
 
-        // Everywhere: an error naming the page and every tier's reason.
+        // Everywhere: an integrity error naming the page, every tier and the hashes.
         flip(&f.nas_mount.join("m/model.safetensors"), a.offset + 9);
-        let e = loader.load(a, &mut buf).unwrap_err().to_string();
+        let e = loader.load(a, &mut buf).unwrap_err();
         assert!(
-            e.contains("'a'") && e.contains("fast") && e.contains("primary") && e.contains("nas"),
+            matches!(e, StoreError::Corrupt { ref copies, .. } if copies.len() == 3),
             "{e}"
         );
+        let e = e.to_string();
+        assert!(
+            e.contains("'a'")
+                && e.contains("tier 'fast'")
+                && e.contains("tier 'primary'")
+                && e.contains("tier 'nas'")
+                && e.contains(&a.blake3),
+            "{e}"
+        );
+    }
+
+    /// The regression: when every copy failed its hash but there was more than one
+    /// copy, the load was `Unavailable` (the daemon's wire code too); it is `Corrupt`
+    /// (wire code `Integrity`). One unreadable copy among them keeps it `Unavailable`.
+    #[test]
+    fn every_copy_failing_its_hash_is_an_integrity_error_not_unavailable() {
+        let f = fixture();
+        let primary = ModelTier::File(FileTier::new("primary", &f.primary_dir));
+        let copy = nas(&f);
+        let loader = PageLoader {
+            fast: None,
+            primary: &primary,
+            nas: Some(&copy),
+        };
+        let b = f.manifest.page("b").unwrap();
+        flip(&f.primary_dir.join("model.safetensors"), b.offset);
+        flip(&f.nas_mount.join("m/model.safetensors"), b.offset + 1);
+        let mut buf = vec![0u8; b.len as usize];
+        match loader.load(b, &mut buf).unwrap_err() {
+            StoreError::Corrupt {
+                page,
+                expected,
+                copies,
+            } => {
+                assert_eq!((page.as_str(), expected.as_str()), ("b", b.blake3.as_str()));
+                assert_eq!(copies.len(), 2, "{copies:?}");
+                assert!(copies[0].starts_with("tier 'primary' raw bytes: got blake3 "));
+                assert!(copies[1].starts_with("tier 'nas' raw bytes: got blake3 "));
+            }
+            other => panic!("{other}"),
+        }
+        // The NAS copy gone: one copy is corrupt, the other unreadable.
+        std::fs::remove_file(f.nas_mount.join("m/model.safetensors")).unwrap();
+        let fresh = nas(&f);
+        let loader = PageLoader {
+            fast: None,
+            primary: &primary,
+            nas: Some(&fresh),
+        };
+        let e = loader.load(b, &mut buf).unwrap_err();
+        assert!(matches!(e, StoreError::Unavailable { .. }), "{e}");
     }
 
     #[test]

@@ -719,6 +719,15 @@ fn cache_error(m: &OpenModel, page: u32, e: CacheError<StoreError>) -> StoreErro
                     expected: expected.clone(),
                     actual: actual.clone(),
                 },
+                StoreError::Corrupt {
+                    page,
+                    expected,
+                    copies,
+                } => StoreError::Corrupt {
+                    page: page.clone(),
+                    expected: expected.clone(),
+                    copies: copies.clone(),
+                },
                 other => StoreError::Store {
                     store: m.dir.clone(),
                     detail: other.to_string(),

@@ -34,3 +34,18 @@ pub fn model(dir: &Path, seed: u8) -> (PathBuf, Vec<Vec<u8>>) {
         .unwrap();
     (m.canonicalize().unwrap(), pages)
 }
+
+/// [`model`] with its BF16 pages packed (`vpagectl pack`): every page has a vpack body
+/// in `model.vpack`. Returns the directory, each page's bytes and the manifest.
+pub fn packed_model(dir: &Path) -> (PathBuf, Vec<Vec<u8>>, Manifest) {
+    let (m, pages) = model(dir, 0);
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_vpagectl"))
+        .arg("pack")
+        .arg(&m)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let manifest = Manifest::load(&m).unwrap().unwrap();
+    assert!(manifest.pages.iter().all(|p| p.vpack().is_some()));
+    (m, pages, manifest)
+}
