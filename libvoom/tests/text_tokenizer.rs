@@ -122,3 +122,72 @@ fn unknown_ids_are_typed_errors() {
         other => panic!("expected UnknownTokenId, got {other:?}"),
     }
 }
+
+/// Every tokenizer a test can reach: the fixtures, and SmolLM2's when it is there.
+fn every_tokenizer() -> Vec<Tokenizer> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(root.join("tests/fixtures/text"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|d| d.join("tokenizer.json").is_file())
+        .collect();
+    dirs.push(root.join("../tests/fixtures/tiny_chat"));
+    if let Some(d) = std::env::var_os("VOOM_SMOLLM2_DIR") {
+        dirs.push(PathBuf::from(d));
+    }
+    dirs.iter()
+        .map(|d| Tokenizer::from_dir(d).unwrap())
+        .collect()
+}
+
+/// `min_tokens` is a lower bound on what `encode` gives, on texts made to be cheap
+/// per byte (long runs, long words, special tokens' text, multi-byte characters),
+/// and it is not vacuous where the tokenizer allows a bound.
+#[test]
+fn min_tokens_never_exceeds_the_encoded_length() {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+    let atoms = [
+        " ",
+        "\n",
+        "a",
+        "the",
+        " the",
+        "Hello world",
+        "<|im_start|>",
+        "<|im_end|>",
+        "</s>",
+        "é",
+        "𝐀",
+        "K",
+        "\u{301}",
+        "日本語",
+        "0123456789",
+        "\t",
+        "ab",
+        "  ",
+    ];
+    for tok in every_tokenizer() {
+        let mut bounded = false;
+        for _ in 0..150 {
+            let repeat = [1, 10, 1000][rng.gen_range(0..3)];
+            let mut text = String::new();
+            for _ in 0..rng.gen_range(1..20) {
+                let a = atoms[rng.gen_range(0..atoms.len())];
+                for _ in 0..rng.gen_range(1..=repeat) {
+                    text.push_str(a);
+                }
+            }
+            let n = tok.encode(&text, false).unwrap().len();
+            let lower = tok.min_tokens(&text);
+            assert!(
+                lower <= n,
+                "{}: bound {lower} > {n} tokens for {text:?}",
+                tok.dir().display()
+            );
+            bounded |= lower > 0;
+        }
+        // Byte-level BPE tokenizers (all of these) have a bound.
+        assert!(bounded, "{}: no bound", tok.dir().display());
+    }
+}

@@ -411,6 +411,37 @@ impl CompiledGrammar {
             bytes: Vec::new(),
         }
     }
+
+    /// A matcher at the start of the grammar, checked: the first token's mask is
+    /// computed now, so a grammar that fails there (a schema that refers only to
+    /// itself, a lexer past its limits) or that admits no output at all is an error
+    /// before generation starts, not at its first token. A failure later, in the
+    /// middle of the output, is still possible with grammars that grow past the
+    /// parser's limits: it is a [`ConstrainError::Matcher`] then.
+    pub fn checked_matcher(&self) -> Result<GrammarMatcher, ConstrainError> {
+        // llguidance's errors carry a dump of the parser's state after the first line.
+        const NOTHING: &str = "it admits no output (no token may begin it)";
+        let fail = |e: &dyn std::fmt::Display| {
+            let text = format!("{e:#}");
+            let first = text.lines().next().unwrap_or_default();
+            ConstrainError::CannotStart {
+                message: match first {
+                    "NoExtension" | "NoExtensionBias" => NOTHING.to_string(),
+                    other => other.to_string(),
+                },
+            }
+        };
+        let mut m = self.matcher();
+        let mask = m.matcher.compute_mask().map_err(|e| fail(&e))?;
+        let any_text = (0..self.tokenizer_vocab as u32)
+            .any(|id| !self.eos.contains(&id) && mask.is_allowed(id));
+        if !any_text && !m.matcher.is_accepting().map_err(|e| fail(&e))? {
+            return Err(ConstrainError::CannotStart {
+                message: NOTHING.into(),
+            });
+        }
+        Ok(m)
+    }
 }
 
 /// One request's position in a grammar; implements [`TokenConstraint`].
@@ -446,9 +477,11 @@ impl GrammarMatcher {
     }
 
     fn fail(&self, step: usize, e: impl std::fmt::Display) -> ConstrainError {
+        // llguidance appends a dump of the parser's state after the first line.
+        let text = format!("{e:#}");
         ConstrainError::Matcher {
             step,
-            message: format!("{e:#}"),
+            message: text.lines().next().unwrap_or_default().to_string(),
         }
     }
 }

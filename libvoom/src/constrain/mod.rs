@@ -16,7 +16,7 @@ mod llg;
 mod validate;
 
 pub use llg::{CompiledGrammar, Grammar, GrammarCompiler, GrammarMatcher, JsonWhitespace};
-pub use validate::validate_json;
+pub use validate::{validate_json, JsonValidator};
 
 /// Errors of constrained decoding. Each says which input was wrong and how.
 #[derive(Debug, thiserror::Error)]
@@ -35,6 +35,11 @@ pub enum ConstrainError {
     /// A Lark grammar does not parse or does not compile against the vocabulary.
     #[error("invalid Lark grammar: {message}")]
     Grammar { message: String },
+    /// The grammar fails before its first token: it admits no output at all (a
+    /// schema that only refers to itself), or its start already exceeds the
+    /// parser's limits.
+    #[error("the grammar cannot start: {message}")]
+    CannotStart { message: String },
     /// The constraint failed while generating (its internal state, a token it
     /// cannot consume). `step` counts generated tokens from 0.
     #[error("constrained decoding failed at generated token {step}: {message}")]

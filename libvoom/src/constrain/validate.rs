@@ -23,38 +23,63 @@ pub(crate) fn check_schema(schema: &Value) -> Result<(), ConstrainError> {
     })
 }
 
-/// Validates `value` against `schema`. A schema that is not valid is a
-/// [`ConstrainError::Schema`]; a value that violates it is a
-/// [`ConstrainError::Invalid`] listing each violation with its location in the
-/// value (a JSON pointer; empty for the root).
-///
-/// Remote `$ref`s (http, files) are not fetched: only references inside `schema`
-/// resolve.
-pub fn validate_json(schema: &Value, value: &Value) -> Result<(), ConstrainError> {
-    check_schema(schema)?;
-    let validator = jsonschema::validator_for(schema).map_err(|e| ConstrainError::Schema {
-        at: Some(e.schema_path().as_str().to_string()),
-        message: e.to_string(),
-    })?;
-    let mut errors = Vec::new();
-    let mut more = 0usize;
-    for e in validator.iter_errors(value) {
-        if errors.len() == MAX_REPORTED {
-            more += 1;
-            continue;
+/// A JSON schema compiled for validation: built once (a schema the validator cannot
+/// compile, such as a `pattern` beyond the regex engine's size limit, is an error
+/// here, before any generation), used for every value.
+pub struct JsonValidator {
+    validator: jsonschema::Validator,
+}
+
+impl std::fmt::Debug for JsonValidator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("JsonValidator").finish_non_exhaustive()
+    }
+}
+
+impl JsonValidator {
+    /// Checks `schema` against its meta-schema and compiles it. Errors are
+    /// [`ConstrainError::Schema`] naming the place in the schema.
+    ///
+    /// Remote `$ref`s (http, files) are not fetched: only references inside `schema`
+    /// resolve.
+    pub fn new(schema: &Value) -> Result<JsonValidator, ConstrainError> {
+        check_schema(schema)?;
+        let validator = jsonschema::validator_for(schema).map_err(|e| ConstrainError::Schema {
+            at: Some(e.schema_path().as_str().to_string()),
+            message: e.to_string(),
+        })?;
+        Ok(JsonValidator { validator })
+    }
+
+    /// Validates `value`: a [`ConstrainError::Invalid`] lists each violation with its
+    /// location in the value (a JSON pointer; `(root)` for the root).
+    pub fn validate(&self, value: &Value) -> Result<(), ConstrainError> {
+        let mut errors = Vec::new();
+        let mut more = 0usize;
+        for e in self.validator.iter_errors(value) {
+            if errors.len() == MAX_REPORTED {
+                more += 1;
+                continue;
+            }
+            let at = e.instance_path().as_str();
+            let at = if at.is_empty() { "(root)" } else { at };
+            errors.push(format!("{at}: {e}"));
         }
-        let at = e.instance_path().as_str();
-        let at = if at.is_empty() { "(root)" } else { at };
-        errors.push(format!("{at}: {e}"));
+        if more > 0 {
+            errors.push(format!("and {more} more"));
+        }
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(ConstrainError::Invalid { errors })
+        }
     }
-    if more > 0 {
-        errors.push(format!("and {more} more"));
-    }
-    if errors.is_empty() {
-        Ok(())
-    } else {
-        Err(ConstrainError::Invalid { errors })
-    }
+}
+
+/// Validates `value` against `schema` ([`JsonValidator::new`], then
+/// [`JsonValidator::validate`]).
+pub fn validate_json(schema: &Value, value: &Value) -> Result<(), ConstrainError> {
+    JsonValidator::new(schema)?.validate(value)
 }
 
 #[cfg(test)]

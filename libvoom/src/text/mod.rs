@@ -14,6 +14,7 @@
 
 mod chat;
 mod detok;
+mod token_bound;
 mod tokenizer;
 
 pub use chat::{ChatMessage, ChatTemplate};

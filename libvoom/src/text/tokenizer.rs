@@ -50,6 +50,8 @@ pub struct Tokenizer {
     bos_id: Option<u32>,
     eos_ids: Vec<u32>,
     vocab_size: usize,
+    /// Bytes of text one token covers at most, where provable ([`Self::min_tokens`]).
+    max_bytes_per_token: Option<usize>,
     default_template: Option<ChatTemplate>,
     named_templates: Vec<(String, ChatTemplate)>,
 }
@@ -172,6 +174,10 @@ impl Tokenizer {
                 message: e.to_string(),
             })?;
         let vocab_size = inner.get_vocab_size(true);
+        let max_bytes_per_token = serde_json::from_slice::<Json>(&bytes).ok().and_then(|j| {
+            let vocab = inner.get_vocab(true);
+            super::token_bound::max_bytes_per_token(&j, vocab.keys().map(String::as_str))
+        });
 
         let cfg_path = dir.join("tokenizer_config.json");
         let cfg = read_json_opt(&cfg_path)?.unwrap_or(Json::Object(Default::default()));
@@ -325,6 +331,7 @@ impl Tokenizer {
             bos_id,
             eos_ids,
             vocab_size,
+            max_bytes_per_token,
             default_template,
             named_templates,
         })
@@ -341,6 +348,15 @@ impl Tokenizer {
                 message: e.to_string(),
             })?;
         Ok(enc.get_ids().to_vec())
+    }
+
+    /// A lower bound on the number of ids `encode(text, _)` returns, from the text's
+    /// length alone (no tokenizing): a prompt whose bound already exceeds a context
+    /// can be refused at once. 0 where the tokenizer allows no such bound (its
+    /// normalizer or pre-tokenizer can delete text; a model other than BPE).
+    pub fn min_tokens(&self, text: &str) -> usize {
+        self.max_bytes_per_token
+            .map_or(0, |b| text.len().div_ceil(b.max(1)))
     }
 
     /// Text of `ids`, as transformers' `decode` (including its space clean-up where the

@@ -658,7 +658,7 @@ pub async fn messages(State(app): State<Arc<App>>, req: Request) -> Response {
 async fn handle(app: Arc<App>, req: Request) -> Result<Response, ApiError> {
     let bytes = app.body(req, Dialect::Anthropic).await?;
     let app2 = Arc::clone(&app);
-    let (prepared, r) = blocking(move || {
+    let (prepared, r) = blocking(&app, move || {
         let b = Body::parse(&bytes)?;
         let r = parse(&b)?;
         let p = match &r.prefill {
@@ -749,8 +749,7 @@ fn prefill_ids(
         .render(messages, None, true, None)
         .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
     text.push_str(prefill);
-    tok.encode(&text, false)
-        .map_err(|e| ApiError::internal(format!("tokenizing the prompt: {e}")))
+    prepare::encode_within(tok, &text, false, &meta, "messages")
 }
 
 fn event(name: &str, data: Value) -> SseEvent {

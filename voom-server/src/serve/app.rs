@@ -9,6 +9,9 @@ use axum::extract::Request;
 use axum::http::HeaderValue;
 use axum::response::Response;
 
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use super::access::{self, Access};
 use super::catalog::{Catalog, ModelMeta};
 use super::error::{ApiError, Dialect, Kind};
 use super::metrics::Metrics;
@@ -23,6 +26,33 @@ pub struct App {
     pub receive_timeout: Duration,
     pub profile: Profile,
     pub started: Instant,
+    pub access: Access,
+    /// KiB of request bodies that may be held at once, from reading through
+    /// preparation: bodies and what is made from them (rendered prompts, tokens)
+    /// are bounded in memory however many clients send at once.
+    pub body_budget: Arc<Semaphore>,
+    /// Requests being prepared (rendered, tokenized, grammars compiled) at once.
+    pub prepare_slots: Arc<Semaphore>,
+}
+
+/// A request body, and its share of [`App::body_budget`], held until the request
+/// has been prepared.
+pub struct Received {
+    pub bytes: Bytes,
+    _budget: OwnedSemaphorePermit,
+}
+
+impl std::ops::Deref for Received {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.bytes
+    }
+}
+
+/// KiB of bodies in flight at once, for bodies of at most `max_body_bytes`: four
+/// of the largest, at least 256 MiB.
+pub fn body_budget_kib(max_body_bytes: usize) -> usize {
+    (max_body_bytes.saturating_mul(4).max(256 << 20) >> 10).min(Semaphore::MAX_PERMITS)
 }
 
 /// The resolved runtime profile reported with every response.
@@ -38,9 +68,43 @@ pub struct Profile {
 }
 
 impl App {
-    /// The request body, within the size limit and the receive deadline.
-    pub async fn body(&self, req: Request, dialect: Dialect) -> Result<Bytes, ApiError> {
+    /// The request body: JSON (415 otherwise), within the size limit, the receive
+    /// deadline and the budget of bodies in flight (429 when the budget stays spent
+    /// for the whole deadline).
+    pub async fn body(&self, req: Request, dialect: Dialect) -> Result<Received, ApiError> {
+        access::is_json(req.headers())
+            .map_err(|m| ApiError::new(Kind::UnsupportedMediaType, m).in_dialect(dialect))?;
         let limit = self.max_body_bytes;
+        let declared = req
+            .headers()
+            .get(axum::http::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<usize>().ok());
+        if declared.is_some_and(|n| n > limit) {
+            return Err(ApiError::new(
+                Kind::TooLarge,
+                format!("the request body is larger than {limit} bytes"),
+            )
+            .in_dialect(dialect));
+        }
+        // Chunked bodies (no length) are charged the limit.
+        let kib = declared
+            .unwrap_or(limit)
+            .div_ceil(1024)
+            .clamp(1, body_budget_kib(limit)) as u32;
+        let budget = Arc::clone(&self.body_budget).acquire_many_owned(kib);
+        let budget = match tokio::time::timeout(self.receive_timeout, budget).await {
+            Ok(Ok(p)) => p,
+            _ => {
+                let mut e = ApiError::new(
+                    Kind::Overloaded,
+                    "too many request bodies are in flight; retry shortly",
+                )
+                .in_dialect(dialect);
+                e.retry_after = Some(1);
+                return Err(e);
+            }
+        };
         let read = axum::body::to_bytes(req.into_body(), limit);
         match tokio::time::timeout(self.receive_timeout, read).await {
             Err(_) => Err(ApiError::new(
@@ -68,7 +132,10 @@ impl App {
                 }
                 .in_dialect(dialect))
             }
-            Ok(Ok(b)) => Ok(b),
+            Ok(Ok(bytes)) => Ok(Received {
+                bytes,
+                _budget: budget,
+            }),
         }
     }
 

@@ -157,9 +157,7 @@ impl Catalog {
     }
 
     fn read(&self, id: &str, dir: &Path) -> Result<ModelMeta, ApiError> {
-        let bad = |e: &dyn std::fmt::Display| {
-            ApiError::internal(format!("model '{id}' cannot be used: {e}"))
-        };
+        let bad = |e: &dyn std::fmt::Display| ApiError::model_unavailable(id, e);
         let cfg = ModelConfig::from_dir(dir).map_err(|e| bad(&e))?;
         // The same limit the engine gets (cli::common::open_engine).
         let max_context = self.settings.max_context_for(&cfg).map_err(|e| bad(&e))?;

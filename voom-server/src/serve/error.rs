@@ -3,6 +3,10 @@
 //! OpenAI: `{"error": {"message", "type", "param", "code"}}`.
 //! Anthropic: `{"type": "error", "error": {"type", "message"}}`.
 //! The HTTP status is the same in both; only the body differs.
+//!
+//! This is also the one place where the engine's errors become statuses
+//! ([`ApiError::engine`], [`ApiError::model_unavailable`]): a caller's mistake is a
+//! 4xx, a model that cannot be served a 503, and only the server's own failures 500.
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -28,7 +32,18 @@ pub enum Kind {
     TooLarge,
     /// 408: the body did not arrive in time.
     Timeout,
-    /// 500: a failure of the server or the model.
+    /// 415: the body is not JSON (`content-type` other than `application/json`).
+    UnsupportedMediaType,
+    /// 401: no API key, or the wrong one.
+    Unauthorized,
+    /// 403: a `Host` or `Origin` this server does not answer (DNS rebinding,
+    /// cross-site requests).
+    Forbidden,
+    /// 429: the queue is full; retry after the `Retry-After` seconds.
+    Overloaded,
+    /// 503: the model cannot be served (it does not load, its pages cannot be read).
+    Unavailable,
+    /// 500: a failure of the server itself.
     Internal,
 }
 
@@ -39,6 +54,8 @@ pub struct ApiError {
     /// The request field at fault (OpenAI's `param`).
     pub param: Option<String>,
     pub dialect: Dialect,
+    /// Seconds after which a retry may succeed (`Retry-After`, with 429 and 503).
+    pub retry_after: Option<u64>,
 }
 
 impl ApiError {
@@ -48,6 +65,7 @@ impl ApiError {
             message: message.into(),
             param: None,
             dialect: Dialect::OpenAi,
+            retry_after: None,
         }
     }
 
@@ -62,6 +80,45 @@ impl ApiError {
         ApiError::new(Kind::Internal, message)
     }
 
+    /// A model that cannot be loaded: 503 naming the model and why.
+    pub fn model_unavailable(model: &str, e: &dyn std::fmt::Display) -> Self {
+        ApiError::new(
+            Kind::Unavailable,
+            format!("model '{model}' cannot be served: {e:#}"),
+        )
+    }
+
+    /// An engine error during a request for `model`. `grammar_param` names the
+    /// request field whose grammar constrained the output (`response_format`,
+    /// `tools`), if one did.
+    pub fn engine(model: &str, e: &libvoom::VoomError, grammar_param: Option<&str>) -> Self {
+        use libvoom::constrain::ConstrainError as C;
+        use libvoom::VoomError as V;
+        match e {
+            // What the request asked for is at fault: its grammar failed or admits
+            // nothing, or the engine refused the request itself.
+            V::Constrain(
+                c @ (C::Matcher { .. }
+                | C::NothingAllowed { .. }
+                | C::CannotStart { .. }
+                | C::Grammar { .. }
+                | C::Schema { .. }),
+            ) => ApiError::invalid(
+                grammar_param.unwrap_or("response_format"),
+                format!("the output's grammar failed: {c}"),
+            ),
+            V::Request(m) => ApiError::invalid("messages", m.clone()),
+            // The model's files: a page that cannot be read or verified, a
+            // checkpoint or config that does not describe a model vOOM can run.
+            V::Store(_) | V::Format(_) | V::Config { .. } | V::Weight { .. } => {
+                ApiError::model_unavailable(model, e)
+            }
+            V::Kernel(_) | V::Text(_) | V::Constrain(_) => {
+                ApiError::internal(format!("generation failed: {e}"))
+            }
+        }
+    }
+
     pub fn in_dialect(mut self, d: Dialect) -> Self {
         self.dialect = d;
         self
@@ -74,6 +131,11 @@ impl ApiError {
             Kind::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             Kind::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Kind::Timeout => StatusCode::REQUEST_TIMEOUT,
+            Kind::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            Kind::Unauthorized => StatusCode::UNAUTHORIZED,
+            Kind::Forbidden => StatusCode::FORBIDDEN,
+            Kind::Overloaded => StatusCode::TOO_MANY_REQUESTS,
+            Kind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
             Kind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -88,6 +150,13 @@ impl ApiError {
                     Kind::MethodNotAllowed => ("invalid_request_error", Some("method_not_allowed")),
                     Kind::TooLarge => ("invalid_request_error", Some("request_too_large")),
                     Kind::Timeout => ("invalid_request_error", Some("request_timeout")),
+                    Kind::UnsupportedMediaType => {
+                        ("invalid_request_error", Some("unsupported_media_type"))
+                    }
+                    Kind::Unauthorized => ("invalid_request_error", Some("invalid_api_key")),
+                    Kind::Forbidden => ("invalid_request_error", Some("forbidden")),
+                    Kind::Overloaded => ("requests", Some("rate_limit_exceeded")),
+                    Kind::Unavailable => ("server_error", Some("model_unavailable")),
                     Kind::Internal => ("server_error", None),
                 };
                 json!({"error": {
@@ -99,11 +168,16 @@ impl ApiError {
             }
             Dialect::Anthropic => {
                 let ty = match self.kind {
-                    Kind::Invalid | Kind::Timeout | Kind::MethodNotAllowed => {
-                        "invalid_request_error"
-                    }
+                    Kind::Invalid
+                    | Kind::Timeout
+                    | Kind::MethodNotAllowed
+                    | Kind::UnsupportedMediaType => "invalid_request_error",
                     Kind::NotFound => "not_found_error",
                     Kind::TooLarge => "request_too_large",
+                    Kind::Unauthorized => "authentication_error",
+                    Kind::Forbidden => "permission_error",
+                    Kind::Overloaded => "rate_limit_error",
+                    Kind::Unavailable => "overloaded_error",
                     Kind::Internal => "api_error",
                 };
                 let message = match &self.param {
@@ -126,7 +200,12 @@ impl std::fmt::Display for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status(), axum::Json(self.body())).into_response()
+        let mut resp = (self.status(), axum::Json(self.body())).into_response();
+        if let Some(secs) = self.retry_after {
+            resp.headers_mut()
+                .insert(axum::http::header::RETRY_AFTER, secs.into());
+        }
+        resp
     }
 }
 

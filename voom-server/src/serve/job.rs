@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use libvoom::constrain::CompiledGrammar;
+use libvoom::constrain::{GrammarMatcher, JsonValidator};
 use libvoom::engine::GenerateParams;
 use serde_json::Value;
 use tokio::sync::mpsc::UnboundedSender;
@@ -12,21 +12,32 @@ use super::catalog::ModelMeta;
 use super::error::ApiError;
 use super::tools::{ToolCall, ToolParser};
 
+/// The grammar of one request's output.
+pub struct OutputGrammar {
+    /// A matcher at the grammar's start.
+    pub matcher: GrammarMatcher,
+    /// The end-of-sequence ids it was compiled with (the engine must stop on
+    /// exactly these).
+    pub eos: Vec<u32>,
+    /// The request field the grammar comes from (`response_format`, `tools`): the
+    /// one an error of the grammar names.
+    pub param: &'static str,
+}
+
 /// A request ready to queue.
 pub struct Prepared {
     pub meta: Arc<ModelMeta>,
     pub prompt_ids: Vec<u32>,
     pub params: GenerateParams,
     pub stop: Vec<String>,
-    /// The grammar the output must follow (forced tool calls, a response format).
-    pub grammar: Option<Arc<CompiledGrammar>>,
-    /// The end-of-sequence ids the grammar was compiled with (the engine must stop on
-    /// exactly these).
-    pub grammar_eos: Vec<u32>,
+    /// The grammar the output must follow (forced tool calls, a response format),
+    /// checked at its start before the request was queued.
+    pub grammar: Option<OutputGrammar>,
     /// How to find tool calls in the output (tools offered, choice not none).
     pub tools: Option<ToolParser>,
-    /// The schema the text output is validated against (a JSON response format).
-    pub json_schema: Option<Value>,
+    /// What the text output is validated against (a JSON response format's schema,
+    /// compiled).
+    pub json_schema: Option<JsonValidator>,
 }
 
 /// One generation request, ready for the engine: the prompt is already tokens.

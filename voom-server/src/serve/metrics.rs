@@ -20,6 +20,10 @@ pub struct Metrics {
     pub model_loads: AtomicU64,
     /// Requests whose client went away before they finished.
     pub cancelled: AtomicU64,
+    /// Generations run (for the mean service time).
+    generations: AtomicU64,
+    /// Requests refused with 429 because the queue was full.
+    pub rejected_queue_full: AtomicU64,
 }
 
 impl Metrics {
@@ -32,7 +36,15 @@ impl Metrics {
             .or_default() += 1;
     }
 
+    /// Mean seconds one generation held the engine (prefill and decode), if any ran.
+    pub fn mean_generation_secs(&self) -> Option<f64> {
+        let n = self.generations.load(Ordering::Relaxed);
+        let us = self.prefill_us.load(Ordering::Relaxed) + self.decode_us.load(Ordering::Relaxed);
+        (n > 0).then(|| us as f64 / 1e6 / n as f64)
+    }
+
     pub fn record_generation(&self, prompt: usize, completion: usize, prefill: f64, decode: f64) {
+        self.generations.fetch_add(1, Ordering::Relaxed);
         self.prompt_tokens
             .fetch_add(prompt as u64, Ordering::Relaxed);
         self.completion_tokens
@@ -66,7 +78,7 @@ impl Metrics {
         let decode_s = load(&self.decode_us) as f64 / 1e6;
         let prompt = load(&self.prompt_tokens);
         let prefill_s = load(&self.prefill_us) as f64 / 1e6;
-        let rows: [(&str, &str, &str, f64); 9] = [
+        let rows: [(&str, &str, &str, f64); 10] = [
             (
                 "voom_prompt_tokens_total",
                 "counter",
@@ -124,6 +136,12 @@ impl Metrics {
                 "counter",
                 "Requests whose client went away before the end.",
                 load(&self.cancelled) as f64,
+            ),
+            (
+                "voom_requests_rejected_queue_full_total",
+                "counter",
+                "Requests refused with 429 because the engine's queue was full.",
+                load(&self.rejected_queue_full) as f64,
             ),
         ];
         for (name, ty, help, v) in rows {

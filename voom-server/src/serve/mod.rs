@@ -17,6 +17,7 @@
 //! deadline, so a stalled client cannot hold the engine (its request is cancelled
 //! when its connection is dropped).
 
+pub mod access;
 pub mod anthropic;
 pub mod app;
 pub mod catalog;
@@ -50,8 +51,9 @@ use axum::Router;
 use clap::Args;
 
 use crate::cli::common::EngineArgs;
+use access::{dialect_of, Access};
 use catalog::Catalog;
-use error::{ApiError, Dialect, Kind};
+use error::{ApiError, Kind};
 use metrics::Metrics;
 use worker::Worker;
 
@@ -78,6 +80,30 @@ pub struct ServeArgs {
     /// Seconds any one write to a client may stall before the connection is dropped.
     #[arg(long, env = "VOOM_WRITE_TIMEOUT", default_value_t = 30.0)]
     pub write_timeout: f64,
+    /// Requests that may wait for the engine; beyond them, 429 with Retry-After.
+    #[arg(long, env = "VOOM_MAX_QUEUE", default_value_t = 32)]
+    pub max_queue: usize,
+    /// The API key every request must carry (`Authorization: Bearer KEY` or
+    /// `x-api-key: KEY`). Required to listen beyond loopback.
+    #[arg(long, env = "VOOM_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Listen beyond loopback without an API key (anyone who can reach the port can
+    /// use the server).
+    #[arg(long)]
+    pub allow_no_api_key: bool,
+    /// A host name this server answers to besides IP addresses, localhost and
+    /// --host (the `Host` header is checked against DNS rebinding); `*` for any.
+    /// Repeatable.
+    #[arg(
+        long = "allowed-host",
+        env = "VOOM_ALLOWED_HOSTS",
+        value_delimiter = ','
+    )]
+    pub allowed_hosts: Vec<String>,
+    /// A web origin (`http://localhost:3000`) whose pages may call the server
+    /// (CORS); `*` for any. Off by default. Repeatable.
+    #[arg(long = "cors-origin", env = "VOOM_CORS_ORIGINS", value_delimiter = ',')]
+    pub cors_origins: Vec<String>,
     #[command(flatten)]
     pub engine: EngineArgs,
 }
@@ -97,20 +123,16 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/metrics", get(metrics_text))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        // Access first (outermost after the log): a refused request reaches nothing.
+        .layer(middleware::from_fn_with_state(
+            Arc::clone(&app),
+            access::guard,
+        ))
         .layer(middleware::from_fn_with_state(
             Arc::clone(&app),
             log_request,
         ))
         .with_state(app)
-}
-
-/// The error dialect of a path: Anthropic's for `.../messages`, else OpenAI's.
-fn dialect_of(path: &str) -> Dialect {
-    if path.ends_with("/messages") {
-        Dialect::Anthropic
-    } else {
-        Dialect::OpenAi
-    }
 }
 
 async fn not_found(req: Request) -> ApiError {
@@ -240,11 +262,38 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
         Some(d) => d.clone(),
         None => crate::store::models_dir()?,
     };
+    let addr = resolve(&a.host, a.port)?;
+    if !addr.ip().is_loopback() && a.api_key.is_none() && !a.allow_no_api_key {
+        anyhow::bail!(
+            "--host {} listens beyond loopback: set an API key (--api-key KEY or VOOM_API_KEY), \
+             or pass --allow-no-api-key to let anyone who reaches port {} use it",
+            a.host,
+            a.port
+        );
+    }
+    if a.api_key.as_deref().is_some_and(str::is_empty) {
+        anyhow::bail!("--api-key is empty");
+    }
+    let mut allowed_hosts: Vec<String> = a
+        .allowed_hosts
+        .iter()
+        .map(|h| h.trim().to_ascii_lowercase())
+        .collect();
+    allowed_hosts.push(a.host.to_ascii_lowercase());
+    let access = Access {
+        api_key: a.api_key.clone(),
+        allowed_hosts,
+        cors_origins: a
+            .cors_origins
+            .iter()
+            .map(|o| o.trim().trim_end_matches('/').to_string())
+            .collect(),
+    };
     let metrics = Arc::new(Metrics::default());
     // Resolved once (flag > env > profile > default): every engine the worker opens
     // uses, and every response reports, these settings.
     let resolved = a.engine.pin_profile()?;
-    let worker = Worker::spawn(a.engine.clone(), Arc::clone(&metrics))
+    let worker = Worker::spawn(a.engine.clone(), Arc::clone(&metrics), a.max_queue)
         .context("starting the engine thread")?;
     let profile = Profile {
         name: resolved.name.clone(),
@@ -266,6 +315,13 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
         receive_timeout: Duration::from_secs_f64(a.receive_timeout.max(0.001)),
         profile,
         started: Instant::now(),
+        access,
+        body_budget: Arc::new(tokio::sync::Semaphore::new(app::body_budget_kib(
+            a.max_body_bytes,
+        ))),
+        prepare_slots: Arc::new(tokio::sync::Semaphore::new(
+            std::thread::available_parallelism().map_or(2, |n| n.get()),
+        )),
     });
     if let Some(m) = &a.preload {
         app.catalog.get(m).map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -275,20 +331,24 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    rt.block_on(serve(app, a))
+    rt.block_on(serve(app, a, addr))
 }
 
-async fn serve(app: Arc<App>, a: ServeArgs) -> Result<()> {
-    use hyper_util::rt::{TokioIo, TokioTimer};
-    let addr: SocketAddr = format!("{}:{}", a.host, a.port)
+/// The address `--host`/`--port` name.
+fn resolve(host: &str, port: u16) -> Result<SocketAddr> {
+    format!("{host}:{port}")
         .parse()
         .or_else(|_| {
-            std::net::ToSocketAddrs::to_socket_addrs(&(a.host.as_str(), a.port))
+            std::net::ToSocketAddrs::to_socket_addrs(&(host, port))
                 .ok()
                 .and_then(|mut it| it.next())
                 .ok_or(())
         })
-        .map_err(|_| anyhow::anyhow!("cannot resolve --host {}", a.host))?;
+        .map_err(|_| anyhow::anyhow!("cannot resolve --host {host}"))
+}
+
+async fn serve(app: Arc<App>, a: ServeArgs, addr: SocketAddr) -> Result<()> {
+    use hyper_util::rt::{TokioIo, TokioTimer};
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .with_context(|| format!("cannot listen on {addr}"))?;

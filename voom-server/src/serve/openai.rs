@@ -533,7 +533,7 @@ pub async fn completions(State(app): State<Arc<App>>, req: Request) -> Response 
 async fn handle(app: Arc<App>, req: Request, ep: Endpoint) -> Result<Response, ApiError> {
     let bytes = app.body(req, Dialect::OpenAi).await?;
     let app2 = Arc::clone(&app);
-    let (prepared, c) = blocking(move || {
+    let (prepared, c) = blocking(&app, move || {
         let b = Body::parse(&bytes)?;
         let c = common(&b)?;
         let rf = response_format(&b)?;

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use libvoom::config::ModelConfig;
-use libvoom::constrain::{Grammar, GrammarCompiler};
+use libvoom::constrain::{Grammar, GrammarCompiler, JsonValidator};
 use libvoom::engine::GenerateParams;
 use libvoom::sampler::SamplingParams;
 use libvoom::text::Tokenizer;
@@ -19,7 +19,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use super::app::App;
 use super::catalog::ModelMeta;
 use super::error::{ApiError, Kind};
-use super::job::{Event, Job, Prepared};
+use super::job::{Event, Job, OutputGrammar, Prepared};
 use super::tools::{ResponseFormat, ToolFormat, ToolParser, ToolRequest};
 
 /// Sampling fields as a request gave them (None: not given).
@@ -120,12 +120,9 @@ pub fn prepare(app: &App, req: GenerateRequest<'_>) -> Result<Prepared, ApiError
             let text = tpl
                 .render(messages, template_tools.as_deref(), true, None)
                 .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
-            tok.encode(&text, false)
-                .map_err(|e| ApiError::internal(format!("tokenizing the prompt: {e}")))?
+            encode_within(tok, &text, false, &meta, prompt_param)?
         }
-        Prompt::Text(t) => tok
-            .encode(t, true)
-            .map_err(|e| ApiError::internal(format!("tokenizing the prompt: {e}")))?,
+        Prompt::Text(t) => encode_within(tok, t, true, &meta, prompt_param)?,
         Prompt::Ids(ids) => {
             let vocab = tok.vocab_size() as u32;
             if let Some(bad) = ids.iter().find(|&&i| i >= vocab) {
@@ -141,14 +138,7 @@ pub fn prepare(app: &App, req: GenerateRequest<'_>) -> Result<Prepared, ApiError
         return Err(ApiError::invalid("prompt", "the prompt is empty"));
     }
     if prompt_ids.len() >= meta.max_context {
-        return Err(ApiError::invalid(
-            prompt_param,
-            format!(
-                "the prompt is {} tokens; the context limit of '{model}' is {} (prompt and output together)",
-                prompt_ids.len(),
-                meta.max_context
-            ),
-        ));
+        return Err(too_long(&meta, prompt_param, prompt_ids.len(), ""));
     }
     // The grammar: forced calls, calls or the answer, or the answer alone.
     let forced_tools = tool_parser.as_ref().is_some_and(|t| t.forced);
@@ -163,19 +153,31 @@ pub fn prepare(app: &App, req: GenerateRequest<'_>) -> Result<Prepared, ApiError
     } else {
         response_format.and_then(ResponseFormat::schema)
     };
-    let (grammar, grammar_eos) = match grammar {
-        None => (None, Vec::new()),
+    // Everything the output is checked with is compiled now, so what the grammar
+    // library or the validator refuses is a 400 before any model work.
+    let json_schema = json_schema
+        .map(|s| {
+            JsonValidator::new(&s).map_err(|e| ApiError::invalid("response_format", e.to_string()))
+        })
+        .transpose()?;
+    let param = if tool_parser.is_some() && response_format.is_none() {
+        "tools"
+    } else {
+        "response_format"
+    };
+    let grammar = match grammar {
+        None => None,
         Some(g) => {
             let compiler = compiler_for(&meta, tok)?;
-            let compiled = compiler.compile(&g).map_err(|e| {
-                let param = if tool_parser.is_some() && response_format.is_none() {
-                    "tools"
-                } else {
-                    "response_format"
-                };
-                ApiError::invalid(param, e.to_string())
-            })?;
-            (Some(Arc::new(compiled)), compiler.eos_ids().to_vec())
+            let matcher = compiler
+                .compile(&g)
+                .and_then(|c| c.checked_matcher())
+                .map_err(|e| ApiError::invalid(param, e.to_string()))?;
+            Some(OutputGrammar {
+                matcher,
+                eos: compiler.eos_ids().to_vec(),
+                param,
+            })
         }
     };
     let room = (meta.max_context - prompt_ids.len()) as u64;
@@ -202,10 +204,37 @@ pub fn prepare(app: &App, req: GenerateRequest<'_>) -> Result<Prepared, ApiError
         params,
         stop,
         grammar,
-        grammar_eos,
         tools: tool_parser,
         json_schema,
     })
+}
+
+/// `text`'s token ids, if they fit the context of `meta`: a text whose length alone
+/// shows that it cannot ([`Tokenizer::min_tokens`]) is refused before it is
+/// tokenized, which would cost seconds and gigabytes for a text of megabytes.
+pub fn encode_within(
+    tok: &Tokenizer,
+    text: &str,
+    add_special_tokens: bool,
+    meta: &ModelMeta,
+    param: &str,
+) -> Result<Vec<u32>, ApiError> {
+    let lower = tok.min_tokens(text);
+    if lower >= meta.max_context {
+        return Err(too_long(meta, param, lower, "at least "));
+    }
+    tok.encode(text, add_special_tokens)
+        .map_err(|e| ApiError::internal(format!("tokenizing the prompt: {e}")))
+}
+
+fn too_long(meta: &ModelMeta, param: &str, tokens: usize, at_least: &str) -> ApiError {
+    ApiError::invalid(
+        param,
+        format!(
+            "the prompt is {at_least}{tokens} tokens; the context limit of '{}' is {} (prompt and output together)",
+            meta.id, meta.max_context
+        ),
+    )
 }
 
 /// The end-of-sequence ids the engine stops on, computed as
@@ -273,11 +302,22 @@ pub fn start(app: &App, p: Prepared) -> Result<UnboundedReceiver<Event>, ApiErro
     Ok(rx)
 }
 
-/// Runs blocking preparation off the async threads.
+/// Runs blocking preparation off the async threads, at most
+/// [`App::prepare_slots`] at once.
 pub async fn blocking<T: Send + 'static>(
+    app: &App,
     f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
 ) -> Result<T, ApiError> {
-    tokio::task::spawn_blocking(f).await.unwrap_or_else(|e| {
+    let slot = Arc::clone(&app.prepare_slots)
+        .acquire_owned()
+        .await
+        .map_err(|_| ApiError::internal("the server is shutting down"))?;
+    tokio::task::spawn_blocking(move || {
+        let _slot = slot;
+        f()
+    })
+    .await
+    .unwrap_or_else(|e| {
         Err(ApiError::new(
             Kind::Internal,
             format!("request failed: {e}"),

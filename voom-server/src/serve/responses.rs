@@ -748,7 +748,7 @@ pub async fn responses(State(app): State<Arc<App>>, req: Request) -> Response {
 async fn handle(app: Arc<App>, req: Request) -> Result<Response, ApiError> {
     let bytes = app.body(req, Dialect::OpenAi).await?;
     let app2 = Arc::clone(&app);
-    let (prepared, r) = blocking(move || {
+    let (prepared, r) = blocking(&app, move || {
         let b = Body::parse(&bytes)?;
         let r = parse(&b)?;
         let p = prepare::prepare(

@@ -18,14 +18,13 @@ use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Instant;
 
-use libvoom::constrain::validate_json;
 use libvoom::engine::{Engine, FinishReason};
 use libvoom::text::StreamDecoder;
 use serde_json::Value;
 use vpaged::PageSource;
 
 use super::catalog::ModelMeta;
-use super::error::ApiError;
+use super::error::{ApiError, Kind};
 use super::ids::new_id;
 use super::job::{Event, Finish, Job, Outcome};
 use super::metrics::Metrics;
@@ -46,10 +45,16 @@ pub struct Worker {
     tx: Mutex<mpsc::Sender<Job>>,
     metrics: Arc<Metrics>,
     resident: Arc<Mutex<Option<Resident>>>,
+    /// Jobs that may wait; past them, submissions are refused (429).
+    max_queue: usize,
 }
 
 impl Worker {
-    pub fn spawn(engine_args: EngineArgs, metrics: Arc<Metrics>) -> std::io::Result<Worker> {
+    pub fn spawn(
+        engine_args: EngineArgs,
+        metrics: Arc<Metrics>,
+        max_queue: usize,
+    ) -> std::io::Result<Worker> {
         let (tx, rx) = mpsc::channel::<Job>();
         let resident = Arc::new(Mutex::new(None));
         let state = WorkerState {
@@ -65,13 +70,33 @@ impl Worker {
             tx: Mutex::new(tx),
             metrics,
             resident,
+            max_queue,
         })
     }
 
-    /// Queues a job; its events arrive on `job.events`.
+    /// Queues a job; its events arrive on `job.events`. A full queue is a 429
+    /// whose `Retry-After` is the queue's expected wait.
     pub fn submit(&self, job: Job) -> Result<(), ApiError> {
-        self.metrics.queue_depth.fetch_add(1, Ordering::Relaxed);
+        // Under the sender's lock, so the check and the count are one step.
         let tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
+        let depth = self.metrics.queue_depth.load(Ordering::Relaxed);
+        if depth >= self.max_queue {
+            self.metrics
+                .rejected_queue_full
+                .fetch_add(1, Ordering::Relaxed);
+            let busy = self.metrics.busy.load(Ordering::Relaxed);
+            let wait = self.metrics.mean_generation_secs().unwrap_or(1.0) * (depth + busy) as f64;
+            let mut e = ApiError::new(
+                Kind::Overloaded,
+                format!(
+                    "the server is busy: {depth} requests are waiting for the engine (--max-queue {})",
+                    self.max_queue
+                ),
+            );
+            e.retry_after = Some((wait.ceil() as u64).clamp(1, 600));
+            return Err(e);
+        }
+        self.metrics.queue_depth.fetch_add(1, Ordering::Relaxed);
         tx.send(job).map_err(|_| {
             self.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
             ApiError::internal("the engine worker has stopped")
@@ -158,9 +183,8 @@ impl WorkerState {
             self.engine = None;
             *self.resident.lock().unwrap_or_else(|e| e.into_inner()) = None;
             let t = Instant::now();
-            let e = crate::cli::common::open_engine(&meta.dir, &self.engine_args).map_err(|e| {
-                ApiError::internal(format!("cannot load model '{}': {e:#}", meta.id))
-            })?;
+            let e = crate::cli::common::open_engine(&meta.dir, &self.engine_args)
+                .map_err(|e| ApiError::model_unavailable(&meta.id, &e))?;
             tracing::info!(
                 "loaded model {} in {:.2}s ({})",
                 meta.id,
@@ -178,7 +202,7 @@ impl WorkerState {
     }
 
     /// Runs one job. `Ok(None)`: the client went away.
-    fn serve(&mut self, job: Job) -> Result<Option<Outcome>, ApiError> {
+    fn serve(&mut self, mut job: Job) -> Result<Option<Outcome>, ApiError> {
         let started = Instant::now();
         let queue_secs = (started - job.enqueued).as_secs_f64();
         let engine = self.engine_for(&job.request.meta)?;
@@ -189,11 +213,11 @@ impl WorkerState {
             ))
         })?;
         let eos = engine.eos_ids().to_vec();
-        if job.request.grammar.is_some() && job.request.grammar_eos != eos {
+        if let Some(g) = job.request.grammar.as_ref().filter(|g| g.eos != eos) {
             // The grammar leaves the eos ids to the engine: both must mean the same ids.
             return Err(ApiError::internal(format!(
                 "the grammar for model '{}' was compiled with end-of-sequence ids {:?}, but the engine stops on {:?}",
-                job.request.meta.id, job.request.grammar_eos, eos
+                job.request.meta.id, g.eos, eos
             )));
         }
         // With tools, text streams until a call may be starting (CallGate); from there
@@ -275,7 +299,8 @@ impl WorkerState {
                 ControlFlow::Continue(())
             }
         };
-        let mut matcher = job.request.grammar.as_ref().map(|g| g.matcher());
+        let grammar_param = job.request.grammar.as_ref().map(|g| g.param);
+        let mut matcher = job.request.grammar.take().map(|g| g.matcher);
         let g = match matcher.as_mut() {
             Some(m) => engine.generate_constrained(
                 &job.request.prompt_ids,
@@ -285,7 +310,7 @@ impl WorkerState {
             ),
             None => engine.generate(&job.request.prompt_ids, &job.request.params, &mut on_token),
         }
-        .map_err(|e| ApiError::internal(format!("generation failed: {e}")))?;
+        .map_err(|e| ApiError::engine(&job.request.meta.id, &e, grammar_param))?;
         if let Some(e) = failure {
             return Err(e);
         }
@@ -377,12 +402,12 @@ impl WorkerState {
                 finish = Finish::ToolCalls;
             }
         }
-        if let Some(schema) = &job.request.json_schema {
+        if let Some(validator) = &job.request.json_schema {
             // Complete JSON output (not cut by a limit or a stop sequence, not calls)
             // must satisfy the schema the grammar enforced.
             if finish == Finish::Eos {
                 match serde_json::from_str::<Value>(&text) {
-                    Ok(v) => validate_json(schema, &v).map_err(|e| {
+                    Ok(v) => validator.validate(&v).map_err(|e| {
                         ApiError::internal(format!("the constrained output {e}: {text:?}"))
                     })?,
                     // Valid JSON whose number overflows an f64 (`1e400`): serde_json

@@ -1,6 +1,6 @@
 //! The tools a request offers, the choice of calls, and the calls made.
 
-use libvoom::constrain::Grammar;
+use libvoom::constrain::{Grammar, JsonValidator};
 use serde_json::{json, Map, Value};
 
 use crate::serve::error::ApiError;
@@ -136,12 +136,18 @@ impl ToolRequest {
                     ))
                 }
             }
-            Grammar::json_schema(&t.parameters).map_err(|e| {
-                ApiError::invalid(
-                    param,
-                    format!("the parameters schema of tool '{}' is invalid: {e}", t.name),
-                )
-            })?;
+            // Both checkers of the arguments compile now: the grammar that forces
+            // them and the validator that checks them (which refuses, say, a
+            // `pattern` past the regex engine's limits).
+            Grammar::json_schema(&t.parameters)
+                .map(|_| ())
+                .and_then(|()| JsonValidator::new(&t.parameters).map(|_| ()))
+                .map_err(|e| {
+                    ApiError::invalid(
+                        param,
+                        format!("the parameters schema of tool '{}' is invalid: {e}", t.name),
+                    )
+                })?;
         }
         match &choice {
             ToolChoice::Required if tools.is_empty() => {

@@ -1,0 +1,432 @@
+//! Nothing a caller or a model directory can do takes `voom serve` down or makes it
+//! answer for another site (issue 8). Each test is named after the defect it guards;
+//! the server stays healthy (`/health` answers, a real request completes) after each.
+
+mod common;
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::{json, Value};
+
+/// One request written exactly as given (`head` lines, then the body).
+fn raw(addr: SocketAddr, head_lines: &[&str], body: &[u8]) -> Reply {
+    let mut s = connect(addr);
+    let mut msg = head_lines.join("\r\n");
+    msg += &format!(
+        "\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    let mut bytes = msg.into_bytes();
+    bytes.extend_from_slice(body);
+    let _ = s.write_all(&bytes);
+    read_reply(&mut s)
+}
+
+fn host(addr: SocketAddr) -> String {
+    format!("Host: {addr}")
+}
+
+#[test]
+fn a_model_whose_config_lies_is_503_for_that_request_and_the_server_keeps_serving() {
+    let mut s = Server::start(&[]);
+    // A second model: the fixture with a config claiming a billion layers (it used
+    // to abort the whole server allocating 368 GB).
+    let bad = s.models.path().join("liar");
+    copy_dir(&fixture(), &bad);
+    let mut cfg: Value =
+        serde_json::from_slice(&std::fs::read(bad.join("config.json")).unwrap()).unwrap();
+    cfg["num_hidden_layers"] = json!(1_000_000_000u64);
+    std::fs::write(bad.join("config.json"), cfg.to_string()).unwrap();
+    let mut body = chat("Hello", 4);
+    body["model"] = json!("liar");
+    let r = s.post_json("/v1/chat/completions", &body);
+    assert_eq!(r.status, 503, "{}", r.text());
+    let m = r.json()["error"]["message"].as_str().unwrap().to_string();
+    assert!(m.contains("liar") && m.contains("num_hidden_layers"), "{m}");
+    s.assert_healthy();
+
+    // A config that reads but disagrees with the checkpoint fails when the engine
+    // loads: also a 503, and the resident model keeps serving.
+    let odd = s.models.path().join("odd");
+    copy_dir(&fixture(), &odd);
+    let mut cfg2: Value =
+        serde_json::from_slice(&std::fs::read(odd.join("config.json")).unwrap()).unwrap();
+    let layers = cfg2["num_hidden_layers"].as_u64().unwrap();
+    cfg2["num_hidden_layers"] = json!(layers + 1);
+    std::fs::write(odd.join("config.json"), cfg2.to_string()).unwrap();
+    body["model"] = json!("odd");
+    let r = s.post_json("/v1/chat/completions", &body);
+    assert_eq!(r.status, 503, "{}", r.text());
+    let m = r.json()["error"]["message"].as_str().unwrap().to_string();
+    assert!(m.contains("odd") && m.contains("num_hidden_layers"), "{m}");
+    // The same in Anthropic's dialect.
+    let r = s.post_json(
+        "/v1/messages",
+        &json!({"model": "odd", "max_tokens": 4,
+                "messages": [{"role": "user", "content": "Hi"}]}),
+    );
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert_eq!(r.json()["error"]["type"], "overloaded_error");
+    s.assert_healthy();
+}
+
+#[test]
+fn a_prompt_far_over_the_context_is_refused_before_it_is_tokenized() {
+    let mut s = Server::start(&[]);
+    // 24 MB of text: tokenizing it took seconds and gigabytes before the 400.
+    let big = "hello world ".repeat(2_000_000);
+    let r = s.post_json("/v1/chat/completions", &chat(&big, 4));
+    assert_openai_error(&r, 400, "messages", "a 24 MB message");
+    let m = r.json()["error"]["message"].as_str().unwrap().to_string();
+    // "at least": refused from its length, not counted by tokenizing it.
+    assert!(m.contains("at least") && m.contains("context"), "{m}");
+    let r = s.post_json(
+        "/v1/completions",
+        &json!({"model": MODEL, "prompt": big, "max_tokens": 1}),
+    );
+    assert_openai_error(&r, 400, "prompt", "a 24 MB completion prompt");
+    let r = s.post_json(
+        "/v1/messages",
+        &json!({"model": MODEL, "max_tokens": 4,
+                "messages": [{"role": "user", "content": big}]}),
+    );
+    assert_anthropic_error(&r, 400, "invalid_request_error", "messages", "24 MB");
+    s.assert_healthy();
+}
+
+#[test]
+fn client_schemas_the_grammar_or_validator_refuse_are_400_before_generation() {
+    let mut s = Server::start(&[]);
+    let cases = [
+        // Refers only to itself: admits no output (it failed at the first token).
+        json!({"$ref": "#"}),
+        // Past the regex engine's size limit (the validator failed after generation).
+        json!({"type": "string", "pattern": "^(a{1,1000}){1,1000}$"}),
+        // Not a regex at all.
+        json!({"type": "string", "pattern": "(unclosed"}),
+    ];
+    for schema in &cases {
+        let mut body = chat("Hello", 8);
+        body["response_format"] =
+            json!({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}});
+        let r = s.post_json("/v1/chat/completions", &body);
+        assert_openai_error(&r, 400, "response_format", &schema.to_string());
+        // Streaming too: refused before the stream starts.
+        body["stream"] = json!(true);
+        let r = s.post_json("/v1/chat/completions", &body);
+        assert_openai_error(&r, 400, "response_format", &schema.to_string());
+    }
+    // As a tool's parameters: the whole schema refers to itself, or an argument's
+    // pattern is refused.
+    for parameters in [
+        json!({"$ref": "#"}),
+        json!({"type": "object", "properties": {"a": cases[1]}}),
+        json!({"type": "object", "properties": {"a": cases[2]}}),
+    ] {
+        let mut body = chat("Hello", 8);
+        body["tools"] = json!([{"type": "function", "function": {"name": "f",
+            "parameters": parameters}}]);
+        body["tool_choice"] = json!("required");
+        let r = s.post_json("/v1/chat/completions", &body);
+        assert_openai_error(&r, 400, "tools", &parameters.to_string());
+    }
+    // A grammar past the parser's limits once generation starts (5,000 object
+    // alternatives): a 400 naming the field and the limit, not a 500.
+    let alternatives: Vec<Value> = (0..5000)
+        .map(|i| {
+            json!({"type": "object", "properties": {format!("k{i}"): {"type": "string"}},
+                        "required": [format!("k{i}")]})
+        })
+        .collect();
+    let mut body = chat("Hello", 8);
+    body["response_format"] = json!({"type": "json_schema",
+        "json_schema": {"name": "x", "schema": {"anyOf": alternatives}}});
+    let r = s.post_json("/v1/chat/completions", &body);
+    if r.status != 200 {
+        assert_openai_error(&r, 400, "response_format", "5000 alternatives");
+        let m = r.json()["error"]["message"].as_str().unwrap().to_string();
+        assert!(m.contains("max"), "the limit is not named: {m}");
+    }
+    s.assert_healthy();
+}
+
+#[test]
+fn a_body_that_is_not_json_is_415_and_never_reaches_the_engine() {
+    let mut s = Server::start(&[]);
+    let body = chat("Hello", 4).to_string();
+    for ct in [
+        "Content-Type: text/plain",
+        "Content-Type: application/x-www-form-urlencoded",
+        "Content-Type: multipart/form-data; boundary=x",
+    ] {
+        let r = raw(
+            s.addr,
+            &["POST /v1/chat/completions HTTP/1.1", &host(s.addr), ct],
+            body.as_bytes(),
+        );
+        assert_eq!(r.status, 415, "{ct}: {}", r.text());
+        assert_eq!(r.json()["error"]["code"], "unsupported_media_type");
+    }
+    // No content type at all; and Anthropic's dialect.
+    let r = raw(
+        s.addr,
+        &["POST /v1/messages HTTP/1.1", &host(s.addr)],
+        body.as_bytes(),
+    );
+    assert_eq!(r.status, 415, "{}", r.text());
+    assert_eq!(r.json()["error"]["type"], "invalid_request_error");
+    // With parameters, JSON is JSON.
+    let r = raw(
+        s.addr,
+        &[
+            "POST /v1/chat/completions HTTP/1.1",
+            &host(s.addr),
+            "Content-Type: application/json; charset=utf-8",
+        ],
+        body.as_bytes(),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(s.metric("voom_model_loads_total"), 1.0);
+    s.assert_healthy();
+}
+
+#[test]
+fn a_foreign_host_or_origin_is_403_dns_rebinding_and_cross_site_pages() {
+    let mut s = Server::start(&[]);
+    let body = chat("Hello", 4).to_string();
+    let json_ct = "Content-Type: application/json";
+    for h in [
+        "Host: evil.example",
+        "Host: evil.example:8080",
+        "Host: localhost.evil.example",
+    ] {
+        let r = raw(
+            s.addr,
+            &["POST /v1/chat/completions HTTP/1.1", h, json_ct],
+            body.as_bytes(),
+        );
+        assert_eq!(r.status, 403, "{h}: {}", r.text());
+        assert!(r.text().contains("evil.example"), "{}", r.text());
+        let r = raw(s.addr, &["GET /health HTTP/1.1", h], b"");
+        assert_eq!(r.status, 403, "{h}: {}", r.text());
+    }
+    // Loopback names and addresses are this server.
+    let port = s.addr.port();
+    for h in [
+        format!("Host: localhost:{port}"),
+        format!("Host: 127.0.0.1:{port}"),
+    ] {
+        let r = raw(s.addr, &["GET /health HTTP/1.1", &h], b"");
+        assert_eq!(r.status, 200, "{h}: {}", r.text());
+    }
+    // A web page's request (it carries its Origin) is refused while CORS is off,
+    // and no CORS header invites the browser to read anything.
+    let r = raw(
+        s.addr,
+        &[
+            "POST /v1/chat/completions HTTP/1.1",
+            &host(s.addr),
+            json_ct,
+            "Origin: https://evil.example",
+        ],
+        body.as_bytes(),
+    );
+    assert_eq!(r.status, 403, "{}", r.text());
+    assert!(r.header("access-control-allow-origin").is_none());
+    let r = raw(
+        s.addr,
+        &[
+            "OPTIONS /v1/chat/completions HTTP/1.1",
+            &host(s.addr),
+            "Origin: https://evil.example",
+            "Access-Control-Request-Method: POST",
+        ],
+        b"",
+    );
+    assert_eq!(r.status, 403, "{}", r.text());
+    assert!(r.header("access-control-allow-origin").is_none());
+    assert_eq!(s.metric("voom_model_loads_total"), 0.0);
+    s.assert_healthy();
+}
+
+#[test]
+fn cors_allows_exactly_the_configured_origins_and_names_with_allowed_host() {
+    let mut s = Server::start(&[
+        "--cors-origin",
+        "http://localhost:3000",
+        "--allowed-host",
+        "voom.lan",
+    ]);
+    let r = raw(
+        s.addr,
+        &[
+            "OPTIONS /v1/chat/completions HTTP/1.1",
+            &host(s.addr),
+            "Origin: http://localhost:3000",
+            "Access-Control-Request-Method: POST",
+            "Access-Control-Request-Headers: content-type, authorization",
+        ],
+        b"",
+    );
+    assert_eq!(r.status, 204, "{}", r.text());
+    assert_eq!(
+        r.header("access-control-allow-origin"),
+        Some("http://localhost:3000")
+    );
+    assert!(r
+        .header("access-control-allow-methods")
+        .is_some_and(|m| m.contains("POST")));
+    assert_eq!(
+        r.header("access-control-allow-headers"),
+        Some("content-type, authorization")
+    );
+    let body = chat("Hello", 4).to_string();
+    let r = raw(
+        s.addr,
+        &[
+            "POST /v1/chat/completions HTTP/1.1",
+            "Host: voom.lan",
+            "Content-Type: application/json",
+            "Origin: http://localhost:3000",
+        ],
+        body.as_bytes(),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(
+        r.header("access-control-allow-origin"),
+        Some("http://localhost:3000")
+    );
+    let r = raw(
+        s.addr,
+        &[
+            "POST /v1/chat/completions HTTP/1.1",
+            &host(s.addr),
+            "Content-Type: application/json",
+            "Origin: http://localhost:3001",
+        ],
+        body.as_bytes(),
+    );
+    assert_eq!(r.status, 403, "{}", r.text());
+    s.assert_healthy();
+}
+
+#[test]
+fn with_an_api_key_every_request_needs_it_in_either_header() {
+    let s = Server::start(&["--api-key", "k-123"]);
+    let body = chat("Hello", 4).to_string();
+    let json_ct = "Content-Type: application/json";
+    for (path, auth) in [
+        ("/v1/chat/completions", None),
+        ("/v1/chat/completions", Some("Authorization: Bearer wrong")),
+        ("/v1/chat/completions", Some("x-api-key: k-12")),
+        ("/v1/messages", None),
+    ] {
+        let line = format!("POST {path} HTTP/1.1");
+        let mut head = vec![line.as_str(), json_ct];
+        let h = host(s.addr);
+        head.push(&h);
+        if let Some(a) = auth {
+            head.push(a);
+        }
+        let r = raw(s.addr, &head, body.as_bytes());
+        assert_eq!(r.status, 401, "{path} {auth:?}: {}", r.text());
+        if path.ends_with("messages") {
+            assert_eq!(r.json()["error"]["type"], "authentication_error");
+        } else {
+            assert_eq!(r.json()["error"]["code"], "invalid_api_key");
+        }
+    }
+    let r = raw(s.addr, &["GET /health HTTP/1.1", &host(s.addr)], b"");
+    assert_eq!(r.status, 401, "{}", r.text());
+    for auth in ["Authorization: Bearer k-123", "x-api-key: k-123"] {
+        let r = raw(
+            s.addr,
+            &[
+                "POST /v1/chat/completions HTTP/1.1",
+                &host(s.addr),
+                json_ct,
+                auth,
+            ],
+            body.as_bytes(),
+        );
+        assert_eq!(r.status, 200, "{auth}: {}", r.text());
+        let r = raw(s.addr, &["GET /health HTTP/1.1", &host(s.addr), auth], b"");
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+}
+
+#[test]
+fn listening_beyond_loopback_without_an_api_key_is_refused() {
+    let models = tempfile::tempdir().unwrap();
+    let out = voom()
+        .args(["serve", "--host", "0.0.0.0", "--port", "0", "--models-dir"])
+        .arg(models.path())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--api-key") && err.contains("--allow-no-api-key"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn a_full_queue_is_429_with_retry_after_in_the_endpoints_dialect() {
+    let mut s = Server::start(&["--max-queue", "1"]);
+    // A long generation holds the engine; one request waits; the next is refused.
+    let long = json!({"model": MODEL, "prompt": [12], "max_tokens": 2000,
+                      "temperature": 0, "stream": true});
+    let text = long.to_string();
+    let mut running = connect(s.addr);
+    running
+        .write_all(head("POST", "/v1/completions", s.addr, Some(text.len())).as_bytes())
+        .unwrap();
+    running.write_all(text.as_bytes()).unwrap();
+    let t = Instant::now();
+    while s.metric("voom_engine_busy") < 1.0 {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "the first request never ran"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let mut waiting = connect(s.addr);
+    waiting
+        .write_all(head("POST", "/v1/completions", s.addr, Some(text.len())).as_bytes())
+        .unwrap();
+    waiting.write_all(text.as_bytes()).unwrap();
+    let t = Instant::now();
+    while s.metric("voom_queue_depth") < 1.0 {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "the second never queued"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let r = s.post_json("/v1/chat/completions", &chat("Hello", 4));
+    assert_eq!(r.status, 429, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "rate_limit_exceeded");
+    let after: u64 = r
+        .header("retry-after")
+        .expect("Retry-After")
+        .parse()
+        .unwrap();
+    assert!((1..=600).contains(&after), "{after}");
+    let r = s.post_json(
+        "/v1/messages",
+        &json!({"model": MODEL, "max_tokens": 4,
+                "messages": [{"role": "user", "content": "Hi"}]}),
+    );
+    assert_eq!(r.status, 429, "{}", r.text());
+    assert_eq!(r.json()["error"]["type"], "rate_limit_error");
+    assert!(r.header("retry-after").is_some());
+    assert_eq!(s.metric("voom_requests_rejected_queue_full_total"), 2.0);
+    drop(running);
+    drop(waiting);
+    s.assert_healthy();
+}
