@@ -426,7 +426,13 @@ fn a_full_queue_is_429_with_retry_after_in_the_endpoints_dialect() {
     assert_eq!(r.json()["error"]["type"], "rate_limit_error");
     assert!(r.header("retry-after").is_some());
     assert_eq!(s.metric("voom_requests_rejected_queue_full_total"), 2.0);
+    // The clients leave: the engine drops both at its next token.
     drop(running);
     drop(waiting);
+    let t = Instant::now();
+    while s.metric("voom_queue_depth") > 0.0 || s.metric("voom_engine_busy") > 0.0 {
+        assert!(t.elapsed() < Duration::from_secs(30), "the queue never drained");
+        std::thread::sleep(Duration::from_millis(5));
+    }
     s.assert_healthy();
 }
