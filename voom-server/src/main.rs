@@ -4,15 +4,8 @@
 //! `voom run MODEL [PROMPT]`, `voom generate`, `voom pull`, `voom import`, `voom list`,
 //! `voom profiles`, and `voom serve`, the HTTP server.
 
-mod cli;
-mod memory;
-mod profile;
-mod registry;
-mod serve;
-mod store;
-mod synth;
-
 use clap::{Parser, Subcommand};
+use voom_server::{cli, serve};
 
 #[derive(Parser)]
 #[command(
