@@ -18,15 +18,6 @@ pub enum StoreError {
         expected: String,
         actual: String,
     },
-    /// Every copy of the page (on every tier holding it, raw and encoded) failed
-    /// verification; it is never served. `copies` names each copy's tier and what it
-    /// held instead (its blake3, or why its body does not decode).
-    #[error("page '{page}' fails verification on every copy (expected blake3 {expected}): {}", copies.join("; "))]
-    Corrupt {
-        page: String,
-        expected: String,
-        copies: Vec<String>,
-    },
     #[error(transparent)]
     Tier(crate::tier::TierError),
     /// No tier could serve the page's bytes.
@@ -41,4 +32,22 @@ pub enum StoreError {
     /// open model of that id.
     #[error("model store {store}: {detail}")]
     NotFound { store: PathBuf, detail: String },
+    /// A memory-mapped checkpoint file is now shorter than a page it holds: it was
+    /// truncated after the model was opened. Nothing is read from the page.
+    #[error(
+        "{file}: page '{page}' is bytes {start}..{end} of the file, which is now {len} bytes: \
+         it was truncated after the model was opened (reopen the model)"
+    )]
+    Truncated {
+        file: PathBuf,
+        page: String,
+        start: u64,
+        end: u64,
+        len: u64,
+    },
+    /// A memory-mapped checkpoint file changed on disk after the model was opened, where
+    /// its pages cannot be re-verified (no manifest, or verification off), or while
+    /// pages of it were in use: what was computed from them must be discarded.
+    #[error("{file}: {detail}")]
+    FileChanged { file: PathBuf, detail: String },
 }

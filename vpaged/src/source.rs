@@ -55,8 +55,12 @@ pub struct SourceCacheStats {
 ///
 /// Callers' obligations: hold the [`PageLease`] for as long as they read its bytes
 /// (the borrow checker enforces this) and drop it when done, so the store may evict the
-/// page. Implementations' obligations: a lease's bytes are exactly the page's decoded,
-/// verified bytes and stay valid and unchanged while the lease lives.
+/// page; and call [`PageSource::check_reads`] after computing on leased bytes, before
+/// using the results, discarding them on `Err`. Implementations' obligations: a
+/// lease's bytes are exactly the page's decoded, verified bytes and stay valid and
+/// unchanged while the lease lives, or, where the source cannot prevent a change (a
+/// memory-mapped file that another process truncates or rewrites), `check_reads`
+/// reports it.
 pub trait PageSource: Send + Sync {
     /// Every page of the model store, indexed by `PageId.0`.
     fn pages(&self) -> &[PageMeta];
@@ -95,6 +99,25 @@ pub trait PageSource: Send + Sync {
     /// hints into its next request). Engines call it when a forward pass ends, so
     /// that released pages do not stay held while the engine is idle.
     fn flush(&self) {}
+
+    /// Whether the bytes of pages leased since the previous call may have been other
+    /// than the verified pages: `Err` when the source saw that they could have been (for
+    /// memory-mapped files: a read fault, the file having been truncated under the
+    /// mapping, or the file changing on disk while pages of it were leased), naming the
+    /// file and the offset or page.
+    ///
+    /// Callers' obligation: call it after each computation on leased bytes (an engine:
+    /// after every forward pass) and before using, returning or emitting anything
+    /// computed, and on `Err` discard all of it and return the error. Sources whose
+    /// leases are the only copy of verified bytes in memory they own (a page cache, the
+    /// daemon's arena) cannot see their bytes change and return `Ok` (the default).
+    /// With one caller at a time the report is exact for that caller's reads; callers
+    /// that share one source concurrently each see a given change reported at most
+    /// once, by whichever checks first, so they must not share a source whose reads can
+    /// fail (give each its own).
+    fn check_reads(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
 
     /// A short description for logs and responses ("embedded", "vpaged:/run/...").
     fn describe(&self) -> String;
