@@ -52,18 +52,18 @@ impl Checkpoint {
     pub fn open(dir: &Path) -> Result<Self> {
         let single = dir.join(SINGLE_FILE);
         let index = dir.join(INDEX_FILE);
-        let (names, expected): (Vec<String>, Option<BTreeMap<String, String>>) = if single.is_file()
-        {
-            (vec![SINGLE_FILE.to_string()], None)
-        } else if index.is_file() {
-            let map = read_index(&index)?;
-            let mut names: Vec<String> = map.values().cloned().collect();
-            names.sort();
-            names.dedup();
-            (names, Some(map))
-        } else {
-            (list_safetensors(dir)?, None)
-        };
+        let (names, expected): (Vec<String>, Option<BTreeMap<String, String>>) =
+            if is_present(&single)? {
+                (vec![SINGLE_FILE.to_string()], None)
+            } else if is_present(&index)? {
+                let map = read_index(&index)?;
+                let mut names: Vec<String> = map.values().cloned().collect();
+                names.sort();
+                names.dedup();
+                (names, Some(map))
+            } else {
+                (list_safetensors(dir)?, None)
+            };
         if names.is_empty() {
             return Err(FormatError::Missing {
                 path: dir.to_path_buf(),
@@ -76,7 +76,7 @@ impl Checkpoint {
         let mut files = Vec::with_capacity(names.len());
         for name in &names {
             let path = dir.join(name);
-            if !path.exists() {
+            if !is_present(&path)? {
                 return Err(FormatError::Missing {
                     path: dir.to_path_buf(),
                     what: format!("shard '{name}'"),
@@ -171,8 +171,76 @@ impl Checkpoint {
     }
 }
 
+/// What a file type is, in words, for the error refusing a file that is not regular.
+fn describe(t: std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    if t.is_dir() {
+        "a directory"
+    } else if t.is_fifo() {
+        "a FIFO"
+    } else if t.is_socket() {
+        "a socket"
+    } else if t.is_block_device() || t.is_char_device() {
+        "a device"
+    } else {
+        "not a regular file"
+    }
+}
+
+/// The error refusing a model-store file of type `t` that is not a regular file (kind
+/// `InvalidInput`, naming what it is). Readers of store files, here and in the page
+/// store, refuse with this one error.
+pub fn not_regular(t: std::fs::FileType) -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::InvalidInput,
+        format!(
+            "is {}, not a regular file: refusing to open it",
+            describe(t)
+        ),
+    )
+}
+
+/// Whether a model-store file is there: `false` when nothing is at `path`, `true` for
+/// a regular file (symbolic links followed, as in a Hugging Face cache snapshot), an
+/// error naming it for anything else. Checked with `stat`, before the file is ever
+/// opened: opening a FIFO blocks until a writer comes, and a device is no model file.
+pub fn is_present(path: &Path) -> Result<bool> {
+    match std::fs::metadata(path) {
+        Ok(m) if m.is_file() => Ok(true),
+        Ok(m) => Err(FormatError::io(path, not_regular(m.file_type()))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(FormatError::io(path, e)),
+    }
+}
+
+/// Opens a model-store file that must be a regular file: refused by [`is_present`]'s
+/// check before it is opened (a missing file is the `NotFound` I/O error), and checked
+/// again on the opened descriptor. Returns the file and its length.
+pub fn open_regular(path: &Path) -> Result<(std::fs::File, u64)> {
+    let io = |e| FormatError::io(path, e);
+    if !is_present(path)? {
+        return Err(io(std::io::ErrorKind::NotFound.into()));
+    }
+    let f = std::fs::File::open(path).map_err(io)?;
+    let m = f.metadata().map_err(io)?;
+    if !m.is_file() {
+        return Err(io(not_regular(m.file_type())));
+    }
+    Ok((f, m.len()))
+}
+
+/// Reads a model-store file that must be a regular file ([`open_regular`]).
+pub fn read_regular(path: &Path) -> Result<Vec<u8>> {
+    use std::io::Read;
+    let (mut f, len) = open_regular(path)?;
+    let mut bytes = Vec::with_capacity(usize::try_from(len).unwrap_or(0));
+    f.read_to_end(&mut bytes)
+        .map_err(|e| FormatError::io(path, e))?;
+    Ok(bytes)
+}
+
 fn read_index(path: &Path) -> Result<BTreeMap<String, String>> {
-    let text = std::fs::read(path).map_err(|e| FormatError::io(path, e))?;
+    let text = read_regular(path)?;
     let index: Index = serde_json::from_slice(&text).map_err(|e| FormatError::Malformed {
         path: path.to_path_buf(),
         what: "safetensors index",
@@ -383,6 +451,55 @@ mod tests {
         std::fs::write(d.path().join(INDEX_FILE), "{\"metadata\":{}}").unwrap();
         let e = Checkpoint::open(d.path()).unwrap_err();
         assert!(e.to_string().contains("weight_map"), "{e}");
+    }
+
+    fn mkfifo(path: &Path) {
+        let st = std::process::Command::new("mkfifo")
+            .arg(path)
+            .status()
+            .unwrap();
+        assert!(st.success());
+    }
+
+    /// A FIFO (or any file that is not regular) in place of a checkpoint file is an
+    /// error naming it, found without opening it: opening a FIFO would block for good.
+    #[test]
+    fn a_fifo_in_place_of_a_checkpoint_file_is_refused_without_blocking() {
+        let d = tempfile::tempdir().unwrap();
+        mkfifo(&d.path().join(SINGLE_FILE));
+        let e = Checkpoint::open(d.path()).unwrap_err();
+        assert!(
+            e.to_string().contains(SINGLE_FILE)
+                && e.to_string().contains("is a FIFO, not a regular file"),
+            "{e}"
+        );
+        std::fs::remove_file(d.path().join(SINGLE_FILE)).unwrap();
+
+        mkfifo(&d.path().join(INDEX_FILE));
+        let e = Checkpoint::open(d.path()).unwrap_err();
+        assert!(
+            e.to_string().contains(INDEX_FILE) && e.to_string().contains("FIFO"),
+            "{e}"
+        );
+        std::fs::remove_file(d.path().join(INDEX_FILE)).unwrap();
+
+        put(d.path(), "s1.safetensors", &[("w", &[1])]);
+        mkfifo(&d.path().join("s2.safetensors"));
+        index(
+            d.path(),
+            &[("w", "s1.safetensors"), ("v", "s2.safetensors")],
+        );
+        let e = Checkpoint::open(d.path()).unwrap_err();
+        assert!(
+            e.to_string().contains("s2.safetensors") && e.to_string().contains("FIFO"),
+            "{e}"
+        );
+        // A symbolic link to a regular file is one (a Hugging Face cache snapshot).
+        std::fs::remove_file(d.path().join(INDEX_FILE)).unwrap();
+        std::fs::remove_file(d.path().join("s2.safetensors")).unwrap();
+        std::os::unix::fs::symlink(d.path().join("s1.safetensors"), d.path().join(SINGLE_FILE))
+            .unwrap();
+        assert_eq!(Checkpoint::open(d.path()).unwrap().len(), 1);
     }
 
     #[test]

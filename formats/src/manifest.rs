@@ -234,14 +234,28 @@ impl Manifest {
     }
 
     /// Reads `dir/voom-manifest.json`: `Ok(None)` when there is none; a manifest that
-    /// is malformed, of another format version or internally inconsistent is an error.
+    /// is malformed, of another format version or internally inconsistent is an error,
+    /// and so is one that is not a regular file (refused before it is opened: a FIFO
+    /// would block the reader for good).
     pub fn load(dir: &Path) -> Result<Option<Manifest>> {
         let path = dir.join(MANIFEST_FILE);
-        let bytes = match std::fs::read(&path) {
+        let bytes = match crate::checkpoint::read_regular(&path) {
             Ok(b) => b,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(FormatError::io(&path, e)),
+            Err(FormatError::Io { source, .. })
+                if source.kind() == std::io::ErrorKind::NotFound =>
+            {
+                return Ok(None)
+            }
+            Err(e) => return Err(e),
         };
+        Self::from_bytes(&path, &bytes).map(Some)
+    }
+
+    /// Parses and checks manifest bytes read from `path` (named in errors), as
+    /// [`Manifest::load`] does: for a reader that read the file itself (and hashes the
+    /// very bytes it parsed).
+    pub fn from_bytes(path: &Path, bytes: &[u8]) -> Result<Manifest> {
+        let path = path.to_path_buf();
         let malformed = |detail: String| FormatError::Malformed {
             path: path.clone(),
             what: WHAT,
@@ -252,7 +266,7 @@ impl Manifest {
         struct Version {
             format_version: u32,
         }
-        let v: Version = serde_json::from_slice(&bytes).map_err(|e| malformed(e.to_string()))?;
+        let v: Version = serde_json::from_slice(bytes).map_err(|e| malformed(e.to_string()))?;
         if !(MANIFEST_VERSION..=MANIFEST_VERSION_ENCODED).contains(&v.format_version) {
             return Err(FormatError::Unsupported {
                 path,
@@ -263,9 +277,9 @@ impl Manifest {
                 ),
             });
         }
-        let m: Manifest = serde_json::from_slice(&bytes).map_err(|e| malformed(e.to_string()))?;
+        let m: Manifest = serde_json::from_slice(bytes).map_err(|e| malformed(e.to_string()))?;
         m.validate().map_err(malformed)?;
-        Ok(Some(m))
+        Ok(m)
     }
 
     /// Checks what the schema cannot: unique names and ids, well-formed hashes and
@@ -483,11 +497,11 @@ impl Manifest {
         let mut files: HashMap<&str, Option<(std::fs::File, u64)>> = HashMap::new();
         for (_, e) in &work {
             files.entry(e.file.as_str()).or_insert_with(|| {
-                let path = dir.join(&e.file);
-                match std::fs::File::open(&path).and_then(|f| Ok((f.metadata()?.len(), f))) {
-                    Ok((len, f)) => Some((f, len)),
+                // A regular file only: a FIFO in its place would block for good.
+                match crate::checkpoint::open_regular(&dir.join(&e.file)) {
+                    Ok(opened) => Some(opened),
                     Err(err) => {
-                        errors.push(FormatError::io(path, err));
+                        errors.push(err);
                         None
                     }
                 }
@@ -829,6 +843,42 @@ mod tests {
         assert_eq!(json["pages"][0]["group"], "final"); // lm_head.weight sorts first
         assert_eq!(json["pages"][2]["group"]["layer"], 0);
         assert_eq!(json["pages"][2]["dtype"], "BF16");
+    }
+
+    /// A FIFO in place of the manifest (or of a vpack body file) is an error naming
+    /// it, found without opening it: opening a FIFO blocks until a writer comes.
+    #[test]
+    fn a_fifo_manifest_is_refused_without_blocking() {
+        let d = tempfile::tempdir().unwrap();
+        let c = model(d.path());
+        let path = d.path().join(MANIFEST_FILE);
+        let st = std::process::Command::new("mkfifo")
+            .arg(&path)
+            .status()
+            .unwrap();
+        assert!(st.success());
+        let e = Manifest::load(d.path()).unwrap_err();
+        assert!(
+            e.to_string().contains(MANIFEST_FILE)
+                && e.to_string().contains("is a FIFO, not a regular file"),
+            "{e}"
+        );
+        std::fs::remove_file(&path).unwrap();
+        let mut m = Manifest::build(&c, &mut |_, _| {});
+        m.pages[0].encoded.push(EncodedBody {
+            encoding: Encoding::Vpack,
+            file: vpack::PACK_FILE.into(),
+            offset: 0,
+            len: 1,
+        });
+        let st = std::process::Command::new("mkfifo")
+            .arg(d.path().join(vpack::PACK_FILE))
+            .status()
+            .unwrap();
+        assert!(st.success());
+        let errors = m.verify_encoded(d.path(), &mut |_, _| {}).unwrap();
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert!(errors[0].to_string().contains("FIFO"), "{}", errors[0]);
     }
 
     fn load_err(dir: &Path, json: &str) -> FormatError {

@@ -376,9 +376,10 @@ impl DaemonSource {
                     ))
                 }
             };
-        let text = std::fs::read(dir.join(MANIFEST_FILE)).map_err(|x| StoreError::Store {
+        let manifest_path = dir.join(MANIFEST_FILE);
+        let text = crate::store_file::read(&manifest_path).map_err(|x| StoreError::Store {
             store: dir.clone(),
-            detail: format!("cannot read the manifest: {x}"),
+            detail: format!("cannot read the manifest {}: {x}", manifest_path.display()),
         })?;
         if *blake3::hash(&text).as_bytes() != digest {
             return Err(StoreError::Store {
@@ -387,10 +388,8 @@ impl DaemonSource {
                     .into(),
             });
         }
-        let manifest = Manifest::load(&dir)?.ok_or_else(|| StoreError::Store {
-            store: dir.clone(),
-            detail: "no manifest".into(),
-        })?;
+        // Parsed from the bytes whose digest was checked (no second read).
+        let manifest = Manifest::from_bytes(&manifest_path, &text)?;
         let pages: Vec<PageMeta> = manifest.pages.iter().map(PageMeta::from_entry).collect();
         if pages.len() != count as usize {
             return Err(DaemonClient::err(

@@ -6,7 +6,13 @@
 //! The accept loop and signal handling run on tokio. Each connection is served by a
 //! blocking thread of its own: a session is a strict request/reply stream (requests
 //! are answered one by one, in order) whose requests block on storage reads anyway,
-//! engines are few, and blocking sockets make descriptor passing simple.
+//! engines are few, and blocking sockets make descriptor passing simple. A request's
+//! work that may wait on storage ([`crate::request_work`]: opening a model store,
+//! leasing pages not resident, staging) runs on a thread of its own while the session
+//! watches its client ([`crate::watch`]): a client that hangs up mid-request ends its
+//! session at once (slot and leases freed, the work abandoned), and work that outlives
+//! [`DaemonLimits::request_timeout`] is answered with an error. Cache hits, releases,
+//! hints and stats are answered on the session's thread.
 //!
 //! Robustness: a connection that fails to be set up is logged and dropped, never the
 //! daemon; accept errors (out of descriptors) back off instead of spinning; a peer
@@ -16,8 +22,8 @@
 //! peer sees the end of the stream. On shutdown the listener stops, every session's
 //! socket is shut for reading (the session finishes the request in hand and ends),
 //! sessions get [`DaemonLimits::drain_grace`] to do so, then their sockets are shut
-//! both ways (a session blocked writing to a peer that does not read fails its write),
-//! and the socket file is removed.
+//! both ways (a session blocked writing to a peer that does not read fails its write,
+//! one waiting on storage work abandons it), and the socket file is removed.
 
 use std::collections::{HashMap, HashSet};
 use std::io::{BufReader, ErrorKind};
@@ -34,8 +40,10 @@ use crate::protocol::{
     peer_uid, read_frame, send_frame_with_fd, write_frame, ErrorCode, Frame, Message, ModelId,
     ProtocolError, Slot, FLAG_NO_REPLY, MAX_STATS_LEN, PROTOCOL_VERSION,
 };
+use crate::request_work::{Done, Work};
 use crate::store::{OpenModel, Store};
-use crate::StoreError;
+use crate::watch::{Outcome, Watch};
+use crate::{PageId, StoreError};
 
 /// Counters of the daemon's sessions, for stats.
 #[derive(Default)]
@@ -56,10 +64,20 @@ pub struct DaemonLimits {
     /// On shutdown, how long sessions get to finish the request in hand before their
     /// sockets are shut both ways.
     pub drain_grace: Duration,
+    /// Longest a session waits for a request's storage work (opening a model store,
+    /// loading pages, unstaging) before answering `Error{Unavailable}` and abandoning it;
+    /// `Stage` is not bounded (see [`Work::deadline`]).
+    pub request_timeout: Duration,
 }
 
 /// Sessions served at once by default.
 pub const DEFAULT_MAX_SESSIONS: usize = 128;
+
+/// The default [`DaemonLimits::request_timeout`]: far beyond what a healthy store takes
+/// (a NAS read gives up after its own timeout), and below the engine's own request
+/// timeout ([`crate::client::DEFAULT_REQUEST_TIMEOUT`]), so the engine gets the
+/// daemon's error rather than a timeout of its own.
+pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(120);
 
 impl Default for DaemonLimits {
     fn default() -> Self {
@@ -67,6 +85,7 @@ impl Default for DaemonLimits {
             max_sessions: DEFAULT_MAX_SESSIONS,
             hello_timeout: Duration::from_secs(10),
             drain_grace: Duration::from_secs(3),
+            request_timeout: DEFAULT_REQUEST_TIMEOUT,
         }
     }
 }
@@ -543,12 +562,11 @@ impl Daemon {
         if !self.handshake(stream)? {
             return Ok(());
         }
-        let mut leases: HashMap<(u32, u32), Vec<Lease>> = HashMap::new();
-        let mut opened: HashSet<u32> = HashSet::new();
-        let result = self.serve_requests(stream, &mut leases, &mut opened);
-        let n: usize = leases.values().map(Vec::len).sum();
+        let mut state = SessionState::default();
+        let result = self.serve_requests(stream, &mut state);
+        let n: usize = state.leases.values().map(Vec::len).sum();
         self.counters.leases.fetch_sub(n, Ordering::Relaxed);
-        drop(leases);
+        drop(state);
         result
     }
 
@@ -613,8 +631,7 @@ impl Daemon {
     fn serve_requests(
         &self,
         stream: &UnixStream,
-        leases: &mut HashMap<(u32, u32), Vec<Lease>>,
-        opened: &mut HashSet<u32>,
+        state: &mut SessionState,
     ) -> Result<(), ProtocolError> {
         // Buffered reads: a client batches hints and releases with its next request,
         // and they arrive together.
@@ -629,7 +646,13 @@ impl Daemon {
                     write_reply(&mut writer, &Message::Ack, id)?;
                     return Ok(());
                 }
-                Ok(m) => self.handle(m, leases, opened),
+                Ok(m) => match self.handle(m, state, stream) {
+                    Some(reply) => reply,
+                    None => {
+                        tracing::info!("the client hung up mid-request: session ended");
+                        return Ok(());
+                    }
+                },
             };
             // A hint or release sent with FLAG_NO_REPLY gets an answer only if it
             // failed.
@@ -641,119 +664,181 @@ impl Daemon {
         Ok(())
     }
 
-    fn handle(
-        &self,
-        m: Message,
-        leases: &mut HashMap<(u32, u32), Vec<Lease>>,
-        opened: &mut std::collections::HashSet<u32>,
-    ) -> Message {
-        let err = |code, message: String| Message::error(code, message);
+    /// The reply to request `m`, or `None` when the client hung up while it ran (the
+    /// session then ends).
+    fn handle(&self, m: Message, state: &mut SessionState, stream: &UnixStream) -> Option<Message> {
         if let Some(model) = model_of(&m) {
-            if !opened.contains(&model.0) {
-                return err(
+            if !state.opened.contains(&model.0) {
+                return Some(Message::error(
                     ErrorCode::BadRequest,
                     format!("model {} is not open on this connection", model.0),
-                );
+                ));
             }
         }
-        match m {
-            Message::OpenModel { path } => {
-                match self
-                    .store
-                    .open_model(Path::new(&path))
-                    .and_then(|id| self.store.model(id))
-                {
-                    Ok(m) => {
-                        opened.insert(m.id);
-                        // The digest of the manifest bytes the store parsed and serves
-                        // by, never a fresh read of the file.
-                        Message::ModelOpened {
-                            model: ModelId(m.id),
-                            page_count: m.pages.len() as u32,
-                            manifest_digest: m.manifest_digest,
-                        }
-                    }
-                    Err(e) => store_error(&e),
-                }
-            }
-            Message::Acquire { model, pages } => {
-                let mut got = Vec::with_capacity(pages.len());
-                for p in &pages {
-                    match self.store.acquire(model.0, p.0) {
-                        Ok(l) => got.push((p, l)),
-                        // None of this request's pages stay leased.
-                        Err(e) => return store_error(&e),
-                    }
-                }
-                let slots = got
-                    .iter()
-                    .map(|(p, l)| Slot {
-                        page: **p,
-                        offset: l.offset() as u64,
-                        len: l.len() as u64,
-                    })
-                    .collect();
-                self.counters.leases.fetch_add(got.len(), Ordering::Relaxed);
-                for (p, l) in got {
-                    leases.entry((model.0, p.0)).or_default().push(l);
-                }
-                Message::Acquired { model, slots }
-            }
+        let work = match m {
+            Message::OpenModel { path } => Work::Open(PathBuf::from(path)),
+            Message::Acquire { model, pages } => Work::Acquire { model, pages },
+            Message::Stage { model, max_bytes } => Work::Stage { model, max_bytes },
+            Message::Unstage { model } => Work::Unstage { model },
             Message::Release { model, pages } => {
-                // All or nothing: a page this connection does not lease is a bad
-                // request and nothing is released.
-                let mut need: HashMap<u32, usize> = HashMap::new();
-                for p in &pages {
-                    *need.entry(p.0).or_default() += 1;
-                }
-                for (p, n) in &need {
-                    if leases.get(&(model.0, *p)).map_or(0, Vec::len) < *n {
-                        return err(
-                            ErrorCode::BadRequest,
-                            format!(
-                                "page {p} of model {} is not leased by this connection",
-                                model.0
-                            ),
-                        );
-                    }
-                }
-                for p in pages {
-                    let v = leases.get_mut(&(model.0, p.0)).expect("checked above");
-                    v.pop();
-                    if v.is_empty() {
-                        leases.remove(&(model.0, p.0));
-                    }
-                    self.counters.leases.fetch_sub(1, Ordering::Relaxed);
-                }
-                Message::Ack
+                return Some(self.release(&mut state.leases, model, pages))
             }
             Message::Prefetch { model, pages } => {
                 for p in pages {
                     self.store.prefetch(model.0, p.0);
                 }
-                Message::Ack
+                return Some(Message::Ack);
             }
-            Message::Stats => Message::StatsReply {
-                json: self.stats_text(),
-            },
-            Message::Stage { model, max_bytes } => match self.store.stage_hot(model.0, max_bytes) {
-                Ok((pages, bytes)) => Message::StatsReply {
-                    json: serde_json::json!({"pages": pages, "bytes": bytes}).to_string(),
-                },
-                Err(e) => store_error(&e),
-            },
-            Message::Unstage { model } => match self.store.unstage(model.0) {
-                Ok((pages, bytes)) => Message::StatsReply {
-                    json: serde_json::json!({"pages": pages, "bytes": bytes}).to_string(),
-                },
-                Err(e) => store_error(&e),
-            },
-            other => err(
-                ErrorCode::BadRequest,
-                format!("unexpected {} request", other.name()),
+            Message::Stats => {
+                return Some(Message::StatsReply {
+                    json: self.stats_text(),
+                })
+            }
+            other => {
+                return Some(Message::error(
+                    ErrorCode::BadRequest,
+                    format!("unexpected {} request", other.name()),
+                ))
+            }
+        };
+        match self.run_work(work, &mut state.watch, stream) {
+            Ok(done) => Some(self.finish(done, state)),
+            Err(reply) => reply,
+        }
+    }
+
+    /// Drops one lease per listed page. All or nothing: a page this connection does not
+    /// lease is a bad request and nothing is released.
+    fn release(
+        &self,
+        leases: &mut HashMap<(u32, u32), Vec<Lease>>,
+        model: ModelId,
+        pages: Vec<PageId>,
+    ) -> Message {
+        let mut need: HashMap<u32, usize> = HashMap::new();
+        for p in &pages {
+            *need.entry(p.0).or_default() += 1;
+        }
+        for (p, n) in &need {
+            if leases.get(&(model.0, *p)).map_or(0, Vec::len) < *n {
+                return Message::error(
+                    ErrorCode::BadRequest,
+                    format!(
+                        "page {p} of model {} is not leased by this connection",
+                        model.0
+                    ),
+                );
+            }
+        }
+        for p in pages {
+            let v = leases.get_mut(&(model.0, p.0)).expect("checked above");
+            v.pop();
+            if v.is_empty() {
+                leases.remove(&(model.0, p.0));
+            }
+            self.counters.leases.fetch_sub(1, Ordering::Relaxed);
+        }
+        Message::Ack
+    }
+
+    /// Runs a request's store work: in place when it cannot wait on storage (a cache
+    /// hit), else on a thread of its own while `stream`'s client is watched
+    /// ([`Watch`]). `Err(Some(reply))`: the error to answer with (the work outlived the
+    /// request timeout, or could not start); `Err(None)`: the client hung up.
+    fn run_work(
+        &self,
+        work: Work,
+        watch: &mut Watch<Done>,
+        stream: &UnixStream,
+    ) -> Result<Done, Option<Message>> {
+        if !work.may_wait_on_storage(&self.store) {
+            return Ok(work.run(&self.store));
+        }
+        let what = work.name();
+        let deadline = work.deadline(self.limits.request_timeout);
+        let store = Arc::clone(&self.store);
+        let failed = |code, message: String| Err(Some(Message::error(code, message)));
+        match watch.run(stream, what, deadline, move || work.run(&store)) {
+            Outcome::Done(done) => Ok(done),
+            Outcome::PeerGone => Err(None),
+            Outcome::TimedOut(after) => {
+                tracing::warn!("a {what} request did not finish within {after:?}: abandoned");
+                failed(
+                    ErrorCode::Unavailable,
+                    format!(
+                        "the {what} request did not finish within {after:?} (storage too slow \
+                         or stuck); it was abandoned"
+                    ),
+                )
+            }
+            Outcome::StillBusy {
+                what: stuck,
+                running,
+            } => failed(
+                ErrorCode::Unavailable,
+                format!(
+                    "this connection's earlier {stuck} request, abandoned after its timeout, \
+                     is still waiting on storage ({:.1}s): no {what} until it ends",
+                    running.as_secs_f64()
+                ),
+            ),
+            Outcome::NoThread(e) => failed(
+                ErrorCode::Internal,
+                format!("cannot run the {what} request: {e}"),
             ),
         }
     }
+
+    /// Applies finished work to the session's state and builds its reply.
+    fn finish(&self, done: Done, state: &mut SessionState) -> Message {
+        match done {
+            Done::Opened(Ok(m)) => {
+                state.opened.insert(m.id);
+                // The digest of the manifest bytes the store parsed and serves by, never
+                // a fresh read of the file.
+                Message::ModelOpened {
+                    model: ModelId(m.id),
+                    page_count: m.pages.len() as u32,
+                    manifest_digest: m.manifest_digest,
+                }
+            }
+            Done::Acquired {
+                model,
+                pages,
+                leases: Ok(got),
+            } => {
+                let slots = pages
+                    .iter()
+                    .zip(&got)
+                    .map(|(p, l)| Slot {
+                        page: *p,
+                        offset: l.offset() as u64,
+                        len: l.len() as u64,
+                    })
+                    .collect();
+                self.counters.leases.fetch_add(got.len(), Ordering::Relaxed);
+                for (p, l) in pages.iter().zip(got) {
+                    state.leases.entry((model.0, p.0)).or_default().push(l);
+                }
+                Message::Acquired { model, slots }
+            }
+            Done::Staged(Ok((pages, bytes))) => Message::StatsReply {
+                json: serde_json::json!({"pages": pages, "bytes": bytes}).to_string(),
+            },
+            Done::Opened(Err(e)) | Done::Acquired { leases: Err(e), .. } | Done::Staged(Err(e)) => {
+                store_error(&e)
+            }
+        }
+    }
+}
+
+/// What a session holds: the models opened on it, its leases, and its storage work
+/// (run where a client hangup is noticed).
+#[derive(Default)]
+struct SessionState {
+    leases: HashMap<(u32, u32), Vec<Lease>>,
+    opened: HashSet<u32>,
+    watch: Watch<Done>,
 }
 
 /// Binds a listening Unix socket at `path` that only this user can connect to: the

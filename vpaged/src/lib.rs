@@ -19,11 +19,14 @@ pub mod embedded;
 pub mod error;
 pub mod loader;
 pub mod protocol;
+pub mod request_work;
 pub mod socket_path;
 pub mod source;
 pub mod store;
+pub mod store_file;
 pub(crate) mod sync;
 pub mod tier;
+pub mod watch;
 
 pub use embedded::{EmbeddedStore, VerifyMode};
 pub use error::StoreError;

@@ -160,15 +160,19 @@ struct FileStamp {
 }
 
 impl FileStamp {
+    /// The stamp of the file at `path` (a `stat`, which never blocks on what it finds).
     fn of(path: &Path) -> std::io::Result<FileStamp> {
-        let m = std::fs::metadata(path)?;
-        Ok(FileStamp {
+        Ok(Self::from_metadata(&std::fs::metadata(path)?))
+    }
+
+    fn from_metadata(m: &std::fs::Metadata) -> FileStamp {
+        FileStamp {
             dev: m.dev(),
             ino: m.ino(),
             len: m.len(),
             mtime: (m.mtime(), m.mtime_nsec()),
             ctime: (m.ctime(), m.ctime_nsec()),
-        })
+        }
     }
 }
 
@@ -806,18 +810,14 @@ fn load_checked(dir: &Path) -> Result<LoadedManifest, StoreError> {
         std::io::ErrorKind::NotFound => missing(),
         _ => StoreError::Format(FormatError::io(path.clone(), e)),
     };
-    // Taken first: a change after it shows at the next re-check.
-    let stamp = FileStamp::of(&path).map_err(io)?;
-    let bytes = std::fs::read(&path).map_err(io)?;
-    let manifest = Manifest::load(dir)?.ok_or_else(missing)?;
-    // `Manifest::load` reads the file again (and validates it): the digest must
-    // describe what it parsed, so the two reads must agree.
-    if serde_json::from_slice::<Manifest>(&bytes).ok().as_ref() != Some(&manifest) {
-        return Err(StoreError::Store {
-            store: dir.to_path_buf(),
-            detail: "the page manifest changed while it was being read; open it again".into(),
-        });
-    }
+    // A regular file only, opened without blocking (a FIFO in its place is refused).
+    let mut file = crate::store_file::open(&path).map_err(io)?;
+    // Taken before reading: a change after it shows at the next re-check.
+    let stamp = FileStamp::from_metadata(&file.metadata().map_err(io)?);
+    let mut bytes = Vec::new();
+    std::io::Read::read_to_end(&mut file, &mut bytes).map_err(io)?;
+    // Parsed from the very bytes read, which the digest describes.
+    let manifest = Manifest::from_bytes(&path, &bytes)?;
     manifest.check_matches(&Checkpoint::open(dir)?)?;
     Ok(LoadedManifest {
         manifest,
@@ -1042,23 +1042,34 @@ mod tests {
         s.acquire(id, 0).unwrap();
     }
 
+    /// Replaces `dir`'s manifest by a sparse file of 256 MiB: reading it takes far
+    /// longer than [`SLOW_NAS_TIMEOUT`], like a read on a mount that has become very
+    /// slow. (A FIFO, which blocks for good, is no longer opened at all: the store reads
+    /// regular files only.)
+    fn slow_manifest(dir: &Path) {
+        let f = std::fs::File::create(dir.join(MANIFEST_FILE)).unwrap();
+        f.set_len(256 << 20).unwrap();
+    }
+
+    /// The NAS timeout of the tests with a [`slow_manifest`].
+    const SLOW_NAS_TIMEOUT: Duration = Duration::from_millis(50);
+
+    fn slow_nas_config(mount: &Path) -> NasConfig {
+        NasConfig {
+            timeout: SLOW_NAS_TIMEOUT,
+            ..nas_config(mount, None)
+        }
+    }
+
     #[test]
     fn opening_a_model_on_a_hanging_nas_is_bounded_by_its_timeout() {
         let d = tempfile::tempdir().unwrap();
         let mount = d.path().join("nas");
         let dir = mount.join("m");
         write_model(&dir);
-        // A manifest that blocks when opened (a FIFO without a writer), like a read
-        // on a dead network mount.
-        let manifest = dir.join(voom_formats::manifest::MANIFEST_FILE);
-        std::fs::remove_file(&manifest).unwrap();
-        let st = std::process::Command::new("mkfifo")
-            .arg(&manifest)
-            .status()
-            .unwrap();
-        assert!(st.success());
+        slow_manifest(&dir);
         let t = Instant::now();
-        let e = store(vec![nas_config(&mount, None)])
+        let e = store(vec![slow_nas_config(&mount)])
             .open_model(&dir)
             .unwrap_err()
             .to_string();
@@ -1069,13 +1080,56 @@ mod tests {
                 && e.contains(&mount.display().to_string()),
             "{e}"
         );
-        // Let the abandoned open finish (it reads an empty manifest and fails).
-        drop(
-            std::fs::OpenOptions::new()
-                .write(true)
-                .open(&manifest)
-                .unwrap(),
-        );
+    }
+
+    /// The regression of a session stuck for good: a FIFO in place of a store file
+    /// (the manifest, the checkpoint, its index or a shard) blocked `open_model` until
+    /// a writer came. Each is refused at once with an error naming it, locally and on
+    /// a NAS (without waiting for the mount's timeout).
+    #[test]
+    fn a_fifo_in_place_of_a_store_file_is_refused_at_once() {
+        let d = tempfile::tempdir().unwrap();
+        let mount = d.path().join("nas");
+        let s = store(vec![nas_config(&mount, None)]);
+        for (i, file) in [
+            MANIFEST_FILE,
+            "model.safetensors",
+            "model.safetensors.index.json",
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            for dir in [
+                d.path().join(format!("local{i}")),
+                mount.join(format!("m{i}")),
+            ] {
+                write_model(&dir);
+                if file == "model.safetensors.index.json" {
+                    // A sharded checkpoint whose index is a FIFO.
+                    std::fs::rename(dir.join("model.safetensors"), dir.join("s1.safetensors"))
+                        .unwrap();
+                }
+                let path = dir.join(file);
+                let _ = std::fs::remove_file(&path);
+                let st = std::process::Command::new("mkfifo")
+                    .arg(&path)
+                    .status()
+                    .unwrap();
+                assert!(st.success());
+                let t = Instant::now();
+                let e = s.open_model(&dir).unwrap_err().to_string();
+                assert!(
+                    t.elapsed() < Duration::from_millis(400),
+                    "{:?}",
+                    t.elapsed()
+                );
+                assert!(
+                    e.contains(&path.display().to_string())
+                        && e.contains("is a FIFO, not a regular file"),
+                    "{file}: {e}"
+                );
+            }
+        }
     }
 
     #[test]
@@ -1246,15 +1300,15 @@ mod tests {
     }
 
     /// Re-opening a model on a NAS touches the mount only through the tier's timed
-    /// calls: a manifest that blocks (a FIFO, like a hung mount) is an error after the
-    /// timeout, not a hang; a mount that is gone keeps the open model.
+    /// calls: a manifest that reads slower than the timeout (like a hung mount) is an
+    /// error after the timeout, not a hang; a mount that is gone keeps the open model.
     #[test]
     fn reopening_a_model_on_a_nas_is_bounded_by_its_timeout() {
         let d = tempfile::tempdir().unwrap();
         let mount = d.path().join("nas");
         let dir = mount.join("m");
         write_model(&dir);
-        let s = store(vec![nas_config(&mount, None)]);
+        let s = store(vec![slow_nas_config(&mount)]);
         let id = s.open_model(&dir).unwrap();
 
         // Gone: the open model is kept (its resident pages are still served).
@@ -1271,14 +1325,8 @@ mod tests {
             .check_now()
             .unwrap();
 
-        // A manifest that blocks when read.
-        let manifest = dir.join(MANIFEST_FILE);
-        std::fs::remove_file(&manifest).unwrap();
-        let st = std::process::Command::new("mkfifo")
-            .arg(&manifest)
-            .status()
-            .unwrap();
-        assert!(st.success());
+        // A manifest that takes longer than the timeout to read.
+        slow_manifest(&dir);
         let t = Instant::now();
         let e = s.open_model(&dir).unwrap_err();
         assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
@@ -1286,13 +1334,6 @@ mod tests {
         assert!(
             e.to_string().contains("re-reading the page manifest"),
             "{e}"
-        );
-        // Let the abandoned read finish.
-        drop(
-            std::fs::OpenOptions::new()
-                .write(true)
-                .open(&manifest)
-                .unwrap(),
         );
     }
 

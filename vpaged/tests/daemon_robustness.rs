@@ -19,7 +19,7 @@ use vpaged::tier::NasConfig;
 use vpaged::{PageId, PageSource};
 
 mod common;
-use common::model;
+use common::{mkfifo, model, packed_model};
 
 /// A daemon served in this process on a thread of its own; stopped when dropped.
 struct InProcess {
@@ -78,6 +78,7 @@ fn limits() -> DaemonLimits {
         max_sessions: 8,
         hello_timeout: Duration::from_millis(300),
         drain_grace: Duration::from_millis(300),
+        request_timeout: Duration::from_secs(30),
     }
 }
 
@@ -511,4 +512,213 @@ fn running_out_of_descriptors_does_not_end_the_daemon() {
     };
     let s = DaemonSource::open(Arc::clone(&c), &m).unwrap();
     assert_eq!(s.acquire(PageId(3)).unwrap().bytes(), pages[3].as_slice());
+}
+
+/// A NAS mount that is gone, whose remount command hangs for `secs` seconds: opening a
+/// model on it waits on storage that long (a session's request stuck on storage).
+fn hanging_nas(dir: &Path, secs: u32) -> (StoreConfig, PathBuf) {
+    let mount = dir.join("nas");
+    let cfg = StoreConfig {
+        nas: vec![NasConfig {
+            mount: mount.clone(),
+            model: PathBuf::new(),
+            // The remount command gets four times as long.
+            timeout: Duration::from_secs(5),
+            recheck: Duration::ZERO,
+            remount_command: Some(format!("sleep {secs}")),
+        }],
+        ..Default::default()
+    };
+    (cfg, mount.join("m"))
+}
+
+/// The regression: `OpenModel` of a directory whose manifest is a FIFO blocked its
+/// session for good (and so its slot under the cap, and shutdown). It is answered at
+/// once with an error naming the FIFO; the session goes on. A FIFO in place of the
+/// vpack file costs the page only its packed copy: the raw bytes serve it.
+#[test]
+fn a_fifo_manifest_blocked_its_session_forever() {
+    let d = tempfile::tempdir().unwrap();
+    let (m, _) = model(d.path(), 0);
+    let manifest = m.join(voom_formats::manifest::MANIFEST_FILE);
+    mkfifo(&manifest);
+    let daemon = serve(
+        d.path(),
+        StoreConfig::default(),
+        DaemonLimits {
+            max_sessions: 1,
+            ..limits()
+        },
+    );
+    let mut raw = Raw::connect(&daemon.socket);
+    let t = Instant::now();
+    let (code, message) = error_of(raw.request(&Message::OpenModel {
+        path: m.to_string_lossy().into_owned(),
+    }));
+    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+    assert_eq!(code, ErrorCode::Internal);
+    assert!(
+        message.contains(&manifest.display().to_string()) && message.contains("is a FIFO"),
+        "{message}"
+    );
+    assert!(matches!(
+        raw.request(&Message::Stats),
+        Message::StatsReply { .. }
+    ));
+    drop(raw);
+
+    let p = tempfile::tempdir().unwrap();
+    let (m, pages, manifest) = packed_model(p.path());
+    mkfifo(&m.join(voom_formats::vpack::PACK_FILE));
+    let t = Instant::now();
+    let c = loop {
+        // The first session's slot is free once it closed.
+        match DaemonClient::connect(&daemon.socket, "vpack") {
+            Ok(c) => break c,
+            Err(e) => assert!(t.elapsed() < Duration::from_secs(5), "{e}"),
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let s = DaemonSource::open(Arc::clone(&c), &m).unwrap();
+    let b = manifest.page("b").unwrap().id;
+    let t = Instant::now();
+    assert_eq!(
+        s.acquire(PageId(b)).unwrap().bytes(),
+        pages[b as usize].as_slice()
+    );
+    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+}
+
+/// The regression: a client that left while its request waited on storage kept its
+/// session, and its slot under the session cap, until the request ended. Its session
+/// ends at once, and the slot is free for the next engine.
+#[test]
+fn a_client_that_left_mid_request_kept_its_session_slot() {
+    let d = tempfile::tempdir().unwrap();
+    let (cfg, m) = hanging_nas(d.path(), 15);
+    let daemon = serve(
+        d.path(),
+        cfg,
+        DaemonLimits {
+            max_sessions: 1,
+            ..limits()
+        },
+    );
+    let mut raw = Raw::connect(&daemon.socket);
+    raw.send(
+        &Message::OpenModel {
+            path: m.to_string_lossy().into_owned(),
+        },
+        0,
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    drop(raw);
+    let t = Instant::now();
+    let c = loop {
+        match DaemonClient::connect(&daemon.socket, "next") {
+            Ok(c) => break c,
+            Err(e) => assert!(t.elapsed() < Duration::from_secs(3), "{e}"),
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let s = c.stats().unwrap();
+    assert_eq!(s["sessions"]["connected"], 1, "{s}");
+}
+
+/// A request that waits on storage longer than the request timeout is answered
+/// `Unavailable` then; the session goes on, and refuses more storage work while the
+/// abandoned request is still stuck.
+#[test]
+fn a_request_stuck_on_storage_is_answered_within_the_request_timeout() {
+    let d = tempfile::tempdir().unwrap();
+    let (cfg, m) = hanging_nas(d.path(), 15);
+    let daemon = serve(
+        d.path(),
+        cfg,
+        DaemonLimits {
+            request_timeout: Duration::from_millis(500),
+            ..limits()
+        },
+    );
+    let mut raw = Raw::connect(&daemon.socket);
+    let open = Message::OpenModel {
+        path: m.to_string_lossy().into_owned(),
+    };
+    let t = Instant::now();
+    let (code, message) = error_of(raw.request(&open));
+    assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    assert_eq!(code, ErrorCode::Unavailable);
+    assert!(
+        message.contains("OpenModel request did not finish within 500ms"),
+        "{message}"
+    );
+    assert!(matches!(
+        raw.request(&Message::Stats),
+        Message::StatsReply { .. }
+    ));
+    let (code, message) = error_of(raw.request(&open));
+    assert_eq!(code, ErrorCode::Unavailable);
+    assert!(message.contains("still waiting on storage"), "{message}");
+    // Other engines are served meanwhile.
+    let (local, pages) = model(&d.path().join("local"), 0);
+    let c = DaemonClient::connect(&daemon.socket, "other").unwrap();
+    let s = DaemonSource::open(Arc::clone(&c), &local).unwrap();
+    assert_eq!(s.acquire(PageId(2)).unwrap().bytes(), pages[2].as_slice());
+}
+
+/// The regression: on SIGTERM, a session whose request waited on storage was left
+/// behind (and shutdown took two grace periods). Once its connection is shut both
+/// ways the session abandons the request and ends; the daemon exits 0 and leaves no
+/// session behind.
+#[test]
+fn shutdown_left_a_session_stuck_in_a_request_behind() {
+    let d = tempfile::tempdir().unwrap();
+    let (cfg, m) = hanging_nas(d.path(), 15);
+    let nas = &cfg.nas[0];
+    let config = d.path().join("vpaged.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[nas]]\nmount = \"{}\"\ntimeout = \"5s\"\nremount_command = \"{}\"\n",
+            nas.mount.display(),
+            nas.remount_command.as_deref().unwrap()
+        ),
+    )
+    .unwrap();
+    let socket = d.path().join("bin.sock");
+    let log = d.path().join("vpaged.log");
+    let child = Command::new(env!("CARGO_BIN_EXE_vpaged"))
+        .arg("--socket")
+        .arg(&socket)
+        .args(["--cache-size", "4MiB", "--config"])
+        .arg(&config)
+        .env("VPAGED_LOG", "info")
+        .stderr(Stdio::from(std::fs::File::create(&log).unwrap()))
+        .spawn()
+        .unwrap();
+    let mut daemon = Binary { child, socket };
+    let t = Instant::now();
+    while UnixStream::connect(&daemon.socket).is_err() {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "vpaged did not start"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut raw = Raw::connect(&daemon.socket);
+    raw.send(
+        &Message::OpenModel {
+            path: m.to_string_lossy().into_owned(),
+        },
+        0,
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    // SAFETY: sending a signal to our own child process.
+    unsafe { libc::kill(daemon.child.id() as i32, libc::SIGTERM) };
+    let status = exits_within(&mut daemon.child, Duration::from_secs(10))
+        .expect("vpaged did not exit after SIGTERM");
+    assert!(status.success(), "{status}");
+    let log = std::fs::read_to_string(&log).unwrap();
+    assert!(!log.contains("left behind"), "{log}");
+    assert!(log.contains("hung up mid-request"), "{log}");
 }

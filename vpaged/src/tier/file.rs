@@ -70,7 +70,8 @@ impl FileTier {
             return Ok(Arc::clone(f));
         }
         let path = self.path_of(file)?;
-        let f = File::open(&path).map_err(|source| TierError::Io {
+        // A regular file, opened without blocking (a FIFO in its place is refused).
+        let f = crate::store_file::open(&path).map_err(|source| TierError::Io {
             tier: self.name.clone(),
             path,
             source,

@@ -49,3 +49,14 @@ pub fn packed_model(dir: &Path) -> (PathBuf, Vec<Vec<u8>>, Manifest) {
     assert!(manifest.pages.iter().all(|p| p.vpack().is_some()));
     (m, pages, manifest)
 }
+
+/// Makes `path` a FIFO (replacing what is there): opening it blocks until a writer
+/// comes, as I/O on a hung mount does.
+pub fn mkfifo(path: &Path) {
+    let _ = std::fs::remove_file(path);
+    let st = std::process::Command::new("mkfifo")
+        .arg(path)
+        .status()
+        .unwrap();
+    assert!(st.success(), "mkfifo {}", path.display());
+}
