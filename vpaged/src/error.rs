@@ -18,6 +18,15 @@ pub enum StoreError {
         expected: String,
         actual: String,
     },
+    /// Every copy of the page (on every tier holding it, raw and encoded) failed
+    /// verification; it is never served. `copies` names each copy's tier and what it
+    /// held instead (its blake3, or why its body does not decode).
+    #[error("page '{page}' fails verification on every copy (expected blake3 {expected}): {}", copies.join("; "))]
+    Corrupt {
+        page: String,
+        expected: String,
+        copies: Vec<String>,
+    },
     #[error(transparent)]
     Tier(crate::tier::TierError),
     /// No tier could serve the page's bytes.
