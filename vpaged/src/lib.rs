@@ -22,6 +22,7 @@ pub mod protocol;
 pub mod request_work;
 pub mod socket_path;
 pub mod source;
+pub mod stdout;
 pub mod store;
 pub mod store_file;
 pub(crate) mod sync;

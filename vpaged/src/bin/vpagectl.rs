@@ -7,10 +7,11 @@
 //! - `vpagectl pack MODEL_DIR` writes the vpack body of every BF16/F16 page into
 //!   `model.vpack` beside the raw files and lists them in the manifest.
 //!
-//! Exit status: 0 success; 1 the store does not match its manifest (a page's bytes
-//! or a vpack body differ, the manifest is stale, or a checkpoint file no longer
-//! parses; `pack` refuses to pack a page whose raw bytes fail their hash); 2 the command
-//! could not run (no manifest, unreadable directory, bad arguments).
+//! Exit status: 0 success (also when the reader of stdout closed it early, as `head`
+//! does); 1 the store does not match its manifest (a page's bytes or a vpack body
+//! differ, the manifest is stale, or a checkpoint file no longer parses; `pack` refuses
+//! to pack a page whose raw bytes fail their hash); 2 the command could not run (no
+//! manifest, unreadable directory, bad arguments, stdout that cannot be written).
 
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
@@ -24,6 +25,7 @@ use serde_json::json;
 use voom_formats::manifest::{EncodedBody, Encoding, Manifest, MANIFEST_FILE};
 use voom_formats::vpack::{self, PACK_ALIGN, PACK_FILE};
 use voom_formats::{Checkpoint, FormatError};
+use vpaged::{outln, stdout};
 
 #[derive(Parser)]
 #[command(
@@ -60,6 +62,13 @@ enum Command {
     },
     /// Write the vpack body of every BF16/F16 page of MODEL_DIR into model.vpack
     /// (manifest order, 16 KiB aligned) and list each in the manifest.
+    Pack {
+        /// A model directory holding voom-manifest.json (see `vpagectl hash`).
+        model_dir: PathBuf,
+        /// Print one JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+    },
     /// The daemon's cache, tiers, models and connected engines.
     Status {
         /// Print one JSON object instead of text.
@@ -89,17 +98,13 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    Pack {
-        /// A model directory holding voom-manifest.json (see `vpagectl hash`).
-        model_dir: PathBuf,
-        /// Print one JSON object instead of text.
-        #[arg(long)]
-        json: bool,
-    },
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli: Cli = match stdout::parse_args("vpagectl") {
+        Ok(cli) => cli,
+        Err(code) => return code,
+    };
     let result = match &cli.command {
         Command::Hash { model_dir, json } => hash(model_dir, *json),
         Command::Verify { model_dir, json } => verify(model_dir, *json),
@@ -118,13 +123,9 @@ fn main() -> ExitCode {
         Command::Unstage { model_dir, json } => unstage(cli.socket.as_deref(), model_dir, *json),
         Command::Pages { model_dir, json } => pages(cli.socket.as_deref(), model_dir, *json),
     };
-    match result {
-        Ok(code) => code,
-        Err(e) => {
-            eprintln!("vpagectl: error: {e:#}");
-            ExitCode::from(2)
-        }
-    }
+    // A closed stdout (`vpagectl status | head -1`) ends quietly with 0; any other
+    // failure, writing to stdout included, is an error and status 2.
+    stdout::exit_code("vpagectl", result, 2)
 }
 
 /// A byte progress bar on stderr, drawn only when stderr is a terminal and the output
@@ -166,7 +167,7 @@ fn hash(dir: &Path, json: bool) -> Result<ExitCode> {
     let bytes = manifest.total_bytes();
     let path = dir.join(MANIFEST_FILE);
     if json {
-        println!(
+        outln!(
             "{}",
             json!({
                 "command": "hash",
@@ -178,9 +179,9 @@ fn hash(dir: &Path, json: bool) -> Result<ExitCode> {
                 "seconds": elapsed.as_secs_f64(),
                 "gb_per_s": gb_per_s(bytes, elapsed),
             })
-        );
+        )?;
     } else {
-        println!(
+        outln!(
             "hashed {} pages in {} file(s): {} bytes ({:.3} GiB) in {:.3} s, {:.2} GB/s",
             manifest.pages.len(),
             ckpt.files.len(),
@@ -188,8 +189,8 @@ fn hash(dir: &Path, json: bool) -> Result<ExitCode> {
             bytes as f64 / (1u64 << 30) as f64,
             elapsed.as_secs_f64(),
             gb_per_s(bytes, elapsed)
-        );
-        println!("wrote {}", path.display());
+        )?;
+        outln!("wrote {}", path.display())?;
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -255,7 +256,7 @@ fn verify(dir: &Path, json: bool) -> Result<ExitCode> {
                 other => json!({"error": other.to_string()}),
             })
             .collect();
-        println!(
+        outln!(
             "{}",
             json!({
                 "command": "verify",
@@ -269,10 +270,10 @@ fn verify(dir: &Path, json: bool) -> Result<ExitCode> {
                 "mismatches": list,
                 "error": store_error.as_ref().map(|e| e.to_string()),
             })
-        );
+        )?;
     } else {
         if let Some(e) = &store_error {
-            println!("FAILED: {e}");
+            outln!("FAILED: {e}")?;
         }
         for e in &mismatches {
             match e {
@@ -281,20 +282,20 @@ fn verify(dir: &Path, json: bool) -> Result<ExitCode> {
                     page,
                     expected,
                     actual,
-                } => println!(
+                } => outln!(
                     "MISMATCH page '{page}' in {}: expected blake3 {expected}, got {actual}",
                     path.display()
-                ),
+                )?,
                 FormatError::BadTensor {
                     path,
                     tensor,
                     detail,
-                } => println!("MISMATCH page '{tensor}' in {}: {detail}", path.display()),
-                other => println!("MISMATCH {other}"),
+                } => outln!("MISMATCH page '{tensor}' in {}: {detail}", path.display())?,
+                other => outln!("MISMATCH {other}")?,
             }
         }
         if store_error.is_none() {
-            println!(
+            outln!(
                 "verified {} pages ({encoded_pages} with vpack bodies): {} bytes in {:.3} s, {:.2} GB/s: {}",
                 manifest.pages.len(),
                 bytes,
@@ -305,7 +306,7 @@ fn verify(dir: &Path, json: bool) -> Result<ExitCode> {
                 } else {
                     format!("{} mismatch(es)", mismatches.len())
                 }
-            );
+            )?;
         }
     }
     Ok(if ok {
@@ -410,12 +411,12 @@ fn pack(dir: &Path, json: bool) -> Result<ExitCode> {
         }
         Err(PackError::Mismatch(e)) => {
             if json {
-                println!(
+                outln!(
                     "{}",
                     json!({"command": "pack", "model_dir": dir.display().to_string(), "ok": false, "error": e.to_string()})
-                );
+                )?;
             } else {
-                println!("FAILED: {e}; nothing was packed (run `vpagectl verify`)");
+                outln!("FAILED: {e}; nothing was packed (run `vpagectl verify`)")?;
             }
             return Ok(ExitCode::from(1));
         }
@@ -435,7 +436,7 @@ fn pack(dir: &Path, json: bool) -> Result<ExitCode> {
     let ratio = stats.packed_bytes as f64 / stats.raw_bytes.max(1) as f64;
     let raw_pages = manifest.pages.len() - stats.pages;
     if json {
-        println!(
+        outln!(
             "{}",
             json!({
                 "command": "pack",
@@ -453,9 +454,9 @@ fn pack(dir: &Path, json: bool) -> Result<ExitCode> {
                 "decode_gb_per_s": gb_per_s(stats.raw_bytes, stats.decode),
                 "seconds": elapsed.as_secs_f64(),
             })
-        );
+        )?;
     } else {
-        println!(
+        outln!(
             "packed {} pages ({raw_pages} of other types stay raw): {} raw bytes -> {} packed \
              bytes, ratio {ratio:.4}; encode {:.2} GB/s, decode {:.2} GB/s (one thread)",
             stats.pages,
@@ -463,12 +464,12 @@ fn pack(dir: &Path, json: bool) -> Result<ExitCode> {
             stats.packed_bytes,
             gb_per_s(stats.raw_bytes, stats.encode),
             gb_per_s(stats.raw_bytes, stats.decode),
-        );
-        println!(
+        )?;
+        outln!(
             "wrote {} ({file_bytes} bytes) and {}",
             pack_path.display(),
             dir.join(MANIFEST_FILE).display()
-        );
+        )?;
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -484,25 +485,25 @@ fn status(socket: Option<&Path>, json: bool) -> Result<ExitCode> {
     let c = connect(socket)?;
     let s = c.stats()?;
     if json {
-        println!("{s}");
+        outln!("{s}")?;
         return Ok(ExitCode::SUCCESS);
     }
     let cache = &s["cache"];
     let gib = |v: &serde_json::Value| human(v.as_f64().unwrap_or(0.0));
-    println!(
+    outln!(
         "vpaged at {} (server {})",
         c.socket().display(),
         s["server_id"]
-    );
-    println!(
+    )?;
+    outln!(
         "cache: {} of {} used, {} leased, {} pinned, {} pages resident",
         gib(&cache["used"]),
         gib(&cache["capacity"]),
         gib(&cache["leased_bytes"]),
         gib(&cache["pinned_bytes"]),
         cache["resident_pages"]
-    );
-    println!(
+    )?;
+    outln!(
         "       {} hits, {} misses (hit ratio {:.3}), {} in-flight dedups, {} evictions, {} loaded",
         cache["hits"],
         cache["misses"],
@@ -510,16 +511,16 @@ fn status(socket: Option<&Path>, json: bool) -> Result<ExitCode> {
         cache["inflight_dedups"],
         cache["evictions"],
         gib(&cache["bytes_loaded"])
-    );
+    )?;
     if let Some(f) = s["fast_tier"].as_object() {
-        println!(
+        outln!(
             "fast tier {}: {} of {}, {} reads at {:.2} GB/s",
             f["dir"].as_str().unwrap_or("?"),
             gib(&f["used"]),
             gib(&f["capacity"]),
             f["stats"]["reads"],
             f["stats"]["gb_per_sec"].as_f64().unwrap_or(0.0)
-        );
+        )?;
     }
     for m in s["models"].as_array().into_iter().flatten() {
         // Tier statistics are left out of a summary (many models open).
@@ -531,7 +532,7 @@ fn status(socket: Option<&Path>, json: bool) -> Result<ExitCode> {
             ),
             false => String::new(),
         };
-        println!(
+        outln!(
             "model {} {}{}: {} pages; served fast {} / primary {} / nas {}{tier}",
             m["id"],
             m["dir"].as_str().unwrap_or("?"),
@@ -544,16 +545,18 @@ fn status(socket: Option<&Path>, json: bool) -> Result<ExitCode> {
             m["served"]["fast"],
             m["served"]["primary"],
             m["served"]["nas"],
-        );
+        )?;
     }
     if s["models"].is_null() {
-        println!("{} models open (too many to list)", s["open_models"]);
+        outln!("{} models open (too many to list)", s["open_models"])?;
     }
     let sess = &s["sessions"];
-    println!(
+    outln!(
         "engines: {} connected ({} since start), {} leases held",
-        sess["connected"], sess["total"], sess["leases"]
-    );
+        sess["connected"],
+        sess["total"],
+        sess["leases"]
+    )?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -607,14 +610,18 @@ fn pages(socket: Option<&Path>, dir: &Path, json: bool) -> Result<ExitCode> {
         })
         .collect();
     if json {
-        println!("{}", serde_json::json!({ "model": canon, "pages": rows }));
+        outln!("{}", serde_json::json!({ "model": canon, "pages": rows }))?;
     } else {
-        println!(
+        outln!(
             "{:>6} {:>8} {:>12} {:<9} {:<6} name",
-            "id", "requests", "bytes", "resident", "vpack"
-        );
+            "id",
+            "requests",
+            "bytes",
+            "resident",
+            "vpack"
+        )?;
         for r in &rows {
-            println!(
+            outln!(
                 "{:>6} {:>8} {:>12} {:<9} {:<6} {}",
                 // Numbers, not JSON values: a Value's Display ignores the width.
                 r["id"].as_u64().unwrap_or(0),
@@ -627,7 +634,7 @@ fn pages(socket: Option<&Path>, dir: &Path, json: bool) -> Result<ExitCode> {
                 },
                 if r["vpack"].is_null() { "no" } else { "yes" },
                 r["name"].as_str().unwrap_or("")
-            );
+            )?;
         }
     }
     Ok(ExitCode::SUCCESS)
@@ -662,12 +669,12 @@ fn stage(
     let src = vpaged::client::DaemonSource::open(c, dir)?;
     let (pages, bytes) = src.stage(max_bytes.unwrap_or(u64::MAX))?;
     if json {
-        println!(
+        outln!(
             "{}",
             serde_json::json!({"staged_pages": pages, "staged_bytes": bytes})
-        );
+        )?;
     } else {
-        println!("staged {pages} pages, {}", human(bytes as f64));
+        outln!("staged {pages} pages, {}", human(bytes as f64))?;
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -678,12 +685,12 @@ fn unstage(socket: Option<&Path>, dir: &Path, json: bool) -> Result<ExitCode> {
     let src = vpaged::client::DaemonSource::open(c, dir)?;
     let (pages, bytes) = src.unstage()?;
     if json {
-        println!(
+        outln!(
             "{}",
             serde_json::json!({"unstaged_pages": pages, "unstaged_bytes": bytes})
-        );
+        )?;
     } else {
-        println!("unstaged {pages} pages, {}", human(bytes as f64));
+        outln!("unstaged {pages} pages, {}", human(bytes as f64))?;
     }
     Ok(ExitCode::SUCCESS)
 }

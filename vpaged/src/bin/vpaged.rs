@@ -5,12 +5,14 @@
 //! given by `--config`; flags win over the environment, which wins over the file.
 
 use std::os::unix::fs::PermissionsExt;
+use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use clap::Parser;
 use vpaged::config::{DaemonArgs, DaemonConfig};
 use vpaged::daemon::{bind_private, Daemon, DaemonLimits};
 use vpaged::socket_path::clear_stale_socket;
+use vpaged::stdout;
 use vpaged::store::{Store, StoreConfig};
 
 #[derive(Parser)]
@@ -24,7 +26,17 @@ struct Cli {
     args: DaemonArgs,
 }
 
-fn main() -> Result<()> {
+fn main() -> ExitCode {
+    // `--help` and `--version` go to stdout: a closed pipe ends quietly, a failed write
+    // is an error (never a panic); so is any error of the daemon, with status 1.
+    let cli: Cli = match stdout::parse_args("vpaged") {
+        Ok(cli) => cli,
+        Err(code) => return code,
+    };
+    stdout::exit_code("vpaged", run(cli).map(|()| ExitCode::SUCCESS), 1)
+}
+
+fn run(cli: Cli) -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("VPAGED_LOG")
@@ -32,7 +44,6 @@ fn main() -> Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
     let cfg = DaemonConfig::resolve(&cli.args).map_err(anyhow::Error::msg)?;
     let store = Store::new(StoreConfig {
         cache_bytes: cfg.cache_size as usize,
