@@ -32,7 +32,7 @@ use serde_json::{json, Map, Value};
 
 use super::error::{ApiError, Dialect};
 use super::ids::new_id;
-use super::job::{Event, Finish, Outcome};
+use super::job::{Event, Finish, Outcome, Prepared};
 use super::prepare::{self, blocking, GenerateRequest, Prompt, Sampling};
 use super::request::{wrong, Body};
 use super::stream;
@@ -649,6 +649,45 @@ fn content(o: &Outcome) -> Vec<Value> {
     blocks
 }
 
+/// What the handler does with a body before any model work: parse and check it,
+/// then [`prepare::prepare`] it (model, template, prefill, tokens, context, grammar).
+/// Blocking.
+pub fn prepare_body(app: &App, bytes: &[u8]) -> Result<(Prepared, MessagesRequest), ApiError> {
+    let b = Body::parse(bytes)?;
+    let r = parse(&b)?;
+    let p = match &r.prefill {
+        None => prepare::prepare(
+            app,
+            GenerateRequest {
+                model: &r.model,
+                prompt: Prompt::Chat {
+                    messages: &r.messages,
+                    tools: r.tools.as_ref(),
+                },
+                max_tokens: Some(r.max_tokens),
+                sampling: r.sampling,
+                stop: r.stop.clone(),
+                response_format: r.format.as_ref(),
+            },
+        )?,
+        Some(prefill) => {
+            let ids = prefill_ids(app, &r.model, &r.messages, prefill)?;
+            prepare::prepare(
+                app,
+                GenerateRequest {
+                    model: &r.model,
+                    prompt: Prompt::Ids(&ids),
+                    max_tokens: Some(r.max_tokens),
+                    sampling: r.sampling,
+                    stop: r.stop.clone(),
+                    response_format: None,
+                },
+            )?
+        }
+    };
+    Ok((p, r))
+}
+
 pub async fn messages(State(app): State<Arc<App>>, req: Request) -> Response {
     handle(app, req)
         .await
@@ -658,42 +697,7 @@ pub async fn messages(State(app): State<Arc<App>>, req: Request) -> Response {
 async fn handle(app: Arc<App>, req: Request) -> Result<Response, ApiError> {
     let bytes = app.body(req, Dialect::Anthropic).await?;
     let app2 = Arc::clone(&app);
-    let (prepared, r) = blocking(&app, move || {
-        let b = Body::parse(&bytes)?;
-        let r = parse(&b)?;
-        let p = match &r.prefill {
-            None => prepare::prepare(
-                &app2,
-                GenerateRequest {
-                    model: &r.model,
-                    prompt: Prompt::Chat {
-                        messages: &r.messages,
-                        tools: r.tools.as_ref(),
-                    },
-                    max_tokens: Some(r.max_tokens),
-                    sampling: r.sampling,
-                    stop: r.stop.clone(),
-                    response_format: r.format.as_ref(),
-                },
-            )?,
-            Some(prefill) => {
-                let ids = prefill_ids(&app2, &r.model, &r.messages, prefill)?;
-                prepare::prepare(
-                    &app2,
-                    GenerateRequest {
-                        model: &r.model,
-                        prompt: Prompt::Ids(&ids),
-                        max_tokens: Some(r.max_tokens),
-                        sampling: r.sampling,
-                        stop: r.stop.clone(),
-                        response_format: None,
-                    },
-                )?
-            }
-        };
-        Ok((p, r))
-    })
-    .await?;
+    let (prepared, r) = blocking(&app, move || prepare_body(&app2, &bytes)).await?;
     let meta = Arc::clone(&prepared.meta);
     let prompt_tokens = prepared.prompt_ids.len();
     let rx = prepare::start(&app, prepared)?;

@@ -18,7 +18,7 @@ use serde_json::{json, Value};
 
 use super::error::{ApiError, Dialect};
 use super::ids::{new_id, now};
-use super::job::{Event, Finish, Outcome};
+use super::job::{Event, Finish, Outcome, Prepared};
 use super::prepare::{self, blocking, GenerateRequest, Prompt, Sampling};
 use super::request::{kind, text_parts, wrong, Body};
 use super::stream;
@@ -269,13 +269,109 @@ fn response_format(b: &Body) -> Result<Option<ResponseFormat>, ApiError> {
 }
 
 /// Fields both endpoints share.
-struct Common {
-    model: String,
-    stream: bool,
-    include_usage: bool,
-    max_tokens: Option<u64>,
-    sampling: Sampling,
-    stop: Vec<String>,
+#[derive(Debug)]
+pub struct Common {
+    pub model: String,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub max_tokens: Option<u64>,
+    pub sampling: Sampling,
+    pub stop: Vec<String>,
+}
+
+/// A chat completions request, parsed and checked (everything its handler reads
+/// from the body before any model work).
+#[derive(Debug)]
+pub struct ChatRequest {
+    pub common: Common,
+    pub response_format: Option<ResponseFormat>,
+    pub tools: Option<ToolRequest>,
+    /// Messages as chat templates take them.
+    pub messages: Vec<Value>,
+}
+
+/// Reads a chat completions body. Errors name the field at fault.
+pub fn parse_chat(b: &Body) -> Result<ChatRequest, ApiError> {
+    let common = common(b)?;
+    let response_format = response_format(b)?;
+    let tools = tool_request(b)?;
+    let messages = chat_messages(b)?;
+    Ok(ChatRequest {
+        common,
+        response_format,
+        tools,
+        messages,
+    })
+}
+
+/// The prompt of a completions request.
+#[derive(Debug)]
+pub enum CompletionPrompt {
+    Text(String),
+    Ids(Vec<u32>),
+}
+
+/// A completions request, parsed and checked.
+#[derive(Debug)]
+pub struct CompletionRequest {
+    pub common: Common,
+    pub response_format: Option<ResponseFormat>,
+    pub prompt: CompletionPrompt,
+}
+
+/// Reads a completions body (taken, so the prompt's text is moved, not copied).
+/// Errors name the field at fault.
+pub fn parse_completion(mut b: Body) -> Result<CompletionRequest, ApiError> {
+    let common = common(&b)?;
+    let response_format = response_format(&b)?;
+    b.refuse("tools", &[json!([])], "tools are for /v1/chat/completions")?;
+    b.refuse(
+        "tool_choice",
+        &["none".into()],
+        "tools are for /v1/chat/completions",
+    )?;
+    b.refuse(
+        "parallel_tool_calls",
+        &[],
+        "tools are for /v1/chat/completions",
+    )?;
+    let prompt = match b.obj.remove("prompt") {
+        Some(Value::String(s)) => CompletionPrompt::Text(s),
+        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => CompletionPrompt::Text(
+            a.into_iter()
+                .next()
+                .and_then(|v| match v {
+                    Value::String(s) => Some(s),
+                    _ => None,
+                })
+                .unwrap_or_default(),
+        ),
+        Some(Value::Array(a))
+            if !a.is_empty()
+                && a.iter()
+                    .all(|x| x.as_u64().is_some_and(|v| v <= u32::MAX as u64)) =>
+        {
+            CompletionPrompt::Ids(a.iter().filter_map(Value::as_u64).map(|v| v as u32).collect())
+        }
+        Some(Value::Array(_)) => {
+            return Err(ApiError::invalid(
+                "prompt",
+                "'prompt' must be a string, a list of one string, or a list of token ids (one prompt per request)",
+            ))
+        }
+        None | Some(Value::Null) => return Err(ApiError::invalid("prompt", "'prompt' is required")),
+        Some(v) => {
+            return Err(ApiError::invalid(
+                "prompt",
+                format!("'prompt' must be a string, not {}", kind(&v)),
+            ))
+        }
+    };
+    Ok(CompletionRequest {
+        common,
+        response_format,
+        prompt,
+    })
 }
 
 fn common(b: &Body) -> Result<Common, ApiError> {
@@ -512,10 +608,59 @@ fn usage(o: &Outcome) -> Value {
     })
 }
 
-#[derive(Clone, Copy, PartialEq)]
-enum Endpoint {
+/// The two generating endpoints.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Endpoint {
+    /// `/v1/chat/completions`.
     Chat,
+    /// `/v1/completions`.
     Completion,
+}
+
+/// What the handler of `ep` does with a body before any model work: parse and check
+/// it, then [`prepare::prepare`] it (model, template, tokens, context, grammar).
+/// Blocking.
+pub fn prepare_body(app: &App, ep: Endpoint, bytes: &[u8]) -> Result<(Prepared, Common), ApiError> {
+    let b = Body::parse(bytes)?;
+    match ep {
+        Endpoint::Chat => {
+            let r = parse_chat(&b)?;
+            let p = prepare::prepare(
+                app,
+                GenerateRequest {
+                    model: &r.common.model,
+                    prompt: Prompt::Chat {
+                        messages: &r.messages,
+                        tools: r.tools.as_ref(),
+                    },
+                    max_tokens: r.common.max_tokens,
+                    sampling: r.common.sampling,
+                    stop: r.common.stop.clone(),
+                    response_format: r.response_format.as_ref(),
+                },
+            )?;
+            Ok((p, r.common))
+        }
+        Endpoint::Completion => {
+            let r = parse_completion(b)?;
+            let prompt = match &r.prompt {
+                CompletionPrompt::Text(s) => Prompt::Text(s),
+                CompletionPrompt::Ids(ids) => Prompt::Ids(ids),
+            };
+            let p = prepare::prepare(
+                app,
+                GenerateRequest {
+                    model: &r.common.model,
+                    prompt,
+                    max_tokens: r.common.max_tokens.or(Some(16)),
+                    sampling: r.common.sampling,
+                    stop: r.common.stop.clone(),
+                    response_format: r.response_format.as_ref(),
+                },
+            )?;
+            Ok((p, r.common))
+        }
+    }
 }
 
 pub async fn chat_completions(State(app): State<Arc<App>>, req: Request) -> Response {
@@ -533,59 +678,7 @@ pub async fn completions(State(app): State<Arc<App>>, req: Request) -> Response 
 async fn handle(app: Arc<App>, req: Request, ep: Endpoint) -> Result<Response, ApiError> {
     let bytes = app.body(req, Dialect::OpenAi).await?;
     let app2 = Arc::clone(&app);
-    let (prepared, c) = blocking(&app, move || {
-        let b = Body::parse(&bytes)?;
-        let c = common(&b)?;
-        let rf = response_format(&b)?;
-        let rf = rf.as_ref();
-        let p = match ep {
-            Endpoint::Chat => {
-                let tools = tool_request(&b)?;
-                let messages = chat_messages(&b)?;
-                prepare::prepare(
-                    &app2,
-                    GenerateRequest {
-                        model: &c.model,
-                        prompt: Prompt::Chat { messages: &messages, tools: tools.as_ref() },
-                        max_tokens: c.max_tokens,
-                        sampling: c.sampling,
-                        stop: c.stop.clone(),
-                        response_format: rf,
-                    },
-                )?
-            }
-            Endpoint::Completion => {
-                b.refuse("tools", &[json!([])], "tools are for /v1/chat/completions")?;
-                b.refuse("tool_choice", &["none".into()], "tools are for /v1/chat/completions")?;
-                b.refuse("parallel_tool_calls", &[], "tools are for /v1/chat/completions")?;
-                let request = |prompt| GenerateRequest {
-                    model: &c.model,
-                    prompt,
-                    max_tokens: c.max_tokens.or(Some(16)),
-                    sampling: c.sampling,
-                    stop: c.stop.clone(),
-                    response_format: rf,
-                };
-                match b.get("prompt") {
-                    Some(Value::String(s)) => prepare::prepare(&app2, request(Prompt::Text(s)))?,
-                    Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
-                        prepare::prepare(&app2, request(Prompt::Text(a[0].as_str().unwrap_or_default())))?
-                    }
-                    Some(Value::Array(a)) if !a.is_empty() && a.iter().all(|x| x.as_u64().is_some_and(|v| v <= u32::MAX as u64)) => {
-                        let ids: Vec<u32> = a.iter().filter_map(Value::as_u64).map(|v| v as u32).collect();
-                        prepare::prepare(&app2, request(Prompt::Ids(&ids)))?
-                    }
-                    Some(Value::Array(_)) => {
-                        return Err(ApiError::invalid("prompt", "'prompt' must be a string, a list of one string, or a list of token ids (one prompt per request)"))
-                    }
-                    Some(v) => return Err(ApiError::invalid("prompt", format!("'prompt' must be a string, not {}", kind(v)))),
-                    None => return Err(ApiError::invalid("prompt", "'prompt' is required")),
-                }
-            }
-        };
-        Ok((p, c))
-    })
-    .await?;
+    let (prepared, c) = blocking(&app, move || prepare_body(&app2, ep, &bytes)).await?;
     let meta = Arc::clone(&prepared.meta);
     let rx = prepare::start(&app, prepared)?;
     let id = new_id(if ep == Endpoint::Chat {

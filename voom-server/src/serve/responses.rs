@@ -29,7 +29,7 @@ use serde_json::{json, Map, Value};
 
 use super::error::{ApiError, Dialect};
 use super::ids::{new_id, now};
-use super::job::{Event, Finish, Outcome};
+use super::job::{Event, Finish, Outcome, Prepared};
 use super::prepare::{self, blocking, GenerateRequest, Prompt, Sampling};
 use super::request::{text_parts, wrong, Body};
 use super::stream;
@@ -739,6 +739,29 @@ fn output_items(o: &Outcome, msg_id: &str) -> Vec<Value> {
     items
 }
 
+/// What the handler does with a body before any model work: parse and check it,
+/// then [`prepare::prepare`] it (model, template, tokens, context, grammar).
+/// Blocking.
+pub fn prepare_body(app: &App, bytes: &[u8]) -> Result<(Prepared, ResponsesRequest), ApiError> {
+    let b = Body::parse(bytes)?;
+    let r = parse(&b)?;
+    let p = prepare::prepare(
+        app,
+        GenerateRequest {
+            model: &r.model,
+            prompt: Prompt::Chat {
+                messages: &r.messages,
+                tools: r.tools.as_ref(),
+            },
+            max_tokens: r.max_output_tokens,
+            sampling: r.sampling,
+            stop: vec![],
+            response_format: Some(&r.format),
+        },
+    )?;
+    Ok((p, r))
+}
+
 pub async fn responses(State(app): State<Arc<App>>, req: Request) -> Response {
     handle(app, req)
         .await
@@ -748,26 +771,7 @@ pub async fn responses(State(app): State<Arc<App>>, req: Request) -> Response {
 async fn handle(app: Arc<App>, req: Request) -> Result<Response, ApiError> {
     let bytes = app.body(req, Dialect::OpenAi).await?;
     let app2 = Arc::clone(&app);
-    let (prepared, r) = blocking(&app, move || {
-        let b = Body::parse(&bytes)?;
-        let r = parse(&b)?;
-        let p = prepare::prepare(
-            &app2,
-            GenerateRequest {
-                model: &r.model,
-                prompt: Prompt::Chat {
-                    messages: &r.messages,
-                    tools: r.tools.as_ref(),
-                },
-                max_tokens: r.max_output_tokens,
-                sampling: r.sampling,
-                stop: vec![],
-                response_format: Some(&r.format),
-            },
-        )?;
-        Ok((p, r))
-    })
-    .await?;
+    let (prepared, r) = blocking(&app, move || prepare_body(&app2, &bytes)).await?;
     let meta = Arc::clone(&prepared.meta);
     let rx = prepare::start(&app, prepared)?;
     let d = meta.sampling_defaults;
