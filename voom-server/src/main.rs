@@ -38,8 +38,11 @@ enum Command {
     Profiles(cli::profiles::ProfilesArgs),
 }
 
-fn main() {
-    let cli = Cli::parse();
+fn main() -> std::process::ExitCode {
+    let cli = match vpaged::stdout::parse_args::<Cli>("voom") {
+        Ok(cli) => cli,
+        Err(code) => return code,
+    };
     // The server logs one line per request by default; one-shot commands only warn.
     let default_filter = match cli.command {
         Command::Serve(_) => "info",
@@ -62,8 +65,7 @@ fn main() {
         Command::Serve(a) => serve::run(a),
         Command::Profiles(a) => cli::profiles::run(a),
     };
-    if let Err(e) = r {
-        eprintln!("voom: error: {e:#}");
-        std::process::exit(1);
-    }
+    // A closed stdout pipe (`voom list | head -1`) ends quietly; any other failure
+    // is reported with status 1.
+    vpaged::stdout::exit_code("voom", r.map(|()| std::process::ExitCode::SUCCESS), 1)
 }

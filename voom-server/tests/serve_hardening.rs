@@ -431,7 +431,10 @@ fn a_full_queue_is_429_with_retry_after_in_the_endpoints_dialect() {
     drop(waiting);
     let t = Instant::now();
     while s.metric("voom_queue_depth") > 0.0 || s.metric("voom_engine_busy") > 0.0 {
-        assert!(t.elapsed() < Duration::from_secs(30), "the queue never drained");
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "the queue never drained"
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
     s.assert_healthy();

@@ -236,7 +236,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
                     "ratio_to_memory_probe": achieved / bw_med,
                 });
                 if !a.json {
-                    println!(
+                    vpaged::outln!(
                         "{:<28} {:<8} threads {}  prefill {:>7.1} tok/s [{:.1}..{:.1}]  decode {:>6.2} tok/s [{:.2}..{:.2}]  {:.1} MB/token  {:>5.2} GB/s = {:>3.0}% of weights read {:.2} GB/s ({:>3.0}% of probe {:.2} GB/s)",
                         engine.name(),
                         label,
@@ -253,7 +253,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
                         wbw_med,
                         100.0 * achieved / bw_med,
                         bw_med
-                    );
+                    )?;
                 }
                 if *label == "vpaged" {
                     // Overhead = 1 - daemon/other, on decode medians; per-run pairs
@@ -275,14 +275,14 @@ pub fn run(a: BenchArgs) -> Result<()> {
                     r["handoff_overhead_vs_embedded_paired"] = pairs(0).into();
                     r["handoff_overhead_vs_store_paired"] = pairs(store_i).into();
                     if !a.json {
-                        println!(
+                        vpaged::outln!(
                             "{:<28} daemon overhead on decode: {:+.1}% vs embedded (paired runs {:+.1}%), {:+.1}% vs the in-process store (paired {:+.1}%)",
                             "",
                             100.0 * vs_embedded,
                             100.0 * pairs(0),
                             100.0 * vs_store,
                             100.0 * pairs(store_i),
-                        );
+                        )?;
                     }
                 }
                 results.push(r);
@@ -290,10 +290,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
         }
     }
     if a.json {
-        println!(
+        vpaged::outln!(
             "{}",
             serde_json::json!({ "bench": "decode", "results": results })
-        );
+        )?;
     }
     Ok(())
 }

@@ -1,7 +1,6 @@
 //! Pieces shared by the generating commands: engine options, sampling flags,
 //! prompt building, streaming output.
 
-use std::io::Write;
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -299,7 +298,9 @@ pub fn text_ids(engine: &Engine, text: &str) -> Result<Vec<u32>> {
 }
 
 /// Generates, streaming text to stdout as it completes (when `stream`), and returns
-/// the generation and its full text.
+/// the generation and its full text. A write to stdout that fails stops generation
+/// and is the error (a closed pipe, `voom run ... | head -c 10`, ends the command
+/// quietly: see `vpaged::stdout::exit_code`).
 pub fn generate_streaming(
     engine: &Engine,
     ids: &[u32],
@@ -307,25 +308,29 @@ pub fn generate_streaming(
     stream: bool,
 ) -> Result<(Generation, String)> {
     let mut text = String::new();
-    let mut stdout = std::io::stdout();
+    let show = |piece: &str| -> std::io::Result<()> {
+        if stream {
+            vpaged::stdout::text(piece)?;
+            vpaged::stdout::flush()?;
+        }
+        Ok(())
+    };
     let eos = engine.eos_ids().to_vec();
     let g = match engine.tokenizer() {
         Some(tok) => {
             let mut dec = StreamDecoder::new(tok, true);
-            let mut err = None;
+            let mut err: Option<anyhow::Error> = None;
             let g = engine.generate(ids, params, &mut |id| {
                 if eos.contains(&id) && !params.ignore_eos {
                     return ControlFlow::Continue(());
                 }
-                match dec.push(id) {
-                    Ok(piece) => {
-                        if stream {
-                            let _ = stdout.write_all(piece.as_bytes());
-                            let _ = stdout.flush();
-                        }
-                        text.push_str(&piece);
-                        ControlFlow::Continue(())
-                    }
+                let shown = dec.push(id).map_err(anyhow::Error::from).and_then(|piece| {
+                    show(&piece)?;
+                    text.push_str(&piece);
+                    Ok(())
+                });
+                match shown {
+                    Ok(()) => ControlFlow::Continue(()),
                     Err(e) => {
                         err = Some(e);
                         ControlFlow::Break(())
@@ -333,21 +338,16 @@ pub fn generate_streaming(
                 }
             })?;
             if let Some(e) = err {
-                return Err(e.into());
+                return Err(e);
             }
             let rest = dec.finish()?;
-            if stream {
-                let _ = stdout.write_all(rest.as_bytes());
-            }
+            show(&rest)?;
             text.push_str(&rest);
             g
         }
         None => engine.generate(ids, params, &mut |_| ControlFlow::Continue(()))?,
     };
-    if stream {
-        let _ = stdout.write_all(b"\n");
-        let _ = stdout.flush();
-    }
+    show("\n")?;
     Ok((g, text))
 }
 

@@ -65,7 +65,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     let params = a.sampling.params();
     let (g, text) = common::generate_streaming(&engine, &ids, &params, !a.json)?;
     if a.json {
-        println!("{}", common::result_json(&engine, &ids, &g, &text));
+        vpaged::outln!("{}", common::result_json(&engine, &ids, &g, &text))?;
     } else {
         eprintln!(
             "[{} prompt tokens, {:.1} tok/s prefill; {} generated, {:.1} tok/s decode; {}]",

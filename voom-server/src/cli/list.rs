@@ -19,22 +19,22 @@ pub fn run(a: ListArgs) -> Result<()> {
             .iter()
             .map(|m| serde_json::json!({"name": m.name, "description": m.description}))
             .collect();
-        println!(
+        vpaged::outln!(
             "{}",
             serde_json::json!({"store": store::models_dir()?, "models": models, "pullable": known})
-        );
+        )?;
         return Ok(());
     }
-    println!("models in {}:", store::models_dir()?.display());
+    vpaged::outln!("models in {}:", store::models_dir()?.display())?;
     for m in &models {
-        println!("  {m}");
+        vpaged::outln!("  {m}")?;
     }
     if models.is_empty() {
-        println!("  (none)");
+        vpaged::outln!("  (none)")?;
     }
-    println!("pullable with `voom pull NAME`:");
+    vpaged::outln!("pullable with `voom pull NAME`:")?;
     for m in registry::KNOWN {
-        println!("  {:<24} {}", m.name, m.description);
+        vpaged::outln!("  {:<24} {}", m.name, m.description)?;
     }
     Ok(())
 }

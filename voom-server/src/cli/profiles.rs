@@ -66,21 +66,21 @@ fn list(a: ListArgs) -> Result<()> {
                 })
             })
             .collect();
-        println!("{}", serde_json::Value::Array(v));
+        vpaged::outln!("{}", serde_json::Value::Array(v))?;
         return Ok(());
     }
     let width = all.iter().map(|l| l.name.len()).max().unwrap_or(4).max(4);
-    println!("{:width$}  {:10}  NOTES", "NAME", "INHERITS");
+    vpaged::outln!("{:width$}  {:10}  NOTES", "NAME", "INHERITS")?;
     for l in &all {
-        println!(
+        vpaged::outln!(
             "{:width$}  {:10}  {}",
             l.name,
             l.inherits.as_deref().unwrap_or("-"),
             l.summary()
-        );
+        )?;
     }
     if let Some(d) = dirs.dir() {
-        println!("(profiles from {} and the built-in ones)", d.display());
+        vpaged::outln!("(profiles from {} and the built-in ones)", d.display())?;
     }
     Ok(())
 }
@@ -91,23 +91,25 @@ fn show(mut a: ShowArgs) -> Result<()> {
     }
     let r = a.engine.resolve()?;
     if a.json {
-        println!("{}", r.to_json());
+        vpaged::outln!("{}", r.to_json())?;
     } else {
-        print_text(&r);
+        print_text(&r)?;
     }
     Ok(())
 }
 
-fn print_text(r: &Resolved) {
-    println!(
+fn print_text(r: &Resolved) -> std::io::Result<()> {
+    vpaged::outln!(
         "profile {} ({}), digest {}, exact",
-        r.name, r.origin, r.digest
-    );
+        r.name,
+        r.origin,
+        r.digest
+    )?;
     if r.chain.len() > 1 {
-        println!("inherits: {}", r.chain.join(" <- "));
+        vpaged::outln!("inherits: {}", r.chain.join(" <- "))?;
     }
     if let Some(n) = &r.notes {
-        println!("notes: {}", n.trim());
+        vpaged::outln!("notes: {}", n.trim())?;
     }
     let s = &r.settings;
     let size = |v: Option<u64>| v.map_or("none".to_string(), profile::format_size);
@@ -136,6 +138,7 @@ fn print_text(r: &Resolved) {
     ];
     for (k, v) in rows {
         let src = r.sources.get(k).map(|s| s.to_string()).unwrap_or_default();
-        println!("  {k:22} {v:12} {src}");
+        vpaged::outln!("  {k:22} {v:12} {src}")?;
     }
+    Ok(())
 }

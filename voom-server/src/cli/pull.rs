@@ -48,7 +48,7 @@ fn bar(len: u64, msg: &str) -> ProgressBar {
 
 pub fn pull(a: PullArgs) -> Result<()> {
     let dir = pull_known(&a.name, a.force)?;
-    println!("{}", dir.display());
+    vpaged::outln!("{}", dir.display())?;
     Ok(())
 }
 
@@ -61,7 +61,7 @@ pub fn import(a: ImportArgs) -> Result<()> {
         );
     }
     import_into(&a.file, &out)?;
-    println!("{}", out.display());
+    vpaged::outln!("{}", out.display())?;
     Ok(())
 }
 

@@ -45,7 +45,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         };
         let (g, text) = common::generate_streaming(&engine, &ids, &params, !a.json)?;
         if a.json {
-            println!("{}", common::result_json(&engine, &ids, &g, &text));
+            vpaged::outln!("{}", common::result_json(&engine, &ids, &g, &text))?;
         }
         return Ok(());
     }
