@@ -254,17 +254,41 @@ impl Engine {
     pub fn prefill(&self, kv: &mut KvCache, tokens: &[u32]) -> Result<Vec<f32>, VoomError> {
         let mut logits = Vec::new();
         for chunk in tokens.chunks(self.opts.prefill_chunk.max(1)) {
-            logits =
-                self.model
-                    .forward(self.source.as_ref(), &self.pool, chunk, kv, Logits::Last)?;
+            logits = self.forward_checked(kv, chunk, Logits::Last)?;
         }
         Ok(logits)
     }
 
     /// Logits of every position of `tokens` after what `kv` holds.
     pub fn forward_all(&self, kv: &mut KvCache, tokens: &[u32]) -> Result<Vec<f32>, VoomError> {
-        self.model
-            .forward(self.source.as_ref(), &self.pool, tokens, kv, Logits::All)
+        self.forward_checked(kv, tokens, Logits::All)
+    }
+
+    /// One forward pass, then the source's check that the bytes it computed on were
+    /// the verified pages ([`PageSource::check_reads`]): on `Err` the logits are
+    /// discarded and the pass's positions are cut from `kv` (their keys and values
+    /// came from the same bytes), as on any error of the pass. The check runs after a
+    /// failed pass too: when the pass failed for another reason than the store, the
+    /// check's error (bytes that were not the pages) is the one reported.
+    fn forward_checked(
+        &self,
+        kv: &mut KvCache,
+        tokens: &[u32],
+        want: Logits,
+    ) -> Result<Vec<f32>, VoomError> {
+        let start = kv.len();
+        let pass = self
+            .model
+            .forward(self.source.as_ref(), &self.pool, tokens, kv, want);
+        match (pass, self.source.check_reads()) {
+            (Ok(logits), Ok(())) => Ok(logits),
+            (Ok(_), Err(e)) => {
+                kv.truncate(start);
+                Err(e.into())
+            }
+            (Err(e @ VoomError::Store(_)), _) | (Err(e), Ok(())) => Err(e),
+            (Err(_), Err(e)) => Err(e.into()),
+        }
     }
 
     /// Generates after `prompt`. `on_token` sees each new id as it is chosen and may
@@ -429,13 +453,8 @@ impl Engine {
                 out.finish = FinishReason::ContextFull;
                 break;
             }
-            logits = self.model.forward(
-                self.source.as_ref(),
-                &self.pool,
-                &[id],
-                &mut kv,
-                Logits::Last,
-            )?;
+            // Checked before the next token is sampled and emitted.
+            logits = self.forward_checked(&mut kv, &[id], Logits::Last)?;
         }
         out.decode_secs = t1.elapsed().as_secs_f64();
         Ok(out)
