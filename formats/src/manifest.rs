@@ -185,22 +185,13 @@ impl PageGroup {
 }
 
 impl Manifest {
-    /// [`Manifest::try_build`] for a checkpoint that cannot change while it is hashed.
-    ///
-    /// # Panics
-    /// When a file of `ckpt` is truncated while it is hashed (the panic message names
-    /// the file and the offset). Callers that can see that happen use `try_build`.
-    pub fn build(ckpt: &Checkpoint, progress: &mut dyn FnMut(u64, u64)) -> Manifest {
-        Self::try_build(ckpt, progress).unwrap_or_else(|e| panic!("{e}"))
-    }
-
     /// Hashes every tensor of `ckpt` into a manifest: one raw page per tensor, numbered
     /// in name order. Pages are hashed on all cores; `progress(done_bytes, total_bytes)`
     /// is called on the calling thread as bytes are hashed. A file truncated while it
     /// is hashed is a [`FormatError::Fault`] naming the file and the offset (each
     /// tensor's file is checked after the tensor is hashed), never a signal and never a
     /// manifest of zeros.
-    pub fn try_build(ckpt: &Checkpoint, progress: &mut dyn FnMut(u64, u64)) -> Result<Manifest> {
+    pub fn build(ckpt: &Checkpoint, progress: &mut dyn FnMut(u64, u64)) -> Result<Manifest> {
         let tensors: Vec<_> = ckpt.tensors().collect();
         let bodies: Vec<&[u8]> = tensors
             .iter()
@@ -782,7 +773,7 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let c = model(d.path());
         let mut calls = vec![];
-        let m = Manifest::build(&c, &mut |done, total| calls.push((done, total)));
+        let m = Manifest::build(&c, &mut |done, total| calls.push((done, total))).unwrap();
         assert_eq!(m.format_version, MANIFEST_VERSION);
         assert_eq!(m.pages.len(), 4);
         assert_eq!(calls.first(), Some(&(0, 104)));
@@ -808,7 +799,7 @@ mod tests {
     fn verify_detects_a_flipped_bit() {
         let d = tempfile::tempdir().unwrap();
         let c = model(d.path());
-        let m = Manifest::build(&c, &mut |_, _| {});
+        let m = Manifest::build(&c, &mut |_, _| {}).unwrap();
         let p = m.page("model.norm.weight").unwrap();
         let mut bytes = c.tensor_bytes(&p.name).unwrap().to_vec();
         Manifest::verify(p, &bytes, Path::new("f")).unwrap();
@@ -834,7 +825,7 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         assert_eq!(Manifest::load(d.path()).unwrap(), None);
         let c = model(d.path());
-        let m = Manifest::build(&c, &mut |_, _| {});
+        let m = Manifest::build(&c, &mut |_, _| {}).unwrap();
         m.save(d.path()).unwrap();
         assert_eq!(Manifest::load(d.path()).unwrap(), Some(m.clone()));
         let json: serde_json::Value =
@@ -864,7 +855,7 @@ mod tests {
             "{e}"
         );
         std::fs::remove_file(&path).unwrap();
-        let mut m = Manifest::build(&c, &mut |_, _| {});
+        let mut m = Manifest::build(&c, &mut |_, _| {}).unwrap();
         m.pages[0].encoded.push(EncodedBody {
             encoding: Encoding::Vpack,
             file: vpack::PACK_FILE.into(),
@@ -890,7 +881,7 @@ mod tests {
     fn load_rejects_malformed_manifests() {
         let d = tempfile::tempdir().unwrap();
         let c = model(d.path());
-        let m = Manifest::build(&c, &mut |_, _| {});
+        let m = Manifest::build(&c, &mut |_, _| {}).unwrap();
         let good = serde_json::to_value(&m).unwrap();
 
         let e = load_err(d.path(), "{not json");
@@ -950,7 +941,7 @@ mod tests {
     fn encoded_bodies_round_trip_and_verify() {
         let d = tempfile::tempdir().unwrap();
         let c = model(d.path());
-        let mut m = Manifest::build(&c, &mut |_, _| {});
+        let mut m = Manifest::build(&c, &mut |_, _| {}).unwrap();
         assert_eq!(m.required_version(), MANIFEST_VERSION);
         pack(d.path(), &c, &mut m);
         assert_eq!(m.format_version, MANIFEST_VERSION_ENCODED);
@@ -1027,7 +1018,7 @@ mod tests {
     fn load_checks_encoded_bodies() {
         let d = tempfile::tempdir().unwrap();
         let c = model(d.path());
-        let mut m = Manifest::build(&c, &mut |_, _| {});
+        let mut m = Manifest::build(&c, &mut |_, _| {}).unwrap();
         pack(d.path(), &c, &mut m);
         let good = serde_json::to_value(&m).unwrap();
         let mutate = |f: &dyn Fn(&mut serde_json::Value)| {
@@ -1059,7 +1050,7 @@ mod tests {
         assert!(e.contains("unknown field"), "{e}");
         // A raw-only manifest of format version 1 (what older builds wrote) still loads,
         // and so does one that says 2 without any encoded body.
-        let raw = Manifest::build(&c, &mut |_, _| {});
+        let raw = Manifest::build(&c, &mut |_, _| {}).unwrap();
         raw.save(d.path()).unwrap();
         let text = std::fs::read_to_string(d.path().join(MANIFEST_FILE)).unwrap();
         assert!(text.contains("\"format_version\": 1") && !text.contains("encoded"));
@@ -1074,7 +1065,7 @@ mod tests {
     fn check_matches_names_the_first_difference() {
         let d = tempfile::tempdir().unwrap();
         let c = model(d.path());
-        let m = Manifest::build(&c, &mut |_, _| {});
+        let m = Manifest::build(&c, &mut |_, _| {}).unwrap();
         let stale = |f: &dyn Fn(&mut Manifest)| {
             let mut m = m.clone();
             f(&mut m);
@@ -1137,7 +1128,7 @@ mod tests {
         )
         .unwrap();
         let ckpt = Checkpoint::open(d.path()).unwrap();
-        let m = Manifest::try_build(&ckpt, &mut |_, _| {}).unwrap();
+        let m = Manifest::build(&ckpt, &mut |_, _| {}).unwrap();
         let b = ckpt.get("b.weight").unwrap().info.clone();
         std::fs::OpenOptions::new()
             .write(true)
@@ -1146,7 +1137,7 @@ mod tests {
             .set_len(b.offset + 8192)
             .unwrap();
         for e in [
-            Manifest::try_build(&ckpt, &mut |_, _| {}).unwrap_err(),
+            Manifest::build(&ckpt, &mut |_, _| {}).unwrap_err(),
             m.verify_checkpoint(&ckpt, &mut |_, _| {}).unwrap_err(),
         ] {
             match &e {

@@ -68,7 +68,7 @@ fn sharded_checkpoint_is_zero_copy_and_verified_by_its_manifest() {
         );
     }
 
-    let m = Manifest::build(&ckpt, &mut |_, _| {});
+    let m = Manifest::build(&ckpt, &mut |_, _| {}).unwrap();
     m.save(d.path()).unwrap();
     let m = Manifest::load(d.path()).unwrap().unwrap();
     m.check_matches(&ckpt).unwrap();

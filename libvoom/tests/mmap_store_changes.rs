@@ -31,6 +31,7 @@ fn fixture_copy(manifest: bool) -> (tempfile::TempDir, PathBuf) {
     if manifest {
         let ckpt = voom_formats::Checkpoint::open(&dir).unwrap();
         voom_formats::Manifest::build(&ckpt, &mut |_, _| {})
+            .unwrap()
             .save(&dir)
             .unwrap();
     }

@@ -37,6 +37,7 @@ fn copy_model(dir: &Path) {
     }
     let ckpt = voom_formats::Checkpoint::open(dir).unwrap();
     voom_formats::Manifest::build(&ckpt, &mut |_, _| {})
+        .unwrap()
         .save(dir)
         .unwrap();
 }

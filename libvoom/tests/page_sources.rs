@@ -23,6 +23,7 @@ fn fixture_copy(case: &str) -> (tempfile::TempDir, PathBuf) {
     }
     let ckpt = voom_formats::Checkpoint::open(&dir).unwrap();
     voom_formats::Manifest::build(&ckpt, &mut |_, _| {})
+        .unwrap()
         .save(&dir)
         .unwrap();
     (d, dir)

@@ -133,6 +133,7 @@ fn a_flipped_byte_is_detected_before_use_and_named() {
     copy_dir(&tiny("llama_gqa_untied"), d.path());
     let ckpt = voom_formats::Checkpoint::open(d.path()).unwrap();
     voom_formats::Manifest::build(&ckpt, &mut |_, _| {})
+        .unwrap()
         .save(d.path())
         .unwrap();
     let loc = ckpt.get("model.layers.1.mlp.up_proj.weight").unwrap();
@@ -311,6 +312,7 @@ fn generate_through_the_daemon_gives_the_same_ids_and_falls_back_when_asked() {
     copy_dir(&tiny("llama_tied_legacy_rope_eos"), &model);
     let ckpt = voom_formats::Checkpoint::open(&model).unwrap();
     voom_formats::Manifest::build(&ckpt, &mut |_, _| {})
+        .unwrap()
         .save(&model)
         .unwrap();
     let r = reference("llama_tied_legacy_rope_eos");

@@ -236,6 +236,7 @@ fn generate_under_low_memory_gives_the_same_ids_and_reports_the_profile() {
     }
     let ckpt = voom_formats::Checkpoint::open(copy.path()).unwrap();
     voom_formats::manifest::Manifest::build(&ckpt, &mut |_, _| {})
+        .unwrap()
         .save(copy.path())
         .unwrap();
     let model_bytes = std::fs::metadata(copy.path().join("model.safetensors"))

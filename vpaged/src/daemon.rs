@@ -902,6 +902,7 @@ mod tests {
             )
             .unwrap();
             Manifest::build(&Checkpoint::open(&dir).unwrap(), &mut |_, _| {})
+                .unwrap()
                 .save(&dir)
                 .unwrap();
             store.open_model(&dir).unwrap();

@@ -428,6 +428,7 @@ mod tests {
         write_store(d.path());
         let ckpt = Checkpoint::open(d.path()).unwrap();
         Manifest::build(&ckpt, &mut |_, _| {})
+            .unwrap()
             .save(d.path())
             .unwrap();
         let off = ckpt.get("b").unwrap().info.offset as usize;
@@ -477,7 +478,10 @@ mod tests {
         .unwrap();
         let ckpt = Checkpoint::open(dir).unwrap();
         if manifest {
-            Manifest::build(&ckpt, &mut |_, _| {}).save(dir).unwrap();
+            Manifest::build(&ckpt, &mut |_, _| {})
+                .unwrap()
+                .save(dir)
+                .unwrap();
         }
         let range = ckpt.get("big").unwrap().info.range();
         (f, range)
@@ -743,7 +747,7 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         write_store(d.path());
         let ckpt = Checkpoint::open(d.path()).unwrap();
-        let mut m = Manifest::build(&ckpt, &mut |_, _| {});
+        let mut m = Manifest::build(&ckpt, &mut |_, _| {}).unwrap();
         drop(ckpt);
         m.pages[0].shape = vec![8, 4];
         m.save(d.path()).unwrap();

@@ -289,7 +289,8 @@ mod tests {
             &BTreeMap::new(),
         )
         .unwrap();
-        let manifest = Manifest::build(&Checkpoint::open(&primary_dir).unwrap(), &mut |_, _| {});
+        let manifest =
+            Manifest::build(&Checkpoint::open(&primary_dir).unwrap(), &mut |_, _| {}).unwrap();
         let nas_mount = d.path().join("nas");
         std::fs::create_dir_all(nas_mount.join("m")).unwrap();
         std::fs::copy(

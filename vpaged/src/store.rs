@@ -932,6 +932,7 @@ mod tests {
         )
         .unwrap();
         Manifest::build(&Checkpoint::open(dir).unwrap(), &mut |_, _| {})
+            .unwrap()
             .save(dir)
             .unwrap();
     }
@@ -1187,6 +1188,7 @@ mod tests {
         )
         .unwrap();
         Manifest::build(&Checkpoint::open(dir).unwrap(), &mut |_, _| {})
+            .unwrap()
             .save(dir)
             .unwrap();
     }
@@ -1284,6 +1286,7 @@ mod tests {
         )
         .unwrap();
         Manifest::build(&Checkpoint::open(&dir).unwrap(), &mut |_, _| {})
+            .unwrap()
             .save(&dir)
             .unwrap();
         let new = s.open_model(&dir).unwrap();

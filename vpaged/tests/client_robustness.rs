@@ -141,6 +141,7 @@ fn model(dir: &Path) -> PathBuf {
     )
     .unwrap();
     Manifest::build(&Checkpoint::open(&m).unwrap(), &mut |_, _| {})
+        .unwrap()
         .save(&m)
         .unwrap();
     m.canonicalize().unwrap()

@@ -115,7 +115,7 @@ fn build_import(gguf: &Path, out: &Path) -> Result<()> {
     );
     let ckpt = Checkpoint::open(out)?;
     let pb = bar(ckpt.total_bytes(), "hash");
-    let manifest = Manifest::build(&ckpt, &mut |done, _| pb.set_position(done));
+    let manifest = Manifest::build(&ckpt, &mut |done, _| pb.set_position(done))?;
     pb.finish_and_clear();
     manifest.save(out)?;
     Ok(())

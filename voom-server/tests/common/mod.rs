@@ -67,6 +67,7 @@ impl Server {
             let dir = models.path().join(MODEL);
             let ckpt = voom_formats::Checkpoint::open(&dir).unwrap();
             voom_formats::Manifest::build(&ckpt, &mut |_, _| {})
+                .unwrap()
                 .save(&dir)
                 .unwrap();
         }

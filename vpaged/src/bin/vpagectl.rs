@@ -159,7 +159,7 @@ fn hash(dir: &Path, json: bool) -> Result<ExitCode> {
     let manifest = Manifest::build(&ckpt, &mut |done, total| {
         pb.set_length(total);
         pb.set_position(done);
-    });
+    })?;
     let elapsed = start.elapsed();
     pb.finish_and_clear();
     manifest.save(dir).context("writing the manifest")?;

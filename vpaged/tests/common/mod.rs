@@ -30,6 +30,7 @@ pub fn model(dir: &Path, seed: u8) -> (PathBuf, Vec<Vec<u8>>) {
     voom_formats::safetensors::write(&m.join("model.safetensors"), &tensors, &BTreeMap::new())
         .unwrap();
     Manifest::build(&Checkpoint::open(&m).unwrap(), &mut |_, _| {})
+        .unwrap()
         .save(&m)
         .unwrap();
     (m.canonicalize().unwrap(), pages)
