@@ -16,6 +16,8 @@ use crate::safetensors::{SafetensorsFile, TensorInfo};
 pub const SINGLE_FILE: &str = "model.safetensors";
 /// The shard index's name.
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
+/// The largest shard index read.
+pub const INDEX_MAX_BYTES: u64 = 64 << 20;
 
 /// Where one tensor lives.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -53,9 +55,9 @@ impl Checkpoint {
         let single = dir.join(SINGLE_FILE);
         let index = dir.join(INDEX_FILE);
         let (names, expected): (Vec<String>, Option<BTreeMap<String, String>>) =
-            if is_present(&single)? {
+            if crate::file::is_present(&single)? {
                 (vec![SINGLE_FILE.to_string()], None)
-            } else if is_present(&index)? {
+            } else if crate::file::is_present(&index)? {
                 let map = read_index(&index)?;
                 let mut names: Vec<String> = map.values().cloned().collect();
                 names.sort();
@@ -76,7 +78,7 @@ impl Checkpoint {
         let mut files = Vec::with_capacity(names.len());
         for name in &names {
             let path = dir.join(name);
-            if !is_present(&path)? {
+            if !crate::file::is_present(&path)? {
                 return Err(FormatError::Missing {
                     path: dir.to_path_buf(),
                     what: format!("shard '{name}'"),
@@ -171,76 +173,9 @@ impl Checkpoint {
     }
 }
 
-/// What a file type is, in words, for the error refusing a file that is not regular.
-fn describe(t: std::fs::FileType) -> &'static str {
-    use std::os::unix::fs::FileTypeExt;
-    if t.is_dir() {
-        "a directory"
-    } else if t.is_fifo() {
-        "a FIFO"
-    } else if t.is_socket() {
-        "a socket"
-    } else if t.is_block_device() || t.is_char_device() {
-        "a device"
-    } else {
-        "not a regular file"
-    }
-}
-
-/// The error refusing a model-store file of type `t` that is not a regular file (kind
-/// `InvalidInput`, naming what it is). Readers of store files, here and in the page
-/// store, refuse with this one error.
-pub fn not_regular(t: std::fs::FileType) -> std::io::Error {
-    std::io::Error::new(
-        std::io::ErrorKind::InvalidInput,
-        format!(
-            "is {}, not a regular file: refusing to open it",
-            describe(t)
-        ),
-    )
-}
-
-/// Whether a model-store file is there: `false` when nothing is at `path`, `true` for
-/// a regular file (symbolic links followed, as in a Hugging Face cache snapshot), an
-/// error naming it for anything else. Checked with `stat`, before the file is ever
-/// opened: opening a FIFO blocks until a writer comes, and a device is no model file.
-pub fn is_present(path: &Path) -> Result<bool> {
-    match std::fs::metadata(path) {
-        Ok(m) if m.is_file() => Ok(true),
-        Ok(m) => Err(FormatError::io(path, not_regular(m.file_type()))),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
-        Err(e) => Err(FormatError::io(path, e)),
-    }
-}
-
-/// Opens a model-store file that must be a regular file: refused by [`is_present`]'s
-/// check before it is opened (a missing file is the `NotFound` I/O error), and checked
-/// again on the opened descriptor. Returns the file and its length.
-pub fn open_regular(path: &Path) -> Result<(std::fs::File, u64)> {
-    let io = |e| FormatError::io(path, e);
-    if !is_present(path)? {
-        return Err(io(std::io::ErrorKind::NotFound.into()));
-    }
-    let f = std::fs::File::open(path).map_err(io)?;
-    let m = f.metadata().map_err(io)?;
-    if !m.is_file() {
-        return Err(io(not_regular(m.file_type())));
-    }
-    Ok((f, m.len()))
-}
-
-/// Reads a model-store file that must be a regular file ([`open_regular`]).
-pub fn read_regular(path: &Path) -> Result<Vec<u8>> {
-    use std::io::Read;
-    let (mut f, len) = open_regular(path)?;
-    let mut bytes = Vec::with_capacity(usize::try_from(len).unwrap_or(0));
-    f.read_to_end(&mut bytes)
-        .map_err(|e| FormatError::io(path, e))?;
-    Ok(bytes)
-}
-
 fn read_index(path: &Path) -> Result<BTreeMap<String, String>> {
-    let text = read_regular(path)?;
+    let text =
+        crate::file::read_limited(path, INDEX_MAX_BYTES).map_err(|e| FormatError::io(path, e))?;
     let index: Index = serde_json::from_slice(&text).map_err(|e| FormatError::Malformed {
         path: path.to_path_buf(),
         what: "safetensors index",

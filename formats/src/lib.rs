@@ -22,6 +22,7 @@
 pub mod checkpoint;
 pub mod dtype;
 pub mod error;
+pub mod file;
 pub mod gguf;
 pub mod manifest;
 pub mod mapguard;

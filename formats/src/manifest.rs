@@ -20,6 +20,9 @@ use crate::vpack;
 
 /// The manifest's file name inside a model directory.
 pub const MANIFEST_FILE: &str = "voom-manifest.json";
+/// The largest manifest read (one of a trillion-parameter checkpoint's tens of
+/// thousands of pages is a few MB).
+pub const MANIFEST_MAX_BYTES: u64 = 256 << 20;
 /// The manifest format of raw-only manifests: what [`Manifest::build`] writes, and what
 /// builds that predate encoded bodies read.
 pub const MANIFEST_VERSION: u32 = 1;
@@ -230,14 +233,10 @@ impl Manifest {
     /// would block the reader for good).
     pub fn load(dir: &Path) -> Result<Option<Manifest>> {
         let path = dir.join(MANIFEST_FILE);
-        let bytes = match crate::checkpoint::read_regular(&path) {
+        let bytes = match crate::file::read_limited(&path, MANIFEST_MAX_BYTES) {
             Ok(b) => b,
-            Err(FormatError::Io { source, .. })
-                if source.kind() == std::io::ErrorKind::NotFound =>
-            {
-                return Ok(None)
-            }
-            Err(e) => return Err(e),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(FormatError::io(&path, e)),
         };
         Self::from_bytes(&path, &bytes).map(Some)
     }
@@ -489,10 +488,14 @@ impl Manifest {
         for (_, e) in &work {
             files.entry(e.file.as_str()).or_insert_with(|| {
                 // A regular file only: a FIFO in its place would block for good.
-                match crate::checkpoint::open_regular(&dir.join(&e.file)) {
+                let path = dir.join(&e.file);
+                let opened = crate::file::open(&path)
+                    .and_then(|f| Ok((f.metadata()?.len(), f)))
+                    .map(|(len, f)| (f, len));
+                match opened {
                     Ok(opened) => Some(opened),
                     Err(err) => {
-                        errors.push(err);
+                        errors.push(FormatError::io(&path, err));
                         None
                     }
                 }

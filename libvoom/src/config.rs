@@ -12,7 +12,6 @@
 //! checkpoint's tensors is checked when the model loads, before it allocates anything
 //! (`model::llama::LlamaModel::load`).
 
-use std::io::Read;
 use std::path::Path;
 
 use serde_json::{Map, Value};
@@ -253,31 +252,17 @@ fn quote(v: &Value) -> String {
 /// `config.json`'s text: a regular file (a FIFO or a device is refused without being
 /// opened, so nothing blocks) of at most [`limits::CONFIG_BYTES`].
 fn read_config(path: &Path) -> Result<String, String> {
-    let meta = std::fs::metadata(path).map_err(|e| format!("cannot read: {e}"))?;
-    if !meta.is_file() {
-        return Err(format!(
-            "not a regular file ({:?}); config.json must be one",
-            meta.file_type()
-        ));
-    }
-    let too_big = |len: u64| {
-        format!(
-            "is {len} bytes; a config.json of more than {} bytes is refused",
-            limits::CONFIG_BYTES
-        )
-    };
-    if meta.len() > limits::CONFIG_BYTES {
-        return Err(too_big(meta.len()));
-    }
-    let file = std::fs::File::open(path).map_err(|e| format!("cannot read: {e}"))?;
-    let mut text = String::new();
-    file.take(limits::CONFIG_BYTES + 1)
-        .read_to_string(&mut text)
-        .map_err(|e| format!("cannot read: {e}"))?;
-    if text.len() as u64 > limits::CONFIG_BYTES {
-        return Err(too_big(text.len() as u64));
-    }
-    Ok(text)
+    let bytes = voom_formats::file::read_limited(path, limits::CONFIG_BYTES).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::InvalidData {
+            format!(
+                "{e}: a config.json must be at most {} bytes",
+                limits::CONFIG_BYTES
+            )
+        } else {
+            format!("cannot read: {e}")
+        }
+    })?;
+    String::from_utf8(bytes).map_err(|e| format!("not UTF-8 text: {e}"))
 }
 
 /// Token ids given by `key` of a config file (one id or a list of them), as

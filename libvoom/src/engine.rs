@@ -124,24 +124,34 @@ pub struct Engine {
     opts: EngineOptions,
 }
 
-fn generation_config_eos(dir: &Path) -> Vec<u32> {
-    let Ok(text) = std::fs::read_to_string(dir.join("generation_config.json")) else {
-        return vec![];
-    };
-    let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) else {
-        return vec![];
-    };
-    match v.get("eos_token_id") {
-        Some(serde_json::Value::Number(n)) => {
-            n.as_u64().map(|x| vec![x as u32]).unwrap_or_default()
-        }
-        Some(serde_json::Value::Array(a)) => a
-            .iter()
-            .filter_map(|x| x.as_u64())
-            .map(|x| x as u32)
-            .collect(),
-        _ => vec![],
+/// The end-of-sequence ids an engine on `dir` stops on, as transformers' generate()
+/// does: `generation_config.json`'s `eos_token_id` (one id or a list; `config.json`'s
+/// when it has none), plus the tokenizer's end-of-turn token. Ids that are not in
+/// the vocabulary are dropped with a warning ([`crate::config::token_ids`]), never
+/// wrapped; an unreadable or malformed `generation_config.json` counts as absent, as
+/// in transformers. Computed without loading weights, so a server can compile
+/// grammars for the engine before it loads.
+pub fn eos_ids(dir: &Path, cfg: &ModelConfig, tokenizer: Option<&Tokenizer>) -> Vec<u32> {
+    let path = dir.join("generation_config.json");
+    let gen: Option<serde_json::Value> =
+        voom_formats::file::read_limited(&path, voom_formats::file::SIDE_FILE_MAX_BYTES)
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok());
+    let mut eos = crate::config::token_ids(
+        gen.as_ref().and_then(|g| g.get("eos_token_id")),
+        "eos_token_id",
+        cfg.vocab_size,
+        &path,
+    );
+    if eos.is_empty() {
+        eos = cfg.eos_token_ids.clone();
     }
+    if let Some(t) = tokenizer {
+        eos.extend_from_slice(t.eos_ids());
+    }
+    eos.sort_unstable();
+    eos.dedup();
+    eos
 }
 
 impl Engine {
@@ -169,17 +179,7 @@ impl Engine {
         } else {
             None
         };
-        // transformers stops on generation_config.json's eos ids (config.json's when
-        // there is none); a chat model's end-of-turn token (the tokenizer's eos) too.
-        let mut eos = generation_config_eos(dir);
-        if eos.is_empty() {
-            eos = model.cfg.eos_token_ids.clone();
-        }
-        if let Some(t) = &tokenizer {
-            eos.extend_from_slice(t.eos_ids());
-        }
-        eos.sort_unstable();
-        eos.dedup();
+        let eos = eos_ids(dir, &model.cfg, tokenizer.as_ref());
         let threads = if opts.threads == 0 {
             std::thread::available_parallelism().map_or(1, |n| n.get())
         } else {

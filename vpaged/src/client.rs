@@ -377,7 +377,7 @@ impl DaemonSource {
                 }
             };
         let manifest_path = dir.join(MANIFEST_FILE);
-        let text = crate::store_file::read(&manifest_path).map_err(|x| StoreError::Store {
+        let text = voom_formats::file::read(&manifest_path).map_err(|x| StoreError::Store {
             store: dir.clone(),
             detail: format!("cannot read the manifest {}: {x}", manifest_path.display()),
         })?;

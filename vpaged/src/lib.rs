@@ -24,7 +24,6 @@ pub mod socket_path;
 pub mod source;
 pub mod stdout;
 pub mod store;
-pub mod store_file;
 pub(crate) mod sync;
 pub mod tier;
 pub mod watch;

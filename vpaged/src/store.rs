@@ -811,7 +811,7 @@ fn load_checked(dir: &Path) -> Result<LoadedManifest, StoreError> {
         _ => StoreError::Format(FormatError::io(path.clone(), e)),
     };
     // A regular file only, opened without blocking (a FIFO in its place is refused).
-    let mut file = crate::store_file::open(&path).map_err(io)?;
+    let mut file = voom_formats::file::open(&path).map_err(io)?;
     // Taken before reading: a change after it shows at the next re-check.
     let stamp = FileStamp::from_metadata(&file.metadata().map_err(io)?);
     let mut bytes = Vec::new();

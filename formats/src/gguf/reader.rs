@@ -1,7 +1,6 @@
 //! Parsing and validation of a whole GGUF file.
 
 use std::collections::HashMap;
-use std::fs::File;
 use std::ops::Deref;
 use std::path::{Path, PathBuf};
 
@@ -354,7 +353,7 @@ impl GgufFile {
     /// Opens and validates a GGUF file, memory mapping it read-only.
     pub fn open(path: impl AsRef<Path>) -> Result<GgufFile> {
         let path = path.as_ref();
-        let file = File::open(path).map_err(|e| FormatError::io(path, e))?;
+        let file = crate::file::open(path).map_err(|e| FormatError::io(path, e))?;
         let len = file.metadata().map_err(|e| FormatError::io(path, e))?.len();
         let bytes = if len == 0 {
             // mmap of an empty file fails on some platforms; parse reports truncation.

@@ -412,7 +412,7 @@ impl fmt::Debug for SafetensorsFile {
 impl SafetensorsFile {
     /// Maps `path` read-only and validates its header.
     pub fn open(path: &Path) -> Result<Self> {
-        let file = File::open(path).map_err(|e| FormatError::io(path, e))?;
+        let file = crate::file::open(path).map_err(|e| FormatError::io(path, e))?;
         let meta = file.metadata().map_err(|e| FormatError::io(path, e))?;
         if !meta.is_file() {
             return Err(FormatError::Malformed {

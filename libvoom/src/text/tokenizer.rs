@@ -67,16 +67,28 @@ impl std::fmt::Debug for Tokenizer {
     }
 }
 
+/// A side file's text: a regular file (never a blocking open) of bounded size.
 fn read_text(path: &Path) -> Result<String, TextError> {
-    std::fs::read_to_string(path).map_err(|source| TextError::Io {
+    let io = |source| TextError::Io {
         path: path.to_path_buf(),
         source,
+    };
+    let bytes = voom_formats::file::read_limited(path, voom_formats::file::SIDE_FILE_MAX_BYTES)
+        .map_err(io)?;
+    String::from_utf8(bytes).map_err(|e| {
+        io(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("not UTF-8 text: {e}"),
+        ))
     })
 }
 
 /// Parses `path` if it exists.
 fn read_json_opt(path: &Path) -> Result<Option<Json>, TextError> {
-    if !path.is_file() {
+    if !voom_formats::file::is_present(path).map_err(|e| TextError::Io {
+        path: path.to_path_buf(),
+        source: std::io::Error::other(e.to_string()),
+    })? {
         return Ok(None);
     }
     let text = read_text(path)?;
@@ -157,10 +169,12 @@ impl Tokenizer {
                 what: "the tokenizer of the model",
             });
         }
-        let bytes = std::fs::read(&tok_path).map_err(|source| TextError::Io {
-            path: tok_path.clone(),
-            source,
-        })?;
+        let bytes =
+            voom_formats::file::read_limited(&tok_path, voom_formats::file::SIDE_FILE_MAX_BYTES)
+                .map_err(|source| TextError::Io {
+                    path: tok_path.clone(),
+                    source,
+                })?;
         let mut inner =
             tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| TextError::TokenizerLoad {
                 path: tok_path.clone(),

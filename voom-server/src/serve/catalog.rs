@@ -41,10 +41,13 @@ pub struct SamplingDefaults {
 impl SamplingDefaults {
     /// `profile`'s values over the model's generation_config.json over the API's.
     pub fn resolve(profile: &profile::Sampling, dir: &Path) -> Self {
-        let v: serde_json::Value = std::fs::read(dir.join("generation_config.json"))
-            .ok()
-            .and_then(|b| serde_json::from_slice(&b).ok())
-            .unwrap_or_default();
+        let v: serde_json::Value = voom_formats::file::read_limited(
+            &dir.join("generation_config.json"),
+            voom_formats::file::SIDE_FILE_MAX_BYTES,
+        )
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_default();
         SamplingDefaults {
             temperature: profile
                 .temperature
@@ -166,9 +169,19 @@ impl Catalog {
         } else {
             None
         };
-        let identity = std::fs::read(dir.join(voom_formats::manifest::MANIFEST_FILE))
-            .or_else(|_| std::fs::read(dir.join("config.json")))
-            .map_err(|e| bad(&e))?;
+        // Files read here are regular files only (a FIFO would hold this request's
+        // preparation, and the slot it takes, for good).
+        let read = |name: &str, limit| voom_formats::file::read_limited(&dir.join(name), limit);
+        let identity = match read(
+            voom_formats::manifest::MANIFEST_FILE,
+            voom_formats::manifest::MANIFEST_MAX_BYTES,
+        ) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                read("config.json", voom_formats::file::SIDE_FILE_MAX_BYTES)
+            }
+            other => other,
+        }
+        .map_err(|e| bad(&e))?;
         let digest = blake3::hash(&identity).to_hex()[..16].to_string();
         let created = std::fs::metadata(dir)
             .and_then(|m| m.modified())

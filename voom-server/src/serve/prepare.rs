@@ -4,7 +4,6 @@
 //! pick sampling settings, queue the job.
 
 use std::collections::HashMap;
-use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -237,32 +236,6 @@ fn too_long(meta: &ModelMeta, param: &str, tokens: usize, at_least: &str) -> Api
     )
 }
 
-/// The end-of-sequence ids the engine stops on, computed as
-/// `libvoom::engine::Engine` does without loading weights: generation_config.json's
-/// `eos_token_id` (config.json's when it has none), plus the tokenizer's eos.
-pub fn engine_eos_ids(dir: &Path, cfg: &ModelConfig, tok: &Tokenizer) -> Vec<u32> {
-    let gen: Value = std::fs::read(dir.join("generation_config.json"))
-        .ok()
-        .and_then(|b| serde_json::from_slice(&b).ok())
-        .unwrap_or_default();
-    let mut eos: Vec<u32> = match gen.get("eos_token_id") {
-        Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-        Some(Value::Array(a)) => a
-            .iter()
-            .filter_map(Value::as_u64)
-            .map(|x| x as u32)
-            .collect(),
-        _ => vec![],
-    };
-    if eos.is_empty() {
-        eos = cfg.eos_token_ids.clone();
-    }
-    eos.extend_from_slice(tok.eos_ids());
-    eos.sort_unstable();
-    eos.dedup();
-    eos
-}
-
 /// The grammar compiler of a model (its tokenizer, vocabulary width and
 /// end-of-sequence ids), built once per checkpoint and kept.
 fn compiler_for(meta: &ModelMeta, tok: &Tokenizer) -> Result<Arc<GrammarCompiler>, ApiError> {
@@ -280,7 +253,7 @@ fn compiler_for(meta: &ModelMeta, tok: &Tokenizer) -> Result<Arc<GrammarCompiler
         ApiError::internal(format!("model '{}' cannot take grammars: {e}", meta.id))
     };
     let cfg = ModelConfig::from_dir(&meta.dir).map_err(|e| bad(&e))?;
-    let eos = engine_eos_ids(&meta.dir, &cfg, tok);
+    let eos = libvoom::engine::eos_ids(&meta.dir, &cfg, Some(tok));
     let c = GrammarCompiler::shared(tok, cfg.vocab_size, &eos).map_err(|e| bad(&e))?;
     COMPILERS
         .lock()

@@ -158,7 +158,7 @@ impl FastTier {
         let path = self.path(hash);
         let start = Instant::now();
         let r = (|| {
-            let f = crate::store_file::open(&path).map_err(|source| TierError::Io {
+            let f = voom_formats::file::open(&path).map_err(|source| TierError::Io {
                 tier: self.name.clone(),
                 path: path.clone(),
                 source,

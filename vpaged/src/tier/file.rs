@@ -71,7 +71,7 @@ impl FileTier {
         }
         let path = self.path_of(file)?;
         // A regular file, opened without blocking (a FIFO in its place is refused).
-        let f = crate::store_file::open(&path).map_err(|source| TierError::Io {
+        let f = voom_formats::file::open(&path).map_err(|source| TierError::Io {
             tier: self.name.clone(),
             path,
             source,
