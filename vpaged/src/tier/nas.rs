@@ -671,7 +671,13 @@ mod tests {
         let t = Instant::now();
         let e = nas.read_extent(&ext, &mut buf).unwrap_err();
         assert!(t.elapsed() < Duration::from_secs(2));
-        assert!(e.to_string().contains("did not finish within 20ms"), "{e}");
+        // The read times out; on a loaded machine the mount's own check before it
+        // (same 20 ms budget) may be the one that runs out: a timeout either way.
+        let m = e.to_string();
+        assert!(
+            m.contains("did not finish within 20ms") || m.contains("did not answer within 20ms"),
+            "{e}"
+        );
         assert!(matches!(nas.health(), Health::Unavailable(_)));
     }
 
