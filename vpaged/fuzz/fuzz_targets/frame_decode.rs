@@ -4,7 +4,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use vpaged::protocol::{read_frame, Frame, FrameDecoder, Message};
+use vpaged::protocol::{read_frame, Frame, FrameDecoder, Message, FLAG_NO_REPLY};
 
 fn check_frame(frame: &Frame) {
     let wire = frame.encode().expect("a decoded frame is within bounds");
@@ -12,9 +12,17 @@ fn check_frame(frame: &Frame) {
     assert_eq!(&back, frame);
     if let Ok(msg) = Message::decode(frame) {
         // Canonical encoding: a message that decoded re-encodes to the same payload.
-        let again = msg
+        // Flags belong to the frame, not the message (NO_REPLY on Prefetch and
+        // Release: the sender sets it on the frame), so they are carried over.
+        let mut again = msg
             .to_frame(frame.request_id)
             .expect("a decoded message encodes");
+        assert_eq!(again.flags, 0);
+        assert!(
+            frame.flags & !FLAG_NO_REPLY == 0,
+            "decoded with reserved flags"
+        );
+        again.flags = frame.flags;
         assert_eq!(&again, frame);
     }
 }
