@@ -11,21 +11,14 @@
 
 use libfuzzer_sys::fuzz_target;
 use libvoom::constrain::JsonValidator;
-use voom_server::serve::error::{ApiError, Kind};
+use voom_server::serve::error::ApiError;
 use voom_server::serve::request::Body;
 use voom_server::serve::tools::{ResponseFormat, ToolRequest};
 use voom_server::serve::{anthropic, openai, responses};
-
-fn refused(e: &ApiError) {
-    assert!(
-        !matches!(e.kind, Kind::Internal | Kind::Unavailable),
-        "a body got a server error: {e:?}"
-    );
-    assert!(!e.message.is_empty(), "an error without a message");
-}
+use voom_server_fuzz::assert_client_error;
 
 fn check<T>(r: Result<T, ApiError>) -> Option<T> {
-    r.map_err(|e| refused(&e)).ok()
+    r.map_err(|e| assert_client_error(&e)).ok()
 }
 
 /// The model-free steps `prepare::prepare` takes with a request's tools and format.

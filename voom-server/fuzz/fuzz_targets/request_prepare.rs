@@ -13,67 +13,13 @@
 //! Run with `cargo +nightly fuzz run request_prepare` in `voom-server/`.
 #![no_main]
 
-use std::path::Path;
-use std::sync::{Arc, OnceLock};
-use std::time::{Duration, Instant};
+use std::sync::OnceLock;
 
-use clap::Parser;
 use libfuzzer_sys::fuzz_target;
-use voom_server::cli::common::EngineArgs;
-use voom_server::serve::access::Access;
-use voom_server::serve::catalog::Catalog;
-use voom_server::serve::error::{ApiError, Kind};
+use voom_server::serve::error::ApiError;
 use voom_server::serve::job::Prepared;
-use voom_server::serve::metrics::Metrics;
-use voom_server::serve::worker::Worker;
-use voom_server::serve::{anthropic, app, openai, responses, App, Profile};
-
-#[derive(Parser)]
-struct Args {
-    #[command(flatten)]
-    engine: EngineArgs,
-}
-
-/// A server's shared state over `tests/fixtures`, as `voom serve` builds it; its
-/// engine thread idles (nothing is ever queued).
-fn app() -> &'static App {
-    static APP: OnceLock<App> = OnceLock::new();
-    APP.get_or_init(|| {
-        let models = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures");
-        assert!(
-            models.join("tiny_chat/config.json").is_file(),
-            "the tiny_chat fixture is missing"
-        );
-        let mut engine = Args::parse_from(["fuzz"]).engine;
-        let resolved = engine.pin_profile().expect("the default profile resolves");
-        let metrics = Arc::new(Metrics::default());
-        let worker = Worker::spawn(engine.clone(), Arc::clone(&metrics), 32).unwrap();
-        let max_body_bytes = 64 << 20;
-        App {
-            catalog: Catalog::new(models, resolved.settings.clone()),
-            worker,
-            metrics,
-            max_body_bytes,
-            receive_timeout: Duration::from_secs(30),
-            profile: Profile {
-                name: resolved.name.clone(),
-                digest: resolved.digest.clone(),
-                exact: resolved.settings.exact,
-                settings: resolved.settings_json(),
-            },
-            started: Instant::now(),
-            access: Access {
-                api_key: None,
-                allowed_hosts: vec![],
-                cors_origins: vec![],
-            },
-            body_budget: Arc::new(tokio::sync::Semaphore::new(app::body_budget_kib(
-                max_body_bytes,
-            ))),
-            prepare_slots: Arc::new(tokio::sync::Semaphore::new(1)),
-        }
-    })
-}
+use voom_server::serve::{anthropic, openai, responses};
+use voom_server_fuzz::{app, assert_client_error};
 
 /// `VOOM_FUZZ_SHOW=1`: print what each input came to (to see what a seed or a crash
 /// input reaches).
@@ -108,13 +54,7 @@ fn check(endpoint: &str, r: Result<Prepared, ApiError>) {
             assert!(p.prompt_ids.len() + p.params.max_new_tokens <= p.meta.max_context);
             assert!(p.params.sampling.validate().is_ok());
         }
-        Err(e) => {
-            assert!(
-                !matches!(e.kind, Kind::Internal | Kind::Unavailable),
-                "a body got a server error: {e:?}"
-            );
-            assert!(!e.message.is_empty(), "an error without a message");
-        }
+        Err(e) => assert_client_error(&e),
     }
 }
 
