@@ -10,7 +10,7 @@
 //! hostile or broken file is an error naming the key, the value and the allowed range,
 //! never an abort or a run that computes garbage. Whether the values describe the
 //! checkpoint's tensors is checked when the model loads, before it allocates anything
-//! (`model::llama::LlamaModel::load`).
+//! (`model::llama::Llama::load`).
 
 use std::path::Path;
 
@@ -572,11 +572,57 @@ impl ModelConfig {
         self.check_rotary_angles()
     }
 
+    /// Inverse frequencies of the rotary embedding, `head_dim / 2` of them, computed
+    /// as transformers computes them in float32 (with the `llama3` scaling).
+    pub fn rope_inv_freq(&self) -> Vec<f32> {
+        let cfg = self;
+        let dim = cfg.head_dim;
+        let base = cfg.rope_theta;
+        // transformers: 1.0 / (base ** (arange(0, dim, 2).float() / dim)), in float32.
+        let plain: Vec<f32> = (0..dim / 2)
+            .map(|i| 1.0f32 / base.powf((2 * i) as f32 / dim as f32))
+            .collect();
+        match &cfg.rope_scaling {
+            RopeScaling::Default => plain,
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => {
+                // transformers' _compute_llama3_parameters.
+                let old_ctx = *original_max_position_embeddings as f32;
+                let low_freq_wavelen = old_ctx / low_freq_factor;
+                let high_freq_wavelen = old_ctx / high_freq_factor;
+                plain
+                    .iter()
+                    .map(|&f| {
+                        let wavelen = 2.0 * std::f32::consts::PI / f;
+                        let scaled = if wavelen > low_freq_wavelen {
+                            f / factor
+                        } else {
+                            f
+                        };
+                        // wavelen is finite and positive, so this is transformers' `~(w < high) & ~(w > low)`.
+                        let is_medium = wavelen >= high_freq_wavelen && wavelen <= low_freq_wavelen;
+                        if is_medium {
+                            let smooth = (old_ctx / wavelen - low_freq_factor)
+                                / (high_freq_factor - low_freq_factor);
+                            (1.0 - smooth) * scaled / factor + smooth * scaled
+                        } else {
+                            scaled
+                        }
+                    })
+                    .collect()
+            }
+        }
+    }
+
     /// Every rotary frequency finite and non-negative, and so is its angle at the last
     /// position (a tiny `rope_theta` or scaling factor can overflow float32 there).
     fn check_rotary_angles(&self) -> Result<(), String> {
         let last = (self.max_position_embeddings - 1) as f32;
-        let inv_freq = crate::model::rope::inv_freq(self);
+        let inv_freq = self.rope_inv_freq();
         match inv_freq
             .iter()
             .enumerate()

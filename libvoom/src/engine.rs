@@ -8,11 +8,11 @@ use std::time::Instant;
 
 use vpaged::{EmbeddedStore, PageSource, VerifyMode};
 
-use crate::backend::cpu::threads::ThreadPool;
+use crate::backend::BackendKind;
 use crate::config::ModelConfig;
 use crate::constrain::{ConstrainError, TokenConstraint, TokenMask};
 use crate::kv::KvCache;
-use crate::model::llama::{LlamaModel, Logits};
+use crate::model::{self, Logits, Model, Sweep};
 use crate::sampler::{Sampler, SamplingParams};
 use crate::text::Tokenizer;
 use crate::VoomError;
@@ -30,6 +30,8 @@ pub struct EngineOptions {
     /// Decoder layers hinted to the page source ahead of the one computing (0: off).
     /// Results do not depend on it.
     pub prefetch_depth: usize,
+    /// The compute backend. Results do not depend on it.
+    pub backend: BackendKind,
 }
 
 impl Default for EngineOptions {
@@ -40,6 +42,7 @@ impl Default for EngineOptions {
             max_context: None,
             prefill_chunk: 256,
             prefetch_depth: 1,
+            backend: BackendKind::best(),
         }
     }
 }
@@ -116,10 +119,9 @@ impl Generation {
 pub struct Engine {
     dir: PathBuf,
     name: String,
-    model: LlamaModel,
+    model: Box<dyn Model>,
     source: Arc<dyn PageSource>,
     tokenizer: Option<Tokenizer>,
-    pool: ThreadPool,
     eos: Vec<u32>,
     opts: EngineOptions,
 }
@@ -172,28 +174,19 @@ impl Engine {
             .file_name()
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_else(|| dir.display().to_string());
-        let mut model = LlamaModel::load(cfg, source.as_ref(), &name)?;
-        model.set_prefetch_depth(opts.prefetch_depth);
+        let model = model::load(cfg, source.as_ref(), &name, opts.backend, opts.threads)?;
         let tokenizer = if dir.join("tokenizer.json").exists() {
             Some(Tokenizer::from_dir(dir)?)
         } else {
             None
         };
-        let eos = eos_ids(dir, &model.cfg, tokenizer.as_ref());
-        let threads = if opts.threads == 0 {
-            std::thread::available_parallelism().map_or(1, |n| n.get())
-        } else {
-            opts.threads
-        };
+        let eos = eos_ids(dir, model.config(), tokenizer.as_ref());
         Ok(Engine {
             dir: dir.to_path_buf(),
             name,
             model,
             source,
             tokenizer,
-            pool: ThreadPool::new(threads).map_err(|e| {
-                VoomError::Request(format!("cannot start {threads} compute threads: {e}"))
-            })?,
             eos,
             opts,
         })
@@ -208,11 +201,11 @@ impl Engine {
     }
 
     pub fn config(&self) -> &ModelConfig {
-        &self.model.cfg
+        self.model.config()
     }
 
-    pub fn model(&self) -> &LlamaModel {
-        &self.model
+    pub fn model(&self) -> &dyn Model {
+        self.model.as_ref()
     }
 
     pub fn tokenizer(&self) -> Option<&Tokenizer> {
@@ -233,7 +226,12 @@ impl Engine {
     }
 
     pub fn threads(&self) -> usize {
-        self.pool.threads()
+        self.model.threads()
+    }
+
+    /// The backend it computes on ("cpu-avx2").
+    pub fn backend_name(&self) -> String {
+        self.model.backend_name()
     }
 
     /// The longest context this engine accepts.
@@ -241,7 +239,7 @@ impl Engine {
         self.opts
             .max_context
             .unwrap_or(usize::MAX)
-            .min(self.model.cfg.max_position_embeddings)
+            .min(self.config().max_position_embeddings)
     }
 
     /// A fresh KV cache for one sequence.
@@ -265,30 +263,66 @@ impl Engine {
     }
 
     /// One forward pass, then the source's check that the bytes it computed on were
-    /// the verified pages ([`PageSource::check_reads`]): on `Err` the logits are
-    /// discarded and the pass's positions are cut from `kv` (their keys and values
-    /// came from the same bytes), as on any error of the pass. The check runs after a
-    /// failed pass too: when the pass failed for another reason than the store, the
-    /// check's error (bytes that were not the pages) is the one reported.
+    /// the verified pages ([`PageSource::check_reads`]). The pass's positions are
+    /// committed to `kv` only when both succeed; on `Err` the logits are discarded
+    /// and the positions cut (their keys and values came from the same bytes), so
+    /// `kv` is as it was. The check runs after a failed pass too: when the pass
+    /// failed for another reason than the store, the check's error (bytes that were
+    /// not the pages) is the one reported.
     fn forward_checked(
         &self,
         kv: &mut KvCache,
         tokens: &[u32],
         want: Logits,
     ) -> Result<Vec<f32>, VoomError> {
+        self.check_pass(kv, tokens)?;
         let start = kv.len();
-        let pass = self
-            .model
-            .forward(self.source.as_ref(), &self.pool, tokens, kv, want);
-        match (pass, self.source.check_reads()) {
+        let sweep = Sweep::new(
+            self.source.as_ref(),
+            self.model.plan(),
+            self.opts.prefetch_depth,
+        );
+        let pass = self.model.forward(&sweep, tokens, kv, want);
+        // Every lease of the pass is dropped by now.
+        sweep.finish();
+        let r = match (pass, self.source.check_reads()) {
             (Ok(logits), Ok(())) => Ok(logits),
-            (Ok(_), Err(e)) => {
-                kv.truncate(start);
-                Err(e.into())
-            }
+            (Ok(_), Err(e)) => Err(e.into()),
             (Err(e @ VoomError::Store(_)), _) | (Err(e), Ok(())) => Err(e),
             (Err(_), Err(e)) => Err(e.into()),
+        };
+        match r {
+            Ok(logits) => {
+                kv.commit(tokens.len());
+                Ok(logits)
+            }
+            Err(e) => {
+                kv.truncate(start);
+                Err(e)
+            }
         }
+    }
+
+    /// What every architecture's pass may assume: tokens to compute, each in the
+    /// vocabulary, and room for them in `kv`.
+    fn check_pass(&self, kv: &KvCache, tokens: &[u32]) -> Result<(), VoomError> {
+        let vocab = self.config().vocab_size;
+        if tokens.is_empty() {
+            return Err(VoomError::Request("no tokens to compute".into()));
+        }
+        if let Some(&tok) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(VoomError::Request(format!(
+                "token id {tok} is out of range for a vocabulary of {vocab}"
+            )));
+        }
+        let (pos0, n) = (kv.len(), tokens.len());
+        if pos0 + n > kv.capacity() {
+            return Err(VoomError::Request(format!(
+                "context full: {pos0} positions cached + {n} new exceed the limit of {}",
+                kv.capacity()
+            )));
+        }
+        Ok(())
     }
 
     /// Generates after `prompt`. `on_token` sees each new id as it is chosen and may

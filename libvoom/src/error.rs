@@ -9,7 +9,7 @@ pub enum VoomError {
     #[error(transparent)]
     Format(#[from] voom_formats::FormatError),
     #[error(transparent)]
-    Kernel(#[from] crate::backend::cpu::matmul::KernelError),
+    Kernel(#[from] crate::backend::KernelError),
     #[error(transparent)]
     Text(#[from] crate::text::TextError),
     /// `config.json` is missing, malformed, or asks for something vOOM does not do.

@@ -8,10 +8,12 @@
 //!
 //! - [`config`]: Hugging Face `config.json` to the internal [`config::ModelConfig`].
 //! - [`text`]: tokenizer, chat templates, streaming detokenization.
-//! - [`backend`]: the op-level compute interface and its CPU implementation.
-//! - [`model`]: architectures written against the backend (Llama family: llama,
+//! - [`backend`]: the op-level compute interface ([`backend::Backend`]) and its CPU
+//!   implementation.
+//! - [`model`]: the [`model::Model`] trait, the sweep over a page plan, and the
+//!   architectures written against the backend (Llama family: llama,
 //!   mistral, qwen2, qwen3).
-//! - [`kv`]: the KV cache.
+//! - [`kv`]: the KV cache (the layout backends attend over; [`backend::kv`]).
 //! - [`sampler`]: greedy, temperature, top-k, top-p, seeded.
 //! - [`engine`]: prefill + decode loop with stop conditions.
 //! - [`import`]: GGUF to Hugging Face layout.
@@ -22,9 +24,9 @@ pub mod constrain;
 pub mod engine;
 pub mod error;
 pub mod import;
-pub mod kv;
 pub mod model;
 pub mod sampler;
 pub mod text;
 
+pub use backend::kv;
 pub use error::VoomError;

@@ -7,6 +7,7 @@
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 
+use libvoom::backend::BackendKind;
 use libvoom::engine::{Engine, EngineOptions, GenerateParams};
 use serde_json::Value;
 
@@ -45,7 +46,8 @@ fn check_case(name: &str, opts: EngineOptions) {
     let reference: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
             .unwrap();
-    let engine = Engine::open(&dir, opts).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let backend = opts.backend.name();
+    let engine = Engine::open(&dir, opts).unwrap_or_else(|e| panic!("{name} on {backend}: {e}"));
     let max_new = reference["generation"]["max_new_tokens"].as_u64().unwrap() as usize;
     for p in reference["prompts"].as_array().unwrap() {
         let prompt = ids(&p["prompt_ids"]);
@@ -92,31 +94,43 @@ fn check_case(name: &str, opts: EngineOptions) {
     }
 }
 
+/// On every backend this machine has (each CPU instruction set).
 #[test]
 fn greedy_ids_match_transformers_on_every_architecture() {
-    for case in cases() {
-        check_case(&case, EngineOptions::default());
+    for backend in BackendKind::available() {
+        for case in cases() {
+            check_case(
+                &case,
+                EngineOptions {
+                    backend,
+                    ..Default::default()
+                },
+            );
+        }
     }
 }
 
 #[test]
 fn single_threaded_and_chunked_prefill_match_transformers_too() {
-    for case in cases() {
-        check_case(
-            &case,
-            EngineOptions {
-                threads: 1,
-                prefill_chunk: 7,
-                ..Default::default()
-            },
-        );
+    for backend in BackendKind::available() {
+        for case in cases() {
+            check_case(
+                &case,
+                EngineOptions {
+                    threads: 1,
+                    prefill_chunk: 7,
+                    backend,
+                    ..Default::default()
+                },
+            );
+        }
     }
 }
 
 /// Batch invariance (DESIGN.md invariant 6): a position's logits are bit-identical
-/// whatever the prefill chunk size and the thread count.
+/// whatever the prefill chunk size, the thread count and the backend.
 #[test]
-fn logits_bits_do_not_depend_on_chunking_or_threads() {
+fn logits_bits_do_not_depend_on_chunking_threads_or_backend() {
     for case in cases() {
         let dir = fixtures().join(&case);
         let reference: Value =
@@ -124,16 +138,21 @@ fn logits_bits_do_not_depend_on_chunking_or_threads() {
                 .unwrap();
         let prompt = ids(&reference["prompts"][2]["prompt_ids"]);
         let mut seen: Option<Vec<u32>> = None;
-        for (threads, chunk) in [(1, 1), (2, 3), (3, 256), (2, 5)] {
+        let runs = BackendKind::available().into_iter().flat_map(|backend| {
+            [(1, 1), (2, 3), (3, 256), (2, 5)].map(|(threads, chunk)| (threads, chunk, backend))
+        });
+        for (threads, chunk, backend) in runs {
             let e = Engine::open(
                 &dir,
                 EngineOptions {
                     threads,
                     prefill_chunk: chunk,
+                    backend,
                     ..Default::default()
                 },
             )
             .unwrap();
+            let backend = backend.name();
             let mut kv = e.new_kv();
             let all = e.forward_all(&mut kv, &prompt).unwrap();
             let mut kv2 = e.new_kv();
@@ -142,14 +161,14 @@ fn logits_bits_do_not_depend_on_chunking_or_threads() {
             assert_eq!(
                 bits(&all[all.len() - v..]),
                 bits(&last),
-                "{case}: all-positions and last-position logits differ (threads {threads}, chunk {chunk})"
+                "{case}: all-positions and last-position logits differ (threads {threads}, chunk {chunk}, {backend})"
             );
             let b = bits(&all);
             match &seen {
                 None => seen = Some(b),
                 Some(s) => assert_eq!(
                     s, &b,
-                    "{case}: logits bits change with threads {threads}, chunk {chunk}"
+                    "{case}: logits bits change with threads {threads}, chunk {chunk}, {backend}"
                 ),
             }
         }

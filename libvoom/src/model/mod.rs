@@ -1,8 +1,104 @@
-//! Architectures, written once against the backend's ops and the page seam.
-//! One file per family: [`llama`] covers llama, mistral, qwen2 and qwen3.
+//! Architectures, written once against the backend interface ([`crate::backend::ops`])
+//! and the sweep. An architecture is one file: its weights and page plan
+//! ([`plan::PagePlan`]) from the checkpoint, and its math over the ops; the engine
+//! holds it as a [`Model`] and never changes for a new one.
+//!
+//! - [`llama`]: llama, mistral, qwen2 and qwen3.
+//! - [`sweep`]: leasing, prefetching and releasing pages along a plan.
 
 pub mod llama;
+pub mod plan;
 pub mod rope;
+pub mod sweep;
 pub mod weights;
 
-pub use llama::LlamaModel;
+use vpaged::PageSource;
+
+use crate::backend::cpu::CpuBackend;
+use crate::backend::{Backend, BackendKind};
+use crate::config::{Arch, ModelConfig};
+use crate::kv::KvCache;
+use crate::VoomError;
+pub use plan::PagePlan;
+pub use sweep::Sweep;
+
+/// Which positions' logits a forward pass returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Logits {
+    /// Only the last position's (prefill, decode).
+    Last,
+    /// Every position's (verification of several proposed tokens).
+    All,
+}
+
+/// An architecture with its weights resolved, as the engine holds it.
+pub trait Model: Send + Sync {
+    /// The config it was loaded from (checked against the checkpoint).
+    fn config(&self) -> &ModelConfig;
+
+    /// The pages each stage of a forward pass reads.
+    fn plan(&self) -> &PagePlan;
+
+    /// The backend it computes on ("cpu-avx2").
+    fn backend_name(&self) -> String;
+
+    /// Compute threads of its backend.
+    fn threads(&self) -> usize;
+
+    /// An empty KV cache for one sequence, holding at most `capacity` positions.
+    fn new_kv(&self, capacity: usize) -> KvCache {
+        let cfg = self.config();
+        KvCache::new(
+            cfg.num_layers,
+            cfg.num_kv_heads * cfg.head_dim,
+            capacity.min(cfg.max_position_embeddings),
+        )
+    }
+
+    /// Computes `tokens` at positions `kv.len()..` and returns the logits `want`
+    /// asks for (`vocab_size` floats per position), reading weights through `sweep`.
+    ///
+    /// The caller has checked that `tokens` is not empty, that each id is in the
+    /// vocabulary and that the positions fit `kv`'s capacity. Each layer appends the
+    /// new positions' keys and values to `kv` without committing them: the caller
+    /// commits after a pass that succeeded and truncates after one that failed.
+    fn forward(
+        &self,
+        sweep: &Sweep<'_>,
+        tokens: &[u32],
+        kv: &mut KvCache,
+        want: Logits,
+    ) -> Result<Vec<f32>, VoomError>;
+}
+
+/// Loads the architecture `cfg` names from `source` on backend `kind` with
+/// `threads` compute threads (0: every core). `model` names it in errors.
+pub fn load(
+    cfg: ModelConfig,
+    source: &dyn PageSource,
+    model: &str,
+    kind: BackendKind,
+    threads: usize,
+) -> Result<Box<dyn Model>, VoomError> {
+    match kind {
+        BackendKind::Cpu(isa) => {
+            let backend = CpuBackend::new(threads, isa).map_err(|e| {
+                VoomError::Request(format!("cannot start {threads} compute threads: {e}"))
+            })?;
+            load_on(cfg, source, model, backend)
+        }
+    }
+}
+
+fn load_on<B: Backend + 'static>(
+    cfg: ModelConfig,
+    source: &dyn PageSource,
+    model: &str,
+    backend: B,
+) -> Result<Box<dyn Model>, VoomError> {
+    match cfg.arch {
+        Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 => {
+            Ok(Box::new(llama::Llama::load(cfg, source, model, backend)?))
+        }
+    }
+}

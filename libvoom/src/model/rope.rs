@@ -1,49 +1,12 @@
 //! Rotary embedding frequencies, computed as transformers computes them in float32.
 
-use crate::config::{ModelConfig, RopeScaling};
+use crate::backend::RopeTable;
+use crate::config::ModelConfig;
 
-/// Inverse frequencies of the rotary embedding, `head_dim / 2` of them.
+/// Inverse frequencies of the rotary embedding, `head_dim / 2` of them
+/// ([`ModelConfig::rope_inv_freq`]).
 pub fn inv_freq(cfg: &ModelConfig) -> Vec<f32> {
-    let dim = cfg.head_dim;
-    let base = cfg.rope_theta;
-    // transformers: 1.0 / (base ** (arange(0, dim, 2).float() / dim)), in float32.
-    let plain: Vec<f32> = (0..dim / 2)
-        .map(|i| 1.0f32 / base.powf((2 * i) as f32 / dim as f32))
-        .collect();
-    match &cfg.rope_scaling {
-        RopeScaling::Default => plain,
-        RopeScaling::Llama3 {
-            factor,
-            low_freq_factor,
-            high_freq_factor,
-            original_max_position_embeddings,
-        } => {
-            // transformers' _compute_llama3_parameters.
-            let old_ctx = *original_max_position_embeddings as f32;
-            let low_freq_wavelen = old_ctx / low_freq_factor;
-            let high_freq_wavelen = old_ctx / high_freq_factor;
-            plain
-                .iter()
-                .map(|&f| {
-                    let wavelen = 2.0 * std::f32::consts::PI / f;
-                    let scaled = if wavelen > low_freq_wavelen {
-                        f / factor
-                    } else {
-                        f
-                    };
-                    // wavelen is finite and positive, so this is transformers' `~(w < high) & ~(w > low)`.
-                    let is_medium = wavelen >= high_freq_wavelen && wavelen <= low_freq_wavelen;
-                    if is_medium {
-                        let smooth = (old_ctx / wavelen - low_freq_factor)
-                            / (high_freq_factor - low_freq_factor);
-                        (1.0 - smooth) * scaled / factor + smooth * scaled
-                    } else {
-                        scaled
-                    }
-                })
-                .collect()
-        }
-    }
+    cfg.rope_inv_freq()
 }
 
 /// cos/sin of `pos * inv_freq` for one position, each `inv_freq.len()` long.
@@ -56,10 +19,26 @@ pub fn cos_sin(inv_freq: &[f32], pos: usize, cos: &mut [f32], sin: &mut [f32]) {
     }
 }
 
+/// The rotary table of positions `pos0..pos0 + n` ([`cos_sin`] for each).
+pub fn table(inv_freq: &[f32], pos0: usize, n: usize) -> RopeTable {
+    let half = inv_freq.len();
+    let mut cos = vec![0f32; n * half];
+    let mut sin = vec![0f32; n * half];
+    for t in 0..n {
+        cos_sin(
+            inv_freq,
+            pos0 + t,
+            &mut cos[t * half..(t + 1) * half],
+            &mut sin[t * half..(t + 1) * half],
+        );
+    }
+    RopeTable { half, cos, sin }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::ModelConfig;
+    use crate::config::{ModelConfig, RopeScaling};
     use std::path::Path;
 
     #[test]

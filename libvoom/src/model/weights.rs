@@ -6,8 +6,7 @@ use std::collections::{BTreeSet, HashMap};
 use voom_formats::DType;
 use vpaged::{PageId, PageLease, PageSource};
 
-use crate::backend::cpu::matmul::WeightView;
-use crate::backend::cpu::ops::VecView;
+use crate::backend::{VecView, WeightView};
 use crate::VoomError;
 
 /// Looks weights up by name with a path prefix, like `vb.pp("self_attn")`.

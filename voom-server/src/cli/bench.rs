@@ -165,7 +165,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 ignore_eos: true,
                 ..Default::default()
             };
-            let bytes_per_token = engine0.model().weight_bytes_per_token() as f64;
+            let bytes_per_token = engine0.model().plan().weight_bytes_per_token() as f64;
             // Warm-up: fault the mappings in, fill the caches, settle the page cache.
             let mut first_ids = None;
             for (label, engine) in &engines {

@@ -6,7 +6,7 @@
 //! - a browser's cross-site request (an `Origin` header) is refused unless its
 //!   origin is on the `--cors-origin` allow-list; CORS is off by default;
 //! - request bodies must be JSON (`content-type: application/json`, checked where
-//!   bodies are read, [`super::app::App::body`]): a cross-site `text/plain` POST
+//!   bodies are read, `App::body`): a cross-site `text/plain` POST
 //!   needs no CORS preflight, so it must not reach the engine;
 //! - with an API key (`--api-key`, `VOOM_API_KEY`), every request must carry it
 //!   (`Authorization: Bearer KEY` or Anthropic's `x-api-key: KEY`), and a server
@@ -20,7 +20,6 @@ use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
-use super::app::App;
 use super::error::{ApiError, Dialect, Kind};
 
 /// The access rules of one server.
@@ -120,8 +119,7 @@ pub fn dialect_of(path: &str) -> Dialect {
 
 /// The middleware: Host, Origin and API key, before any handler runs; CORS
 /// preflights answered here; CORS headers added for allowed origins.
-pub async fn guard(State(app): State<Arc<App>>, req: Request, next: Next) -> Response {
-    let access = &app.access;
+pub async fn guard(State(access): State<Arc<Access>>, req: Request, next: Next) -> Response {
     let dialect = dialect_of(req.uri().path());
     let refuse = |kind: Kind, message: String| {
         ApiError::new(kind, message)

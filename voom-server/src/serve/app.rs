@@ -26,7 +26,7 @@ pub struct App {
     pub receive_timeout: Duration,
     pub profile: Profile,
     pub started: Instant,
-    pub access: Access,
+    pub access: Arc<Access>,
     /// KiB of request bodies that may be held at once, from reading through
     /// preparation: bodies and what is made from them (rendered prompts, tokens)
     /// are bounded in memory however many clients send at once.

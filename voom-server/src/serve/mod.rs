@@ -125,7 +125,7 @@ pub fn router(app: Arc<App>) -> Router {
         .method_not_allowed_fallback(method_not_allowed)
         // Access first (outermost after the log): a refused request reaches nothing.
         .layer(middleware::from_fn_with_state(
-            Arc::clone(&app),
+            Arc::clone(&app.access),
             access::guard,
         ))
         .layer(middleware::from_fn_with_state(
@@ -315,7 +315,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
         receive_timeout: Duration::from_secs_f64(a.receive_timeout.max(0.001)),
         profile,
         started: Instant::now(),
-        access,
+        access: Arc::new(access),
         body_budget: Arc::new(tokio::sync::Semaphore::new(app::body_budget_kib(
             a.max_body_bytes,
         ))),

@@ -35,110 +35,7 @@ use std::ops::Range;
 use voom_formats::DType;
 
 use super::threads::ThreadPool;
-
-/// An error from the kernels' argument checks.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum KernelError {
-    /// The weight dtype is not one the kernels compute on.
-    #[error("weight dtype {0} is not supported by the CPU matmul (BF16, F16, F32 are)")]
-    UnsupportedDType(DType),
-    /// `rows * cols * dtype size` overflows `usize`.
-    #[error("weight shape {rows}x{cols} of {dtype} overflows the address space")]
-    ShapeOverflow {
-        rows: usize,
-        cols: usize,
-        dtype: DType,
-    },
-    /// The weight bytes do not match the shape.
-    #[error("weight {rows}x{cols} of {dtype} needs {expected} bytes, got {actual}")]
-    WeightLen {
-        rows: usize,
-        cols: usize,
-        dtype: DType,
-        expected: usize,
-        actual: usize,
-    },
-    /// The activation or output slice does not match `n` and the weight shape.
-    #[error("{what} has {actual} elements, expected {expected} ({n} tokens x {per_token})")]
-    ActivationLen {
-        what: &'static str,
-        n: usize,
-        per_token: usize,
-        expected: usize,
-        actual: usize,
-    },
-}
-
-/// A row-major weight matrix `[rows = out features, cols = in features]` viewed in
-/// place. [`WeightView::new`] checks the invariants; [`matmul`] checks them again, so
-/// a view built from its public fields can never cause an out-of-bounds read.
-#[derive(Clone, Copy, Debug)]
-pub struct WeightView<'a> {
-    /// BF16, F16 or F32 (little-endian).
-    pub dtype: DType,
-    pub rows: usize,
-    pub cols: usize,
-    /// Exactly `rows * cols * dtype.size()` bytes; no alignment is required.
-    pub bytes: &'a [u8],
-}
-
-impl<'a> WeightView<'a> {
-    /// A checked view: `dtype` is BF16/F16/F32 and `bytes.len() == rows*cols*size`.
-    pub fn new(
-        dtype: DType,
-        rows: usize,
-        cols: usize,
-        bytes: &'a [u8],
-    ) -> Result<Self, KernelError> {
-        let w = WeightView {
-            dtype,
-            rows,
-            cols,
-            bytes,
-        };
-        w.check()?;
-        Ok(w)
-    }
-
-    /// Re-checks the invariants of a view (its fields are public).
-    pub fn check(&self) -> Result<(), KernelError> {
-        dtype_code(self.dtype)?;
-        let expected = self
-            .rows
-            .checked_mul(self.cols)
-            .and_then(|e| e.checked_mul(self.dtype.size()))
-            .ok_or(KernelError::ShapeOverflow {
-                rows: self.rows,
-                cols: self.cols,
-                dtype: self.dtype,
-            })?;
-        if self.bytes.len() != expected {
-            return Err(KernelError::WeightLen {
-                rows: self.rows,
-                cols: self.cols,
-                dtype: self.dtype,
-                expected,
-                actual: self.bytes.len(),
-            });
-        }
-        Ok(())
-    }
-
-    /// Rows `range` of this matrix, as a view of the same bytes.
-    ///
-    /// # Panics
-    /// If `range` is not within `0..rows` (a caller bug, not bad input).
-    pub fn slice_rows(&self, range: Range<usize>) -> WeightView<'a> {
-        assert!(range.start <= range.end && range.end <= self.rows);
-        let row = self.cols * self.dtype.size();
-        WeightView {
-            dtype: self.dtype,
-            rows: range.len(),
-            cols: self.cols,
-            bytes: &self.bytes[range.start * row..range.end * row],
-        }
-    }
-}
+pub use crate::backend::{KernelError, WeightView};
 
 const DT_BF16: u8 = 0;
 const DT_F16: u8 = 1;
@@ -154,12 +51,12 @@ const fn elem_size(dt: u8) -> usize {
 }
 
 fn dtype_code(d: DType) -> Result<u8, KernelError> {
-    match d {
-        DType::BF16 => Ok(DT_BF16),
-        DType::F16 => Ok(DT_F16),
-        DType::F32 => Ok(DT_F32),
-        other => Err(KernelError::UnsupportedDType(other)),
-    }
+    crate::backend::view::check_dtype(d)?;
+    Ok(match d {
+        DType::BF16 => DT_BF16,
+        DType::F16 => DT_F16,
+        _ => DT_F32,
+    })
 }
 
 /// Rows per chunk granule: chunks of rows handed to threads are multiples of this
@@ -238,10 +135,7 @@ pub fn matmul_isa(
     let dt = dtype_code(w.dtype)?;
     check_len("x", x.len(), n, w.cols)?;
     check_len("out", out.len(), n, w.rows)?;
-    assert!(
-        isa == Isa::Portable || Isa::detect() == Isa::Avx2,
-        "AVX2 kernels requested on a CPU without AVX2+FMA+F16C"
-    );
+    assert_isa(isa);
     if n == 0 || w.rows == 0 {
         return Ok(());
     }
@@ -265,6 +159,14 @@ pub fn matmul_isa(
         pool.for_each_chunk_grain(w.rows, grain, job);
     }
     Ok(())
+}
+
+/// Panics unless this CPU has `isa` (a caller bug: [`Isa::detect`] tells).
+fn assert_isa(isa: Isa) {
+    assert!(
+        isa == Isa::Portable || Isa::detect() == Isa::Avx2,
+        "AVX2 kernels requested on a CPU without AVX2+FMA+F16C"
+    );
 }
 
 fn check_len(what: &'static str, actual: usize, n: usize, per: usize) -> Result<(), KernelError> {
@@ -350,6 +252,22 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
 /// # Panics
 /// If `keys` is too short for `scores.len()` keys of `q.len()` floats.
 pub fn attention_scores(q: &[f32], keys: &[f32], stride: usize, scale: f32, scores: &mut [f32]) {
+    attention_scores_isa(Isa::detect(), q, keys, stride, scale, scores)
+}
+
+/// [`attention_scores`] with an explicit instruction set (the same bits on each).
+///
+/// # Panics
+/// As [`attention_scores`]; and if `isa` is [`Isa::Avx2`] on a CPU without it.
+pub fn attention_scores_isa(
+    isa: Isa,
+    q: &[f32],
+    keys: &[f32],
+    stride: usize,
+    scale: f32,
+    scores: &mut [f32],
+) {
+    assert_isa(isa);
     let n = scores.len();
     if n == 0 {
         return;
@@ -361,8 +279,9 @@ pub fn attention_scores(q: &[f32], keys: &[f32], stride: usize, scale: f32, scor
         keys.len()
     );
     #[cfg(target_arch = "x86_64")]
-    if Isa::detect() == Isa::Avx2 {
-        // SAFETY: features checked; every key slice is in bounds (asserted above).
+    if isa == Isa::Avx2 {
+        // SAFETY: features checked (assert_isa); every key slice is in bounds
+        // (asserted above).
         unsafe {
             return avx2::attention_scores(q, keys, stride, scale, scores);
         }
@@ -379,6 +298,15 @@ pub fn attention_scores(q: &[f32], keys: &[f32], stride: usize, scale: f32, scor
 /// # Panics
 /// If `values` is too short for `p.len()` values of `out.len()` floats.
 pub fn weighted_sum(p: &[f32], values: &[f32], stride: usize, out: &mut [f32]) {
+    weighted_sum_isa(Isa::detect(), p, values, stride, out)
+}
+
+/// [`weighted_sum`] with an explicit instruction set (the same bits on each).
+///
+/// # Panics
+/// As [`weighted_sum`]; and if `isa` is [`Isa::Avx2`] on a CPU without it.
+pub fn weighted_sum_isa(isa: Isa, p: &[f32], values: &[f32], stride: usize, out: &mut [f32]) {
+    assert_isa(isa);
     out.fill(0.0);
     let n = p.len();
     if n == 0 {
@@ -391,8 +319,9 @@ pub fn weighted_sum(p: &[f32], values: &[f32], stride: usize, out: &mut [f32]) {
         values.len()
     );
     #[cfg(target_arch = "x86_64")]
-    if Isa::detect() == Isa::Avx2 {
-        // SAFETY: features checked; every value slice is in bounds (asserted above).
+    if isa == Isa::Avx2 {
+        // SAFETY: features checked (assert_isa); every value slice is in bounds
+        // (asserted above).
         unsafe {
             for (j, &pj) in p.iter().enumerate() {
                 avx2::axpy(out, pj, &values[j * stride..j * stride + d]);

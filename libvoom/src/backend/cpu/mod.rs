@@ -1,6 +1,13 @@
-//! The CPU backend: f32 activations, weights read in place as BF16/F16/F32.
+//! The CPU backend: f32 activations ([`Rows`]), weights read in place as
+//! BF16/F16/F32, one [`CpuBackend`] per instruction set.
 
+mod attention;
+mod backend;
 pub mod matmul;
 pub mod membw;
 pub mod ops;
+mod rows;
 pub mod threads;
+
+pub use backend::CpuBackend;
+pub use rows::Rows;

@@ -6,34 +6,7 @@
 //! accumulate in f64: the f32 result is then the correctly rounded value, which is what
 //! PyTorch's float32 reductions (pairwise, very accurate) approximate best.
 
-use voom_formats::dtype::read_f32;
-use voom_formats::DType;
-
-/// A 1-D weight vector (norm scale, bias) viewed in place.
-#[derive(Clone, Copy)]
-pub struct VecView<'a> {
-    pub dtype: DType,
-    pub bytes: &'a [u8],
-}
-
-impl VecView<'_> {
-    pub fn len(&self) -> usize {
-        self.bytes.len() / self.dtype.size()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.bytes.is_empty()
-    }
-
-    #[inline]
-    pub fn get(&self, i: usize) -> f32 {
-        read_f32(self.dtype, self.bytes, i)
-    }
-
-    pub fn to_vec(&self) -> Vec<f32> {
-        (0..self.len()).map(|i| self.get(i)).collect()
-    }
-}
+pub use crate::backend::VecView;
 
 /// RMSNorm of each row of `x` ([rows, dim]) into `out`, as transformers' LlamaRMSNorm:
 /// `weight * (x * rsqrt(mean(x^2) + eps))`.
@@ -112,9 +85,56 @@ pub fn softmax_inplace(x: &mut [f32]) {
     }
 }
 
+/// The `k` largest values of `row` with their index, largest first; ties go to the
+/// lower index and NaN ranks below every number (so it is chosen only when fewer than
+/// `k` numbers exist). `k` past the row's length gives the whole row, ordered.
+pub fn top_k(row: &[f32], k: usize) -> Vec<(u32, f32)> {
+    use std::cmp::Ordering;
+    // Descending by value, NaN last; then ascending by index: a total order.
+    let before = |a: &(u32, f32), b: &(u32, f32)| -> Ordering {
+        match (a.1.is_nan(), b.1.is_nan()) {
+            (false, true) => Ordering::Less,
+            (true, false) => Ordering::Greater,
+            (true, true) => a.0.cmp(&b.0),
+            (false, false) => b.1.partial_cmp(&a.1).unwrap().then(a.0.cmp(&b.0)),
+        }
+    };
+    let mut all: Vec<(u32, f32)> = row
+        .iter()
+        .enumerate()
+        .map(|(i, &v)| (i as u32, v))
+        .collect();
+    let k = k.min(all.len());
+    if k == 0 {
+        return Vec::new();
+    }
+    if k < all.len() {
+        all.select_nth_unstable_by(k - 1, before);
+        all.truncate(k);
+    }
+    all.sort_unstable_by(before);
+    all
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn top_k_orders_by_value_then_index_with_nan_last() {
+        let row = [1.0f32, f32::NAN, 3.0, 3.0, -0.0, 0.0, 2.0];
+        assert_eq!(top_k(&row, 3), vec![(2, 3.0), (3, 3.0), (6, 2.0)]);
+        // -0.0 == 0.0: the lower index first.
+        let r = top_k(&row, 6);
+        assert_eq!(
+            r[3..].iter().map(|p| p.0).collect::<Vec<_>>(),
+            vec![0, 4, 5]
+        );
+        let all = top_k(&row, 99);
+        assert_eq!(all.len(), 7);
+        assert_eq!(all[6].0, 1);
+        assert!(top_k(&row, 0).is_empty());
+    }
 
     #[test]
     fn rms_norm_matches_definition() {

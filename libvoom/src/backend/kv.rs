@@ -4,9 +4,9 @@
 //! Memory grows with the positions computed, never with the capacity: a capacity is a
 //! bound (the context limit, at most `max_position_embeddings`), so a config's context
 //! length sizes no allocation. The layer count and width come from a config checked
-//! against the checkpoint (`LlamaModel::load`).
+//! against the checkpoint (`model::llama::Llama::load`).
 
-use crate::VoomError;
+use super::KernelError;
 
 pub struct KvCache {
     /// Floats per position per layer (`kv_heads * head_dim`).
@@ -43,19 +43,30 @@ impl KvCache {
         self.capacity
     }
 
+    /// Floats per position per layer (`kv_heads * head_dim`).
+    pub fn width(&self) -> usize {
+        self.width
+    }
+
+    /// Layers it holds.
+    pub fn layers(&self) -> usize {
+        self.k.len()
+    }
+
     /// Bytes held by keys and values.
     pub fn bytes(&self) -> usize {
         self.k.iter().chain(&self.v).map(|x| x.len() * 4).sum()
     }
 
     /// Appends `n` positions of keys and values to `layer`. Positions `len..len+n`.
-    pub fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) -> Result<(), VoomError> {
+    pub fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) -> Result<(), KernelError> {
         let n = k.len() / self.width;
         if self.len + n > self.capacity {
-            return Err(VoomError::Request(format!(
-                "context full: {} positions cached + {n} new exceed the limit of {}",
-                self.len, self.capacity
-            )));
+            return Err(KernelError::ContextFull {
+                cached: self.len,
+                new: n,
+                limit: self.capacity,
+            });
         }
         debug_assert_eq!(self.k[layer].len(), self.len * self.width);
         self.k[layer].extend_from_slice(k);

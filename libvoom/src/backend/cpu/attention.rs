@@ -1,0 +1,69 @@
+//! Causal (optionally sliding-window) grouped-query attention over the f32 KV
+//! layout of [`crate::kv::KvCache`], one fixed loop per output row.
+
+use super::matmul::{attention_scores_isa, weighted_sum_isa, Isa};
+use super::ops;
+use super::threads::ThreadPool;
+use crate::backend::AttentionShape;
+
+/// Attention of `n` new queries `q` (`n × heads·head_dim`) at positions
+/// `pos0..pos0+n` over the cached keys and values `kc`, `vc` of positions
+/// `0..pos0+n` (`kv_heads·head_dim` floats each), into `out` (`n × heads·head_dim`).
+/// The caller checked every length.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn attend(
+    isa: Isa,
+    pool: &ThreadPool,
+    shape: &AttentionShape,
+    q: &[f32],
+    kc: &[f32],
+    vc: &[f32],
+    pos0: usize,
+    n: usize,
+    out: &mut [f32],
+) {
+    let hd = shape.head_dim;
+    let heads = shape.heads;
+    let group = heads / shape.kv_heads;
+    let (qd, kvd) = (heads * hd, shape.kv_heads * hd);
+    let scale = (hd as f32).powf(-0.5);
+    let window = shape.window;
+    // One task per (token, head): each output row is computed by one fixed loop.
+    let tasks = n * heads;
+    let out_ptr = SendPtr(out.as_mut_ptr());
+    let max_keys = window.map_or(pos0 + n, |w| w.min(pos0 + n));
+    pool.for_each_chunk(tasks, |range| {
+        let mut scores = vec![0f32; max_keys];
+        for task in range {
+            let (t, head) = (task / heads, task % heads);
+            let pos = pos0 + t;
+            let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+            let kvh = head / group;
+            let qv = &q[t * qd + head * hd..t * qd + (head + 1) * hd];
+            let s = &mut scores[..pos + 1 - lo];
+            let base = lo * kvd + kvh * hd;
+            attention_scores_isa(isa, qv, &kc[base..], kvd, scale, s);
+            ops::softmax_inplace(s);
+            // SAFETY: each task writes only its own disjoint `hd`-sized slice of `out`
+            // (row t, head `head`), and `out` outlives `for_each_chunk`, which returns
+            // only after every task has finished.
+            let dst = unsafe {
+                std::slice::from_raw_parts_mut(out_ptr.get().add(t * qd + head * hd), hd)
+            };
+            weighted_sum_isa(isa, s, &vc[base..], kvd, dst);
+        }
+    });
+}
+
+/// A raw pointer that may cross threads; users guarantee disjoint writes.
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+// SAFETY: only used to hand disjoint output slices to pool tasks (see `attend`).
+unsafe impl Send for SendPtr {}
+// SAFETY: as above.
+unsafe impl Sync for SendPtr {}
+impl SendPtr {
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}

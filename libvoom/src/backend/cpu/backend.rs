@@ -1,0 +1,311 @@
+//! [`CpuBackend`]: the backend interface on this machine's cores, with one
+//! instruction set's kernels. Every instruction set gives the same bits.
+
+use std::ops::Range;
+
+use super::attention;
+use super::matmul::{self, Isa};
+use super::ops;
+use super::rows::Rows;
+use super::threads::ThreadPool;
+use crate::backend::kv::KvCache;
+use crate::backend::{
+    Activation, AttentionShape, Backend, KernelError, RopeTable, VecView, WeightView,
+};
+
+/// The CPU backend: a thread pool and the instruction set its kernels use.
+#[derive(Debug)]
+pub struct CpuBackend {
+    pool: ThreadPool,
+    isa: Isa,
+}
+
+impl CpuBackend {
+    /// `threads` compute threads (0: every available core) with `isa`'s kernels.
+    ///
+    /// # Panics
+    /// If this CPU lacks `isa` ([`Isa::detect`] tells which it has).
+    pub fn new(threads: usize, isa: Isa) -> std::io::Result<Self> {
+        let threads = if threads == 0 {
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        } else {
+            threads
+        };
+        Ok(Self::with_pool(ThreadPool::new(threads)?, isa))
+    }
+
+    /// A backend on an existing pool.
+    ///
+    /// # Panics
+    /// If this CPU lacks `isa`.
+    pub fn with_pool(pool: ThreadPool, isa: Isa) -> Self {
+        assert!(
+            isa == Isa::Portable || Isa::detect() == isa,
+            "{isa:?} kernels requested on a CPU without them"
+        );
+        CpuBackend { pool, isa }
+    }
+
+    pub fn isa(&self) -> Isa {
+        self.isa
+    }
+
+    pub fn pool(&self) -> &ThreadPool {
+        &self.pool
+    }
+}
+
+/// `x` must be `rows × cols` (`what` names it in the error).
+fn check_shape(what: &'static str, x: &Rows, rows: usize, cols: usize) -> Result<(), KernelError> {
+    if x.rows() != rows || x.cols() != cols {
+        return Err(KernelError::ActivationLen {
+            what,
+            n: rows,
+            per_token: cols,
+            expected: rows * cols,
+            actual: x.rows() * x.cols(),
+        });
+    }
+    Ok(())
+}
+
+impl Backend for CpuBackend {
+    type Act = Rows;
+
+    fn name(&self) -> String {
+        match self.isa {
+            Isa::Avx2 => "cpu-avx2".into(),
+            Isa::Portable => "cpu-portable".into(),
+        }
+    }
+
+    fn threads(&self) -> usize {
+        self.pool.threads()
+    }
+
+    fn zeros(&self, rows: usize, cols: usize) -> Rows {
+        Rows::zeros(rows, cols)
+    }
+
+    fn upload(&self, rows: usize, cols: usize, data: &[f32]) -> Result<Rows, KernelError> {
+        Rows::from_vec(rows, cols, data.to_vec()).ok_or(KernelError::ActivationLen {
+            what: "host data",
+            n: rows,
+            per_token: cols,
+            expected: rows.saturating_mul(cols),
+            actual: data.len(),
+        })
+    }
+
+    fn shape(&self, x: &Rows) -> (usize, usize) {
+        (x.rows(), x.cols())
+    }
+
+    fn download(&self, x: &Rows) -> Vec<f32> {
+        x.as_slice().to_vec()
+    }
+
+    fn download_owned(&self, x: Rows) -> Vec<f32> {
+        x.into_vec()
+    }
+
+    fn rows(&self, x: &Rows, range: Range<usize>) -> Result<Rows, KernelError> {
+        if range.start > range.end || range.end > x.rows() {
+            return Err(KernelError::ActivationLen {
+                what: "row range",
+                n: range.end,
+                per_token: x.cols(),
+                expected: range.end.saturating_mul(x.cols()),
+                actual: x.rows() * x.cols(),
+            });
+        }
+        let c = x.cols();
+        let data = x.as_slice()[range.start * c..range.end * c].to_vec();
+        Ok(Rows::from_vec(range.len(), c, data).expect("length is rows × cols"))
+    }
+
+    fn embed(&self, table: WeightView<'_>, ids: &[u32], out: &mut Rows) -> Result<(), KernelError> {
+        table.check()?;
+        check_shape("embedding output", out, ids.len(), table.cols)?;
+        let c = table.cols;
+        for (t, &id) in ids.iter().enumerate() {
+            if id as usize >= table.rows {
+                return Err(KernelError::RowOutOfRange {
+                    id,
+                    rows: table.rows,
+                });
+            }
+            let row = table.row(id as usize);
+            for (j, v) in out.as_mut_slice()[t * c..(t + 1) * c]
+                .iter_mut()
+                .enumerate()
+            {
+                *v = row.get(j);
+            }
+        }
+        Ok(())
+    }
+
+    fn matmul(&self, x: &Rows, w: WeightView<'_>, out: &mut Rows) -> Result<(), KernelError> {
+        check_shape("matmul input", x, x.rows(), w.cols)?;
+        check_shape("matmul output", out, x.rows(), w.rows)?;
+        matmul::matmul_isa(
+            self.isa,
+            &self.pool,
+            x.as_slice(),
+            x.rows(),
+            w,
+            out.as_mut_slice(),
+        )
+    }
+
+    fn add_bias(&self, x: &mut Rows, bias: VecView<'_>) -> Result<(), KernelError> {
+        bias.check("bias", x.cols())?;
+        ops::add_bias(x.as_mut_slice(), &bias.to_vec());
+        Ok(())
+    }
+
+    fn rms_norm(
+        &self,
+        x: &Rows,
+        weight: VecView<'_>,
+        eps: f32,
+        out: &mut Rows,
+    ) -> Result<(), KernelError> {
+        weight.check("norm weight", x.cols())?;
+        check_shape("norm output", out, x.rows(), x.cols())?;
+        ops::rms_norm(
+            x.as_slice(),
+            x.cols(),
+            &weight.to_vec(),
+            eps,
+            out.as_mut_slice(),
+        );
+        Ok(())
+    }
+
+    fn rms_norm_groups(
+        &self,
+        x: &mut Rows,
+        group: usize,
+        weight: VecView<'_>,
+        eps: f32,
+    ) -> Result<(), KernelError> {
+        weight.check("norm weight", group)?;
+        if group == 0 || !x.cols().is_multiple_of(group) {
+            return Err(KernelError::ActivationLen {
+                what: "grouped norm input",
+                n: x.rows(),
+                per_token: group,
+                expected: x.rows() * x.cols().next_multiple_of(group.max(1)),
+                actual: x.rows() * x.cols(),
+            });
+        }
+        ops::rms_norm_inplace(x.as_mut_slice(), group, &weight.to_vec(), eps);
+        Ok(())
+    }
+
+    fn rope(&self, x: &mut Rows, head_dim: usize, table: &RopeTable) -> Result<(), KernelError> {
+        let half = table.half;
+        if head_dim == 0
+            || half * 2 != head_dim
+            || !x.cols().is_multiple_of(head_dim)
+            || table.positions() != x.rows()
+            || table.sin.len() != table.cos.len()
+        {
+            return Err(KernelError::ActivationLen {
+                what: "rotary input",
+                n: table.positions(),
+                per_token: x.cols().next_multiple_of(head_dim.max(1)),
+                expected: table.positions() * x.cols(),
+                actual: x.rows() * x.cols(),
+            });
+        }
+        let cols = x.cols();
+        for (t, row) in x.as_mut_slice().chunks_exact_mut(cols).enumerate() {
+            let (c, s) = (
+                &table.cos[t * half..(t + 1) * half],
+                &table.sin[t * half..(t + 1) * half],
+            );
+            for head in row.chunks_exact_mut(head_dim) {
+                ops::rope_head(head, c, s);
+            }
+        }
+        Ok(())
+    }
+
+    fn attention(
+        &self,
+        q: &Rows,
+        k: &Rows,
+        v: &Rows,
+        kv: &mut KvCache,
+        layer: usize,
+        shape: &AttentionShape,
+        out: &mut Rows,
+    ) -> Result<(), KernelError> {
+        let n = q.rows();
+        let hd = shape.head_dim;
+        if shape.kv_heads == 0 || !shape.heads.is_multiple_of(shape.kv_heads) || hd == 0 {
+            return Err(KernelError::ActivationLen {
+                what: "attention heads",
+                n: shape.heads,
+                per_token: shape.kv_heads,
+                expected: shape.heads.next_multiple_of(shape.kv_heads.max(1)),
+                actual: shape.heads,
+            });
+        }
+        check_shape("attention queries", q, n, shape.heads * hd)?;
+        check_shape("attention keys", k, n, shape.kv_heads * hd)?;
+        check_shape("attention values", v, n, shape.kv_heads * hd)?;
+        check_shape("attention output", out, n, shape.heads * hd)?;
+        if kv.width() != shape.kv_heads * hd || layer >= kv.layers() {
+            return Err(KernelError::ActivationLen {
+                what: "KV cache layer",
+                n: kv.layers(),
+                per_token: kv.width(),
+                expected: shape.kv_heads * hd,
+                actual: kv.width(),
+            });
+        }
+        let pos0 = kv.len();
+        kv.append(layer, k.as_slice(), v.as_slice())?;
+        let (kc, vc) = kv.layer(layer);
+        attention::attend(
+            self.isa,
+            &self.pool,
+            shape,
+            q.as_slice(),
+            kc,
+            vc,
+            pos0,
+            n,
+            out.as_mut_slice(),
+        );
+        Ok(())
+    }
+
+    fn add(&self, x: &mut Rows, y: &Rows) -> Result<(), KernelError> {
+        check_shape("addend", y, x.rows(), x.cols())?;
+        ops::add_inplace(x.as_mut_slice(), y.as_slice());
+        Ok(())
+    }
+
+    fn gated(&self, act: Activation, gate: &mut Rows, up: &Rows) -> Result<(), KernelError> {
+        check_shape("gated MLP up", up, gate.rows(), gate.cols())?;
+        match act {
+            Activation::Silu => ops::silu_mul(gate.as_mut_slice(), up.as_slice()),
+        }
+        Ok(())
+    }
+
+    fn top_k(&self, x: &Rows, k: usize) -> Vec<Vec<(u32, f32)>> {
+        if x.cols() == 0 {
+            return vec![Vec::new(); x.rows()];
+        }
+        x.as_slice()
+            .chunks_exact(x.cols())
+            .map(|row| ops::top_k(row, k))
+            .collect()
+    }
+}

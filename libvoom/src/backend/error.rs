@@ -1,0 +1,46 @@
+//! The error type of the backend interface, the same for every backend.
+
+use voom_formats::DType;
+
+/// An error from a backend op's argument checks, or a KV layout that is full.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KernelError {
+    /// The weight dtype is not one the kernels compute on.
+    #[error("weight dtype {0} is not supported by the compute kernels (BF16, F16, F32 are)")]
+    UnsupportedDType(DType),
+    /// `rows * cols * dtype size` overflows `usize`.
+    #[error("weight shape {rows}x{cols} of {dtype} overflows the address space")]
+    ShapeOverflow {
+        rows: usize,
+        cols: usize,
+        dtype: DType,
+    },
+    /// The weight bytes do not match the shape.
+    #[error("weight {rows}x{cols} of {dtype} needs {expected} bytes, got {actual}")]
+    WeightLen {
+        rows: usize,
+        cols: usize,
+        dtype: DType,
+        expected: usize,
+        actual: usize,
+    },
+    /// The activation or output slice does not match `n` and the weight shape.
+    #[error("{what} has {actual} elements, expected {expected} ({n} tokens x {per_token})")]
+    ActivationLen {
+        what: &'static str,
+        n: usize,
+        per_token: usize,
+        expected: usize,
+        actual: usize,
+    },
+    /// A row index (a token id into an embedding table) past the table.
+    #[error("token id {id} is out of range for a vocabulary of {rows}")]
+    RowOutOfRange { id: u32, rows: usize },
+    /// A KV cache that cannot take more positions.
+    #[error("context full: {cached} positions cached + {new} new exceed the limit of {limit}")]
+    ContextFull {
+        cached: usize,
+        new: usize,
+        limit: usize,
+    },
+}

@@ -1,0 +1,161 @@
+//! The interface every backend implements: the ops architectures are written against.
+//!
+//! An architecture (a file under `model/`) computes with these ops only, on
+//! activations of the backend's own type ([`Backend::Act`]) and weights viewed in
+//! place ([`WeightView`], [`VecView`]), so a new backend (MLX on Metal) is one new
+//! implementation of this trait and no model file changes.
+//!
+//! # Exactness
+//! Every backend computes each element in the order the CPU kernels document
+//! (`cpu::matmul`'s module doc for products, `cpu::ops` for norms and softmax):
+//! results are bit-identical across backends, instruction sets, thread counts and
+//! batch sizes (DESIGN.md invariants 2 and 6). `libvoom/tests/backend_ops.rs` checks
+//! each op on every backend this machine has against a reference written from the
+//! specification.
+
+use std::ops::Range;
+
+use super::kv::KvCache;
+use super::{KernelError, VecView, WeightView};
+
+/// The activation of a gated MLP: `gate = act(gate) * up`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// `x * sigmoid(x)` (SwiGLU: Llama, Mistral, Qwen).
+    Silu,
+}
+
+/// Rotary tables for consecutive positions: `cos[t * half + i]` and
+/// `sin[t * half + i]` for position `pos0 + t` and frequency `i < half`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RopeTable {
+    pub half: usize,
+    pub cos: Vec<f32>,
+    pub sin: Vec<f32>,
+}
+
+impl RopeTable {
+    /// Positions the table covers.
+    pub fn positions(&self) -> usize {
+        self.cos.len().checked_div(self.half).unwrap_or(0)
+    }
+}
+
+/// The shape of grouped-query attention in one layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttentionShape {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// `Some(w)`: each query attends to the last `w` positions (its own included).
+    pub window: Option<usize>,
+}
+
+/// The ops of a compute backend. Activations are `rows` positions of `cols` f32
+/// values each. Every op checks the shapes it is given and returns
+/// [`KernelError`] on a mismatch, never reads out of bounds.
+pub trait Backend: Send + Sync {
+    /// Activations in the memory this backend computes on.
+    type Act: Send + Sync;
+
+    /// A short name for logs ("cpu-avx2").
+    fn name(&self) -> String;
+
+    /// Compute threads (or the device's equivalent for reporting).
+    fn threads(&self) -> usize;
+
+    /// `rows × cols` zeros.
+    fn zeros(&self, rows: usize, cols: usize) -> Self::Act;
+
+    /// Activations holding `data` (`rows × cols`, row-major).
+    fn upload(&self, rows: usize, cols: usize, data: &[f32]) -> Result<Self::Act, KernelError>;
+
+    /// `(rows, cols)`.
+    fn shape(&self, x: &Self::Act) -> (usize, usize);
+
+    /// The values, row-major, in host memory.
+    fn download(&self, x: &Self::Act) -> Vec<f32>;
+
+    /// [`Backend::download`], consuming `x` (no copy where it is host memory already).
+    fn download_owned(&self, x: Self::Act) -> Vec<f32>;
+
+    /// A copy of rows `range` of `x`.
+    fn rows(&self, x: &Self::Act, range: Range<usize>) -> Result<Self::Act, KernelError>;
+
+    /// Gathers rows `ids` of `table` (an embedding) into `out` (`ids.len() × cols`),
+    /// widened exactly to f32. An id past the table is an error.
+    fn embed(
+        &self,
+        table: WeightView<'_>,
+        ids: &[u32],
+        out: &mut Self::Act,
+    ) -> Result<(), KernelError>;
+
+    /// `out[t][o] = Σ_k x[t][k] · w[o][k]`: `x` is `n × w.cols`, `out` `n × w.rows`.
+    fn matmul(
+        &self,
+        x: &Self::Act,
+        w: WeightView<'_>,
+        out: &mut Self::Act,
+    ) -> Result<(), KernelError>;
+
+    /// Adds `bias` to every row of `x`.
+    fn add_bias(&self, x: &mut Self::Act, bias: VecView<'_>) -> Result<(), KernelError>;
+
+    /// RMSNorm of each row into `out`: `w * (x * rsqrt(mean(x²) + eps))`.
+    fn rms_norm(
+        &self,
+        x: &Self::Act,
+        weight: VecView<'_>,
+        eps: f32,
+        out: &mut Self::Act,
+    ) -> Result<(), KernelError>;
+
+    /// RMSNorm in place of each `group`-sized piece of every row (per-head norms).
+    fn rms_norm_groups(
+        &self,
+        x: &mut Self::Act,
+        group: usize,
+        weight: VecView<'_>,
+        eps: f32,
+    ) -> Result<(), KernelError>;
+
+    /// Rotary embedding (rotate-half layout) of each `head_dim`-sized head of row
+    /// `t`, by the angles of the table's position `t`.
+    fn rope(
+        &self,
+        x: &mut Self::Act,
+        head_dim: usize,
+        table: &RopeTable,
+    ) -> Result<(), KernelError>;
+
+    /// Appends the keys `k` and values `v` of positions `kv.len()..` to `layer` of
+    /// `kv`, then computes causal attention of the queries `q` (one row per new
+    /// position) over every cached position of the layer into `out`.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        q: &Self::Act,
+        k: &Self::Act,
+        v: &Self::Act,
+        kv: &mut KvCache,
+        layer: usize,
+        shape: &AttentionShape,
+        out: &mut Self::Act,
+    ) -> Result<(), KernelError>;
+
+    /// `x += y`.
+    fn add(&self, x: &mut Self::Act, y: &Self::Act) -> Result<(), KernelError>;
+
+    /// `gate = act(gate) * up`.
+    fn gated(
+        &self,
+        act: Activation,
+        gate: &mut Self::Act,
+        up: &Self::Act,
+    ) -> Result<(), KernelError>;
+
+    /// Per row, the `k` largest values with their column, largest first (ties: the
+    /// lower column first; NaN is never chosen over a number).
+    fn top_k(&self, x: &Self::Act, k: usize) -> Vec<Vec<(u32, f32)>>;
+}

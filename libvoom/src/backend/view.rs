@@ -1,0 +1,144 @@
+//! Weights as every backend sees them: typed, shaped views of a page's bytes, read
+//! in place (never copied to the heap first). A backend that computes elsewhere (a
+//! GPU sharing unified memory) wraps the same bytes.
+
+use std::ops::Range;
+
+use voom_formats::dtype::read_f32;
+use voom_formats::DType;
+
+use super::KernelError;
+
+/// A row-major weight matrix `[rows = out features, cols = in features]` viewed in
+/// place. [`WeightView::new`] checks the invariants; every backend op checks them
+/// again, so a view built from its public fields can never cause an out-of-bounds
+/// read.
+#[derive(Clone, Copy, Debug)]
+pub struct WeightView<'a> {
+    /// BF16, F16 or F32 (little-endian).
+    pub dtype: DType,
+    pub rows: usize,
+    pub cols: usize,
+    /// Exactly `rows * cols * dtype.size()` bytes; no alignment is required.
+    pub bytes: &'a [u8],
+}
+
+impl<'a> WeightView<'a> {
+    /// A checked view: `dtype` is BF16/F16/F32 and `bytes.len() == rows*cols*size`.
+    pub fn new(
+        dtype: DType,
+        rows: usize,
+        cols: usize,
+        bytes: &'a [u8],
+    ) -> Result<Self, KernelError> {
+        let w = WeightView {
+            dtype,
+            rows,
+            cols,
+            bytes,
+        };
+        w.check()?;
+        Ok(w)
+    }
+
+    /// Re-checks the invariants of a view (its fields are public).
+    pub fn check(&self) -> Result<(), KernelError> {
+        check_dtype(self.dtype)?;
+        let expected = self
+            .rows
+            .checked_mul(self.cols)
+            .and_then(|e| e.checked_mul(self.dtype.size()))
+            .ok_or(KernelError::ShapeOverflow {
+                rows: self.rows,
+                cols: self.cols,
+                dtype: self.dtype,
+            })?;
+        if self.bytes.len() != expected {
+            return Err(KernelError::WeightLen {
+                rows: self.rows,
+                cols: self.cols,
+                dtype: self.dtype,
+                expected,
+                actual: self.bytes.len(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Rows `range` of this matrix, as a view of the same bytes.
+    ///
+    /// # Panics
+    /// If `range` is not within `0..rows` (a caller bug, not bad input).
+    pub fn slice_rows(&self, range: Range<usize>) -> WeightView<'a> {
+        assert!(range.start <= range.end && range.end <= self.rows);
+        let row = self.cols * self.dtype.size();
+        WeightView {
+            dtype: self.dtype,
+            rows: range.len(),
+            cols: self.cols,
+            bytes: &self.bytes[range.start * row..range.end * row],
+        }
+    }
+
+    /// Row `r` as a vector view.
+    ///
+    /// # Panics
+    /// If `r >= rows` (a caller bug).
+    pub fn row(&self, r: usize) -> VecView<'a> {
+        let v = self.slice_rows(r..r + 1);
+        VecView {
+            dtype: v.dtype,
+            bytes: v.bytes,
+        }
+    }
+}
+
+/// The dtypes every backend computes on.
+pub fn check_dtype(d: DType) -> Result<(), KernelError> {
+    match d {
+        DType::BF16 | DType::F16 | DType::F32 => Ok(()),
+        other => Err(KernelError::UnsupportedDType(other)),
+    }
+}
+
+/// A 1-D weight vector (norm scale, bias) viewed in place.
+#[derive(Clone, Copy, Debug)]
+pub struct VecView<'a> {
+    pub dtype: DType,
+    pub bytes: &'a [u8],
+}
+
+impl VecView<'_> {
+    pub fn len(&self) -> usize {
+        self.bytes.len() / self.dtype.size()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.bytes.is_empty()
+    }
+
+    #[inline]
+    pub fn get(&self, i: usize) -> f32 {
+        read_f32(self.dtype, self.bytes, i)
+    }
+
+    /// The values widened to f32 (exactly: BF16 and F16 are subsets of f32).
+    pub fn to_vec(&self) -> Vec<f32> {
+        (0..self.len()).map(|i| self.get(i)).collect()
+    }
+
+    /// Checks the dtype and that the vector has `len` elements (`what` names it).
+    pub fn check(&self, what: &'static str, len: usize) -> Result<(), KernelError> {
+        check_dtype(self.dtype)?;
+        if self.bytes.len() != len * self.dtype.size() {
+            return Err(KernelError::ActivationLen {
+                what,
+                n: 1,
+                per_token: len,
+                expected: len,
+                actual: self.len(),
+            });
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,138 @@
+//! A model's page plan: which pages each stage of a forward pass reads, in sweep
+//! order, and how many of their bytes one decode token reads. The sweep
+//! ([`super::sweep`]) leases and prefetches by it; the memory planner decides what
+//! to pin from it.
+
+use vpaged::{PageId, PageSource};
+
+/// One page a stage reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlannedRead {
+    pub page: PageId,
+    /// Bytes of the page (as leased).
+    pub bytes: u64,
+    /// Bytes of it one decode token reads: the whole page for a layer's matrices and
+    /// the LM head, one row for an embedding table.
+    pub per_token: u64,
+}
+
+/// The pages of one stage (the embedding, a decoder layer, the head), in steps: the
+/// pages each step of its computation reads, in order (a matrix and the vectors
+/// beside it). A stage leased step by step holds one step's pages at a time.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Stage {
+    reads: Vec<PlannedRead>,
+    steps: Vec<Vec<PageId>>,
+    /// The distinct pages, sorted (what a lease of the whole stage acquires).
+    ids: Vec<PageId>,
+    bytes: u64,
+}
+
+impl Stage {
+    /// A stage whose steps read `steps`, in order: each page with the bytes of it one
+    /// decode token reads (`None`: the whole page), its size from `source`. A page
+    /// listed twice is one read.
+    pub fn new(source: &dyn PageSource, steps: &[Vec<(PageId, Option<u64>)>]) -> Self {
+        let pages = source.pages();
+        let mut out: Vec<PlannedRead> = Vec::new();
+        for &(page, per_token) in steps.iter().flatten() {
+            if out.iter().any(|r| r.page == page) {
+                continue;
+            }
+            let bytes = pages[page.0 as usize].len;
+            out.push(PlannedRead {
+                page,
+                bytes,
+                per_token: per_token.unwrap_or(bytes).min(bytes),
+            });
+        }
+        let mut ids: Vec<PageId> = out.iter().map(|r| r.page).collect();
+        ids.sort_unstable();
+        let bytes = out.iter().map(|r| r.bytes).sum();
+        Stage {
+            reads: out,
+            steps: steps
+                .iter()
+                .map(|s| s.iter().map(|&(p, _)| p).collect())
+                .collect(),
+            ids,
+            bytes,
+        }
+    }
+
+    /// The pages of each step, in order.
+    pub fn steps(&self) -> &[Vec<PageId>] {
+        &self.steps
+    }
+
+    /// Bytes of the largest step's pages (what leasing step by step holds at once).
+    pub fn largest_step_bytes(&self) -> u64 {
+        self.steps
+            .iter()
+            .map(|s| {
+                let mut ids = s.clone();
+                ids.sort_unstable();
+                ids.dedup();
+                ids.iter()
+                    .map(|id| {
+                        self.reads
+                            .iter()
+                            .find(|r| r.page == *id)
+                            .map_or(0, |r| r.bytes)
+                    })
+                    .sum::<u64>()
+            })
+            .max()
+            .unwrap_or(0)
+    }
+
+    pub fn reads(&self) -> &[PlannedRead] {
+        &self.reads
+    }
+
+    /// The stage's distinct pages, sorted.
+    pub fn ids(&self) -> &[PageId] {
+        &self.ids
+    }
+
+    /// Bytes of all its pages.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// Bytes one decode token reads from it.
+    pub fn per_token(&self) -> u64 {
+        self.reads.iter().map(|r| r.per_token).sum()
+    }
+}
+
+/// The stages of a forward pass, in the order a pass reads them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PagePlan {
+    /// Before the first layer (the embedding rows).
+    pub head: Stage,
+    /// Each decoder layer's pages, which every token reads.
+    pub layers: Vec<Stage>,
+    /// After the last layer (the final norm, the LM head).
+    pub tail: Stage,
+}
+
+impl PagePlan {
+    /// Bytes of the largest decoder layer's pages.
+    pub fn largest_layer_bytes(&self) -> u64 {
+        self.layers.iter().map(Stage::bytes).max().unwrap_or(0)
+    }
+
+    /// Bytes of weights one decode token reads (a page read by two stages, such as
+    /// tied embeddings, counts for each).
+    pub fn weight_bytes_per_token(&self) -> u64 {
+        self.stages().map(Stage::per_token).sum()
+    }
+
+    /// Every stage in sweep order.
+    pub fn stages(&self) -> impl Iterator<Item = &Stage> {
+        std::iter::once(&self.head)
+            .chain(&self.layers)
+            .chain(std::iter::once(&self.tail))
+    }
+}

@@ -1,0 +1,154 @@
+//! The sweep: one forward pass's walk over the weights, following the model's
+//! [`PagePlan`]. It leases each stage's pages while the model computes on them,
+//! hints the next layers to the page source meanwhile, and releases them after; an
+//! architecture supplies its plan and its math and never leases by itself.
+//!
+//! When the source's cache holds two layers (the one computing and the one
+//! prefetched), a layer is leased whole; otherwise one step (a matrix and the small
+//! vectors beside it) at a time, so that a cache smaller than a layer still streams.
+//! Neither the lease scope nor the prefetch depth changes a result.
+
+use vpaged::{PageId, PageSource};
+
+use super::plan::PagePlan;
+use super::weights::Leased;
+use crate::VoomError;
+
+/// How much of a layer is leased at a time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseScope {
+    /// The whole layer at once.
+    Layer,
+    /// One step of it at a time.
+    Step,
+}
+
+/// One forward pass's walk over the weights.
+pub struct Sweep<'a> {
+    source: &'a dyn PageSource,
+    plan: &'a PagePlan,
+    scope: LeaseScope,
+    depth: usize,
+}
+
+impl<'a> Sweep<'a> {
+    /// A sweep of `plan` over `source`, hinting up to `prefetch_depth` layers ahead
+    /// (bounded so that the layer computing and those hinted fit the source's
+    /// budget, at least one ahead; 0 sends no hints).
+    pub fn new(source: &'a dyn PageSource, plan: &'a PagePlan, prefetch_depth: usize) -> Self {
+        let largest = plan.largest_layer_bytes();
+        let scope = match source.budget() {
+            Some(b) if b < 2 * largest => LeaseScope::Step,
+            _ => LeaseScope::Layer,
+        };
+        let depth = match (prefetch_depth, source.budget()) {
+            (0, _) => 0,
+            (d, Some(b)) if largest > 0 => {
+                let fit = (b / largest).saturating_sub(1) as usize;
+                d.min(fit.max(1))
+            }
+            (d, _) => d,
+        };
+        Sweep {
+            source,
+            plan,
+            scope,
+            depth,
+        }
+    }
+
+    pub fn scope(&self) -> LeaseScope {
+        self.scope
+    }
+
+    /// Layers actually hinted ahead.
+    pub fn depth(&self) -> usize {
+        self.depth
+    }
+
+    /// Leases the pages read before the first layer.
+    pub fn head(&self) -> Result<Leased, VoomError> {
+        Leased::acquire(self.source, self.plan.head.ids())
+    }
+
+    /// Starts layer `li`: sends the hints due (layers `li+1..=li+depth` at the first
+    /// layer, then the one newly inside the window; past the last layer, the tail's
+    /// pages) and leases the layer whole when the scope is [`LeaseScope::Layer`].
+    pub fn layer(&self, li: usize) -> Result<LayerLease<'a>, VoomError> {
+        self.hint_ahead(li);
+        let whole = match self.scope {
+            LeaseScope::Layer => Some(Leased::acquire(self.source, self.plan.layers[li].ids())?),
+            LeaseScope::Step => None,
+        };
+        Ok(LayerLease {
+            source: self.source,
+            steps: self.plan.layers[li].steps(),
+            whole,
+        })
+    }
+
+    /// Leases the pages read after the last layer.
+    pub fn tail(&self) -> Result<Leased, VoomError> {
+        Leased::acquire(self.source, self.plan.tail.ids())
+    }
+
+    /// Ends the pass (every lease dropped): a remote source delivers the releases it
+    /// batched.
+    pub fn finish(self) {
+        self.source.flush();
+    }
+
+    fn hint_ahead(&self, li: usize) {
+        if self.depth == 0 {
+            return;
+        }
+        let layers = &self.plan.layers;
+        let first = if li == 0 { 1 } else { li + self.depth };
+        for t in first..=li + self.depth {
+            match t.cmp(&layers.len()) {
+                std::cmp::Ordering::Less => self.source.prefetch(layers[t].ids()),
+                std::cmp::Ordering::Equal => self.source.prefetch(self.plan.tail.ids()),
+                std::cmp::Ordering::Greater => break,
+            }
+        }
+    }
+}
+
+/// A layer being computed: its pages, leased whole or step by step.
+pub struct LayerLease<'a> {
+    source: &'a dyn PageSource,
+    steps: &'a [Vec<PageId>],
+    whole: Option<Leased>,
+}
+
+impl LayerLease<'_> {
+    /// The leases of step `i` of the layer's plan ([`super::plan::Stage::steps`]).
+    ///
+    /// # Panics
+    /// If the plan has no step `i` (an architecture bug).
+    pub fn step(&self, i: usize) -> Result<StepLease<'_>, VoomError> {
+        match &self.whole {
+            Some(l) => Ok(StepLease::Shared(l)),
+            None => Ok(StepLease::Own(Leased::acquire(
+                self.source,
+                &self.steps[i],
+            )?)),
+        }
+    }
+}
+
+/// The leases of one step: the layer's (shared) or the step's own.
+pub enum StepLease<'a> {
+    Shared(&'a Leased),
+    Own(Leased),
+}
+
+impl std::ops::Deref for StepLease<'_> {
+    type Target = Leased;
+    fn deref(&self) -> &Leased {
+        match self {
+            StepLease::Shared(l) => l,
+            StepLease::Own(l) => l,
+        }
+    }
+}
