@@ -13,6 +13,8 @@
 //! - [`model`]: the [`model::Model`] trait, the sweep over a page plan, and the
 //!   architectures written against the backend (Llama family: llama,
 //!   mistral, qwen2, qwen3).
+//! - [`placement`]: the memory planner (one budget to pinned pages, a streaming
+//!   window, KV and scratch).
 //! - [`kv`]: the KV cache (the layout backends attend over; [`backend::kv`]).
 //! - [`sampler`]: greedy, temperature, top-k, top-p, seeded.
 //! - [`engine`]: prefill + decode loop with stop conditions.
@@ -25,6 +27,7 @@ pub mod engine;
 pub mod error;
 pub mod import;
 pub mod model;
+pub mod placement;
 pub mod sampler;
 pub mod text;
 

@@ -2,7 +2,7 @@
 //!
 //! One-shot commands compose the engine (libvoom) with the embedded page store:
 //! `voom run MODEL [PROMPT]`, `voom generate`, `voom pull`, `voom import`, `voom list`,
-//! `voom profiles`, and `voom serve`, the HTTP server.
+//! `voom profiles`, `voom plan`, and `voom serve`, the HTTP server.
 
 use clap::{Parser, Subcommand};
 use voom_server::{cli, serve};
@@ -30,6 +30,8 @@ enum Command {
     Import(cli::pull::ImportArgs),
     /// List the models in the local store.
     List(cli::list::ListArgs),
+    /// Show how a memory budget places a model's pages, and the speed it predicts.
+    Plan(cli::plan::PlanArgs),
     /// Measure prefill and decode speed against the memory-bandwidth bound.
     Bench(cli::bench::BenchArgs),
     /// Serve the models over OpenAI- and Anthropic-compatible HTTP APIs.
@@ -61,6 +63,7 @@ fn main() -> std::process::ExitCode {
         Command::Pull(a) => cli::pull::pull(a),
         Command::Import(a) => cli::pull::import(a),
         Command::List(a) => cli::list::run(a),
+        Command::Plan(a) => cli::plan::run(a),
         Command::Bench(a) => cli::bench::run(a),
         Command::Serve(a) => serve::run(a),
         Command::Profiles(a) => cli::profiles::run(a),

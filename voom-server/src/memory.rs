@@ -4,6 +4,8 @@
 //!
 //! Linux reads `/proc/self/smaps`; elsewhere there is no report (`None`).
 
+use std::path::{Path, PathBuf};
+
 use serde::Serialize;
 
 /// Byte counts summed over this process's mappings.
@@ -74,9 +76,117 @@ pub fn parse_smaps(text: &str) -> ProcessMemory {
     m
 }
 
+/// Resident bytes of this process now (`None` where the OS does not report them).
+pub fn resident_bytes() -> Option<u64> {
+    snapshot().map(|m| m.rss_bytes)
+}
+
+/// Memory a process started now could use, and where the figure comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Available {
+    pub bytes: u64,
+    /// `MemAvailable`, `memory cgroup /path (limit L, in use U)`, or an estimate.
+    pub source: String,
+}
+
+/// The lower of the machine's available memory (`MemAvailable`) and what this
+/// process's memory cgroup leaves (its limit less its usage, v1 or v2). Where
+/// neither is readable: 4 GiB, labelled as a guess.
+pub fn available() -> Available {
+    let machine = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| meminfo_available(&m));
+    let cgroup = std::fs::read_to_string("/proc/self/cgroup")
+        .ok()
+        .and_then(|c| cgroup_room(&c, Path::new("/sys/fs/cgroup")));
+    match (machine, cgroup) {
+        (_, Some((room, src))) if machine.is_none_or(|m| room < m) => Available {
+            bytes: room,
+            source: src,
+        },
+        (Some(m), _) => Available {
+            bytes: m,
+            source: "MemAvailable".into(),
+        },
+        _ => Available {
+            bytes: 4 << 30,
+            source: "a guess: this OS reports no available memory".into(),
+        },
+    }
+}
+
+/// `MemAvailable` of a `/proc/meminfo` text, in bytes.
+pub fn meminfo_available(text: &str) -> Option<u64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+        .map(|kb| kb * 1024)
+}
+
+/// The room left in this process's memory cgroup (`/proc/self/cgroup` text, the
+/// cgroup filesystem's root): limit less usage, with a description; `None` with no
+/// limit.
+pub fn cgroup_room(proc_cgroup: &str, root: &Path) -> Option<(u64, String)> {
+    let read = |p: PathBuf| -> Option<u64> { std::fs::read_to_string(p).ok()?.trim().parse().ok() };
+    for line in proc_cgroup.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+        let rel = path.trim_start_matches('/');
+        let (limit, usage) = if controllers.split(',').any(|c| c == "memory") {
+            let d = root.join("memory").join(rel);
+            (
+                read(d.join("memory.limit_in_bytes")),
+                read(d.join("memory.usage_in_bytes")),
+            )
+        } else if controllers.is_empty() {
+            let d = root.join(rel);
+            (read(d.join("memory.max")), read(d.join("memory.current")))
+        } else {
+            continue;
+        };
+        // v1 reports "no limit" as a huge number; v2 as "max" (which does not parse).
+        if let (Some(l), Some(u)) = (limit, usage) {
+            if l < (1 << 60) {
+                return Some((
+                    l.saturating_sub(u),
+                    format!("memory cgroup {path} (limit {l}, in use {u})"),
+                ));
+            }
+        }
+    }
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn available_memory_comes_from_meminfo_or_the_cgroup_limit() {
+        assert_eq!(
+            meminfo_available("MemTotal: 100 kB\nMemAvailable:   2048 kB\n"),
+            Some(2 << 20)
+        );
+        assert_eq!(meminfo_available("MemTotal: 100 kB\n"), None);
+        let root = tempfile::tempdir().unwrap();
+        let v1 = root.path().join("memory/user/bench");
+        std::fs::create_dir_all(&v1).unwrap();
+        std::fs::write(v1.join("memory.limit_in_bytes"), "1073741824\n").unwrap();
+        std::fs::write(v1.join("memory.usage_in_bytes"), "73741824\n").unwrap();
+        let (room, src) = cgroup_room("4:cpu:/x\n7:memory:/user/bench\n", root.path()).unwrap();
+        assert_eq!(room, 1_000_000_000);
+        assert!(src.contains("/user/bench"), "{src}");
+        // Unlimited (v1's huge number) is no limit.
+        std::fs::write(v1.join("memory.limit_in_bytes"), "9223372036854771712\n").unwrap();
+        assert_eq!(cgroup_room("7:memory:/user/bench\n", root.path()), None);
+        let v2 = root.path().join("svc");
+        std::fs::create_dir_all(&v2).unwrap();
+        std::fs::write(v2.join("memory.max"), "max\n").unwrap();
+        std::fs::write(v2.join("memory.current"), "5\n").unwrap();
+        assert_eq!(cgroup_room("0::/svc\n", root.path()), None);
+        std::fs::write(v2.join("memory.max"), "500\n").unwrap();
+        assert_eq!(cgroup_room("0::/svc\n", root.path()).unwrap().0, 495);
+    }
 
     const SMAPS: &str = "\
 55d0c0a00000-55d0c0a21000 r--p 00000000 fd:01 1234   /usr/bin/voom

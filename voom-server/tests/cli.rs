@@ -480,3 +480,60 @@ fn two_engines_on_one_daemon_cost_one_copy_of_the_weights() {
         "arena occupancy {used} for {weights} bytes of weights: {stats}"
     );
 }
+
+/// `voom plan`: the placement never exceeds the budget, a budget below the minimum is
+/// an error naming it, and the storage measurement reports what it read.
+#[test]
+fn plan_places_within_the_budget_and_refuses_below_the_minimum() {
+    let dir = tiny("llama_sharded");
+    let plan = |budget: &str, extra: &[&str]| {
+        voom()
+            .arg("plan")
+            .arg(&dir)
+            .args(["--memory-budget", budget, "--context", "64", "--json"])
+            .args(["--process-bytes", "8MiB"])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let o = plan("1GiB", &["--no-measure"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let big = last_json(&o);
+    // Everything fits: everything pinned, nothing read from storage per token.
+    assert_eq!(big["streamed_bytes_per_token"], 0);
+    assert_eq!(big["window_bytes"], 0);
+    assert!(big["total_bytes"].as_u64().unwrap() <= 1 << 30);
+    let minimum = big["minimum_budget"].as_u64().unwrap();
+    let weights = big["weight_bytes_per_token"].as_u64().unwrap();
+    assert!(minimum > 0 && weights > 0);
+
+    // At the minimum it runs, streaming; below it, an error naming the minimum.
+    let o = plan(&minimum.to_string(), &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let at_min = last_json(&o);
+    assert!(at_min["total_bytes"].as_u64().unwrap() <= minimum);
+    assert!(at_min["streamed_bytes_per_token"].as_u64().unwrap() > 0);
+    assert_eq!(
+        at_min["streamed_bytes_per_token"].as_u64().unwrap()
+            + at_min["pinned_bytes_per_token"].as_u64().unwrap(),
+        weights
+    );
+    let storage = &at_min["storage"];
+    assert!(storage["bytes_read"].as_u64().unwrap() > 0, "{storage}");
+    assert!(storage["buffered_bytes_per_sec"].as_f64().unwrap() > 0.0);
+    assert!(at_min["predicted"]["tokens_per_sec"].as_f64().unwrap() > 0.0);
+
+    let o = plan(&(minimum - 1).to_string(), &["--no-measure"]);
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(
+        e.contains("cannot run this model") && e.contains("needs at least"),
+        "{e}"
+    );
+    let o = plan("lots", &[]);
+    assert!(
+        !o.status.success() && stderr(&o).contains("lots"),
+        "{}",
+        stderr(&o)
+    );
+}

@@ -15,6 +15,7 @@ pub mod cache;
 pub mod client;
 pub mod config;
 pub mod daemon;
+pub mod direct;
 pub mod embedded;
 pub mod error;
 pub mod loader;

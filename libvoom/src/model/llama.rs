@@ -271,6 +271,17 @@ impl<B: Backend> Model for Llama<B> {
         self.backend.threads()
     }
 
+    fn scratch_bytes(&self, tokens: usize, context: usize) -> u64 {
+        let cfg = &self.cfg;
+        let (h, hd) = (cfg.hidden_size, cfg.head_dim);
+        let (qd, kvd) = (cfg.num_heads * hd, cfg.num_kv_heads * hd);
+        // x, xn, o; q, att; k, v; gate, up; the rotary table; then the last row, its
+        // norm and the logits; and one row of attention scores per thread.
+        let per_token = 3 * h + 2 * qd + 2 * kvd + 2 * cfg.intermediate_size + hd;
+        let floats = tokens * per_token + 2 * h + cfg.vocab_size + self.threads() * context;
+        (floats * std::mem::size_of::<f32>()) as u64
+    }
+
     fn forward(
         &self,
         sweep: &Sweep<'_>,

@@ -45,6 +45,16 @@ pub trait Model: Send + Sync {
     /// Compute threads of its backend.
     fn threads(&self) -> usize;
 
+    /// Bytes of KV cache one position takes (every layer's keys and values).
+    fn kv_bytes_per_position(&self) -> u64 {
+        let cfg = self.config();
+        (cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * std::mem::size_of::<f32>()) as u64
+    }
+
+    /// Bytes of activations and buffers a forward pass of `tokens` positions over a
+    /// context of `context` positions allocates at most (last-position logits).
+    fn scratch_bytes(&self, tokens: usize, context: usize) -> u64;
+
     /// An empty KV cache for one sequence, holding at most `capacity` positions.
     fn new_kv(&self, capacity: usize) -> KvCache {
         let cfg = self.config();

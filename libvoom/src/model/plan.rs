@@ -34,27 +34,40 @@ impl Stage {
     /// listed twice is one read.
     pub fn new(source: &dyn PageSource, steps: &[Vec<(PageId, Option<u64>)>]) -> Self {
         let pages = source.pages();
-        let mut out: Vec<PlannedRead> = Vec::new();
-        for &(page, per_token) in steps.iter().flatten() {
-            if out.iter().any(|r| r.page == page) {
-                continue;
+        let reads = steps
+            .iter()
+            .flatten()
+            .map(|&(page, per_token)| {
+                let bytes = pages[page.0 as usize].len;
+                PlannedRead {
+                    page,
+                    bytes,
+                    per_token: per_token.unwrap_or(bytes).min(bytes),
+                }
+            })
+            .collect();
+        let steps = steps
+            .iter()
+            .map(|s| s.iter().map(|&(p, _)| p).collect())
+            .collect();
+        Self::from_reads(reads, steps)
+    }
+
+    /// A stage of these reads in these steps (a page read twice is one read: the
+    /// first).
+    pub fn from_reads(reads: Vec<PlannedRead>, steps: Vec<Vec<PageId>>) -> Self {
+        let mut out: Vec<PlannedRead> = Vec::with_capacity(reads.len());
+        for r in reads {
+            if !out.iter().any(|o| o.page == r.page) {
+                out.push(r);
             }
-            let bytes = pages[page.0 as usize].len;
-            out.push(PlannedRead {
-                page,
-                bytes,
-                per_token: per_token.unwrap_or(bytes).min(bytes),
-            });
         }
         let mut ids: Vec<PageId> = out.iter().map(|r| r.page).collect();
         ids.sort_unstable();
         let bytes = out.iter().map(|r| r.bytes).sum();
         Stage {
             reads: out,
-            steps: steps
-                .iter()
-                .map(|s| s.iter().map(|&(p, _)| p).collect())
-                .collect(),
+            steps,
             ids,
             bytes,
         }

@@ -1,0 +1,356 @@
+//! The memory planner: one byte budget becomes a placement of a model's pages.
+//!
+//! A budget is a ceiling for the whole process: pinned pages, the streaming window
+//! that unpinned pages pass through, the KV cache, compute scratch and the process
+//! itself. The planner first sets aside what the run needs besides weights
+//! ([`Needs`]), then:
+//!
+//! 1. If every page fits, every page is pinned: nothing streams.
+//! 2. Otherwise the window gets room for two of the largest layers (the layer
+//!    computing and the next one being read), or all there is when that is less,
+//!    but never less than the largest step a pass leases at once (one matrix and
+//!    the vectors beside it, or a head stage): below that the model cannot run, and
+//!    the budget is refused with [`PlacementError::BelowMinimum`] saying how much it
+//!    needs.
+//! 3. What is left pins pages, in order of the bytes each saves per token for each
+//!    byte it holds: a layer's matrices and the LM head are read whole every token
+//!    (a ratio of 1), an embedding table one row per token (it is nearly free to
+//!    leave on disk). A page that does not fit is skipped for smaller ones after it.
+//!
+//! Every page is counted at its slot size (a multiple of [`SLOT_ALIGN`]), as the
+//! page cache and the direct-read buffers hold it.
+
+use std::collections::BTreeMap;
+
+use vpaged::PageId;
+
+use crate::model::plan::PagePlan;
+
+/// Alignment of every resident page's memory (the arena's slots and direct-read
+/// buffers): 16 KiB.
+pub const SLOT_ALIGN: u64 = 16 << 10;
+
+/// Bytes a page of `len` bytes holds resident.
+pub fn slot_bytes(len: u64) -> u64 {
+    len.next_multiple_of(SLOT_ALIGN)
+}
+
+/// What a run needs besides weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Needs {
+    /// The KV cache at the planned context.
+    pub kv_bytes: u64,
+    /// Activations and buffers of the largest forward pass.
+    pub scratch_bytes: u64,
+    /// The process itself: code, tokenizer, heap before weights.
+    pub process_bytes: u64,
+}
+
+impl Needs {
+    pub fn total(&self) -> u64 {
+        self.kv_bytes + self.scratch_bytes + self.process_bytes
+    }
+}
+
+/// Where a model's pages live under a budget.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placement {
+    pub budget: u64,
+    pub needs: Needs,
+    /// Pages kept resident once read, sorted.
+    pub pinned: Vec<PageId>,
+    /// Their slot bytes.
+    pub pinned_bytes: u64,
+    /// Bytes of the window unpinned pages stream through (0 when all are pinned).
+    pub window_bytes: u64,
+    /// The least window the model runs with (its largest step).
+    pub min_window_bytes: u64,
+    /// Bytes one decode token reads from storage (unpinned pages).
+    pub streamed_per_token: u64,
+    /// Bytes one decode token reads from pinned memory.
+    pub pinned_per_token: u64,
+}
+
+impl Placement {
+    /// Everything the placement holds at once: never more than the budget.
+    pub fn total(&self) -> u64 {
+        self.pinned_bytes + self.window_bytes + self.needs.total()
+    }
+
+    pub fn is_pinned(&self, id: PageId) -> bool {
+        self.pinned.binary_search(&id).is_ok()
+    }
+
+    /// The least budget that runs the model with these needs.
+    pub fn minimum_budget(&self) -> u64 {
+        self.min_window_bytes + self.needs.total()
+    }
+}
+
+/// A budget the planner cannot use.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlacementError {
+    #[error(
+        "a memory budget of {} cannot run this model: it needs at least {} ({} of \
+         streaming window for its largest step, {} of KV cache, {} of compute scratch, \
+         {} for the process)",
+        human(*budget), human(*minimum), human(*window), human(*kv), human(*scratch),
+        human(*process)
+    )]
+    BelowMinimum {
+        budget: u64,
+        minimum: u64,
+        window: u64,
+        kv: u64,
+        scratch: u64,
+        process: u64,
+    },
+}
+
+/// `n` bytes for people: `1.50 GiB`, `12.0 MiB`, `512 B`.
+pub fn human(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u < UNITS.len() - 1 {
+        v /= 1024.0;
+        u += 1;
+    }
+    match u {
+        0 => format!("{n} B"),
+        _ if v < 10.0 => format!("{v:.2} {}", UNITS[u]),
+        _ => format!("{v:.1} {}", UNITS[u]),
+    }
+}
+
+/// One page as the planner weighs it.
+#[derive(Debug, Clone, Copy)]
+struct Weighed {
+    page: PageId,
+    slot: u64,
+    per_token: u64,
+}
+
+/// Places `plan`'s pages under `budget` bytes, with `needs` set aside first.
+pub fn place(plan: &PagePlan, needs: &Needs, budget: u64) -> Result<Placement, PlacementError> {
+    // Each distinct page once: its slot and the bytes every stage reading it reads.
+    let mut pages: BTreeMap<PageId, Weighed> = BTreeMap::new();
+    for stage in plan.stages() {
+        for r in stage.reads() {
+            let w = pages.entry(r.page).or_insert(Weighed {
+                page: r.page,
+                slot: slot_bytes(r.bytes),
+                per_token: 0,
+            });
+            w.per_token += r.per_token;
+        }
+    }
+    let min_window = plan
+        .stages()
+        .map(|s| {
+            s.steps()
+                .iter()
+                .map(|step| {
+                    let mut ids = step.clone();
+                    ids.sort_unstable();
+                    ids.dedup();
+                    ids.iter().map(|id| pages[id].slot).sum::<u64>()
+                })
+                .max()
+                .unwrap_or(0)
+        })
+        .max()
+        .unwrap_or(0);
+    let refuse = || PlacementError::BelowMinimum {
+        budget,
+        minimum: min_window + needs.total(),
+        window: min_window,
+        kv: needs.kv_bytes,
+        scratch: needs.scratch_bytes,
+        process: needs.process_bytes,
+    };
+    let avail = budget.checked_sub(needs.total()).ok_or_else(refuse)?;
+    if avail < min_window {
+        return Err(refuse());
+    }
+    let all: u64 = pages.values().map(|w| w.slot).sum();
+    let total_per_token: u64 = pages.values().map(|w| w.per_token).sum();
+    if all <= avail {
+        return Ok(Placement {
+            budget,
+            needs: *needs,
+            pinned: pages.keys().copied().collect(),
+            pinned_bytes: all,
+            window_bytes: 0,
+            min_window_bytes: min_window,
+            streamed_per_token: 0,
+            pinned_per_token: total_per_token,
+        });
+    }
+    let largest_layer = plan
+        .layers
+        .iter()
+        .map(|s| s.ids().iter().map(|id| pages[id].slot).sum::<u64>())
+        .max()
+        .unwrap_or(0);
+    let window = (2 * largest_layer).max(min_window).min(avail);
+    let mut room = avail - window;
+    let mut order: Vec<Weighed> = pages.values().copied().collect();
+    // Bytes saved per token per byte held, highest first (compared exactly as
+    // per_token_a * slot_b against per_token_b * slot_a); then the most saved; then
+    // by page, so equal plans give equal placements.
+    order.sort_by(|a, b| {
+        let (x, y) = (
+            a.per_token as u128 * b.slot as u128,
+            b.per_token as u128 * a.slot as u128,
+        );
+        y.cmp(&x)
+            .then(b.per_token.cmp(&a.per_token))
+            .then(a.page.cmp(&b.page))
+    });
+    let mut pinned = Vec::new();
+    let (mut pinned_bytes, mut pinned_per_token) = (0u64, 0u64);
+    for w in order {
+        if w.per_token == 0 || w.slot > room {
+            continue;
+        }
+        room -= w.slot;
+        pinned_bytes += w.slot;
+        pinned_per_token += w.per_token;
+        pinned.push(w.page);
+    }
+    pinned.sort_unstable();
+    Ok(Placement {
+        budget,
+        needs: *needs,
+        pinned,
+        pinned_bytes,
+        window_bytes: window,
+        min_window_bytes: min_window,
+        streamed_per_token: total_per_token - pinned_per_token,
+        pinned_per_token,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::plan::{PlannedRead, Stage};
+    use proptest::prelude::*;
+
+    /// A plan of `layers` layers of `steps` pages each, an embedding read a row per
+    /// token, and a head, with the sizes given.
+    fn plan_of(embed: u64, row: u64, layer_pages: &[Vec<u64>], head: u64) -> PagePlan {
+        let mut next = 0u32;
+        let mut page = |bytes: u64, per_token: u64| {
+            next += 1;
+            PlannedRead {
+                page: PageId(next),
+                bytes,
+                per_token,
+            }
+        };
+        let e = page(embed, row.min(embed));
+        let layers = layer_pages
+            .iter()
+            .map(|l| {
+                let reads: Vec<PlannedRead> = l.iter().map(|&b| page(b, b)).collect();
+                let steps = reads.iter().map(|r| vec![r.page]).collect();
+                Stage::from_reads(reads, steps)
+            })
+            .collect();
+        let h = page(head, head);
+        PagePlan {
+            head: Stage::from_reads(vec![e], vec![vec![e.page]]),
+            layers,
+            tail: Stage::from_reads(vec![h], vec![vec![h.page]]),
+        }
+    }
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn a_budget_below_the_largest_step_is_refused_naming_the_minimum() {
+        let plan = plan_of(8 * MIB, 1024, &vec![vec![3 * MIB, 5 * MIB]; 4], 2 * MIB);
+        let needs = Needs {
+            kv_bytes: MIB,
+            scratch_bytes: MIB,
+            process_bytes: 10 * MIB,
+        };
+        // The largest step is the embedding (8 MiB): 8 + 12 needed.
+        let e = place(&plan, &needs, 20 * MIB - 1).unwrap_err();
+        let PlacementError::BelowMinimum {
+            minimum, window, ..
+        } = e.clone();
+        assert_eq!((minimum, window), (20 * MIB, 8 * MIB));
+        assert!(e.to_string().contains("at least 20.0 MiB"), "{e}");
+        let p = place(&plan, &needs, 20 * MIB).unwrap();
+        assert_eq!(p.window_bytes, 8 * MIB);
+        assert!(p.pinned.is_empty());
+        assert_eq!(p.streamed_per_token, plan.weight_bytes_per_token());
+        assert!(place(&plan, &needs, 5 * MIB).is_err());
+    }
+
+    #[test]
+    fn pins_go_to_what_every_token_reads_and_the_embedding_stays_on_disk() {
+        let plan = plan_of(64 * MIB, 4096, &vec![vec![4 * MIB, 4 * MIB]; 8], 16 * MIB);
+        let needs = Needs::default();
+        // Window: two layers (16 MiB) but at least the embedding (64 MiB).
+        let p = place(&plan, &needs, 64 * MIB + 40 * MIB).unwrap();
+        assert_eq!(p.window_bytes, 64 * MIB);
+        // 40 MiB of pins: the head (16) and six 4 MiB matrices; never the embedding.
+        assert!(!p.is_pinned(PageId(1)));
+        assert!(p.is_pinned(plan.tail.ids()[0]));
+        assert_eq!(p.pinned_bytes, 40 * MIB);
+        assert_eq!(
+            p.streamed_per_token,
+            plan.weight_bytes_per_token() - 40 * MIB
+        );
+        // Everything fits: everything pinned, nothing streams.
+        let p = place(&plan, &needs, 200 * MIB).unwrap();
+        assert_eq!((p.window_bytes, p.streamed_per_token), (0, 0));
+        assert_eq!(p.pinned.len(), 1 + 16 + 1);
+    }
+
+    fn arb_plan() -> impl Strategy<Value = PagePlan> {
+        (
+            1u64..(64 << 20),
+            1u64..(1 << 16),
+            prop::collection::vec(prop::collection::vec(1u64..(32 << 20), 1..8), 1..12),
+            1u64..(64 << 20),
+        )
+            .prop_map(|(e, row, layers, head)| plan_of(e, row, &layers, head))
+    }
+
+    proptest! {
+        #[test]
+        fn a_placement_never_exceeds_its_budget(
+            plan in arb_plan(),
+            kv in 0u64..(256 << 20),
+            scratch in 0u64..(64 << 20),
+            process in 0u64..(64 << 20),
+            budget in 0u64..(2u64 << 30),
+        ) {
+            let needs = Needs { kv_bytes: kv, scratch_bytes: scratch, process_bytes: process };
+            match place(&plan, &needs, budget) {
+                Ok(p) => {
+                    prop_assert!(p.total() <= budget);
+                    prop_assert_eq!(
+                        p.streamed_per_token + p.pinned_per_token,
+                        plan.weight_bytes_per_token()
+                    );
+                    if p.streamed_per_token > 0 {
+                        prop_assert!(p.window_bytes >= p.min_window_bytes);
+                    }
+                    prop_assert!(p.pinned.windows(2).all(|w| w[0] < w[1]));
+                    prop_assert!(p.minimum_budget() <= budget);
+                }
+                Err(PlacementError::BelowMinimum { minimum, budget: b, .. }) => {
+                    prop_assert!(b < minimum);
+                    // The minimum it names is enough.
+                    prop_assert!(place(&plan, &needs, minimum).is_ok());
+                }
+            }
+        }
+    }
+}

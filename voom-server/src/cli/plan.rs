@@ -1,0 +1,304 @@
+//! `voom plan MODEL --memory-budget 4GiB`: the placement the memory planner makes of
+//! a model under a budget, and the bytes read per token and tokens/s it predicts for
+//! the storage and memory bandwidth measured here, before anything runs.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use clap::Args;
+use libvoom::backend::cpu::membw;
+use libvoom::engine::{Engine, EngineOptions};
+use libvoom::model::plan::Stage;
+use libvoom::placement::{self, human, Needs, Placement};
+use serde_json::json;
+use vpaged::direct::{self, Bandwidth, ReadMode};
+use vpaged::VerifyMode;
+
+use crate::cli::common::resolve_model;
+use crate::memory;
+
+#[derive(Args, Debug)]
+pub struct PlanArgs {
+    /// Model name in the local store, or a model directory.
+    pub model: String,
+    /// The memory budget for the whole process (`4GiB`, `700MiB`). Default: the
+    /// memory available now (the lower of the machine's and the memory cgroup's).
+    #[arg(long, value_parser = parse_size)]
+    pub memory_budget: Option<u64>,
+    /// Context to plan KV cache for (positions). Default: the model's maximum, at
+    /// most 4096.
+    #[arg(long)]
+    pub context: Option<usize>,
+    /// Prompt tokens per prefill pass to plan scratch for.
+    #[arg(long, default_value_t = 256)]
+    pub prefill_chunk: usize,
+    /// Compute threads (0: all cores).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+    /// Bytes of the checkpoint to read when measuring storage bandwidth.
+    #[arg(long, value_parser = parse_size, default_value = "512MiB")]
+    pub measure_bytes: u64,
+    /// Memory of the process itself besides weights, KV and scratch (code, heap,
+    /// tokenizer). Default: this process's resident memory once the model is open.
+    #[arg(long, value_parser = parse_size)]
+    pub process_bytes: Option<u64>,
+    /// Skip the bandwidth measurements (no predicted speed).
+    #[arg(long)]
+    pub no_measure: bool,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    crate::profile::parse_size(s)
+}
+
+pub fn run(a: PlanArgs) -> Result<()> {
+    let dir = resolve_model(&a.model, false)?;
+    let engine = Engine::open(
+        &dir,
+        EngineOptions {
+            threads: a.threads,
+            verify: VerifyMode::Off,
+            ..Default::default()
+        },
+    )
+    .with_context(|| format!("opening model {}", dir.display()))?;
+    let model = engine.model();
+    let cfg = engine.config();
+    let context = a
+        .context
+        .unwrap_or(4096)
+        .min(cfg.max_position_embeddings)
+        .max(1);
+    let (process, process_from) = match a.process_bytes {
+        Some(b) => (Some(b), "--process-bytes"),
+        None => match memory::resident_bytes() {
+            Some(b) => (Some(b), "measured"),
+            None => (None, "not measured"),
+        },
+    };
+    let needs = Needs {
+        kv_bytes: model.kv_bytes_per_position() * context as u64,
+        scratch_bytes: model.scratch_bytes(a.prefill_chunk.max(1).min(context), context),
+        process_bytes: process.unwrap_or(0),
+    };
+    let (budget, budget_from) = match a.memory_budget {
+        Some(b) => (b, "--memory-budget".to_string()),
+        None => {
+            let m = memory::available();
+            (m.bytes, m.source)
+        }
+    };
+    let p = placement::place(model.plan(), &needs, budget)?;
+
+    let measured = if a.no_measure {
+        None
+    } else {
+        Some(measure(
+            &dir,
+            a.measure_bytes,
+            model.plan().weight_bytes_per_token(),
+            engine.threads(),
+        )?)
+    };
+    let stages = stage_summary(model.plan().stages(), &p);
+    if a.json {
+        let m = measured.as_ref();
+        let storage = m.map(|m| m.best_storage());
+        vpaged::outln!(
+            "{}",
+            json!({
+                "model": engine.name(),
+                "budget": budget,
+                "budget_from": budget_from,
+                "context": context,
+                "needs": {
+                    "kv": needs.kv_bytes,
+                    "scratch": needs.scratch_bytes,
+                    "process": needs.process_bytes,
+                    "process_from": process_from,
+                },
+                "minimum_budget": p.minimum_budget(),
+                "pinned_pages": p.pinned.len(),
+                "pinned_bytes": p.pinned_bytes,
+                "window_bytes": p.window_bytes,
+                "total_bytes": p.total(),
+                "weight_bytes_per_token": model.plan().weight_bytes_per_token(),
+                "streamed_bytes_per_token": p.streamed_per_token,
+                "pinned_bytes_per_token": p.pinned_per_token,
+                "stages": stages,
+                "storage": m.map(|m| json!({
+                    "direct_bytes_per_sec": m.direct.map(|b| b.bytes_per_sec()),
+                    "direct_error": m.direct_error,
+                    "buffered_bytes_per_sec": m.buffered.bytes_per_sec(),
+                    "bytes_read": m.buffered.bytes,
+                    "chosen": storage.map(|s| s.mode.name()),
+                })),
+                "memory_bytes_per_sec": m.map(|m| m.memory),
+                "predicted": m.map(|m| predict(&p, m, model.plan().weight_bytes_per_token())),
+            })
+        )?;
+        return Ok(());
+    }
+    vpaged::outln!(
+        "{}: budget {} ({budget_from})",
+        engine.name(),
+        human(budget)
+    )?;
+    vpaged::outln!(
+        "  needs: KV {} ({context} positions), scratch {}, process {}{}",
+        human(needs.kv_bytes),
+        human(needs.scratch_bytes),
+        human(needs.process_bytes),
+        if process.is_some() {
+            String::new()
+        } else {
+            format!(" ({process_from})")
+        }
+    )?;
+    vpaged::outln!(
+        "  pinned: {} pages, {}; streaming window {}; in all {} (minimum {})",
+        p.pinned.len(),
+        human(p.pinned_bytes),
+        human(p.window_bytes),
+        human(p.total()),
+        human(p.minimum_budget())
+    )?;
+    for s in &stages {
+        vpaged::outln!(
+            "    {:<12} {:>10}  pinned {:>10}  read per token {:>10} from storage",
+            s["name"].as_str().unwrap_or(""),
+            human(s["bytes"].as_u64().unwrap_or(0)),
+            human(s["pinned_bytes"].as_u64().unwrap_or(0)),
+            human(s["streamed_per_token"].as_u64().unwrap_or(0)),
+        )?;
+    }
+    vpaged::outln!(
+        "  per token: {} of weights, {} from storage, {} from pinned memory",
+        human(model.plan().weight_bytes_per_token()),
+        human(p.streamed_per_token),
+        human(p.pinned_per_token)
+    )?;
+    if let Some(m) = &measured {
+        let direct = match (m.direct, &m.direct_error) {
+            (Some(d), _) => format!("{:.2} GB/s direct", d.bytes_per_sec() / 1e9),
+            (None, Some(e)) => format!("direct reads unavailable ({e})"),
+            (None, None) => "direct not measured".into(),
+        };
+        vpaged::outln!(
+            "  storage: {direct}, {:.2} GB/s buffered (cold, {} read); memory {:.1} GB/s",
+            m.buffered.bytes_per_sec() / 1e9,
+            human(m.buffered.bytes),
+            m.memory / 1e9
+        )?;
+        let pr = predict(&p, m, model.plan().weight_bytes_per_token());
+        vpaged::outln!(
+            "  predicted decode: at most {:.2} tok/s (storage bound {}, memory bound {:.2})",
+            pr["tokens_per_sec"].as_f64().unwrap_or(0.0),
+            pr["storage_bound_tokens_per_sec"]
+                .as_f64()
+                .map_or("none: nothing streams".to_string(), |v| format!("{v:.2}")),
+            pr["memory_bound_tokens_per_sec"].as_f64().unwrap_or(0.0),
+        )?;
+    }
+    Ok(())
+}
+
+/// Bandwidths measured for a prediction.
+struct Measured {
+    direct: Option<Bandwidth>,
+    direct_error: Option<String>,
+    buffered: Bandwidth,
+    /// Memory read bandwidth, bytes/s.
+    memory: f64,
+}
+
+impl Measured {
+    /// The faster of the two ways to read.
+    fn best_storage(&self) -> Bandwidth {
+        match self.direct {
+            Some(d) if d.bytes_per_sec() >= self.buffered.bytes_per_sec() => d,
+            _ => self.buffered,
+        }
+    }
+}
+
+fn measure(dir: &Path, bytes: u64, weight_bytes: u64, threads: usize) -> Result<Measured> {
+    let files = checkpoint_files(dir)?;
+    const CHUNK: usize = 8 << 20;
+    let (direct, direct_error) =
+        match direct::read_bandwidth(&files, bytes, CHUNK, ReadMode::Direct) {
+            Ok(b) => (Some(b), None),
+            Err(e) => (None, Some(e.to_string())),
+        };
+    let buffered = direct::read_bandwidth(&files, bytes, CHUNK, ReadMode::Buffered)
+        .with_context(|| format!("reading the checkpoint in {}", dir.display()))?;
+    let probe = (weight_bytes as usize).clamp(64 << 20, 1 << 30);
+    let memory = membw::read_bandwidth(probe, threads.max(1), 2) * 1e9;
+    Ok(Measured {
+        direct,
+        direct_error,
+        buffered,
+        memory,
+    })
+}
+
+/// The bounds on decode speed: storage (bytes read per token from storage at the
+/// faster way to read) and memory (every weight byte read once from memory).
+fn predict(p: &Placement, m: &Measured, weight_bytes: u64) -> serde_json::Value {
+    let storage = m.best_storage().bytes_per_sec();
+    let storage_bound = (p.streamed_per_token > 0).then(|| storage / p.streamed_per_token as f64);
+    let memory_bound = m.memory / weight_bytes.max(1) as f64;
+    let tps = storage_bound.map_or(memory_bound, |s| s.min(memory_bound));
+    json!({
+        "tokens_per_sec": tps,
+        "storage_bound_tokens_per_sec": storage_bound,
+        "memory_bound_tokens_per_sec": memory_bound,
+        "read_mode": m.best_storage().mode.name(),
+    })
+}
+
+fn checkpoint_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let ckpt = voom_formats::Checkpoint::open(dir)
+        .with_context(|| format!("reading the checkpoint in {}", dir.display()))?;
+    Ok(ckpt.files.iter().map(|f| f.path.clone()).collect())
+}
+
+/// One row per stage kind: the embedding, the decoder layers (together), the head.
+fn stage_summary<'a>(
+    stages: impl Iterator<Item = &'a Stage>,
+    p: &Placement,
+) -> Vec<serde_json::Value> {
+    let all: Vec<&Stage> = stages.collect();
+    let n = all.len();
+    let groups: [(&str, &[&Stage]); 3] = [
+        ("embedding", &all[..1]),
+        ("layers", &all[1..n - 1]),
+        ("head", &all[n - 1..]),
+    ];
+    groups
+        .iter()
+        .map(|(name, stages)| {
+            let (mut bytes, mut pinned, mut streamed) = (0u64, 0u64, 0u64);
+            for s in stages.iter() {
+                for r in s.reads() {
+                    bytes += r.bytes;
+                    if p.is_pinned(r.page) {
+                        pinned += r.bytes;
+                    } else {
+                        streamed += r.per_token;
+                    }
+                }
+            }
+            json!({
+                "name": name,
+                "stages": stages.len(),
+                "bytes": bytes,
+                "pinned_bytes": pinned,
+                "streamed_per_token": streamed,
+            })
+        })
+        .collect()
+}

@@ -1,0 +1,410 @@
+//! Reads that bypass the OS page cache, into reusable aligned buffers.
+//!
+//! Out of core, a model is swept once per token: the OS page cache keeps nothing of
+//! a cyclic sweep larger than itself, and under a memory ceiling (a cgroup, a small
+//! machine) the pages it fills count against the process and evict what the process
+//! chose to keep. A [`ReadMode::Direct`] file is read with `O_DIRECT` on Linux and
+//! `F_NOCACHE` on macOS: straight from the device into an [`AlignedBuf`], leaving
+//! the page cache as it was. [`ReadMode::Buffered`] reads through the page cache
+//! (faster on some devices for small files; `voom plan` measures both).
+//!
+//! Direct reads must start and end on [`DIRECT_ALIGN`] boundaries in the file and in
+//! memory; [`DirectFile::read_at`] widens each read to them and returns the bytes
+//! asked for.
+
+use std::alloc::{self, Layout};
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
+use std::time::Instant;
+
+/// Alignment of direct reads, in the file and in memory (the largest logical block
+/// size of common devices; 16 KiB also suits Metal's page size for wrapping).
+pub const DIRECT_ALIGN: usize = 16 << 10;
+
+/// A heap buffer aligned to [`DIRECT_ALIGN`], reused across reads.
+pub struct AlignedBuf {
+    ptr: NonNull<u8>,
+    cap: usize,
+}
+
+// SAFETY: the buffer is plain owned memory; `&AlignedBuf` only yields `&[u8]` and
+// `&mut AlignedBuf` gives exclusive access.
+unsafe impl Send for AlignedBuf {}
+// SAFETY: as above.
+unsafe impl Sync for AlignedBuf {}
+
+impl AlignedBuf {
+    /// A zeroed buffer of at least `bytes` (rounded up to [`DIRECT_ALIGN`]).
+    pub fn new(bytes: usize) -> Self {
+        let cap = bytes.max(1).next_multiple_of(DIRECT_ALIGN);
+        let layout = Layout::from_size_align(cap, DIRECT_ALIGN).expect("valid layout");
+        // SAFETY: `layout` has a non-zero size.
+        let ptr = unsafe { alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(ptr).unwrap_or_else(|| alloc::handle_alloc_error(layout));
+        AlignedBuf { ptr, cap }
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.cap
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: `ptr` is valid for `cap` initialized (zeroed, then written) bytes
+        // for the buffer's lifetime.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.cap) }
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as above, and `&mut self` is exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.cap) }
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        let layout = Layout::from_size_align(self.cap, DIRECT_ALIGN).expect("valid layout");
+        // SAFETY: allocated in `new` with this very layout, freed once.
+        unsafe { alloc::dealloc(self.ptr.as_ptr(), layout) }
+    }
+}
+
+/// How a file is read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReadMode {
+    /// Around the OS page cache (`O_DIRECT`, `F_NOCACHE`).
+    Direct,
+    /// Through the OS page cache.
+    Buffered,
+}
+
+impl ReadMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            ReadMode::Direct => "direct",
+            ReadMode::Buffered => "buffered",
+        }
+    }
+}
+
+/// A regular file opened for reads in one [`ReadMode`].
+pub struct DirectFile {
+    file: File,
+    path: PathBuf,
+    len: u64,
+    mode: ReadMode,
+}
+
+impl DirectFile {
+    /// Opens `path` (a regular file, checked without blocking) for reads in `mode`.
+    /// A filesystem that cannot read around the page cache is an error naming it.
+    pub fn open(path: &Path, mode: ReadMode) -> io::Result<Self> {
+        let file = voom_formats::file::open(path)?;
+        let len = file.metadata()?.len();
+        if mode == ReadMode::Direct {
+            set_direct(&file).map_err(|e| {
+                io::Error::new(
+                    e.kind(),
+                    format!(
+                        "{}: cannot read around the page cache on this filesystem: {e}",
+                        path.display()
+                    ),
+                )
+            })?;
+        }
+        Ok(DirectFile {
+            file,
+            path: path.to_path_buf(),
+            len,
+            mode,
+        })
+    }
+
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn mode(&self) -> ReadMode {
+        self.mode
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Reads bytes `offset..offset + len` of the file into `buf` (widened to
+    /// [`DIRECT_ALIGN`] boundaries; `buf` must hold the widened range, at most
+    /// `len + 2 * DIRECT_ALIGN`) and returns them. A range past the end of the file
+    /// is an `UnexpectedEof` error naming the file and the offsets.
+    pub fn read_at<'b>(
+        &self,
+        offset: u64,
+        len: usize,
+        buf: &'b mut AlignedBuf,
+    ) -> io::Result<&'b [u8]> {
+        let end = offset
+            .checked_add(len as u64)
+            .filter(|&e| e <= self.len)
+            .ok_or_else(|| {
+                io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    format!(
+                        "{}: bytes {offset}..{} are past its end ({} bytes)",
+                        self.path.display(),
+                        offset.saturating_add(len as u64),
+                        self.len
+                    ),
+                )
+            })?;
+        let a = DIRECT_ALIGN as u64;
+        let start = offset / a * a;
+        let wide_end = end.next_multiple_of(a);
+        let wide = (wide_end - start) as usize;
+        if wide > buf.capacity() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "a read of {wide} bytes does not fit a buffer of {}",
+                    buf.capacity()
+                ),
+            ));
+        }
+        let dst = &mut buf.as_mut_slice()[..wide];
+        let mut done = 0usize;
+        // The last block of the file is short: the read stops at the end of the file.
+        let want = (end - start) as usize;
+        while done < want {
+            let n = self.file.read_at(&mut dst[done..], start + done as u64)?;
+            if n == 0 {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    format!(
+                        "{}: the file ended at byte {} while bytes up to {end} were read",
+                        self.path.display(),
+                        start + done as u64
+                    ),
+                ));
+            }
+            done += n;
+        }
+        let skip = (offset - start) as usize;
+        Ok(&buf.as_slice()[skip..skip + len])
+    }
+
+    /// Asks the OS to drop the file's clean pages from its page cache (a cold
+    /// buffered read after it; a no-op where the OS has no such call).
+    pub fn drop_cached(&self) {
+        #[cfg(target_os = "linux")]
+        {
+            use std::os::fd::AsRawFd;
+            // SAFETY: posix_fadvise on a descriptor this value owns; it only gives
+            // the kernel advice and touches no memory of ours.
+            unsafe {
+                libc::posix_fadvise(self.file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED);
+            }
+        }
+    }
+}
+
+#[cfg(target_os = "linux")]
+fn set_direct(file: &File) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let fd = file.as_raw_fd();
+    // SAFETY: fcntl F_GETFL on a descriptor `file` owns; reads its status flags.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    if flags < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: as above; F_SETFL sets status flags from an int.
+    if unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_DIRECT) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+#[cfg(target_os = "macos")]
+fn set_direct(file: &File) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: fcntl F_NOCACHE on a descriptor `file` owns, with an int argument.
+    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_NOCACHE, 1) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+#[cfg(not(any(target_os = "linux", target_os = "macos")))]
+fn set_direct(_file: &File) -> io::Result<()> {
+    Err(io::Error::new(
+        io::ErrorKind::Unsupported,
+        "direct reads are implemented on Linux and macOS",
+    ))
+}
+
+/// A measured read bandwidth.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Bandwidth {
+    pub mode: ReadMode,
+    pub bytes: u64,
+    pub secs: f64,
+}
+
+impl Bandwidth {
+    pub fn bytes_per_sec(&self) -> f64 {
+        self.bytes as f64 / self.secs.max(1e-9)
+    }
+}
+
+/// Reads up to `max_bytes` of `files` (in order, each from its start) in `chunk`-byte
+/// reads in `mode` and times it. A buffered measurement first drops the files' clean
+/// pages from the page cache, and again after, so it reads cold and leaves nothing
+/// behind (pages another process dirtied, or a device's own cache, may still be warm).
+pub fn read_bandwidth(
+    files: &[PathBuf],
+    max_bytes: u64,
+    chunk: usize,
+    mode: ReadMode,
+) -> io::Result<Bandwidth> {
+    let mut opened = Vec::new();
+    for f in files {
+        let d = DirectFile::open(f, mode)?;
+        if mode == ReadMode::Buffered {
+            d.drop_cached();
+        }
+        opened.push(d);
+    }
+    let chunk = chunk.max(DIRECT_ALIGN).next_multiple_of(DIRECT_ALIGN);
+    let mut buf = AlignedBuf::new(chunk + 2 * DIRECT_ALIGN);
+    let mut total = 0u64;
+    let t0 = Instant::now();
+    'files: for d in &opened {
+        let mut off = 0u64;
+        while off < d.len() {
+            let n = (chunk as u64).min(d.len() - off).min(max_bytes - total) as usize;
+            if n == 0 {
+                break 'files;
+            }
+            d.read_at(off, n, &mut buf)?;
+            off += n as u64;
+            total += n as u64;
+        }
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    if mode == ReadMode::Buffered {
+        for d in &opened {
+            d.drop_cached();
+        }
+    }
+    Ok(Bandwidth {
+        mode,
+        bytes: total,
+        secs,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file_with(len: usize) -> (tempfile::TempDir, PathBuf, Vec<u8>) {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("f.bin");
+        let data: Vec<u8> = (0..len).map(|i| (i * 7 + i / 251) as u8).collect();
+        std::fs::write(&p, &data).unwrap();
+        (dir, p, data)
+    }
+
+    #[test]
+    fn unaligned_ranges_read_the_bytes_asked_for_in_both_modes() {
+        let (_d, p, data) = file_with(3 * DIRECT_ALIGN + 123);
+        for mode in [ReadMode::Direct, ReadMode::Buffered] {
+            let f = match DirectFile::open(&p, mode) {
+                Ok(f) => f,
+                Err(e) if mode == ReadMode::Direct => {
+                    eprintln!("skipping direct reads: {e}");
+                    continue;
+                }
+                Err(e) => panic!("{e}"),
+            };
+            let mut buf = AlignedBuf::new(4 * DIRECT_ALIGN + 2 * DIRECT_ALIGN);
+            for (off, len) in [
+                (0usize, 10usize),
+                (5, DIRECT_ALIGN),
+                (DIRECT_ALIGN - 1, 2),
+                (3 * DIRECT_ALIGN, 123),
+                (17, data.len() - 17),
+                (data.len(), 0),
+            ] {
+                let got = f.read_at(off as u64, len, &mut buf).unwrap();
+                assert_eq!(got, &data[off..off + len], "{mode:?} {off}+{len}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_range_past_the_end_is_an_error_naming_the_file() {
+        let (_d, p, data) = file_with(1000);
+        let f = DirectFile::open(&p, ReadMode::Buffered).unwrap();
+        let mut buf = AlignedBuf::new(4 * DIRECT_ALIGN);
+        let e = f.read_at(990, 11, &mut buf).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof);
+        assert!(e.to_string().contains("f.bin") && e.to_string().contains("990..1001"));
+        assert_eq!(f.read_at(990, 10, &mut buf).unwrap(), &data[990..]);
+    }
+
+    #[test]
+    fn a_file_truncated_after_opening_is_an_eof_error_not_stale_bytes() {
+        let (_d, p, _) = file_with(2 * DIRECT_ALIGN);
+        let f = DirectFile::open(&p, ReadMode::Buffered).unwrap();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&p)
+            .unwrap()
+            .set_len(100)
+            .unwrap();
+        let mut buf = AlignedBuf::new(4 * DIRECT_ALIGN);
+        let e = f.read_at(50, DIRECT_ALIGN, &mut buf).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof, "{e}");
+        assert!(e.to_string().contains("ended at byte 100"), "{e}");
+    }
+
+    #[test]
+    fn buffers_are_aligned_and_bandwidth_counts_what_it_read() {
+        let b = AlignedBuf::new(1);
+        assert_eq!(b.as_slice().as_ptr() as usize % DIRECT_ALIGN, 0);
+        assert_eq!(b.capacity(), DIRECT_ALIGN);
+        let (_d, p, data) = file_with(5 * DIRECT_ALIGN + 7);
+        let bw = read_bandwidth(
+            std::slice::from_ref(&p),
+            u64::MAX,
+            DIRECT_ALIGN * 2,
+            ReadMode::Buffered,
+        )
+        .unwrap();
+        assert_eq!(bw.bytes, data.len() as u64);
+        let bw = read_bandwidth(
+            &[p],
+            3 * DIRECT_ALIGN as u64,
+            DIRECT_ALIGN,
+            ReadMode::Buffered,
+        )
+        .unwrap();
+        assert_eq!(bw.bytes, 3 * DIRECT_ALIGN as u64);
+        assert!(bw.bytes_per_sec() > 0.0);
+    }
+
+    #[test]
+    fn a_fifo_is_refused_without_blocking() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("fifo");
+        let c = std::ffi::CString::new(p.to_str().unwrap()).unwrap();
+        // SAFETY: mkfifo with a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        assert!(DirectFile::open(&p, ReadMode::Direct).is_err());
+    }
+}
