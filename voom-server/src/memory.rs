@@ -81,6 +81,26 @@ pub fn resident_bytes() -> Option<u64> {
     snapshot().map(|m| m.rss_bytes)
 }
 
+/// Bytes this process caused to be read from storage (`read_bytes` of
+/// `/proc/self/io`: page-cache misses and direct reads, not cache hits).
+pub fn storage_read_bytes() -> Option<u64> {
+    proc_field("/proc/self/io", "read_bytes:")
+}
+
+/// This process's peak resident memory (`VmHWM`), in bytes.
+pub fn peak_resident_bytes() -> Option<u64> {
+    proc_field("/proc/self/status", "VmHWM:").map(|kb| kb * 1024)
+}
+
+/// The first number after `key` in the file at `path`.
+fn proc_field(path: &str, key: &str) -> Option<u64> {
+    std::fs::read_to_string(path)
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix(key))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+}
+
 /// Memory a process started now could use, and where the figure comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Available {

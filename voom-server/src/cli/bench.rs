@@ -16,7 +16,10 @@ use crate::synth::{self, SynthShape};
 use super::common;
 
 #[derive(Args, Debug)]
+#[command(args_conflicts_with_subcommands = true)]
 pub struct BenchArgs {
+    #[command(subcommand)]
+    pub sub: Option<BenchSub>,
     /// Models to measure (directories or store names). Default: smollm2-135m-instruct
     /// (pulled if missing) and a synthetic Llama of --synthetic-gb.
     #[arg(long = "model")]
@@ -55,6 +58,14 @@ pub struct BenchArgs {
     pub profiles_dir: Option<PathBuf>,
 }
 
+/// Benchmarks beside the resident one.
+#[derive(clap::Subcommand, Debug)]
+pub enum BenchSub {
+    /// Decode a model several times larger than a memory ceiling (a memory cgroup),
+    /// against the storage bound and plain memory mapping, measured in the same run.
+    OutOfCore(super::out_of_core::OutOfCoreArgs),
+}
+
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
     let n = v.len();
@@ -66,6 +77,9 @@ fn median(v: &mut [f64]) -> f64 {
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {
+    if let Some(BenchSub::OutOfCore(o)) = a.sub {
+        return super::out_of_core::run(o);
+    }
     if a.runs == 0 || a.prompt_tokens == 0 || a.decode_tokens < 2 {
         bail!("--runs and --prompt-tokens must be positive and --decode-tokens at least 2");
     }

@@ -383,5 +383,8 @@ pub fn result_json(
         // This process's memory at the end (Linux): private bytes against the
         // daemon's shared arena.
         "memory": crate::memory::snapshot(),
+        "peak_rss_bytes": crate::memory::peak_resident_bytes(),
+        // Bytes read from storage by this process in all (the weights it streamed).
+        "storage_read_bytes": crate::memory::storage_read_bytes(),
     })
 }

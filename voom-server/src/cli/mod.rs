@@ -4,6 +4,7 @@ pub mod bench;
 pub mod common;
 pub mod generate;
 pub mod list;
+pub mod out_of_core;
 pub mod plan;
 pub mod profiles;
 pub mod pull;

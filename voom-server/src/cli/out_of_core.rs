@@ -1,0 +1,333 @@
+//! `voom bench out-of-core`: decode (and prefill) of a model several times larger
+//! than a real memory ceiling, against the storage bound measured in the same run,
+//! beside the naive baseline (plain memory mapping, the OS page cache under the same
+//! ceiling) measured the same way.
+//!
+//! Each configuration runs as a child `voom generate` inside a memory cgroup of the
+//! budget (../BENCHMARKS.md), after the page cache is dropped. Bytes read from
+//! storage come from the child's `/proc/self/io` (`read_bytes`: what the kernel read
+//! from the device for it, page-cache hits excluded), peak memory from the cgroup
+//! (private memory and page cache together). The storage bound is the cold read
+//! bandwidth of the checkpoint's files, measured here around the page cache, divided
+//! by the bytes per token that cannot be resident under the budget.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use libvoom::engine::{Engine, EngineOptions};
+use libvoom::placement::human;
+use serde_json::{json, Value};
+use voom_formats::manifest::{Manifest, MANIFEST_FILE};
+use voom_formats::Checkpoint;
+use vpaged::direct::{self, ReadMode};
+use vpaged::VerifyMode;
+
+use crate::cgroup::{self, Ceiling};
+use crate::synth::{self, SynthShape};
+
+#[derive(Args, Debug)]
+pub struct OutOfCoreArgs {
+    /// The memory ceiling (`1GiB`).
+    #[arg(long, value_parser = crate::profile::parse_size, default_value = "1GiB")]
+    pub budget: u64,
+    /// Size of the synthetic random-weights Llama in GB of BF16. Default: three times
+    /// the budget, at least 4 GB.
+    #[arg(long)]
+    pub model_gb: Option<f64>,
+    /// Measure this model directory instead of a synthetic one (it needs a page
+    /// manifest for the page-cache configuration: `vpagectl hash DIR`).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Tokens decoded per run.
+    #[arg(long, default_value_t = 8)]
+    pub decode_tokens: usize,
+    /// Prompt tokens prefilled per run.
+    #[arg(long, default_value_t = 512)]
+    pub prompt_tokens: usize,
+    /// Compute threads (0: all cores).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+    /// Configurations to run, comma-separated: `mmap` (the embedded memory-mapped
+    /// store, the naive baseline) and `cache` (vOOM's page cache at the budget less
+    /// KV, scratch and the process).
+    #[arg(long, value_delimiter = ',', default_value = "mmap,cache")]
+    pub configs: Vec<String>,
+    /// The `voom` binary the runs use (default: this one).
+    #[arg(long)]
+    pub voom: Option<PathBuf>,
+    /// Print one JSON object with every figure.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Prefill tokens per pass (the engine's default chunk).
+const PREFILL_CHUNK: usize = 256;
+/// Memory assumed for the child process itself (code, tokenizer, heap).
+const PROCESS_BYTES: u64 = 96 << 20;
+
+pub fn run(a: OutOfCoreArgs) -> Result<()> {
+    if a.decode_tokens < 2 || a.prompt_tokens == 0 {
+        bail!("--decode-tokens must be at least 2 and --prompt-tokens positive");
+    }
+    let dir = match &a.model {
+        Some(d) => d.clone(),
+        None => synthetic(a.model_gb.unwrap_or((3.0 * a.budget as f64 / 1e9).max(4.0)))?,
+    };
+    let ckpt = Checkpoint::open(&dir).with_context(|| format!("opening {}", dir.display()))?;
+    let files: Vec<PathBuf> = ckpt.files.iter().map(|f| f.path.clone()).collect();
+    let model_bytes = ckpt.total_bytes();
+    drop(ckpt);
+
+    // What cannot be resident: the weights a token reads less what the budget holds
+    // once KV, scratch and the process are set aside.
+    let engine = Engine::open(
+        &dir,
+        EngineOptions {
+            verify: VerifyMode::Off,
+            ..Default::default()
+        },
+    )?;
+    let m = engine.model();
+    let context = a.prompt_tokens + a.decode_tokens;
+    let kv = m.kv_bytes_per_position() * context as u64;
+    let scratch = m.scratch_bytes(PREFILL_CHUNK.min(a.prompt_tokens), context);
+    let weights = m.plan().weight_bytes_per_token();
+    let vocab = engine.config().vocab_size as u32;
+    drop(engine);
+    let room = a.budget.saturating_sub(kv + scratch + PROCESS_BYTES);
+    let non_resident = weights.saturating_sub(room);
+
+    let dropped = cgroup::drop_page_cache();
+    let bw = direct::read_bandwidth(&files, 4 << 30, 8 << 20, ReadMode::Direct)
+        .or_else(|_| direct::read_bandwidth(&files, 4 << 30, 8 << 20, ReadMode::Buffered))
+        .context("measuring the checkpoint's cold read bandwidth")?;
+    let storage_bps = bw.bytes_per_sec();
+    let bound = if non_resident == 0 {
+        None
+    } else {
+        Some(storage_bps / non_resident as f64)
+    };
+
+    let ceiling = Ceiling::create(a.budget);
+    let voom = match &a.voom {
+        Some(v) => v.clone(),
+        None => std::env::current_exe().context("finding the voom binary")?,
+    };
+    // A fixed prompt of ids spread over the vocabulary.
+    let prompt: Vec<String> = (0..a.prompt_tokens as u32)
+        .map(|i| ((i * 7919 + 13) % vocab.max(1)).to_string())
+        .collect();
+    let cache_budget = room.saturating_sub(64 << 20).max(1 << 20);
+    let mut results = Vec::new();
+    for cfg in &a.configs {
+        let extra: Vec<String> = match cfg.as_str() {
+            "mmap" => vec![],
+            "cache" => {
+                ensure_manifest(&dir)?;
+                vec!["--cache-budget".into(), cache_budget.to_string()]
+            }
+            other => bail!("unknown configuration '{other}' (mmap, cache)"),
+        };
+        let mut args: Vec<String> = vec![
+            "generate".into(),
+            "--model".into(),
+            dir.display().to_string(),
+            "--prompt-ids".into(),
+            prompt.join(","),
+            "--max-new-tokens".into(),
+            a.decode_tokens.to_string(),
+            "--ignore-eos".into(),
+            "--json".into(),
+            "--threads".into(),
+            a.threads.to_string(),
+            "--max-context".into(),
+            context.to_string(),
+        ];
+        args.extend(extra);
+        for f in &files {
+            if let Ok(d) = direct::DirectFile::open(f, ReadMode::Buffered) {
+                d.drop_cached();
+            }
+        }
+        let _ = cgroup::drop_page_cache();
+        let t0 = Instant::now();
+        let (out, peak, oom) = match &ceiling {
+            Ok(c) => {
+                c.reset_peak();
+                let before = c.oom_kills();
+                let o = c.command(&voom, &args).output()?;
+                (o, c.peak(), c.oom_kills() - before)
+            }
+            Err(_) => (
+                std::process::Command::new(&voom).args(&args).output()?,
+                None,
+                0,
+            ),
+        };
+        let wall = t0.elapsed().as_secs_f64();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let line = stdout.lines().last().unwrap_or("");
+        let r: Value = match serde_json::from_str(line) {
+            Ok(v) if out.status.success() => v,
+            _ => {
+                let err = String::from_utf8_lossy(&out.stderr);
+                results.push(json!({
+                    "config": cfg, "ok": false, "status": out.status.to_string(),
+                    "oom_kills": oom, "error": err.lines().last().unwrap_or(""),
+                }));
+                continue;
+            }
+        };
+        let passes = a.prompt_tokens.div_ceil(PREFILL_CHUNK) + a.decode_tokens - 1;
+        let read = r["storage_read_bytes"].as_u64();
+        let decode_tps = r["timing"]["decode_tokens_per_sec"].as_f64().unwrap_or(0.0);
+        results.push(json!({
+            "config": cfg,
+            "ok": true,
+            "page_source": r["page_source"],
+            "decode_tokens_per_sec": decode_tps,
+            "prefill_tokens_per_sec": r["timing"]["prefill_tokens_per_sec"],
+            "storage_read_bytes": read,
+            "read_bytes_per_pass": read.map(|b| b / passes as u64),
+            "passes": passes,
+            "peak_bytes": peak,
+            "peak_rss_bytes": r["peak_rss_bytes"],
+            "oom_kills": oom,
+            "ratio_to_storage_bound": bound.map(|b| decode_tps / b),
+            "wall_secs": wall,
+        }));
+    }
+    let rate = |name: &str| {
+        results
+            .iter()
+            .find(|r| r["config"] == name && r["ok"] == true)
+            .and_then(|r| r["decode_tokens_per_sec"].as_f64())
+    };
+    let vs_mmap = match (rate("cache"), rate("mmap")) {
+        (Some(c), Some(m)) if m > 0.0 => Some(c / m),
+        _ => None,
+    };
+    let ceiling_desc = match &ceiling {
+        Ok(c) => json!({"kind": format!("memory cgroup {:?}", c.version()), "limit": c.limit()}),
+        Err(why) => json!({"kind": "none: the engines' own budget only", "why": why}),
+    };
+    let report = json!({
+        "model": dir.display().to_string(),
+        "model_bytes": model_bytes,
+        "budget": a.budget,
+        "ceiling": ceiling_desc,
+        "page_cache_dropped": dropped.is_ok(),
+        "weight_bytes_per_token": weights,
+        "non_resident_bytes_per_token": non_resident,
+        "needs": {"kv": kv, "scratch": scratch, "process_assumed": PROCESS_BYTES},
+        "storage": {"mode": bw.mode.name(), "bytes_per_sec": storage_bps, "bytes_read": bw.bytes},
+        "storage_bound_tokens_per_sec": bound,
+        "cache_budget": cache_budget,
+        "runs": results,
+        "cache_vs_mmap": vs_mmap,
+    });
+    if a.json {
+        vpaged::outln!("{report}")?;
+        return Ok(());
+    }
+    print_report(&report)
+}
+
+fn print_report(r: &Value) -> Result<()> {
+    let b = |k: &Value| human(k.as_u64().unwrap_or(0));
+    vpaged::outln!(
+        "model {} ({}), budget {} under {}",
+        r["model"].as_str().unwrap_or(""),
+        b(&r["model_bytes"]),
+        b(&r["budget"]),
+        r["ceiling"]["kind"].as_str().unwrap_or("")
+    )?;
+    if let Some(why) = r["ceiling"]["why"].as_str() {
+        vpaged::outln!("  (no memory cgroup: {why})")?;
+    }
+    vpaged::outln!(
+        "  weights per token {}, of which cannot be resident {}; storage {:.2} GB/s cold ({})",
+        b(&r["weight_bytes_per_token"]),
+        b(&r["non_resident_bytes_per_token"]),
+        r["storage"]["bytes_per_sec"].as_f64().unwrap_or(0.0) / 1e9,
+        r["storage"]["mode"].as_str().unwrap_or("")
+    )?;
+    vpaged::outln!(
+        "  storage bound: {} tok/s",
+        r["storage_bound_tokens_per_sec"]
+            .as_f64()
+            .map_or("none (fits)".into(), |v| format!("{v:.3}"))
+    )?;
+    vpaged::outln!(
+        "  {:<6} {:>10} {:>10} {:>12} {:>12} {:>8}",
+        "config",
+        "decode t/s",
+        "of bound",
+        "read/pass",
+        "peak mem",
+        "oom"
+    )?;
+    for run in r["runs"].as_array().into_iter().flatten() {
+        if run["ok"] != true {
+            vpaged::outln!(
+                "  {:<6} failed ({}; {} killed for memory): {}",
+                run["config"].as_str().unwrap_or(""),
+                run["status"].as_str().unwrap_or(""),
+                run["oom_kills"],
+                run["error"].as_str().unwrap_or("")
+            )?;
+            continue;
+        }
+        vpaged::outln!(
+            "  {:<6} {:>10.3} {:>10} {:>12} {:>12} {:>8}",
+            run["config"].as_str().unwrap_or(""),
+            run["decode_tokens_per_sec"].as_f64().unwrap_or(0.0),
+            run["ratio_to_storage_bound"]
+                .as_f64()
+                .map_or("-".into(), |v| format!("{v:.2}")),
+            b(&run["read_bytes_per_pass"]),
+            run["peak_bytes"].as_u64().map_or("-".into(), human),
+            run["oom_kills"]
+        )?;
+    }
+    if let Some(v) = r["cache_vs_mmap"].as_f64() {
+        vpaged::outln!("  cache / mmap decode: {v:.2}x")?;
+    }
+    Ok(())
+}
+
+/// The synthetic Llama of about `gb` GB under `$VOOM_HOME/bench`, written once.
+fn synthetic(gb: f64) -> Result<PathBuf> {
+    let shape = SynthShape::of_size(gb);
+    let dir = crate::store::voom_home()?.join("bench").join(format!(
+        "llama-synthetic-{}l-{}h",
+        shape.layers, shape.hidden
+    ));
+    if !dir.join("config.json").exists() {
+        eprintln!(
+            "voom bench: writing a synthetic Llama ({} layers, {:.2} GB BF16) to {}",
+            shape.layers,
+            shape.params() as f64 * 2.0 / 1e9,
+            dir.display()
+        );
+        synth::write_llama(&dir, shape, 0x5eed)?;
+    }
+    Ok(dir)
+}
+
+/// Writes the page manifest the page cache needs, if missing.
+fn ensure_manifest(dir: &Path) -> Result<()> {
+    if dir.join(MANIFEST_FILE).is_file() {
+        return Ok(());
+    }
+    eprintln!(
+        "voom bench: hashing {} for its page manifest",
+        dir.display()
+    );
+    let ckpt = Checkpoint::open(dir)?;
+    let manifest = Manifest::build(&ckpt, &mut |_, _| {})?;
+    manifest.save(dir)?;
+    Ok(())
+}
