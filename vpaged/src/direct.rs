@@ -252,6 +252,10 @@ pub struct Bandwidth {
     pub mode: ReadMode,
     pub bytes: u64,
     pub secs: f64,
+    /// Reads in flight at once.
+    pub readers: usize,
+    /// Bytes per read.
+    pub chunk: usize,
 }
 
 impl Bandwidth {
@@ -261,14 +265,17 @@ impl Bandwidth {
 }
 
 /// Reads up to `max_bytes` of `files` (in order, each from its start) in `chunk`-byte
-/// reads in `mode` and times it. A buffered measurement first drops the files' clean
-/// pages from the page cache, and again after, so it reads cold and leaves nothing
-/// behind (pages another process dirtied, or a device's own cache, may still be warm).
+/// reads in `mode`, `readers` of them in flight at once (each thread takes the next
+/// chunk; devices that reward several outstanding reads show it), and times it. A
+/// buffered measurement first drops the files' clean pages from the page cache, and
+/// again after, so it reads cold and leaves nothing behind (pages another process
+/// dirtied, or a device's own cache, may still be warm).
 pub fn read_bandwidth(
     files: &[PathBuf],
     max_bytes: u64,
     chunk: usize,
     mode: ReadMode,
+    readers: usize,
 ) -> io::Result<Bandwidth> {
     let mut opened = Vec::new();
     for f in files {
@@ -279,22 +286,48 @@ pub fn read_bandwidth(
         opened.push(d);
     }
     let chunk = chunk.max(DIRECT_ALIGN).next_multiple_of(DIRECT_ALIGN);
-    let mut buf = AlignedBuf::new(chunk + 2 * DIRECT_ALIGN);
+    // Every (file, offset, len) to read, in order, up to `max_bytes`.
+    let mut reads = Vec::new();
     let mut total = 0u64;
-    let t0 = Instant::now();
-    'files: for d in &opened {
+    'files: for (i, d) in opened.iter().enumerate() {
         let mut off = 0u64;
         while off < d.len() {
             let n = (chunk as u64).min(d.len() - off).min(max_bytes - total) as usize;
             if n == 0 {
                 break 'files;
             }
-            d.read_at(off, n, &mut buf)?;
+            reads.push((i, off, n));
             off += n as u64;
             total += n as u64;
         }
     }
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let t0 = Instant::now();
+    let results: Vec<io::Result<()>> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..readers.max(1))
+            .map(|_| {
+                s.spawn(|| -> io::Result<()> {
+                    let mut buf = AlignedBuf::new(chunk + 2 * DIRECT_ALIGN);
+                    loop {
+                        let k = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some(&(i, off, n)) = reads.get(k) else {
+                            return Ok(());
+                        };
+                        opened[i].read_at(off, n, &mut buf)?;
+                    }
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| {
+                w.join()
+                    .unwrap_or_else(|_| Err(io::Error::other("a reader panicked")))
+            })
+            .collect()
+    });
     let secs = t0.elapsed().as_secs_f64();
+    results.into_iter().collect::<io::Result<Vec<()>>>()?;
     if mode == ReadMode::Buffered {
         for d in &opened {
             d.drop_cached();
@@ -304,6 +337,8 @@ pub fn read_bandwidth(
         mode,
         bytes: total,
         secs,
+        readers: readers.max(1),
+        chunk,
     })
 }
 
@@ -384,6 +419,7 @@ mod tests {
             u64::MAX,
             DIRECT_ALIGN * 2,
             ReadMode::Buffered,
+            3,
         )
         .unwrap();
         assert_eq!(bw.bytes, data.len() as u64);
@@ -392,6 +428,7 @@ mod tests {
             3 * DIRECT_ALIGN as u64,
             DIRECT_ALIGN,
             ReadMode::Buffered,
+            1,
         )
         .unwrap();
         assert_eq!(bw.bytes, 3 * DIRECT_ALIGN as u64);

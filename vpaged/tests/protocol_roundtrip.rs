@@ -207,3 +207,49 @@ fn largest_requests_round_trip() {
         assert_eq!(Message::decode(&f).unwrap(), msg);
     }
 }
+
+/// Fuzzing (vpaged/fuzz frame_decode) found that a `Prefetch` or `Release` frame with
+/// `NO_REPLY` decodes, yet its message re-encodes without the flag: flags belong to
+/// the frame (the sender sets them), never to the message. A hint with the flag
+/// round-trips once the sender sets it again; any other flag is refused, and on
+/// every other message `NO_REPLY` is refused too.
+#[test]
+fn a_no_reply_frame_decodes_and_the_flag_is_the_frames_not_the_messages() {
+    use vpaged::protocol::FLAG_NO_REPLY;
+    let pages = vec![PageId(3), PageId(7)];
+    for msg in [
+        Message::Prefetch {
+            model: ModelId(2),
+            pages: pages.clone(),
+        },
+        Message::Release {
+            model: ModelId(2),
+            pages: pages.clone(),
+        },
+    ] {
+        let mut frame = msg.to_frame(9).unwrap();
+        assert_eq!(frame.flags, 0, "a message never sets a flag itself");
+        frame.flags = FLAG_NO_REPLY;
+        let back = Message::decode(&frame).unwrap();
+        assert_eq!(back, msg);
+        let mut again = back.to_frame(9).unwrap();
+        again.flags = FLAG_NO_REPLY;
+        assert_eq!(again, frame);
+        frame.flags = 0x0002;
+        assert!(
+            Message::decode(&frame).is_err(),
+            "a reserved flag is refused"
+        );
+    }
+    let mut acquire = Message::Acquire {
+        model: ModelId(2),
+        pages,
+    }
+    .to_frame(1)
+    .unwrap();
+    acquire.flags = FLAG_NO_REPLY;
+    assert!(
+        Message::decode(&acquire).is_err(),
+        "NO_REPLY on an Acquire is refused"
+    );
+}

@@ -228,12 +228,14 @@ impl Measured {
 fn measure(dir: &Path, bytes: u64, weight_bytes: u64, threads: usize) -> Result<Measured> {
     let files = checkpoint_files(dir)?;
     const CHUNK: usize = 8 << 20;
+    // Several reads in flight: devices reward it, and the engine's readers do it.
+    const READERS: usize = 4;
     let (direct, direct_error) =
-        match direct::read_bandwidth(&files, bytes, CHUNK, ReadMode::Direct) {
+        match direct::read_bandwidth(&files, bytes, CHUNK, ReadMode::Direct, READERS) {
             Ok(b) => (Some(b), None),
             Err(e) => (None, Some(e.to_string())),
         };
-    let buffered = direct::read_bandwidth(&files, bytes, CHUNK, ReadMode::Buffered)
+    let buffered = direct::read_bandwidth(&files, bytes, CHUNK, ReadMode::Buffered, READERS)
         .with_context(|| format!("reading the checkpoint in {}", dir.display()))?;
     let probe = (weight_bytes as usize).clamp(64 << 20, 1 << 30);
     let memory = membw::read_bandwidth(probe, threads.max(1), 2) * 1e9;
