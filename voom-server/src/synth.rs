@@ -73,6 +73,26 @@ fn random_bf16(rng: &mut Rng, n: usize, scale: f32, offset: f32) -> Vec<u8> {
     out
 }
 
+/// The benchmarks' synthetic Llama of about `gb` GB of BF16 under
+/// `$VOOM_HOME/bench` (named by its shape), written once and reused.
+pub fn bench_model(gb: f64) -> Result<std::path::PathBuf> {
+    let shape = SynthShape::of_size(gb);
+    let dir = crate::store::voom_home()?.join("bench").join(format!(
+        "llama-synthetic-{}l-{}h",
+        shape.layers, shape.hidden
+    ));
+    if !dir.join("config.json").exists() {
+        eprintln!(
+            "voom bench: writing a synthetic Llama ({} layers, {:.2} GB BF16) to {}",
+            shape.layers,
+            shape.params() as f64 * 2.0 / 1e9,
+            dir.display()
+        );
+        write_llama(&dir, shape, 0x5eed)?;
+    }
+    Ok(dir)
+}
+
 /// Writes `config.json` and `model.safetensors` of a random Llama into `dir`.
 pub fn write_llama(dir: &Path, shape: SynthShape, seed: u64) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;

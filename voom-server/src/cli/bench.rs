@@ -11,7 +11,7 @@ use libvoom::backend::cpu::membw::{read_bandwidth, ReadProbe};
 use libvoom::engine::{Engine, EngineOptions, GenerateParams};
 use voom_formats::Checkpoint;
 
-use crate::synth::{self, SynthShape};
+use crate::synth;
 
 use super::common;
 
@@ -92,21 +92,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         }
     }
     if a.synthetic_gb > 0.0 {
-        let shape = SynthShape::of_size(a.synthetic_gb);
-        let dir = crate::store::voom_home()?.join("bench").join(format!(
-            "llama-synthetic-{}l-{}h",
-            shape.layers, shape.hidden
-        ));
-        if !dir.join("config.json").exists() {
-            eprintln!(
-                "voom bench: writing a synthetic Llama ({} layers, {:.2} GB BF16) to {}",
-                shape.layers,
-                shape.params() as f64 * 2.0 / 1e9,
-                dir.display()
-            );
-            synth::write_llama(&dir, shape, 0x5eed)?;
-        }
-        dirs.push(dir);
+        dirs.push(synth::bench_model(a.synthetic_gb)?);
     }
 
     let mut results = Vec::new();

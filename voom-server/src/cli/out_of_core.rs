@@ -25,7 +25,7 @@ use vpaged::direct::{self, ReadMode};
 use vpaged::VerifyMode;
 
 use crate::cgroup::{self, Ceiling};
-use crate::synth::{self, SynthShape};
+use crate::synth;
 
 #[derive(Args, Debug)]
 pub struct OutOfCoreArgs {
@@ -73,7 +73,7 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
     }
     let dir = match &a.model {
         Some(d) => d.clone(),
-        None => synthetic(a.model_gb.unwrap_or((3.0 * a.budget as f64 / 1e9).max(4.0)))?,
+        None => synth::bench_model(a.model_gb.unwrap_or((3.0 * a.budget as f64 / 1e9).max(4.0)))?,
     };
     let ckpt = Checkpoint::open(&dir).with_context(|| format!("opening {}", dir.display()))?;
     let files: Vec<PathBuf> = ckpt.files.iter().map(|f| f.path.clone()).collect();
@@ -312,25 +312,6 @@ fn print_report(r: &Value) -> Result<()> {
         vpaged::outln!("  cache / mmap decode: {v:.2}x")?;
     }
     Ok(())
-}
-
-/// The synthetic Llama of about `gb` GB under `$VOOM_HOME/bench`, written once.
-fn synthetic(gb: f64) -> Result<PathBuf> {
-    let shape = SynthShape::of_size(gb);
-    let dir = crate::store::voom_home()?.join("bench").join(format!(
-        "llama-synthetic-{}l-{}h",
-        shape.layers, shape.hidden
-    ));
-    if !dir.join("config.json").exists() {
-        eprintln!(
-            "voom bench: writing a synthetic Llama ({} layers, {:.2} GB BF16) to {}",
-            shape.layers,
-            shape.params() as f64 * 2.0 / 1e9,
-            dir.display()
-        );
-        synth::write_llama(&dir, shape, 0x5eed)?;
-    }
-    Ok(dir)
 }
 
 /// Writes the page manifest the page cache needs, if missing.
