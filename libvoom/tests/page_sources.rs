@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use libvoom::engine::{Engine, EngineOptions};
+use vpaged::direct::ReadMode;
 use vpaged::store::{Store, StoreConfig, StoreSource};
 
 fn fixture_copy(case: &str) -> (tempfile::TempDir, PathBuf) {
@@ -97,11 +98,18 @@ fn store_core_gives_the_embedded_bits_at_any_budget() {
             below < layer_slots,
             "{case}: {below} is not below one layer ({layer_slots})"
         );
-        // Prefetch off, one layer ahead (the default) and three ahead.
-        for budget in [64 << 20, one_layer, below] {
-            for prefetch_depth in [0, 1, 3] {
+        // Prefetch off, one layer ahead (the default) and three ahead; reads
+        // around the OS page cache and through it.
+        let runs = [64 << 20, one_layer, below].into_iter().flat_map(|b| {
+            [0, 1, 3]
+                .into_iter()
+                .flat_map(move |d| [ReadMode::Direct, ReadMode::Buffered].map(move |m| (b, d, m)))
+        });
+        for (budget, prefetch_depth, read_mode) in runs {
+            {
                 let store = Store::new(StoreConfig {
                     cache_bytes: budget,
+                    read_mode: Some(read_mode),
                     ..Default::default()
                 })
                 .unwrap();
@@ -114,7 +122,7 @@ fn store_core_gives_the_embedded_bits_at_any_budget() {
                 assert_eq!(
                     run(&e, &prompt),
                     reference,
-                    "{case}: budget {budget}, prefetch depth {prefetch_depth}"
+                    "{case}: budget {budget}, prefetch depth {prefetch_depth}, {read_mode:?} reads"
                 );
                 let s = store.cache_stats();
                 assert!(s.misses > 0 && s.bytes_loaded > 0, "{case}: {s:?}");

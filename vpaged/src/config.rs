@@ -9,6 +9,7 @@
 //! pin_first_layers = 1
 //! pin_last_layers = 1
 //! max_sessions = 128
+//! read_mode = "auto"    # or "direct" (around the OS page cache) or "buffered"
 //!
 //! [[nas]]
 //! mount = "/Volumes/nas"
@@ -151,6 +152,7 @@ pub struct FileConfig {
     pub pin_last_layers: Option<u32>,
     pub prefault: Option<bool>,
     pub max_sessions: Option<usize>,
+    pub read_mode: Option<String>,
     #[serde(default)]
     pub nas: Vec<NasMount>,
 }
@@ -190,6 +192,10 @@ pub struct DaemonArgs {
     /// Most engine connections served at once (default 128); more are refused.
     #[arg(long, env = "VPAGED_MAX_SESSIONS")]
     pub max_sessions: Option<usize>,
+    /// How model files are read: `direct` (around the OS page cache), `buffered`,
+    /// or `auto` (the default: direct for a model larger than the cache).
+    #[arg(long, env = "VPAGED_READ_MODE")]
+    pub read_mode: Option<String>,
     /// TOML config file.
     #[arg(long, env = "VPAGED_CONFIG")]
     pub config: Option<PathBuf>,
@@ -206,6 +212,8 @@ pub struct DaemonConfig {
     pub pin_last_layers: u32,
     pub prefault: bool,
     pub max_sessions: usize,
+    /// `None`: chosen per model (see [`crate::store::StoreConfig::read_mode`]).
+    pub read_mode: Option<crate::direct::ReadMode>,
     pub nas: Vec<NasMount>,
 }
 
@@ -262,14 +270,41 @@ impl DaemonConfig {
             pin_last_layers: args.pin_last_layers.or(file.pin_last_layers).unwrap_or(0),
             prefault: args.prefault || file.prefault.unwrap_or(false),
             max_sessions,
+            read_mode: parse_read_mode(
+                args.read_mode
+                    .as_deref()
+                    .or(file.read_mode.as_deref())
+                    .unwrap_or("auto"),
+            )?,
             nas: file.nas.clone(),
         })
+    }
+}
+
+/// `direct`, `buffered` or `auto` (`None`).
+pub fn parse_read_mode(s: &str) -> Result<Option<crate::direct::ReadMode>, String> {
+    use crate::direct::ReadMode;
+    match s {
+        "direct" => Ok(Some(ReadMode::Direct)),
+        "buffered" => Ok(Some(ReadMode::Buffered)),
+        "auto" => Ok(None),
+        other => Err(format!(
+            "read_mode '{other}' is not one of direct, buffered, auto"
+        )),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn read_modes_parse_and_a_bad_one_is_named() {
+        use crate::direct::ReadMode;
+        assert_eq!(parse_read_mode("direct"), Ok(Some(ReadMode::Direct)));
+        assert_eq!(parse_read_mode("auto"), Ok(None));
+        assert!(parse_read_mode("fast").unwrap_err().contains("'fast'"));
+    }
 
     #[test]
     fn byte_sizes() {

@@ -33,6 +33,7 @@ use voom_formats::{Checkpoint, FormatError};
 
 use crate::arena::{Arena, SLOT_ALIGN};
 use crate::cache::{CacheError, CacheStats, Lease, PageCache, PageKey};
+use crate::direct::ReadMode;
 use crate::loader::{PageLoader, Served};
 use crate::source::{PageId, PageLease, PageMeta, PageSource};
 use crate::tier::{FastTier, FileTier, Health, ModelTier, NasConfig, NasTier, TierStats};
@@ -54,6 +55,10 @@ pub struct StoreConfig {
     /// cache (all models' pins together), in that order of priority.
     pub pin_first_layers: u32,
     pub pin_last_layers: u32,
+    /// How model files are read: `Some` as given; `None` chooses per model, direct
+    /// (around the OS page cache) when the model is larger than the page cache, so
+    /// that streaming it never fills the OS page cache, and buffered otherwise.
+    pub read_mode: Option<ReadMode>,
 }
 
 /// One open model store.
@@ -349,7 +354,16 @@ impl Store {
                 )
             })
             .find(|t| t.probe().is_ok());
-        let primary = ModelTier::File(FileTier::new("primary", &dir));
+        let model_bytes: u64 = loaded.manifest.pages.iter().map(|p| p.len).sum();
+        let mode = self
+            .cfg
+            .read_mode
+            .unwrap_or(if model_bytes > self.cache.capacity() as u64 {
+                ReadMode::Direct
+            } else {
+                ReadMode::Buffered
+            });
+        let primary = ModelTier::File(FileTier::with_mode("primary", &dir, mode));
         Ok(self.insert(dir, primary, nas, loaded))
     }
 

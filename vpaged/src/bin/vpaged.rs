@@ -51,6 +51,7 @@ fn run(cli: Cli) -> Result<()> {
         nas: cfg.nas.iter().map(|n| n.nas_config()).collect(),
         pin_first_layers: cfg.pin_first_layers,
         pin_last_layers: cfg.pin_last_layers,
+        read_mode: cfg.read_mode,
     })
     .context("creating the page store")?;
     if cfg.prefault {

@@ -1,31 +1,59 @@
 //! A directory of model files, read by extent.
+//!
+//! Reads are buffered (through the OS page cache) or direct (around it, into a
+//! reusable aligned bounce buffer per reading thread, then copied to the caller's
+//! buffer: an extent of a checkpoint starts wherever its tensor does, which a direct
+//! read cannot). A filesystem that cannot read around the page cache (tmpfs, some
+//! overlays) is read buffered, with a warning.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
-use std::fs::File;
-use std::os::unix::fs::FileExt;
 use std::path::{Component, Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use super::{Extent, TierCounters, TierError, TierStats};
+use crate::direct::{AlignedBuf, DirectFile, ReadMode, DIRECT_ALIGN};
+
+/// Bytes of one direct read: a page larger than this is read in pieces of it.
+const DIRECT_PIECE: usize = 8 << 20;
+
+thread_local! {
+    /// The bounce buffer of direct reads on this thread (one piece and its
+    /// alignment margins).
+    static BOUNCE: RefCell<Option<AlignedBuf>> = const { RefCell::new(None) };
+}
 
 /// Model files under `root`, opened once and read with positioned reads (so
 /// concurrent reads of one file need no lock).
 pub struct FileTier {
     name: String,
     root: PathBuf,
-    files: Mutex<HashMap<String, Arc<File>>>,
+    mode: ReadMode,
+    files: Mutex<HashMap<String, Arc<DirectFile>>>,
     counters: TierCounters,
 }
 
 impl FileTier {
+    /// A tier of buffered reads.
     pub fn new(name: impl Into<String>, root: impl Into<PathBuf>) -> Self {
+        Self::with_mode(name, root, ReadMode::Buffered)
+    }
+
+    /// A tier that reads in `mode`.
+    pub fn with_mode(name: impl Into<String>, root: impl Into<PathBuf>, mode: ReadMode) -> Self {
         FileTier {
             name: name.into(),
             root: root.into(),
+            mode,
             files: Mutex::new(HashMap::new()),
             counters: TierCounters::default(),
         }
+    }
+
+    /// How it reads.
+    pub fn mode(&self) -> ReadMode {
+        self.mode
     }
 
     pub fn name(&self) -> &str {
@@ -64,18 +92,30 @@ impl FileTier {
         Ok(self.root.join(rel))
     }
 
-    fn open(&self, file: &str) -> Result<Arc<File>, TierError> {
+    fn open(&self, file: &str) -> Result<Arc<DirectFile>, TierError> {
         let mut files = self.files.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(f) = files.get(file) {
             return Ok(Arc::clone(f));
         }
         let path = self.path_of(file)?;
-        // A regular file, opened without blocking (a FIFO in its place is refused).
-        let f = voom_formats::file::open(&path).map_err(|source| TierError::Io {
+        let io = |source| TierError::Io {
             tier: self.name.clone(),
-            path,
+            path: path.clone(),
             source,
-        })?;
+        };
+        // A regular file, opened without blocking (a FIFO in its place is refused).
+        let f = match DirectFile::open(&path, self.mode) {
+            Ok(f) => f,
+            Err(e) if self.mode == ReadMode::Direct && voom_formats::file::open(&path).is_ok() => {
+                tracing::warn!(
+                    tier = %self.name,
+                    "{e}; reading {} through the page cache",
+                    path.display()
+                );
+                DirectFile::open(&path, ReadMode::Buffered).map_err(io)?
+            }
+            Err(e) => return Err(io(e)),
+        };
         let f = Arc::new(f);
         files.insert(file.to_string(), Arc::clone(&f));
         Ok(f)
@@ -119,6 +159,7 @@ impl FileTier {
         let f = self.open(&ext.file)?;
         let path = self.path_of(&ext.file)?;
         let file_len = f
+            .file()
             .metadata()
             .map_err(|source| TierError::Io {
                 tier: self.name.clone(),
@@ -141,10 +182,17 @@ impl FileTier {
         let end = self.extent_end(ext)?;
         let f = self.open(&ext.file)?;
         let path = self.path_of(&ext.file)?;
-        match f.read_exact_at(buf, ext.offset) {
+        let r = match f.mode() {
+            ReadMode::Buffered => {
+                use std::os::unix::fs::FileExt;
+                f.file().read_exact_at(buf, ext.offset)
+            }
+            ReadMode::Direct => read_direct(&f, ext.offset, buf),
+        };
+        match r {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
-                let file_len = f.metadata().map(|m| m.len()).unwrap_or(0);
+                let file_len = f.file().metadata().map(|m| m.len()).unwrap_or(0);
                 Err(TierError::Truncated {
                     tier: self.name.clone(),
                     path,
@@ -161,15 +209,38 @@ impl FileTier {
     }
 }
 
+/// Reads `buf.len()` bytes of `f` from `offset` around the page cache, in pieces of
+/// [`DIRECT_PIECE`] through this thread's bounce buffer.
+fn read_direct(f: &DirectFile, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
+    BOUNCE.with(|b| {
+        let mut b = b.borrow_mut();
+        let bounce = b.get_or_insert_with(|| AlignedBuf::new(DIRECT_PIECE + 2 * DIRECT_ALIGN));
+        let mut done = 0usize;
+        while done < buf.len() {
+            let n = (buf.len() - done).min(DIRECT_PIECE);
+            let got = f.read_at(offset + done as u64, n, bounce)?;
+            buf[done..done + n].copy_from_slice(got);
+            done += n;
+        }
+        Ok(())
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn reads_extents_and_names_truncation() {
+        for mode in [ReadMode::Buffered, ReadMode::Direct] {
+            reads_extents_and_names_truncation_in(mode);
+        }
+    }
+
+    fn reads_extents_and_names_truncation_in(mode: ReadMode) {
         let d = tempfile::tempdir().unwrap();
         std::fs::write(d.path().join("m.bin"), (0..100u8).collect::<Vec<_>>()).unwrap();
-        let t = FileTier::new("primary", d.path());
+        let t = FileTier::with_mode("primary", d.path(), mode);
         let mut buf = vec![0u8; 10];
         let ext = Extent {
             file: "m.bin".into(),
@@ -213,6 +284,57 @@ mod tests {
         assert!(e.to_string().contains("leaves"), "{e}");
         let s = t.stats();
         assert_eq!((s.reads, s.bytes, s.errors), (1, 10, 2));
+    }
+
+    /// Direct reads of extents at any offset and of any length, larger than one
+    /// piece, give the file's bytes; a file truncated after it was opened is a
+    /// truncation error, never stale bytes.
+    #[test]
+    fn direct_reads_give_the_bytes_of_any_extent() {
+        let d = tempfile::tempdir().unwrap();
+        let len = DIRECT_PIECE * 2 + 3 * DIRECT_ALIGN + 77;
+        let data: Vec<u8> = (0..len)
+            .map(|i| (i % 251) as u8 ^ (i >> 12) as u8)
+            .collect();
+        std::fs::write(d.path().join("m.bin"), &data).unwrap();
+        let t = FileTier::with_mode("primary", d.path(), ReadMode::Direct);
+        for (offset, n) in [
+            (0usize, 1usize),
+            (3, DIRECT_ALIGN),
+            (DIRECT_ALIGN, DIRECT_PIECE),
+            (12345, DIRECT_PIECE * 2 + 5),
+            (len - 9, 9),
+        ] {
+            let mut buf = vec![0u8; n];
+            let ext = Extent {
+                file: "m.bin".into(),
+                offset: offset as u64,
+                len: n as u64,
+            };
+            t.read_extent(&ext, &mut buf).unwrap();
+            assert!(buf == data[offset..offset + n], "{offset}+{n}");
+        }
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(d.path().join("m.bin"))
+            .unwrap()
+            .set_len(1000)
+            .unwrap();
+        let mut buf = vec![0u8; 2000];
+        let e = t
+            .read_extent(
+                &Extent {
+                    file: "m.bin".into(),
+                    offset: 500,
+                    len: 2000,
+                },
+                &mut buf,
+            )
+            .unwrap_err();
+        assert!(
+            matches!(e, TierError::Truncated { file_len: 1000, .. }),
+            "{e}"
+        );
     }
 
     /// A hostile extent whose end overflows a u64 is an error naming it, not an
