@@ -124,6 +124,21 @@ pub struct Engine {
     tokenizer: Option<Tokenizer>,
     eos: Vec<u32>,
     opts: EngineOptions,
+    /// Bytes of the source's cache that unpinned pages stream through, when the
+    /// memory planner pinned part of the model in it.
+    stream_room: Option<u64>,
+}
+
+/// Pins in `source`'s cache (when it has one) the pages the memory planner chooses
+/// for its budget, and returns the room left for streaming; `None` when the source
+/// has no budget, everything fits, or the budget is below the planner's minimum
+/// (the sweep then streams step by step, as without a plan).
+fn place_in(source: &dyn PageSource, model: &dyn Model) -> Option<u64> {
+    let budget = source.budget()?;
+    let p =
+        crate::placement::place(model.plan(), &crate::placement::Needs::default(), budget).ok()?;
+    source.pin(&p.pinned);
+    (p.streamed_per_token > 0).then(|| budget - p.pinned_bytes)
 }
 
 /// The end-of-sequence ids an engine on `dir` stops on, as transformers' generate()
@@ -175,6 +190,7 @@ impl Engine {
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_else(|| dir.display().to_string());
         let model = model::load(cfg, source.as_ref(), &name, opts.backend, opts.threads)?;
+        let stream_room = place_in(source.as_ref(), model.as_ref());
         let tokenizer = if dir.join("tokenizer.json").exists() {
             Some(Tokenizer::from_dir(dir)?)
         } else {
@@ -189,6 +205,7 @@ impl Engine {
             tokenizer,
             eos,
             opts,
+            stream_room,
         })
     }
 
@@ -281,6 +298,7 @@ impl Engine {
             self.source.as_ref(),
             self.model.plan(),
             self.opts.prefetch_depth,
+            self.stream_room,
         );
         let pass = self.model.forward(&sweep, tokens, kv, want);
         // Every lease of the pass is dropped by now.

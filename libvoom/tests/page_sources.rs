@@ -126,6 +126,10 @@ fn store_core_gives_the_embedded_bits_at_any_budget() {
                 );
                 let s = store.cache_stats();
                 assert!(s.misses > 0 && s.bytes_loaded > 0, "{case}: {s:?}");
+                if budget == 64 << 20 {
+                    // The memory planner pinned the model it found room for.
+                    assert!(s.pinned_bytes > 0, "{case}: nothing pinned: {s:?}");
+                }
                 if prefetch_depth == 0 {
                     assert_eq!(s.prefetch_loads, 0, "{case}: prefetch off: {s:?}");
                 }

@@ -89,6 +89,12 @@ pub trait PageSource: Send + Sync {
     /// Hint that these pages will be acquired soon. Never blocks for I/O.
     fn prefetch(&self, _ids: &[PageId]) {}
 
+    /// Keep these pages resident once they are loaded, whatever else streams (the
+    /// memory planner's choice of what saves the most reads per token). A source
+    /// with a cache of its own may load them at once (engines pin when they open);
+    /// sources without one (memory-mapped files) ignore it. Never changes a result.
+    fn pin(&self, _ids: &[PageId]) {}
+
     /// The page cache's counters, for sources that have one (the store core's cache,
     /// the daemon's); `None` for memory-mapped files, whose caching is the OS's.
     fn cache_stats(&self) -> Option<SourceCacheStats> {

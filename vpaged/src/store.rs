@@ -900,6 +900,21 @@ impl PageSource for StoreSource {
         }
     }
 
+    /// Pins the pages, then loads them at once, in order: each takes its slot as
+    /// high in the arena as it fits, so that pins sit together at the top and leave
+    /// the bottom whole for the pages that stream (a pin loaded late, among
+    /// streaming pages, would split the runs a large page needs). A page that fails
+    /// to load is left to its first demand request, which reports the error.
+    fn pin(&self, ids: &[PageId]) {
+        let model = self.model.id;
+        self.store
+            .cache()
+            .pin(ids.iter().map(|id| PageKey { model, page: id.0 }));
+        for id in ids {
+            drop(self.store.acquire(model, id.0));
+        }
+    }
+
     fn budget(&self) -> Option<u64> {
         Some(self.store.cache().capacity() as u64)
     }

@@ -33,15 +33,23 @@ pub struct Sweep<'a> {
 
 impl<'a> Sweep<'a> {
     /// A sweep of `plan` over `source`, hinting up to `prefetch_depth` layers ahead
-    /// (bounded so that the layer computing and those hinted fit the source's
-    /// budget, at least one ahead; 0 sends no hints).
-    pub fn new(source: &'a dyn PageSource, plan: &'a PagePlan, prefetch_depth: usize) -> Self {
+    /// (bounded so that the layer computing and those hinted fit the room streaming
+    /// has, at least one ahead; 0 sends no hints). `room` is the bytes of the
+    /// source's cache that unpinned pages stream through (the memory planner's
+    /// window); `None`: the source's whole budget, or no bound.
+    pub fn new(
+        source: &'a dyn PageSource,
+        plan: &'a PagePlan,
+        prefetch_depth: usize,
+        room: Option<u64>,
+    ) -> Self {
         let largest = plan.largest_layer_bytes();
-        let scope = match source.budget() {
+        let room = room.or(source.budget());
+        let scope = match room {
             Some(b) if b < 2 * largest => LeaseScope::Step,
             _ => LeaseScope::Layer,
         };
-        let depth = match (prefetch_depth, source.budget()) {
+        let depth = match (prefetch_depth, room) {
             (0, _) => 0,
             (d, Some(b)) if largest > 0 => {
                 let fit = (b / largest).saturating_sub(1) as usize;

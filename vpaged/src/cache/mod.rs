@@ -298,13 +298,25 @@ impl Inner {
     /// pages and main pages with no more requests than theirs will be once requested.
     /// Free room goes to main only for pages admitted or when it is spare (rules in
     /// [`eviction`]).
-    fn make_room(&self, st: &mut State, units: u32, mode: Mode) -> Room {
+    ///
+    /// A pinned page's slot is taken as high in the arena as it fits
+    /// ([`SlotAllocator::alloc_high`]), other pages' by best fit from the bottom, so
+    /// pins never break up the runs that streaming needs.
+    fn make_room(&self, st: &mut State, key: PageKey, units: u32, mode: Mode) -> Room {
+        let pinned = st.pins.contains(&key);
+        let alloc = |slots: &mut SlotAllocator| {
+            if pinned {
+                slots.alloc_high(units)
+            } else {
+                slots.alloc(units)
+            }
+        };
         let freq = match mode {
             Mode::Demand { freq } | Mode::Prefetch { freq } => freq,
         };
         let admitted = st.policy.admits(freq);
         let need = units as u64 * SLOT_ALIGN as u64;
-        if let Some(unit) = st.slots.alloc(units) {
+        if let Some(unit) = alloc(&mut st.slots) {
             // Free room displaces nothing: it goes to main if the page passes admission
             // or the room is spare (the window keeps what streaming recently needed);
             // otherwise the page streams through the window like any other.
@@ -354,7 +366,7 @@ impl Inner {
                 },
             };
             Self::evict(st, victim);
-            if let Some(unit) = st.slots.alloc(units) {
+            if let Some(unit) = alloc(&mut st.slots) {
                 if region == Region::Window {
                     st.policy.note_window_need(need);
                 }
@@ -596,7 +608,7 @@ impl PageCache {
         st.policy.record_access(key);
         // Requests before this one (read after recording, which may have aged counts).
         let freq = st.policy.frequency(key).saturating_sub(1);
-        let (slot, region) = match inner.make_room(&mut st, units, Mode::Demand { freq }) {
+        let (slot, region) = match inner.make_room(&mut st, key, units, Mode::Demand { freq }) {
             Room::Slot(slot, region) => (slot, region),
             Room::Full | Room::Declined => {
                 st.stats.full_refusals += 1;
@@ -641,7 +653,7 @@ impl PageCache {
             None => {}
         }
         let freq = st.policy.frequency(key);
-        let (slot, region) = match inner.make_room(&mut st, units, Mode::Prefetch { freq }) {
+        let (slot, region) = match inner.make_room(&mut st, key, units, Mode::Prefetch { freq }) {
             Room::Slot(slot, region) => (slot, region),
             Room::Full | Room::Declined => {
                 st.stats.prefetch_skipped += 1;

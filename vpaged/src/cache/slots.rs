@@ -76,6 +76,22 @@ impl SlotAllocator {
         Some(start)
     }
 
+    /// Allocates `len` (> 0) contiguous units as high in the arena as a free run
+    /// allows: the top of the highest run long enough. Pinned pages are placed so,
+    /// and streaming pages by [`alloc`](Self::alloc) (best fit, lowest first), so
+    /// that pins gather at the top and leave the bottom's runs long for streaming.
+    pub fn alloc_high(&mut self, len: u32) -> Option<u32> {
+        if len == 0 {
+            return None;
+        }
+        let (&start, &run_len) = self.by_start.iter().rev().find(|(_, &l)| l >= len)?;
+        self.remove_run(start, run_len);
+        if run_len > len {
+            self.insert_run(start, run_len - len);
+        }
+        Some(start + run_len - len)
+    }
+
     /// Returns `start..start+len` to the free list, merging it with free neighbours.
     ///
     /// The range must be one previously returned by [`alloc`](Self::alloc) and not yet
@@ -123,6 +139,23 @@ impl SlotAllocator {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn high_allocations_gather_at_the_top_and_keep_the_bottom_run_long() {
+        let mut a = SlotAllocator::new(100);
+        let low = a.alloc(10).unwrap();
+        assert_eq!(low, 0);
+        assert_eq!(a.alloc_high(20), Some(80));
+        assert_eq!(a.alloc_high(30), Some(50));
+        // The bottom run (10..50) stays whole for streaming.
+        assert_eq!(a.largest_free(), 40);
+        a.free(low, 10);
+        assert_eq!(a.largest_free(), 50);
+        assert_eq!(a.alloc_high(60), None);
+        a.free(80, 20);
+        a.free(50, 30);
+        assert_eq!((a.free_runs(), a.largest_free()), (1, 100));
+    }
     use proptest::prelude::*;
 
     #[test]
