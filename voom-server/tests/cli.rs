@@ -537,3 +537,58 @@ fn plan_places_within_the_budget_and_refuses_below_the_minimum() {
         stderr(&o)
     );
 }
+
+/// `--backend`: every backend this machine has gives transformers' ids; a name it
+/// does not have is an error listing the ones it has.
+#[test]
+fn every_backend_gives_transformers_ids_and_an_unknown_one_is_named() {
+    let r = reference("llama_gqa_untied");
+    let p = &r["prompts"][0];
+    let ids: Vec<String> = p["prompt_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.to_string())
+        .collect();
+    let want: Vec<u64> = p["generated_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect();
+    for b in libvoom::backend::BackendKind::available() {
+        let o = voom()
+            .args(["generate", "--model"])
+            .arg(tiny("llama_gqa_untied"))
+            .args([
+                "--prompt-ids",
+                &ids.join(","),
+                "--json",
+                "--backend",
+                b.name(),
+            ])
+            .args(["--max-new-tokens", &want.len().to_string()])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}: {}", b.name(), stderr(&o));
+        let got: Vec<u64> = last_json(&o)["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap())
+            .collect();
+        assert_eq!(got, want, "{}", b.name());
+    }
+    let o = voom()
+        .args(["generate", "--model"])
+        .arg(tiny("llama_gqa_untied"))
+        .args(["--prompt-ids", "1,2", "--backend", "metal"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("'metal'") && stderr(&o).contains("cpu-portable"),
+        "{}",
+        stderr(&o)
+    );
+}

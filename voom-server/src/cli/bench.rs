@@ -115,6 +115,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
                     threads: Some(threads),
                     verify: None,
                     max_context: None,
+                    backend: None,
                     vpaged: None,
                     vpaged_fallback: false,
                     prefetch_depth: None,

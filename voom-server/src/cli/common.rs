@@ -37,6 +37,10 @@ pub struct EngineArgs {
     /// [default: the model's].
     #[arg(long)]
     pub max_context: Option<usize>,
+    /// Compute backend: `cpu-avx2` or `cpu-portable` (the same bits; default: the
+    /// fastest this machine has).
+    #[arg(long, env = "VOOM_BACKEND", value_parser = parse_backend)]
+    pub backend: Option<libvoom::backend::BackendKind>,
     /// Get pages from the vpaged daemon at this socket instead of the embedded store.
     #[arg(long, env = "VOOM_VPAGED")]
     pub vpaged: Option<PathBuf>,
@@ -72,6 +76,11 @@ pub struct EngineArgs {
 /// The profile of the engine most recently opened by [`open_engine`], which
 /// [`result_json`] reports (one-shot commands open one engine).
 static OPENED_PROFILE: Mutex<Option<Arc<Resolved>>> = Mutex::new(None);
+
+/// A `--backend` name this machine has.
+fn parse_backend(s: &str) -> Result<libvoom::backend::BackendKind, String> {
+    libvoom::backend::BackendKind::parse(s)
+}
 
 impl EngineArgs {
     /// The values given by flags.
@@ -213,7 +222,10 @@ pub fn open_engine(dir: &Path, args: &EngineArgs) -> Result<Engine> {
         }
         None => s.max_context,
     };
-    let opts = EngineArgs::options(s, max_context);
+    let mut opts = EngineArgs::options(s, max_context);
+    if let Some(b) = args.backend {
+        opts.backend = b;
+    }
     *OPENED_PROFILE.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::clone(&resolved));
     let pins = s.pin_first_layers > 0 || s.pin_last_layers > 0;
     if let Some(socket) = &args.vpaged {
