@@ -98,6 +98,32 @@ pub struct Generation {
     /// Seconds of `decode_secs` spent in the constraint (masks, advancing); 0
     /// without one.
     pub constraint_secs: f64,
+    /// The page cache's traffic during this generation, for sources with a cache
+    /// of their own (`None` for memory-mapped files, whose caching is the OS's).
+    pub pages: Option<PageTraffic>,
+}
+
+/// What a generation asked of its source's page cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PageTraffic {
+    /// Demand requests served from resident pages.
+    pub hits: u64,
+    /// Demand requests that loaded a page.
+    pub misses: u64,
+    /// Bytes loaded into the cache (demand and prefetch).
+    pub bytes_loaded: u64,
+}
+
+impl PageTraffic {
+    /// Hits over all demand requests (0 with none).
+    pub fn hit_ratio(&self) -> f64 {
+        let all = self.hits + self.misses;
+        if all == 0 {
+            0.0
+        } else {
+            self.hits as f64 / all as f64
+        }
+    }
 }
 
 impl Generation {
@@ -446,6 +472,7 @@ impl Engine {
             decode_secs: 0.0,
             logits: Vec::new(),
             constraint_secs: 0.0,
+            pages: None,
         };
         if params.max_new_tokens == 0 {
             return Ok(out);
@@ -456,6 +483,7 @@ impl Engine {
             return Ok(out);
         }
         let mut scratch = ConstrainScratch::default();
+        let before = self.source.cache_stats();
         let t0 = Instant::now();
         let mut logits = self.prefill(&mut kv, prompt)?;
         out.prefill_secs = t0.elapsed().as_secs_f64();
@@ -509,6 +537,27 @@ impl Engine {
             logits = self.forward_checked(&mut kv, &[id], Logits::Last)?;
         }
         out.decode_secs = t1.elapsed().as_secs_f64();
+        out.pages = match (before, self.source.cache_stats()) {
+            (Some(a), Some(b)) => Some(PageTraffic {
+                hits: b.hits.saturating_sub(a.hits),
+                misses: b.misses.saturating_sub(a.misses),
+                bytes_loaded: b.bytes_loaded.saturating_sub(a.bytes_loaded),
+            }),
+            _ => None,
+        };
+        // One line per generation (VOOM_LOG=libvoom=info shows it).
+        tracing::info!(
+            model = %self.name,
+            source = %self.source.describe(),
+            prompt_tokens = out.prompt_tokens,
+            generated = out.ids.len(),
+            prefill_tok_s = format_args!("{:.2}", out.prefill_tokens_per_sec()),
+            decode_tok_s = format_args!("{:.2}", out.decode_tokens_per_sec()),
+            cache_hit_ratio = out.pages.map(|p| p.hit_ratio()),
+            bytes_loaded = out.pages.map(|p| p.bytes_loaded),
+            "generation finished: {}",
+            out.finish.as_str()
+        );
         Ok(out)
     }
 }

@@ -592,3 +592,54 @@ fn every_backend_gives_transformers_ids_and_an_unknown_one_is_named() {
         stderr(&o)
     );
 }
+
+/// `voom generate --json` reports the page cache's traffic of the generation (and
+/// nothing for the memory-mapped store, whose caching is the OS's); the ids are the
+/// same on both.
+#[test]
+fn generate_json_reports_the_page_cache_traffic() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path().join("m");
+    copy_dir(&tiny("llama_gqa_untied"), &dir);
+    let ckpt = voom_formats::Checkpoint::open(&dir).unwrap();
+    voom_formats::Manifest::build(&ckpt, &mut |_, _| {})
+        .unwrap()
+        .save(&dir)
+        .unwrap();
+    let r = reference("llama_gqa_untied");
+    let p = &r["prompts"][0];
+    let ids: Vec<String> = p["prompt_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.to_string())
+        .collect();
+    let run = |extra: &[&str]| {
+        let o = voom()
+            .args(["generate", "--model"])
+            .arg(&dir)
+            .args([
+                "--prompt-ids",
+                &ids.join(","),
+                "--json",
+                "--max-new-tokens",
+                "8",
+            ])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        last_json(&o)
+    };
+    let mapped = run(&[]);
+    assert!(mapped["page_cache"].is_null(), "{}", mapped["page_cache"]);
+    // The whole model fits in 1 MiB: the memory planner pinned every page and the
+    // engine loaded them when it opened, so the generation itself only hits.
+    let cached = run(&["--cache-budget", "1MiB"]);
+    let pc = &cached["page_cache"];
+    assert!(pc["hits"].as_u64().unwrap() > 0, "{pc}");
+    assert_eq!(pc["misses"], 0, "{pc}");
+    assert_eq!(pc["bytes_loaded"], 0, "{pc}");
+    assert_eq!(pc["hit_ratio"], 1.0, "{pc}");
+    assert_eq!(cached["ids"], mapped["ids"]);
+}

@@ -396,6 +396,13 @@ pub fn result_json(
         // daemon's shared arena.
         "memory": crate::memory::snapshot(),
         "peak_rss_bytes": crate::memory::peak_resident_bytes(),
+        // The page cache's traffic in this generation (sources with a cache).
+        "page_cache": g.pages.map(|p| serde_json::json!({
+            "hits": p.hits,
+            "misses": p.misses,
+            "hit_ratio": p.hit_ratio(),
+            "bytes_loaded": p.bytes_loaded,
+        })),
         // Bytes read from storage by this process in all (the weights it streamed).
         "storage_read_bytes": crate::memory::storage_read_bytes(),
     })
