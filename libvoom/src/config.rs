@@ -769,6 +769,21 @@ fn sliding_windows(
 mod tests {
     use super::*;
 
+    #[test]
+    fn llama3_scaling_keeps_high_frequencies_and_divides_low_ones() {
+        let json = r#"{"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 8, "max_position_embeddings": 256,
+            "rope_theta": 10000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32}}"#;
+        let cfg = ModelConfig::from_json(json, Path::new("c")).unwrap();
+        let mut plain_cfg = cfg.clone();
+        plain_cfg.rope_scaling = RopeScaling::Default;
+        let (s, p) = (cfg.rope_inv_freq(), plain_cfg.rope_inv_freq());
+        assert_eq!(s[0], p[0]);
+        let last = p.len() - 1;
+        assert_eq!(s[last], p[last] / 8.0);
+    }
+
     fn parse(json: &str) -> Result<ModelConfig, VoomError> {
         ModelConfig::from_json(json, Path::new("config.json"))
     }

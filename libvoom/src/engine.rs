@@ -361,10 +361,12 @@ impl Engine {
         }
         let (pos0, n) = (kv.len(), tokens.len());
         if pos0 + n > kv.capacity() {
-            return Err(VoomError::Request(format!(
-                "context full: {pos0} positions cached + {n} new exceed the limit of {}",
-                kv.capacity()
-            )));
+            let full = crate::backend::KernelError::ContextFull {
+                cached: pos0,
+                new: n,
+                limit: kv.capacity(),
+            };
+            return Err(VoomError::Request(full.to_string()));
         }
         Ok(())
     }

@@ -5,6 +5,8 @@ use std::process::{Command, Output, Stdio};
 
 use serde_json::Value;
 
+mod common;
+
 fn voom() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_voom"));
     c.env_remove("VOOM_THREADS").env_remove("VOOM_VERIFY");
@@ -39,6 +41,30 @@ fn last_json(o: &Output) -> Value {
     serde_json::from_str(line).unwrap_or_else(|e| panic!("last line is not JSON ({e}): {line}"))
 }
 
+/// A JSON list of token ids as `--prompt-ids` takes it: `1,2,3`.
+fn id_list(v: &Value) -> String {
+    let ids: Vec<String> = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.to_string())
+        .collect();
+    ids.join(",")
+}
+
+/// A copy of a tiny fixture with its page manifest (the page cache needs one).
+fn hashed_copy(case: &str) -> (tempfile::TempDir, PathBuf) {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path().join("m");
+    copy_dir(&tiny(case), &dir);
+    let ckpt = voom_formats::Checkpoint::open(&dir).unwrap();
+    voom_formats::Manifest::build(&ckpt, &mut |_, _| {})
+        .unwrap()
+        .save(&dir)
+        .unwrap();
+    (d, dir)
+}
+
 fn copy_dir(from: &Path, to: &Path) {
     std::fs::create_dir_all(to).unwrap();
     for e in std::fs::read_dir(from).unwrap() {
@@ -51,22 +77,11 @@ fn copy_dir(from: &Path, to: &Path) {
 fn generate_json_gives_transformers_ids() {
     let r = reference("qwen3_qk_norm_eos_list");
     let p = &r["prompts"][2];
-    let ids: Vec<String> = p["prompt_ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.to_string())
-        .collect();
+    let ids = id_list(&p["prompt_ids"]);
     let o = voom()
         .args(["generate", "--model"])
         .arg(tiny("qwen3_qk_norm_eos_list"))
-        .args([
-            "--prompt-ids",
-            &ids.join(","),
-            "--max-new-tokens",
-            "32",
-            "--json",
-        ])
+        .args(["--prompt-ids", &ids, "--max-new-tokens", "32", "--json"])
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", stderr(&o));
@@ -200,23 +215,9 @@ fn bad_flags_are_errors() {
     assert!(stderr(&o).contains("top_p"), "{}", stderr(&o));
 }
 
-/// The real model, provided by scripts/test (`voom pull smollm2-135m-instruct`).
-fn smollm2() -> Option<PathBuf> {
-    match std::env::var_os("VOOM_SMOLLM2_DIR") {
-        Some(d) if Path::new(&d).join("config.json").exists() => Some(PathBuf::from(d)),
-        _ => {
-            if std::env::var("VOOM_REQUIRE_SMOLLM2").as_deref() == Ok("1") {
-                panic!("VOOM_REQUIRE_SMOLLM2=1 but VOOM_SMOLLM2_DIR does not hold the model");
-            }
-            eprintln!("skipping: set VOOM_SMOLLM2_DIR (scripts/test does)");
-            None
-        }
-    }
-}
-
 #[test]
 fn smollm2_knows_the_capital_of_france() {
-    let Some(dir) = smollm2() else { return };
+    let Some(dir) = common::smollm2() else { return };
     let o = voom()
         .arg("run")
         .arg(&dir)
@@ -229,7 +230,7 @@ fn smollm2_knows_the_capital_of_france() {
 
 #[test]
 fn smollm2_interactive_chat_keeps_the_conversation() {
-    let Some(dir) = smollm2() else { return };
+    let Some(dir) = common::smollm2() else { return };
     let mut child = voom()
         .arg("run")
         .arg(&dir)
@@ -307,34 +308,16 @@ fn vpaged_bin() -> PathBuf {
 
 #[test]
 fn generate_through_the_daemon_gives_the_same_ids_and_falls_back_when_asked() {
-    let d = tempfile::tempdir().unwrap();
-    let model = d.path().join("m");
-    copy_dir(&tiny("llama_tied_legacy_rope_eos"), &model);
-    let ckpt = voom_formats::Checkpoint::open(&model).unwrap();
-    voom_formats::Manifest::build(&ckpt, &mut |_, _| {})
-        .unwrap()
-        .save(&model)
-        .unwrap();
+    let (d, model) = hashed_copy("llama_tied_legacy_rope_eos");
     let r = reference("llama_tied_legacy_rope_eos");
     let p = &r["prompts"][2];
-    let ids: Vec<String> = p["prompt_ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.to_string())
-        .collect();
+    let ids = id_list(&p["prompt_ids"]);
     let socket = d.path().join("vpaged.sock");
     let gen = |extra: &[&str]| {
         voom()
             .args(["generate", "--model"])
             .arg(&model)
-            .args([
-                "--prompt-ids",
-                &ids.join(","),
-                "--max-new-tokens",
-                "32",
-                "--json",
-            ])
+            .args(["--prompt-ids", &ids, "--max-new-tokens", "32", "--json"])
             .args(extra)
             .output()
             .unwrap()
@@ -382,7 +365,7 @@ fn generate_through_the_daemon_gives_the_same_ids_and_falls_back_when_asked() {
 /// where the weights are the process's own.
 #[test]
 fn two_engines_on_one_daemon_cost_one_copy_of_the_weights() {
-    let Some(dir) = smollm2() else { return };
+    let Some(dir) = common::smollm2() else { return };
     let weights: u64 = voom_formats::Manifest::load(&dir)
         .unwrap()
         .expect("voom pull writes the manifest")
@@ -544,12 +527,7 @@ fn plan_places_within_the_budget_and_refuses_below_the_minimum() {
 fn every_backend_gives_transformers_ids_and_an_unknown_one_is_named() {
     let r = reference("llama_gqa_untied");
     let p = &r["prompts"][0];
-    let ids: Vec<String> = p["prompt_ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.to_string())
-        .collect();
+    let ids = id_list(&p["prompt_ids"]);
     let want: Vec<u64> = p["generated_ids"]
         .as_array()
         .unwrap()
@@ -560,13 +538,7 @@ fn every_backend_gives_transformers_ids_and_an_unknown_one_is_named() {
         let o = voom()
             .args(["generate", "--model"])
             .arg(tiny("llama_gqa_untied"))
-            .args([
-                "--prompt-ids",
-                &ids.join(","),
-                "--json",
-                "--backend",
-                b.name(),
-            ])
+            .args(["--prompt-ids", &ids, "--json", "--backend", b.name()])
             .args(["--max-new-tokens", &want.len().to_string()])
             .output()
             .unwrap();
@@ -598,33 +570,15 @@ fn every_backend_gives_transformers_ids_and_an_unknown_one_is_named() {
 /// same on both.
 #[test]
 fn generate_json_reports_the_page_cache_traffic() {
-    let d = tempfile::tempdir().unwrap();
-    let dir = d.path().join("m");
-    copy_dir(&tiny("llama_gqa_untied"), &dir);
-    let ckpt = voom_formats::Checkpoint::open(&dir).unwrap();
-    voom_formats::Manifest::build(&ckpt, &mut |_, _| {})
-        .unwrap()
-        .save(&dir)
-        .unwrap();
+    let (_d, dir) = hashed_copy("llama_gqa_untied");
     let r = reference("llama_gqa_untied");
     let p = &r["prompts"][0];
-    let ids: Vec<String> = p["prompt_ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.to_string())
-        .collect();
+    let ids = id_list(&p["prompt_ids"]);
     let run = |extra: &[&str]| {
         let o = voom()
             .args(["generate", "--model"])
             .arg(&dir)
-            .args([
-                "--prompt-ids",
-                &ids.join(","),
-                "--json",
-                "--max-new-tokens",
-                "8",
-            ])
+            .args(["--prompt-ids", &ids, "--json", "--max-new-tokens", "8"])
             .args(extra)
             .output()
             .unwrap();

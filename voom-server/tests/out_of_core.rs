@@ -3,23 +3,12 @@
 //! the memory-mapped store and on the page cache alike; the cgroup's peak (private
 //! memory and page cache) stays within the ceiling.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use serde_json::Value;
 use voom_server::cgroup::Ceiling;
 
-fn smollm2() -> Option<PathBuf> {
-    match std::env::var_os("VOOM_SMOLLM2_DIR") {
-        Some(d) if Path::new(&d).join("config.json").exists() => Some(PathBuf::from(d)),
-        _ => {
-            if std::env::var("VOOM_REQUIRE_SMOLLM2").as_deref() == Ok("1") {
-                panic!("VOOM_REQUIRE_SMOLLM2=1 but VOOM_SMOLLM2_DIR does not hold the model");
-            }
-            eprintln!("skipping: set VOOM_SMOLLM2_DIR (scripts/test does)");
-            None
-        }
-    }
-}
+mod common;
 
 fn reference() -> Value {
     let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/smollm2/reference.json");
@@ -36,7 +25,7 @@ fn ids(v: &Value) -> Vec<u64> {
 
 #[test]
 fn a_model_larger_than_its_memory_cgroup_gives_transformers_ids_and_is_not_killed() {
-    let Some(dir) = smollm2() else { return };
+    let Some(dir) = common::smollm2() else { return };
     let model_bytes = std::fs::metadata(dir.join("model.safetensors"))
         .unwrap()
         .len();

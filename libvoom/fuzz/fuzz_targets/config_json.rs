@@ -73,7 +73,7 @@ fn check(cfg: &ModelConfig) {
         assert!((*id as usize) < cfg.vocab_size);
     }
     // The rotary tables the model computes: finite at the first and last positions.
-    let inv_freq = rope::inv_freq(cfg);
+    let inv_freq = cfg.rope_inv_freq();
     assert_eq!(inv_freq.len(), cfg.head_dim / 2);
     let (mut cos, mut sin) = (vec![0f32; inv_freq.len()], vec![0f32; inv_freq.len()]);
     for pos in [0, cfg.max_position_embeddings - 1] {

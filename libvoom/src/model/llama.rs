@@ -225,7 +225,7 @@ impl<B: Backend> Llama<B> {
                 &[vec![(final_norm.page, None), (lm_head.page, None)]],
             ),
         };
-        let inv_freq = rope::inv_freq(&cfg);
+        let inv_freq = cfg.rope_inv_freq();
         Ok(Llama {
             cfg,
             backend,

@@ -78,27 +78,6 @@ impl Stage {
         &self.steps
     }
 
-    /// Bytes of the largest step's pages (what leasing step by step holds at once).
-    pub fn largest_step_bytes(&self) -> u64 {
-        self.steps
-            .iter()
-            .map(|s| {
-                let mut ids = s.clone();
-                ids.sort_unstable();
-                ids.dedup();
-                ids.iter()
-                    .map(|id| {
-                        self.reads
-                            .iter()
-                            .find(|r| r.page == *id)
-                            .map_or(0, |r| r.bytes)
-                    })
-                    .sum::<u64>()
-            })
-            .max()
-            .unwrap_or(0)
-    }
-
     pub fn reads(&self) -> &[PlannedRead] {
         &self.reads
     }

@@ -1,13 +1,7 @@
-//! Rotary embedding frequencies, computed as transformers computes them in float32.
+//! Rotary tables of a pass's positions, from the frequencies the config computes
+//! ([`crate::config::ModelConfig::rope_inv_freq`], as transformers does in float32).
 
 use crate::backend::RopeTable;
-use crate::config::ModelConfig;
-
-/// Inverse frequencies of the rotary embedding, `head_dim / 2` of them
-/// ([`ModelConfig::rope_inv_freq`]).
-pub fn inv_freq(cfg: &ModelConfig) -> Vec<f32> {
-    cfg.rope_inv_freq()
-}
 
 /// cos/sin of `pos * inv_freq` for one position, each `inv_freq.len()` long.
 pub fn cos_sin(inv_freq: &[f32], pos: usize, cos: &mut [f32], sin: &mut [f32]) {
@@ -33,26 +27,4 @@ pub fn table(inv_freq: &[f32], pos0: usize, n: usize) -> RopeTable {
         );
     }
     RopeTable { half, cos, sin }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::config::{ModelConfig, RopeScaling};
-    use std::path::Path;
-
-    #[test]
-    fn llama3_scaling_keeps_high_frequencies_and_divides_low_ones() {
-        let json = r#"{"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-            "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 8, "max_position_embeddings": 256,
-            "rope_theta": 10000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
-            "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32}}"#;
-        let cfg = ModelConfig::from_json(json, Path::new("c")).unwrap();
-        let mut plain_cfg = cfg.clone();
-        plain_cfg.rope_scaling = RopeScaling::Default;
-        let (s, p) = (inv_freq(&cfg), inv_freq(&plain_cfg));
-        assert_eq!(s[0], p[0]);
-        let last = p.len() - 1;
-        assert_eq!(s[last], p[last] / 8.0);
-    }
 }

@@ -23,7 +23,7 @@ pub struct PlanArgs {
     pub model: String,
     /// The memory budget for the whole process (`4GiB`, `700MiB`). Default: the
     /// memory available now (the lower of the machine's and the memory cgroup's).
-    #[arg(long, value_parser = parse_size)]
+    #[arg(long, value_parser = crate::profile::parse_size)]
     pub memory_budget: Option<u64>,
     /// Context to plan KV cache for (positions). Default: the model's maximum, at
     /// most 4096.
@@ -36,11 +36,11 @@ pub struct PlanArgs {
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
     /// Bytes of the checkpoint to read when measuring storage bandwidth.
-    #[arg(long, value_parser = parse_size, default_value = "512MiB")]
+    #[arg(long, value_parser = crate::profile::parse_size, default_value = "512MiB")]
     pub measure_bytes: u64,
     /// Memory of the process itself besides weights, KV and scratch (code, heap,
     /// tokenizer). Default: this process's resident memory once the model is open.
-    #[arg(long, value_parser = parse_size)]
+    #[arg(long, value_parser = crate::profile::parse_size)]
     pub process_bytes: Option<u64>,
     /// Skip the bandwidth measurements (no predicted speed).
     #[arg(long)]
@@ -48,10 +48,6 @@ pub struct PlanArgs {
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
-}
-
-fn parse_size(s: &str) -> Result<u64, String> {
-    crate::profile::parse_size(s)
 }
 
 pub fn run(a: PlanArgs) -> Result<()> {

@@ -23,6 +23,21 @@ pub fn fixture() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny_chat")
 }
 
+/// The real model, provided by scripts/test (`voom pull smollm2-135m-instruct`);
+/// `None`, with a printed reason, where it is absent and not required.
+pub fn smollm2() -> Option<PathBuf> {
+    match std::env::var_os("VOOM_SMOLLM2_DIR") {
+        Some(d) if Path::new(&d).join("config.json").exists() => Some(PathBuf::from(d)),
+        _ => {
+            if std::env::var("VOOM_REQUIRE_SMOLLM2").as_deref() == Ok("1") {
+                panic!("VOOM_REQUIRE_SMOLLM2=1 but VOOM_SMOLLM2_DIR does not hold the model");
+            }
+            eprintln!("skipping: set VOOM_SMOLLM2_DIR (scripts/test does)");
+            None
+        }
+    }
+}
+
 pub fn copy_dir(from: &Path, to: &Path) {
     std::fs::create_dir_all(to).unwrap();
     for e in std::fs::read_dir(from).unwrap() {

@@ -106,13 +106,16 @@ impl FileTier {
         // A regular file, opened without blocking (a FIFO in its place is refused).
         let f = match DirectFile::open(&path, self.mode) {
             Ok(f) => f,
-            Err(e) if self.mode == ReadMode::Direct && voom_formats::file::open(&path).is_ok() => {
+            // Direct reads refused: buffered ones, if the file opens at all (else
+            // that error, which names what is wrong with the file).
+            Err(e) if self.mode == ReadMode::Direct => {
+                let f = DirectFile::open(&path, ReadMode::Buffered).map_err(io)?;
                 tracing::warn!(
                     tier = %self.name,
                     "{e}; reading {} through the page cache",
                     path.display()
                 );
-                DirectFile::open(&path, ReadMode::Buffered).map_err(io)?
+                f
             }
             Err(e) => return Err(io(e)),
         };
