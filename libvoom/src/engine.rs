@@ -4,7 +4,7 @@
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use vpaged::{EmbeddedStore, PageSource, VerifyMode};
 
@@ -101,6 +101,11 @@ pub struct Generation {
     /// The page cache's traffic during this generation, for sources with a cache
     /// of their own (`None` for memory-mapped files, whose caching is the OS's).
     pub pages: Option<PageTraffic>,
+    /// Seconds of `prefill_secs` and of `decode_secs` the forward passes spent
+    /// waiting for pages (the rest computed). Memory-mapped pages fault inside the
+    /// computation, so their waits count as computing.
+    pub prefill_page_wait_secs: f64,
+    pub decode_page_wait_secs: f64,
 }
 
 /// What a generation asked of its source's page cache.
@@ -293,16 +298,26 @@ impl Engine {
     /// Runs `tokens` after what `kv` holds and returns the last position's logits.
     /// Chunked by `prefill_chunk`; the result does not depend on the chunking.
     pub fn prefill(&self, kv: &mut KvCache, tokens: &[u32]) -> Result<Vec<f32>, VoomError> {
+        self.prefill_timed(kv, tokens, &mut Duration::default())
+    }
+
+    /// [`Engine::prefill`], adding the time its passes waited for pages to `waited`.
+    fn prefill_timed(
+        &self,
+        kv: &mut KvCache,
+        tokens: &[u32],
+        waited: &mut Duration,
+    ) -> Result<Vec<f32>, VoomError> {
         let mut logits = Vec::new();
         for chunk in tokens.chunks(self.opts.prefill_chunk.max(1)) {
-            logits = self.forward_checked(kv, chunk, Logits::Last)?;
+            logits = self.forward_checked(kv, chunk, Logits::Last, waited)?;
         }
         Ok(logits)
     }
 
     /// Logits of every position of `tokens` after what `kv` holds.
     pub fn forward_all(&self, kv: &mut KvCache, tokens: &[u32]) -> Result<Vec<f32>, VoomError> {
-        self.forward_checked(kv, tokens, Logits::All)
+        self.forward_checked(kv, tokens, Logits::All, &mut Duration::default())
     }
 
     /// One forward pass, then the source's check that the bytes it computed on were
@@ -311,12 +326,14 @@ impl Engine {
     /// and the positions cut (their keys and values came from the same bytes), so
     /// `kv` is as it was. The check runs after a failed pass too: when the pass
     /// failed for another reason than the store, the check's error (bytes that were
-    /// not the pages) is the one reported.
+    /// not the pages) is the one reported. Adds the time the pass waited for pages
+    /// to `waited`.
     fn forward_checked(
         &self,
         kv: &mut KvCache,
         tokens: &[u32],
         want: Logits,
+        waited: &mut Duration,
     ) -> Result<Vec<f32>, VoomError> {
         self.check_pass(kv, tokens)?;
         let start = kv.len();
@@ -327,6 +344,7 @@ impl Engine {
             self.stream_room,
         );
         let pass = self.model.forward(&sweep, tokens, kv, want);
+        *waited += sweep.waited();
         // Every lease of the pass is dropped by now.
         sweep.finish();
         let r = match (pass, self.source.check_reads()) {
@@ -475,6 +493,8 @@ impl Engine {
             logits: Vec::new(),
             constraint_secs: 0.0,
             pages: None,
+            prefill_page_wait_secs: 0.0,
+            decode_page_wait_secs: 0.0,
         };
         if params.max_new_tokens == 0 {
             return Ok(out);
@@ -487,8 +507,11 @@ impl Engine {
         let mut scratch = ConstrainScratch::default();
         let before = self.source.cache_stats();
         let t0 = Instant::now();
-        let mut logits = self.prefill(&mut kv, prompt)?;
+        let mut waited = Duration::ZERO;
+        let mut logits = self.prefill_timed(&mut kv, prompt, &mut waited)?;
         out.prefill_secs = t0.elapsed().as_secs_f64();
+        out.prefill_page_wait_secs = waited.as_secs_f64();
+        let mut waited = Duration::ZERO;
         let t1 = Instant::now();
         loop {
             let step = out.ids.len();
@@ -536,9 +559,10 @@ impl Engine {
                 break;
             }
             // Checked before the next token is sampled and emitted.
-            logits = self.forward_checked(&mut kv, &[id], Logits::Last)?;
+            logits = self.forward_checked(&mut kv, &[id], Logits::Last, &mut waited)?;
         }
         out.decode_secs = t1.elapsed().as_secs_f64();
+        out.decode_page_wait_secs = waited.as_secs_f64();
         out.pages = match (before, self.source.cache_stats()) {
             (Some(a), Some(b)) => Some(PageTraffic {
                 hits: b.hits.saturating_sub(a.hits),
@@ -555,6 +579,7 @@ impl Engine {
             generated = out.ids.len(),
             prefill_tok_s = format_args!("{:.2}", out.prefill_tokens_per_sec()),
             decode_tok_s = format_args!("{:.2}", out.decode_tokens_per_sec()),
+            decode_page_wait_s = format_args!("{:.3}", out.decode_page_wait_secs),
             cache_hit_ratio = out.pages.map(|p| p.hit_ratio()),
             bytes_loaded = out.pages.map(|p| p.bytes_loaded),
             "generation finished: {}",

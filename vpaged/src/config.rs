@@ -10,6 +10,8 @@
 //! pin_last_layers = 1
 //! max_sessions = 128
 //! read_mode = "auto"    # or "direct" (around the OS page cache) or "buffered"
+//! read_threads = 8      # pieces of model files read at once
+//! prefetch_threads = 4  # prefetched pages loading at once
 //!
 //! [[nas]]
 //! mount = "/Volumes/nas"
@@ -153,6 +155,8 @@ pub struct FileConfig {
     pub prefault: Option<bool>,
     pub max_sessions: Option<usize>,
     pub read_mode: Option<String>,
+    pub read_threads: Option<usize>,
+    pub prefetch_threads: Option<usize>,
     #[serde(default)]
     pub nas: Vec<NasMount>,
 }
@@ -196,6 +200,13 @@ pub struct DaemonArgs {
     /// or `auto` (the default: direct for a model larger than the cache).
     #[arg(long, env = "VPAGED_READ_MODE")]
     pub read_mode: Option<String>,
+    /// Reads of model files in flight at once (reader threads; default 8, 0 reads on
+    /// the requesting thread).
+    #[arg(long, env = "VPAGED_READ_THREADS")]
+    pub read_threads: Option<usize>,
+    /// Prefetched pages loading at once (default 4).
+    #[arg(long, env = "VPAGED_PREFETCH_THREADS")]
+    pub prefetch_threads: Option<usize>,
     /// TOML config file.
     #[arg(long, env = "VPAGED_CONFIG")]
     pub config: Option<PathBuf>,
@@ -214,6 +225,8 @@ pub struct DaemonConfig {
     pub max_sessions: usize,
     /// `None`: chosen per model (see [`crate::store::StoreConfig::read_mode`]).
     pub read_mode: Option<crate::direct::ReadMode>,
+    /// Reads in flight and prefetched pages loading at once.
+    pub io: crate::store::IoConfig,
     pub nas: Vec<NasMount>,
 }
 
@@ -257,6 +270,16 @@ impl DaemonConfig {
         if max_sessions == 0 {
             return Err("max_sessions must be at least 1".into());
         }
+        let mut io = crate::store::IoConfig::default();
+        if let Some(n) = args.read_threads.or(file.read_threads) {
+            io.read_threads = n;
+        }
+        if let Some(n) = args.prefetch_threads.or(file.prefetch_threads) {
+            if n == 0 {
+                return Err("prefetch_threads must be at least 1".into());
+            }
+            io.prefetch_threads = n;
+        }
         Ok(DaemonConfig {
             socket: args
                 .socket
@@ -276,6 +299,7 @@ impl DaemonConfig {
                     .or(file.read_mode.as_deref())
                     .unwrap_or("auto"),
             )?,
+            io,
             nas: file.nas.clone(),
         })
     }

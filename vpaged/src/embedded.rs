@@ -356,6 +356,11 @@ impl PageSource for EmbeddedStore {
 
     /// Fails when a read of any file faulted (truncated under the mapping), or when a
     /// file changed on disk while its pages were leased since the previous call.
+    /// A lease is the mapped file: only the bytes touched are read.
+    fn partial_reads(&self) -> bool {
+        true
+    }
+
     fn check_reads(&self) -> Result<(), StoreError> {
         for (i, f) in self.ckpt.files.iter().enumerate() {
             f.check_faults()?;

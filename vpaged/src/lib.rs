@@ -20,6 +20,7 @@ pub mod embedded;
 pub mod error;
 pub mod loader;
 pub mod protocol;
+pub mod read_pool;
 pub mod request_work;
 pub mod socket_path;
 pub mod source;

@@ -235,7 +235,9 @@ impl Location<'_> {
     }
 }
 
-fn check(entry: &PageEntry, bytes: &[u8], tier: &str) -> Result<(), StoreError> {
+/// Whether `bytes` are the page's (its blake3), else [`StoreError::Integrity`] naming
+/// page and tier.
+pub(crate) fn check(entry: &PageEntry, bytes: &[u8], tier: &str) -> Result<(), StoreError> {
     let actual = blake3::hash(bytes).to_hex();
     if actual.as_str() == entry.blake3 {
         Ok(())

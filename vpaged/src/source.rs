@@ -86,6 +86,14 @@ pub trait PageSource: Send + Sync {
         None
     }
 
+    /// Whether reading part of a lease reads only that part from storage: true for
+    /// memory-mapped files (the OS faults in the bytes touched), false for sources
+    /// that load a page whole before leasing it (a page cache: one verified page is
+    /// its unit). Plans count an embedding lookup as one row only where this holds.
+    fn partial_reads(&self) -> bool {
+        false
+    }
+
     /// Hint that these pages will be acquired soon. Never blocks for I/O.
     fn prefetch(&self, _ids: &[PageId]) {}
 

@@ -28,13 +28,15 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, RwLock};
 
-use voom_formats::manifest::{Manifest, PageEntry, PageGroup, MANIFEST_FILE};
+use voom_formats::manifest::{Encoding, Manifest, PageEntry, PageGroup, MANIFEST_FILE};
 use voom_formats::{Checkpoint, FormatError};
 
 use crate::arena::{Arena, SLOT_ALIGN};
-use crate::cache::{CacheError, CacheStats, Lease, PageCache, PageKey};
-use crate::direct::ReadMode;
+use crate::cache::{CacheError, CacheStats, Lease, PageCache, PageKey, Reservation, Reserve};
+use crate::direct::{DirectFile, ReadMode};
+use crate::loader::check;
 use crate::loader::{PageLoader, Served};
+use crate::read_pool::ReadPool;
 use crate::source::{PageId, PageLease, PageMeta, PageSource};
 use crate::tier::{FastTier, FileTier, Health, ModelTier, NasConfig, NasTier, TierStats};
 use crate::StoreError;
@@ -59,7 +61,35 @@ pub struct StoreConfig {
     /// (around the OS page cache) when the model is larger than the page cache, so
     /// that streaming it never fills the OS page cache, and buffered otherwise.
     pub read_mode: Option<ReadMode>,
+    /// How many reads are in flight.
+    pub io: IoConfig,
 }
+
+/// How the store reads: reads in flight and pages loaded at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IoConfig {
+    /// Reader threads: pieces of model files read at once (0: every read on the
+    /// thread that needs the page, one at a time).
+    pub read_threads: usize,
+    /// Bytes of one piece.
+    pub read_piece: usize,
+    /// Threads loading prefetched pages (each reads its page through the readers,
+    /// then verifies it): pages of hints loading at once.
+    pub prefetch_threads: usize,
+}
+
+impl Default for IoConfig {
+    fn default() -> Self {
+        IoConfig {
+            read_threads: crate::read_pool::DEFAULT_THREADS,
+            read_piece: crate::read_pool::DEFAULT_PIECE,
+            prefetch_threads: DEFAULT_PREFETCH_THREADS,
+        }
+    }
+}
+
+/// Default threads loading prefetched pages.
+pub const DEFAULT_PREFETCH_THREADS: usize = 4;
 
 /// One open model store.
 pub struct OpenModel {
@@ -219,6 +249,8 @@ pub struct Store {
     pinned_reserved: AtomicUsize,
     cfg: StoreConfig,
     prefetch_tx: Mutex<Option<mpsc::SyncSender<(u32, u32)>>>,
+    /// Reads model files with many pieces in flight.
+    readers: Arc<ReadPool>,
 }
 
 /// Longest a demand request waits for in-flight loads to make room.
@@ -245,6 +277,13 @@ impl Store {
             Some((dir, cap)) => Some(FastTier::open("fast", dir, *cap)?),
             None => None,
         };
+        let threads_error = |e: std::io::Error| StoreError::Store {
+            store: PathBuf::from("<cache>"),
+            detail: format!("cannot start the store's I/O threads: {e}"),
+        };
+        let readers =
+            Arc::new(ReadPool::new(cfg.io.read_threads, cfg.io.read_piece).map_err(threads_error)?);
+        let loaders = cfg.io.prefetch_threads.max(1);
         let store = Arc::new(Store {
             cache: PageCache::new(arena),
             fast,
@@ -252,25 +291,31 @@ impl Store {
             pinned_reserved: AtomicUsize::new(0),
             cfg,
             prefetch_tx: Mutex::new(None),
+            readers,
         });
-        // Prefetch hints are loaded on a background thread, so a hint never blocks the
-        // engine. The thread holds only a weak reference and ends with the store.
+        // Prefetch hints are loaded on background threads, so a hint never blocks the
+        // engine, several pages at once, in the order hinted; their reads queue behind
+        // demand reads. The threads hold only a weak reference and end with the store.
         let (tx, rx) = mpsc::sync_channel::<(u32, u32)>(PREFETCH_QUEUE);
-        let weak = Arc::downgrade(&store);
-        std::thread::Builder::new()
-            .name("vpaged-prefetch".into())
-            .spawn(move || {
-                while let Ok((model, page)) = rx.recv() {
-                    let Some(store) = weak.upgrade() else { break };
-                    // A failed prefetch is not an error: the demand request will
-                    // report it if the page is really unavailable.
-                    let _ = store.prefetch_now(model, page);
-                }
-            })
-            .map_err(|e| StoreError::Store {
-                store: PathBuf::from("<cache>"),
-                detail: format!("cannot start the prefetch thread: {e}"),
-            })?;
+        let rx = Arc::new(Mutex::new(rx));
+        for i in 0..loaders {
+            let weak = Arc::downgrade(&store);
+            let rx = Arc::clone(&rx);
+            std::thread::Builder::new()
+                .name(format!("vpaged-prefetch-{i}"))
+                .spawn(move || {
+                    crate::read_pool::mark_hint_thread();
+                    loop {
+                        let next = rx.lock().unwrap_or_else(|e| e.into_inner()).recv();
+                        let Ok((model, page)) = next else { break };
+                        let Some(store) = weak.upgrade() else { break };
+                        // A failed prefetch is not an error: the demand request will
+                        // report it if the page is really unavailable.
+                        let _ = store.prefetch_now(model, page);
+                    }
+                })
+                .map_err(threads_error)?;
+        }
         *store.prefetch_tx.lock().unwrap_or_else(|e| e.into_inner()) = Some(tx);
         Ok(store)
     }
@@ -363,7 +408,9 @@ impl Store {
             } else {
                 ReadMode::Buffered
             });
-        let primary = ModelTier::File(FileTier::with_mode("primary", &dir, mode));
+        let primary = ModelTier::File(
+            FileTier::with_mode("primary", &dir, mode).with_pool(Arc::clone(&self.readers)),
+        );
         Ok(self.insert(dir, primary, nas, loaded))
     }
 
@@ -646,15 +693,97 @@ impl Store {
         }
     }
 
-    fn prefetch_now(&self, model: u32, page: u32) -> Result<(), StoreError> {
+    fn prefetch_now(self: &Arc<Self>, model: u32, page: u32) -> Result<(), StoreError> {
         let m = self.model(model)?;
         let len = Self::page_len(&m, page)?;
+        let key = PageKey { model, page };
+        if let Some(file) = self.streamed(&m, page) {
+            return match self.cache.reserve::<StoreError>(key, len) {
+                Ok(Reserve::Reserved(r)) => {
+                    self.read_ahead(m, page, file, r);
+                    Ok(())
+                }
+                Ok(_) => Ok(()),
+                Err(e) => Err(cache_error(&m, page, e)),
+            };
+        }
         self.cache
-            .prefetch(PageKey { model, page }, len, |buf| {
-                self.load_into(&m, page, buf)
-            })
+            .prefetch(key, len, |buf| self.load_into(&m, page, buf))
             .map(|_| ())
             .map_err(|e| cache_error(&m, page, e))
+    }
+
+    /// The primary tier and open file of a page whose load is one plain read there
+    /// (raw bytes, no staged copy on the fast tier, no vpack body to try first): such
+    /// a prefetch is read in flight without holding a thread. Other pages load on a
+    /// prefetch thread through [`PageLoader`], which tries every copy.
+    fn streamed(&self, m: &OpenModel, page: u32) -> Option<Arc<DirectFile>> {
+        let entry = m.manifest.pages.get(page as usize)?;
+        let ModelTier::File(tier) = &m.primary else {
+            return None;
+        };
+        if entry.encoding != Encoding::Raw
+            || entry.vpack().is_some()
+            || m.is_superseded()
+            || self
+                .fast
+                .as_ref()
+                .is_some_and(|f| f.contains(&entry.blake3))
+        {
+            return None;
+        }
+        tier.open(&entry.file).ok()
+    }
+
+    /// Reads a reserved page in flight and publishes it once verified, from the
+    /// reader that lands its last piece. A read that fails, or bytes that fail
+    /// verification, are loaded again through [`PageLoader`] on a thread of their own
+    /// (rare: a bad copy, a truncated file), which tries every copy and reports the
+    /// error that names page and tier; so a prefetch ends as a demand load would.
+    fn read_ahead(
+        self: &Arc<Self>,
+        m: Arc<OpenModel>,
+        page: u32,
+        file: Arc<DirectFile>,
+        mut r: Reservation,
+    ) {
+        let entry = &m.manifest.pages[page as usize];
+        let (offset, len) = (entry.offset, r.len());
+        // SAFETY: the slot is the reservation's alone until it is finished, which
+        // only the completion below does, after every piece has landed; the
+        // reservation moves into the completion, so the slot outlives the reads.
+        let dst = unsafe { r.buf() }.as_mut_ptr();
+        let store = Arc::downgrade(self);
+        let start = std::time::Instant::now();
+        let then = move |read: std::io::Result<()>| {
+            let entry = &m.manifest.pages[page as usize];
+            // SAFETY: every piece has landed; the reservation is still unfinished, so
+            // the slot is still this load's alone.
+            let verified = read.is_ok() && check(entry, unsafe { r.buf() }, "primary").is_ok();
+            if verified {
+                if let ModelTier::File(t) = &m.primary {
+                    t.counters().record_read(len as u64, start.elapsed());
+                }
+                m.served[1].fetch_add(1, Ordering::Relaxed);
+                let _ = r.finish(Ok::<(), StoreError>(()));
+                return;
+            }
+            let Some(store) = store.upgrade() else { return };
+            let retry = std::thread::Builder::new()
+                .name("vpaged-reload".into())
+                .spawn(move || {
+                    crate::read_pool::mark_hint_thread();
+                    // SAFETY: as above: the slot is this load's alone until `finish`.
+                    let result = store.load_into(&m, page, unsafe { r.buf() });
+                    let _ = r.finish(result);
+                });
+            // No thread: the reservation drops unfinished, failing this prefetch; the
+            // demand request loads the page itself.
+            drop(retry);
+        };
+        // SAFETY: `dst..dst + len` is the reserved slot, written by nothing else until
+        // the completion finishes the reservation (see above).
+        unsafe { self.readers.submit(&file, offset, dst, len, false, then) };
     }
 
     /// Copies the most requested pages of `model` (verified bytes) onto the fast tier,
@@ -1367,6 +1496,71 @@ mod tests {
             e.to_string().contains("re-reading the page manifest"),
             "{e}"
         );
+    }
+
+    /// Prefetched pages are read in flight through the reader pool (pieces smaller
+    /// than the page) and served verified, in both read modes; a prefetch of a page
+    /// whose bytes changed on disk is never served: the demand request reports the
+    /// integrity error naming page and tier.
+    #[test]
+    fn prefetched_pages_are_read_in_flight_and_verified() {
+        for mode in [ReadMode::Buffered, ReadMode::Direct] {
+            let d = tempfile::tempdir().unwrap();
+            let dir = d.path().join("m");
+            write_model(&dir);
+            let s = Store::new(StoreConfig {
+                cache_bytes: 1 << 20,
+                read_mode: Some(mode),
+                io: IoConfig {
+                    read_threads: 3,
+                    read_piece: 16 << 10,
+                    prefetch_threads: 2,
+                },
+                ..Default::default()
+            })
+            .unwrap();
+            let id = s.open_model(&dir).unwrap();
+            let m = s.model(id).unwrap();
+            let a = page_id(&m, "a");
+            s.prefetch(id, a);
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while !s.cache().resident(PageKey { model: id, page: a }) {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "{mode:?}: never loaded"
+                );
+                std::thread::sleep(std::time::Duration::from_millis(2));
+            }
+            let want: Vec<u8> = (0..=255u8).cycle().take(8192).collect();
+            assert_eq!(s.acquire(id, a).unwrap().bytes(), &want[..]);
+            let st = s.cache_stats();
+            assert_eq!(
+                (st.prefetch_loads, st.misses, st.hits),
+                (1, 0, 1),
+                "{mode:?}"
+            );
+            assert_eq!(m.served_counts()[1], 1);
+
+            // Flip a byte of page b, then prefetch it.
+            let b = page_id(&m, "b");
+            let entry = m.manifest.pages[b as usize].clone();
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(dir.join(&entry.file))
+                .unwrap();
+            use std::os::unix::fs::FileExt;
+            let mut byte = [0u8];
+            f.read_exact_at(&mut byte, entry.offset + 3).unwrap();
+            f.write_all_at(&[byte[0] ^ 0x40], entry.offset + 3).unwrap();
+            f.sync_all().unwrap();
+            s.prefetch(id, b);
+            let e = s.acquire(id, b).unwrap_err();
+            assert!(
+                matches!(&e, StoreError::Integrity { page, tier, .. } if page == "b" && tier == "primary"),
+                "{mode:?}: {e}"
+            );
+        }
     }
 
     #[test]

@@ -206,9 +206,13 @@ impl<B: Backend> Llama<B> {
                 down: linear(&format!("{m}.down_proj"), &d.hidden, &d.inter, cfg.mlp_bias)?,
             });
         }
-        let row = (embed.cols * embed.dtype.size()) as u64;
+        // A token reads one row of the embedding where the source reads only what is
+        // touched; a source that loads pages whole reads all of it.
+        let row = source
+            .partial_reads()
+            .then_some((embed.cols * embed.dtype.size()) as u64);
         let plan = PagePlan {
-            head: Stage::new(source, &[vec![(embed.page, Some(row))]]),
+            head: Stage::new(source, &[vec![(embed.page, row)]]),
             layers: layers
                 .iter()
                 .map(|l| {

@@ -8,6 +8,9 @@
 //! vectors beside it) at a time, so that a cache smaller than a layer still streams.
 //! Neither the lease scope nor the prefetch depth changes a result.
 
+use std::cell::Cell;
+use std::time::{Duration, Instant};
+
 use vpaged::{PageId, PageSource};
 
 use super::plan::PagePlan;
@@ -29,6 +32,8 @@ pub struct Sweep<'a> {
     plan: &'a PagePlan,
     scope: LeaseScope,
     depth: usize,
+    /// Time spent waiting for leases (loads, or other requests' loads of the page).
+    waited: Cell<Duration>,
 }
 
 impl<'a> Sweep<'a> {
@@ -62,7 +67,17 @@ impl<'a> Sweep<'a> {
             plan,
             scope,
             depth,
+            waited: Cell::new(Duration::ZERO),
         }
+    }
+
+    /// Time this sweep has waited for its pages so far (the rest of a pass computes).
+    pub fn waited(&self) -> Duration {
+        self.waited.get()
+    }
+
+    fn acquire(&self, ids: &[PageId]) -> Result<Leased, VoomError> {
+        acquire_timed(self.source, ids, &self.waited)
     }
 
     pub fn scope(&self) -> LeaseScope {
@@ -76,28 +91,29 @@ impl<'a> Sweep<'a> {
 
     /// Leases the pages read before the first layer.
     pub fn head(&self) -> Result<Leased, VoomError> {
-        Leased::acquire(self.source, self.plan.head.ids())
+        self.acquire(self.plan.head.ids())
     }
 
     /// Starts layer `li`: sends the hints due (layers `li+1..=li+depth` at the first
     /// layer, then the one newly inside the window; past the last layer, the tail's
     /// pages) and leases the layer whole when the scope is [`LeaseScope::Layer`].
-    pub fn layer(&self, li: usize) -> Result<LayerLease<'a>, VoomError> {
+    pub fn layer(&self, li: usize) -> Result<LayerLease<'_>, VoomError> {
         self.hint_ahead(li);
         let whole = match self.scope {
-            LeaseScope::Layer => Some(Leased::acquire(self.source, self.plan.layers[li].ids())?),
+            LeaseScope::Layer => Some(self.acquire(self.plan.layers[li].ids())?),
             LeaseScope::Step => None,
         };
         Ok(LayerLease {
             source: self.source,
             steps: self.plan.layers[li].steps(),
             whole,
+            waited: &self.waited,
         })
     }
 
     /// Leases the pages read after the last layer.
     pub fn tail(&self) -> Result<Leased, VoomError> {
-        Leased::acquire(self.source, self.plan.tail.ids())
+        self.acquire(self.plan.tail.ids())
     }
 
     /// Ends the pass (every lease dropped): a remote source delivers the releases it
@@ -122,11 +138,24 @@ impl<'a> Sweep<'a> {
     }
 }
 
+/// Leases `ids`, adding the time it took to `waited`.
+fn acquire_timed(
+    source: &dyn PageSource,
+    ids: &[PageId],
+    waited: &Cell<Duration>,
+) -> Result<Leased, VoomError> {
+    let t = Instant::now();
+    let r = Leased::acquire(source, ids);
+    waited.set(waited.get() + t.elapsed());
+    r
+}
+
 /// A layer being computed: its pages, leased whole or step by step.
 pub struct LayerLease<'a> {
     source: &'a dyn PageSource,
     steps: &'a [Vec<PageId>],
     whole: Option<Leased>,
+    waited: &'a Cell<Duration>,
 }
 
 impl LayerLease<'_> {
@@ -137,9 +166,10 @@ impl LayerLease<'_> {
     pub fn step(&self, i: usize) -> Result<StepLease<'_>, VoomError> {
         match &self.whole {
             Some(l) => Ok(StepLease::Shared(l)),
-            None => Ok(StepLease::Own(Leased::acquire(
+            None => Ok(StepLease::Own(acquire_timed(
                 self.source,
                 &self.steps[i],
+                self.waited,
             )?)),
         }
     }

@@ -390,6 +390,9 @@ pub fn result_json(
             "decode_secs": g.decode_secs,
             "prefill_tokens_per_sec": g.prefill_tokens_per_sec(),
             "decode_tokens_per_sec": g.decode_tokens_per_sec(),
+            // Of those seconds, the time the passes waited for pages.
+            "prefill_page_wait_secs": g.prefill_page_wait_secs,
+            "decode_page_wait_secs": g.decode_page_wait_secs,
         },
         "threads": engine.threads(),
         // This process's memory at the end (Linux): private bytes against the

@@ -203,6 +203,10 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
             "page_source": r["page_source"],
             "decode_tokens_per_sec": decode_tps,
             "prefill_tokens_per_sec": r["timing"]["prefill_tokens_per_sec"],
+            "decode_page_wait_share": r["timing"]["decode_page_wait_secs"].as_f64()
+                .zip(r["timing"]["decode_secs"].as_f64())
+                .map(|(w, t)| w / t.max(1e-9)),
+            "page_cache": r["page_cache"],
             "storage_read_bytes": read,
             "read_bytes_per_pass": read.map(|b| b / passes as u64),
             "passes": passes,

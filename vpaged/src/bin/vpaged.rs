@@ -52,6 +52,7 @@ fn run(cli: Cli) -> Result<()> {
         pin_first_layers: cfg.pin_first_layers,
         pin_last_layers: cfg.pin_last_layers,
         read_mode: cfg.read_mode,
+        io: cfg.io,
     })
     .context("creating the page store")?;
     if cfg.prefault {

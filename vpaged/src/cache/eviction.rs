@@ -11,10 +11,14 @@
 //! Regions:
 //! - **Main**: admitted pages. Victims are taken lowest frequency first, *most*
 //!   recently used among equals (see "cyclic sweeps" below for why not least).
-//! - **Window**: pages served on demand that lost the admission test (and prefetched
-//!   pages that lost it). They are evicted first: used ones oldest first, then
-//!   prefetched pages not yet requested; a second demand request while still in the
-//!   window proves reuse and promotes the page to main (as in S3-FIFO's small queue).
+//! - **Window**: pages served on demand that lost the admission test, and every
+//!   prefetched page (a prediction is not proven reuse; in main, a prefetched page
+//!   would be main's most recent, its first victim among equals, and go before it
+//!   was used). Used ones are evicted first, oldest first; prefetched pages not yet
+//!   requested go only after main's victims, newest first (in a sweep, the oldest is
+//!   the page needed next: evicting it reads it twice). A second demand request
+//!   while still in the window proves reuse and promotes the page to main (as in
+//!   S3-FIFO's small queue).
 //!   The window has no fixed size: it is what streaming needs (the pages an engine
 //!   holds at once, and the layer it prefetched), carved out of main by eviction when
 //!   it must grow.
@@ -37,7 +41,7 @@
 //!      the free bytes still cover the window's recent need ([`Policy::spare_room`]),
 //!      the most bytes streaming could not do without (leased and pending window
 //!      pages plus the page being placed) over the last one or two aging periods. So
-//!      the first fill goes to main, and main regrows into room streaming stopped
+//!      the first fill by demand goes to main, and main regrows into room streaming stopped
 //!      using, but never into the window's working room.
 //!   2. *When main must shrink, it gives up its most recently used page.* A demand load
 //!      the window cannot make room for (a large page behind small ones, a leased
@@ -205,6 +209,32 @@ impl Policy {
         }
     }
 
+    /// What evicting an evictable page costs, for choosing which pages to evict
+    /// together when room must be contiguous: `None` if it is not evictable (leased,
+    /// pinned, loading) or may not be evicted for a load of this kind (a prefetch
+    /// spares pending prefetches and main pages requested more often than
+    /// `prefetch_freq + 1`, as [`Policy::reclaimable_for_prefetch`] counts).
+    /// Used window pages cost least, main pages more (more with more requests),
+    /// pending prefetches most (each was read for a request still to come).
+    pub fn eviction_cost(&self, key: PageKey, prefetch_freq: Option<u32>) -> Option<u64> {
+        let m = self.entries.get(&key)?;
+        let units = m.size.div_ceil(16 << 10).max(1);
+        match m.indexed? {
+            IndexPos::Window(false, _) => Some(units),
+            IndexPos::Window(true, _) => match prefetch_freq {
+                Some(_) => None,
+                None => Some(units.saturating_mul(1 << 20)),
+            },
+            IndexPos::Main(..) => {
+                let f = self.frequency(key);
+                match prefetch_freq {
+                    Some(pf) if f > pf.saturating_add(1) => None,
+                    _ => Some(units.saturating_mul(2 + f.min(1 << 10) as u64)),
+                }
+            }
+        }
+    }
+
     pub fn region(&self, key: PageKey) -> Option<Region> {
         self.entries.get(&key).map(|m| m.region)
     }
@@ -286,10 +316,19 @@ impl Policy {
         }
     }
 
-    /// The window page to evict for a demand load: the oldest used one, else the
-    /// oldest prefetched page still waiting for its request.
+    /// The window page to evict for a demand load: the oldest used one.
     pub fn window_victim(&self) -> Option<PageKey> {
-        self.window.first_key_value().map(|(_, &k)| k)
+        self.window_victim_for_prefetch()
+    }
+
+    /// The prefetched page still waiting for its request that a demand load evicts
+    /// when nothing else can go: the newest (in a sweep, the one needed furthest
+    /// ahead; the oldest is the one needed next, and evicting it would read it twice).
+    pub fn pending_victim(&self) -> Option<PageKey> {
+        self.window
+            .last_key_value()
+            .filter(|((pending, _), _)| *pending)
+            .map(|(_, &k)| k)
     }
 
     /// The window page a prefetch may evict: the oldest used one. A prefetch never
@@ -392,13 +431,19 @@ mod tests {
             "insertion order, not index order"
         );
         assert_eq!(p.window_victim_for_prefetch(), Some(k(10)));
+        assert_eq!(p.pending_victim(), Some(k(11)));
         p.set_evictable(k(10), false);
-        assert_eq!(p.window_victim(), Some(k(11)));
+        assert_eq!(p.window_victim(), None, "a pending prefetch goes last");
         assert_eq!(
             p.window_victim_for_prefetch(),
             None,
             "pending prefetch is spared"
         );
+        assert_eq!(p.pending_victim(), Some(k(11)));
+        p.insert(k(12), 1, Region::Window, false);
+        p.set_evictable(k(12), true);
+        assert_eq!(p.pending_victim(), Some(k(12)), "the newest pending first");
+        p.remove(k(12));
         assert_eq!(p.evictable_bytes(), 4);
         p.remove(k(11));
         p.remove(k(2));

@@ -142,6 +142,96 @@ pub enum Prefetched {
     Skipped,
 }
 
+/// What [`PageCache::reserve`] did.
+pub enum Reserve {
+    /// The page is already resident.
+    Resident,
+    /// Another request is loading it.
+    InFlight,
+    /// No room without evicting pages requested more often (see
+    /// [`PageCache::prefetch`]).
+    Skipped,
+    /// A slot is the caller's to fill.
+    Reserved(Reservation),
+}
+
+/// A slot reserved for loading one page (see [`PageCache::reserve`]). Whoever holds
+/// it fills [`Reservation::buf`] with the page's verified bytes and then calls
+/// [`Reservation::finish`]; dropped unfinished, the load fails (its waiters are told,
+/// the slot is freed). `Send`: a load may finish on another thread than it began.
+pub struct Reservation {
+    inner: Arc<Inner>,
+    key: PageKey,
+    offset: usize,
+    len: usize,
+    finished: bool,
+}
+
+impl fmt::Debug for Reservation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Reservation")
+            .field("key", &self.key)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl Reservation {
+    pub fn key(&self) -> PageKey {
+        self.key
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The slot's bytes (a previous page's until overwritten).
+    ///
+    /// # Safety
+    /// The slice is the only access to the slot until [`Reservation::finish`] (the
+    /// page is `Loading`: no lease, reader or other loader reaches it); the caller
+    /// must not keep it, or pointers derived from it, past `finish` or drop, nor
+    /// create a second one while the first is in use.
+    pub unsafe fn buf(&mut self) -> &mut [u8] {
+        // SAFETY: the slot came from the allocator over the arena's units and its page
+        // is `Loading` under this reservation, so the caller's access is exclusive
+        // (this function's contract).
+        match unsafe { self.inner.arena.bytes_mut(self.offset, self.len) } {
+            Ok(b) => b,
+            Err(_) => unreachable!("allocator slots lie inside the arena"),
+        }
+    }
+
+    /// Publishes the page (`Ok`: its bytes are complete and verified) or fails the
+    /// load (`Err`: the slot is freed and every waiter gets the error). Returns the
+    /// load's own result as the cache reports it.
+    pub fn finish<E: Error + Send + Sync + 'static>(
+        mut self,
+        result: Result<(), E>,
+    ) -> Result<(), CacheError<E>> {
+        self.finished = true;
+        match self
+            .inner
+            .finish(self.key, result.map_err(Failure::from_error), 0)
+        {
+            Outcome::Ready { .. } => Ok(()),
+            Outcome::Failed(f) => Err(f.into_error(self.key)),
+        }
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if !self.finished {
+            self.inner.finish(self.key, Err(Failure::Panicked), 0);
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
 struct Slot {
     unit: u32,
@@ -314,14 +404,19 @@ impl Inner {
         let freq = match mode {
             Mode::Demand { freq } | Mode::Prefetch { freq } => freq,
         };
-        let admitted = st.policy.admits(freq);
+        // A prefetched page is a prediction, not proven reuse: it waits in the window,
+        // spared by other prefetches and taken by demand loads only last, until its
+        // request comes (in main, it would be main's most recent page, the first
+        // victim among equals, and be evicted before it was used).
+        let admitted = matches!(mode, Mode::Demand { .. }) && st.policy.admits(freq);
         let need = units as u64 * SLOT_ALIGN as u64;
         if let Some(unit) = alloc(&mut st.slots) {
             // Free room displaces nothing: it goes to main if the page passes admission
             // or the room is spare (the window keeps what streaming recently needed);
             // otherwise the page streams through the window like any other.
             let free_after = st.slots.free_units() as u64 * SLOT_ALIGN as u64;
-            let region = if admitted || st.policy.spare_room(free_after) {
+            let spare = matches!(mode, Mode::Demand { .. }) && st.policy.spare_room(free_after);
+            let region = if admitted || spare {
                 Region::Main
             } else {
                 st.policy.note_window_need(need);
@@ -356,13 +451,35 @@ impl Inner {
                 Mode::Demand { .. } => st.policy.window_victim(),
                 Mode::Prefetch { .. } => st.policy.window_victim_for_prefetch(),
             };
+            // A demand load takes used window pages, then main's victims, and only
+            // then prefetched pages still waiting for their request (see
+            // `Policy::pending_victim`).
+            // No used window page left and still no run long enough: the free room
+            // is fragmented. Evict the cheapest contiguous span instead of more pages
+            // in policy order, which would each free a scattered slot.
+            if window_victim.is_none() {
+                if let Some(span) = Self::cheapest_span(st, units, mode) {
+                    for v in span {
+                        Self::evict(st, v);
+                    }
+                    if let Some(unit) = alloc(&mut st.slots) {
+                        if region == Region::Window {
+                            st.policy.note_window_need(need);
+                        }
+                        return Room::Slot(Slot { unit, units }, region);
+                    }
+                }
+            }
             let victim = match window_victim {
                 Some(v) => v,
                 None => match (st.policy.main_victim(), mode) {
                     (Some((v, _)), Mode::Demand { .. }) => v,
                     (Some((v, f)), Mode::Prefetch { .. }) if f <= freq.saturating_add(1) => v,
                     (_, Mode::Prefetch { .. }) => return Room::Declined,
-                    (None, Mode::Demand { .. }) => return Room::Full,
+                    (None, Mode::Demand { .. }) => match st.policy.pending_victim() {
+                        Some(v) => v,
+                        None => return Room::Full,
+                    },
                 },
             };
             Self::evict(st, victim);
@@ -373,6 +490,65 @@ impl Inner {
                 return Room::Slot(Slot { unit, units }, region);
             }
         }
+    }
+
+    /// The pages to evict for the cheapest run of `units` contiguous units made of
+    /// free runs and evictable slots ([`Policy::eviction_cost`]); `None` if no such
+    /// run exists, or if one is free already (nothing to evict).
+    fn cheapest_span(st: &State, units: u32, mode: Mode) -> Option<Vec<PageKey>> {
+        let prefetch_freq = match mode {
+            Mode::Prefetch { freq } => Some(freq),
+            Mode::Demand { .. } => None,
+        };
+        // The arena in address order: free runs (cost 0), slots (their eviction cost,
+        // `None` for what cannot go).
+        let mut blocks: Vec<(u32, u32, Option<u64>, Option<PageKey>)> = st
+            .slots
+            .free_runs_by_address()
+            .map(|(s, l)| (s, l, Some(0), None))
+            .collect();
+        for (&key, e) in &st.pages {
+            let slot = match e {
+                Entry::Ready { slot, .. } | Entry::Loading { slot, .. } => *slot,
+            };
+            let cost = match e {
+                Entry::Ready { refs: 0, .. } if !st.pins.contains(&key) => {
+                    st.policy.eviction_cost(key, prefetch_freq)
+                }
+                _ => None,
+            };
+            blocks.push((slot.unit, slot.units, cost, Some(key)));
+        }
+        blocks.sort_unstable_by_key(|b| b.0);
+        // Sliding window over runs of evictable blocks, adjacent in the arena.
+        let mut best: Option<(u64, usize, usize)> = None;
+        let (mut i, mut len, mut cost) = (0usize, 0u64, 0u64);
+        for j in 0..blocks.len() {
+            let (start, l, c, _) = blocks[j];
+            let adjacent = j == 0 || blocks[j - 1].0 + blocks[j - 1].1 == start;
+            let Some(c) = c else {
+                (i, len, cost) = (j + 1, 0, 0);
+                continue;
+            };
+            if !adjacent {
+                (i, len, cost) = (j, 0, 0);
+            }
+            len += l as u64;
+            cost += c;
+            while len - blocks[i].1 as u64 >= units as u64 && i < j {
+                len -= blocks[i].1 as u64;
+                cost -= blocks[i].2.unwrap_or(0);
+                i += 1;
+            }
+            if len >= units as u64 && best.is_none_or(|b| cost < b.0) {
+                best = Some((cost, i, j));
+            }
+        }
+        let (cost, i, j) = best?;
+        if cost == 0 {
+            return None;
+        }
+        Some(blocks[i..=j].iter().filter_map(|b| b.3).collect())
     }
 
     fn evict(st: &mut State, key: PageKey) {
@@ -637,6 +813,28 @@ impl PageCache {
         E: Error + Send + Sync + 'static,
         F: FnOnce(&mut [u8]) -> Result<(), E>,
     {
+        match self.reserve(key, len)? {
+            Reserve::Resident => Ok(Prefetched::Resident),
+            Reserve::InFlight => Ok(Prefetched::InFlight),
+            Reserve::Skipped => Ok(Prefetched::Skipped),
+            Reserve::Reserved(mut r) => {
+                // SAFETY: the reservation's slot is this thread's alone until
+                // `finish` (see `Reservation::buf`).
+                let result = load(unsafe { r.buf() });
+                r.finish(result).map(|_| Prefetched::Loaded)
+            }
+        }
+    }
+
+    /// Reserves a slot to load page `key` into as a prefetch (the room rules of
+    /// [`PageCache::prefetch`]), for a load that completes elsewhere: on another
+    /// thread, after reads in flight. The page is `Loading` (demand requests for it
+    /// wait) until the [`Reservation`] is finished or dropped.
+    pub fn reserve<E: Error + Send + Sync + 'static>(
+        &self,
+        key: PageKey,
+        len: usize,
+    ) -> Result<Reserve, CacheError<E>> {
         let inner = &self.inner;
         let units = self.units_checked(key, len)?;
         let mut st = inner.lock();
@@ -648,8 +846,8 @@ impl PageCache {
                     requested: len,
                 })
             }
-            Some(Entry::Ready { .. }) => return Ok(Prefetched::Resident),
-            Some(Entry::Loading { .. }) => return Ok(Prefetched::InFlight),
+            Some(Entry::Ready { .. }) => return Ok(Reserve::Resident),
+            Some(Entry::Loading { .. }) => return Ok(Reserve::InFlight),
             None => {}
         }
         let freq = st.policy.frequency(key);
@@ -657,11 +855,27 @@ impl PageCache {
             Room::Slot(slot, region) => (slot, region),
             Room::Full | Room::Declined => {
                 st.stats.prefetch_skipped += 1;
-                return Ok(Prefetched::Skipped);
+                return Ok(Reserve::Skipped);
             }
         };
-        self.load_into(st, key, len, slot, region, false, load)
-            .map(|_| Prefetched::Loaded)
+        st.pages.insert(
+            key,
+            Entry::Loading {
+                slot,
+                len,
+                region,
+                demand: false,
+                waiters: 0,
+                cell: Arc::new(InFlight::new()),
+            },
+        );
+        Ok(Reserve::Reserved(Reservation {
+            inner: Arc::clone(inner),
+            key,
+            offset: slot.offset(),
+            len,
+            finished: false,
+        }))
     }
 
     /// Registers `slot` as loading `key`, runs `load` outside the lock, publishes.
@@ -943,5 +1157,84 @@ mod tests {
         assert!(c.resident(key(1)) && c.resident(key(2)));
         let s = c.stats();
         assert_eq!((s.prefetch_loads, s.prefetch_skipped, s.hits), (1, 1, 5));
+    }
+
+    /// A reservation is filled and finished on another thread; a waiter blocked on
+    /// the page meanwhile gets the bytes. Dropped unfinished, the load fails its
+    /// waiters and frees the slot.
+    #[test]
+    fn a_reservation_finishes_elsewhere_and_an_abandoned_one_fails() {
+        let c = cache(4);
+        let Reserve::Reserved(mut r) = c.reserve::<TestErr>(key(1), 7).unwrap() else {
+            panic!("a slot was free")
+        };
+        assert!(matches!(
+            c.reserve::<TestErr>(key(1), 7).unwrap(),
+            Reserve::InFlight
+        ));
+        let waiter = {
+            let c = c.clone();
+            std::thread::spawn(move || c.acquire(key(1), 7, fill(0)).map(|l| l.bytes().to_vec()))
+        };
+        std::thread::spawn(move || {
+            // SAFETY: the reservation is this thread's alone until finished.
+            unsafe { r.buf() }.fill(5);
+            r.finish(Ok::<(), TestErr>(())).unwrap();
+        })
+        .join()
+        .unwrap();
+        assert_eq!(waiter.join().unwrap().unwrap(), vec![5u8; 7]);
+
+        let Reserve::Reserved(r) = c.reserve::<TestErr>(key(2), 7).unwrap() else {
+            panic!("a slot was free")
+        };
+        let waiter = {
+            let c = c.clone();
+            std::thread::spawn(move || c.acquire(key(2), 7, fill(0)).map(|_| ()))
+        };
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        drop(r);
+        let e = waiter.join().unwrap();
+        // The waiter either waited and got the failure, or came after and loaded.
+        assert!(
+            matches!(e, Err(CacheError::LoadPanicked { .. }) | Ok(())),
+            "{e:?}"
+        );
+        assert_eq!(c.stats().loading_pages, 0);
+    }
+
+    /// With the free room fragmented (enough units, no run long enough), a demand load
+    /// evicts the cheapest contiguous span, here the one page beside a free run,
+    /// rather than every page in policy order; prefetches are spared.
+    #[test]
+    fn fragmented_room_evicts_one_contiguous_span() {
+        let c = cache(8);
+        // Pages 0..8 of one slot each fill the arena, in address order.
+        for p in 0..8 {
+            drop(c.acquire(key(p), SLOT_ALIGN, fill(p as u8)).unwrap());
+        }
+        // Free slots 1, 3 and 5 (three units free, no two adjacent); keep the rest.
+        {
+            let mut st = c.inner.lock();
+            for p in [1, 3, 5] {
+                Inner::evict(&mut st, key(p));
+            }
+        }
+        // Lease 0 and 7. Policy order alone would evict 6 (main's most recent among
+        // equals) and then 4; the spans [1, 4) and [3, 6) need one page each.
+        let held: Vec<_> = [0, 7]
+            .into_iter()
+            .map(|p| c.acquire(key(p), SLOT_ALIGN, fill(0)).unwrap())
+            .collect();
+        let before = c.stats().evictions;
+        let l = c.acquire(key(20), 3 * SLOT_ALIGN, fill(9)).unwrap();
+        assert!(
+            [SLOT_ALIGN, 3 * SLOT_ALIGN].contains(&l.offset()),
+            "{}",
+            l.offset()
+        );
+        assert_eq!(c.stats().evictions - before, 1, "one page");
+        assert!(!c.resident(key(2)) || !c.resident(key(4)));
+        drop(held);
     }
 }

@@ -10,8 +10,10 @@
 //! usually reused by a page of exactly its size, leaving no sliver. Freed neighbours
 //! merge at once, so with nothing allocated the arena is one free run again. External
 //! fragmentation is still possible: the free bytes can exceed a request with no run
-//! long enough. The cache then evicts further pages in policy order until a run
-//! forms, and reports [`super::CacheError::Full`] with the largest free run when
+//! long enough. The cache then evicts the cheapest contiguous span of free runs and
+//! evictable slots (used streaming pages before main's, prefetched pages still to be
+//! used last), one page where one suffices rather than every page in policy order
+//! until a run forms, and reports [`super::CacheError::Full`] with the largest free run when
 //! leased or pinned slots prevent it. Internal fragmentation is below one unit
 //! (16 KiB) per page.
 
@@ -55,6 +57,11 @@ impl SlotAllocator {
     /// Length of the longest free run.
     pub fn largest_free(&self) -> u32 {
         self.by_len.last().map_or(0, |&(len, _)| len)
+    }
+
+    /// The free runs, (start, length), in address order.
+    pub fn free_runs_by_address(&self) -> impl Iterator<Item = (u32, u32)> + '_ {
+        self.by_start.iter().map(|(&s, &l)| (s, l))
     }
 
     /// Number of free runs (1 when nothing is allocated).

@@ -4,25 +4,21 @@
 //! reusable aligned bounce buffer per reading thread, then copied to the caller's
 //! buffer: an extent of a checkpoint starts wherever its tensor does, which a direct
 //! read cannot). A filesystem that cannot read around the page cache (tmpfs, some
-//! overlays) is read buffered, with a warning.
+//! overlays) is read buffered, with a warning. A tier given a [`ReadPool`] reads each
+//! extent as many pieces in flight; without one, on the caller's thread.
 
-use std::cell::RefCell;
 use std::collections::HashMap;
 use std::path::{Component, Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use super::{Extent, TierCounters, TierError, TierStats};
-use crate::direct::{AlignedBuf, DirectFile, ReadMode, DIRECT_ALIGN};
+use crate::direct::{DirectFile, ReadMode};
+use crate::read_pool::ReadPool;
 
-/// Bytes of one direct read: a page larger than this is read in pieces of it.
+/// Bytes of one direct read on the caller's thread: a page larger than this is read in
+/// pieces of it.
 const DIRECT_PIECE: usize = 8 << 20;
-
-thread_local! {
-    /// The bounce buffer of direct reads on this thread (one piece and its
-    /// alignment margins).
-    static BOUNCE: RefCell<Option<AlignedBuf>> = const { RefCell::new(None) };
-}
 
 /// Model files under `root`, opened once and read with positioned reads (so
 /// concurrent reads of one file need no lock).
@@ -32,6 +28,7 @@ pub struct FileTier {
     mode: ReadMode,
     files: Mutex<HashMap<String, Arc<DirectFile>>>,
     counters: TierCounters,
+    pool: Arc<ReadPool>,
 }
 
 impl FileTier {
@@ -48,7 +45,14 @@ impl FileTier {
             mode,
             files: Mutex::new(HashMap::new()),
             counters: TierCounters::default(),
+            pool: Arc::new(ReadPool::new(0, DIRECT_PIECE).expect("a pool without threads")),
         }
+    }
+
+    /// Reads extents through `pool` (many pieces in flight).
+    pub fn with_pool(mut self, pool: Arc<ReadPool>) -> Self {
+        self.pool = pool;
+        self
     }
 
     /// How it reads.
@@ -92,7 +96,8 @@ impl FileTier {
         Ok(self.root.join(rel))
     }
 
-    fn open(&self, file: &str) -> Result<Arc<DirectFile>, TierError> {
+    /// The open file `file` of the tier (opened once, then shared).
+    pub fn open(&self, file: &str) -> Result<Arc<DirectFile>, TierError> {
         let mut files = self.files.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(f) = files.get(file) {
             return Ok(Arc::clone(f));
@@ -185,13 +190,7 @@ impl FileTier {
         let end = self.extent_end(ext)?;
         let f = self.open(&ext.file)?;
         let path = self.path_of(&ext.file)?;
-        let r = match f.mode() {
-            ReadMode::Buffered => {
-                use std::os::unix::fs::FileExt;
-                f.file().read_exact_at(buf, ext.offset)
-            }
-            ReadMode::Direct => read_direct(&f, ext.offset, buf),
-        };
+        let r = self.pool.read(&f, ext.offset, buf);
         match r {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
@@ -212,26 +211,10 @@ impl FileTier {
     }
 }
 
-/// Reads `buf.len()` bytes of `f` from `offset` around the page cache, in pieces of
-/// [`DIRECT_PIECE`] through this thread's bounce buffer.
-fn read_direct(f: &DirectFile, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
-    BOUNCE.with(|b| {
-        let mut b = b.borrow_mut();
-        let bounce = b.get_or_insert_with(|| AlignedBuf::new(DIRECT_PIECE + 2 * DIRECT_ALIGN));
-        let mut done = 0usize;
-        while done < buf.len() {
-            let n = (buf.len() - done).min(DIRECT_PIECE);
-            let got = f.read_at(offset + done as u64, n, bounce)?;
-            buf[done..done + n].copy_from_slice(got);
-            done += n;
-        }
-        Ok(())
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::direct::DIRECT_ALIGN;
 
     #[test]
     fn reads_extents_and_names_truncation() {
