@@ -11,14 +11,15 @@
 //! Regions:
 //! - **Main**: admitted pages. Victims are taken lowest frequency first, *most*
 //!   recently used among equals (see "cyclic sweeps" below for why not least).
-//! - **Window**: pages served on demand that lost the admission test, and every
-//!   prefetched page (a prediction is not proven reuse; in main, a prefetched page
-//!   would be main's most recent, its first victim among equals, and go before it
-//!   was used). Used ones are evicted first, oldest first; prefetched pages not yet
-//!   requested go only after main's victims, newest first (in a sweep, the oldest is
-//!   the page needed next: evicting it reads it twice). A second demand request
-//!   while still in the window proves reuse and promotes the page to main (as in
-//!   S3-FIFO's small queue).
+//! - **Window**: pages served on demand that lost the admission test (and prefetched
+//!   pages that lost it). Used ones are evicted first, oldest first. Prefetched pages
+//!   not yet requested, in either region, are indexed as pending window pages: no
+//!   prefetch evicts them, and a demand load only after main's victims, newest first
+//!   (in a sweep, the oldest is the page needed next: evicting it reads it twice; and
+//!   in main's order a prefetched page is the most recent, the first victim among
+//!   equals, so it went before it was used). A second demand request while still in
+//!   the window proves reuse and promotes the page to main (as in S3-FIFO's small
+//!   queue).
 //!   The window has no fixed size: it is what streaming needs (the pages an engine
 //!   holds at once, and the layer it prefetched), carved out of main by eviction when
 //!   it must grow.
@@ -41,7 +42,7 @@
 //!      the free bytes still cover the window's recent need ([`Policy::spare_room`]),
 //!      the most bytes streaming could not do without (leased and pending window
 //!      pages plus the page being placed) over the last one or two aging periods. So
-//!      the first fill by demand goes to main, and main regrows into room streaming stopped
+//!      the first fill goes to main, and main regrows into room streaming stopped
 //!      using, but never into the window's working room.
 //!   2. *When main must shrink, it gives up its most recently used page.* A demand load
 //!      the window cannot make room for (a large page behind small ones, a leased
@@ -101,6 +102,11 @@ struct Meta {
     last_access: u64,
     /// Demand requests served while in the window.
     window_demands: u32,
+    /// Loaded by a prefetch and not yet requested: indexed as a pending window page
+    /// whatever its region, so neither main's victim order nor another prefetch
+    /// takes it before its request comes (it would be main's most recent page, the
+    /// first victim among equals).
+    awaiting: bool,
     indexed: Option<IndexPos>,
 }
 
@@ -190,6 +196,7 @@ impl Policy {
                 inserted: t,
                 last_access: t,
                 window_demands: u32::from(demand),
+                awaiting: !demand,
                 indexed: None,
             },
         );
@@ -246,6 +253,7 @@ impl Policy {
         let was_indexed = self.unindex(key);
         if let Some(m) = self.entries.get_mut(&key) {
             m.last_access = t;
+            m.awaiting = false;
             if m.region == Region::Window {
                 m.window_demands += 1;
                 if m.window_demands >= 2 {
@@ -274,9 +282,10 @@ impl Policy {
         let Some(m) = self.entries.get_mut(&key) else {
             return;
         };
-        let pos = match m.region {
+        let region = if m.awaiting { Region::Window } else { m.region };
+        let pos = match region {
             Region::Window => {
-                let pending = m.window_demands == 0;
+                let pending = m.awaiting || m.window_demands == 0;
                 self.window.insert((pending, m.inserted), key);
                 self.window_bytes += m.size;
                 if pending {

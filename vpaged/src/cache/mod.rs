@@ -404,19 +404,14 @@ impl Inner {
         let freq = match mode {
             Mode::Demand { freq } | Mode::Prefetch { freq } => freq,
         };
-        // A prefetched page is a prediction, not proven reuse: it waits in the window,
-        // spared by other prefetches and taken by demand loads only last, until its
-        // request comes (in main, it would be main's most recent page, the first
-        // victim among equals, and be evicted before it was used).
-        let admitted = matches!(mode, Mode::Demand { .. }) && st.policy.admits(freq);
+        let admitted = st.policy.admits(freq);
         let need = units as u64 * SLOT_ALIGN as u64;
         if let Some(unit) = alloc(&mut st.slots) {
             // Free room displaces nothing: it goes to main if the page passes admission
             // or the room is spare (the window keeps what streaming recently needed);
             // otherwise the page streams through the window like any other.
             let free_after = st.slots.free_units() as u64 * SLOT_ALIGN as u64;
-            let spare = matches!(mode, Mode::Demand { .. }) && st.policy.spare_room(free_after);
-            let region = if admitted || spare {
+            let region = if admitted || st.policy.spare_room(free_after) {
                 Region::Main
             } else {
                 st.policy.note_window_need(need);
