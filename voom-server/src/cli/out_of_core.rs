@@ -54,6 +54,11 @@ pub struct OutOfCoreArgs {
     /// KV, scratch and the process).
     #[arg(long, value_delimiter = ',', default_value = "mmap,cache")]
     pub configs: Vec<String>,
+    /// Rounds: every configuration runs once per round, in turn, each run after a
+    /// fresh measurement of the storage's bandwidth (this benchmark's disk may change
+    /// speed from one minute to the next), and the report gives medians.
+    #[arg(long, default_value_t = 1)]
+    pub repeat: usize,
     /// The `voom` binary the runs use (default: this one).
     #[arg(long)]
     pub voom: Option<PathBuf>,
@@ -135,7 +140,16 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
         .collect();
     let cache_budget = room.saturating_sub(64 << 20).max(1 << 20);
     let mut results = Vec::new();
-    for cfg in &a.configs {
+    let runs: Vec<(usize, &String)> = (0..a.repeat.max(1))
+        .flat_map(|round| a.configs.iter().map(move |c| (round, c)))
+        .collect();
+    for (round, cfg) in runs {
+        // The bandwidth just before this run, in the best shape found above.
+        let _ = cgroup::drop_page_cache();
+        let near = direct::read_bandwidth(&files, 1 << 30, bw.chunk, bw.mode, bw.readers)
+            .map(|b| b.bytes_per_sec())
+            .unwrap_or(storage_bps);
+        let near_bound = (non_resident > 0).then(|| near / non_resident as f64);
         let extra: Vec<String> = match cfg.as_str() {
             "mmap" => vec![],
             "cache" => {
@@ -188,7 +202,7 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
             _ => {
                 let err = String::from_utf8_lossy(&out.stderr);
                 results.push(json!({
-                    "config": cfg, "ok": false, "status": out.status.to_string(),
+                    "config": cfg, "round": round, "ok": false, "status": out.status.to_string(),
                     "oom_kills": oom, "error": err.lines().last().unwrap_or(""),
                 }));
                 continue;
@@ -199,7 +213,10 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
         let decode_tps = r["timing"]["decode_tokens_per_sec"].as_f64().unwrap_or(0.0);
         results.push(json!({
             "config": cfg,
+            "round": round,
             "ok": true,
+            "storage_bytes_per_sec_before": near,
+            "ratio_to_storage_bound_before": near_bound.map(|b| decode_tps / b),
             "page_source": r["page_source"],
             "decode_tokens_per_sec": decode_tps,
             "prefill_tokens_per_sec": r["timing"]["prefill_tokens_per_sec"],
@@ -217,16 +234,43 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
             "wall_secs": wall,
         }));
     }
-    let rate = |name: &str| {
+    // Per round, then the median over rounds.
+    let rate = |name: &str, round: usize| {
         results
             .iter()
-            .find(|r| r["config"] == name && r["ok"] == true)
+            .find(|r| r["config"] == name && r["round"] == round && r["ok"] == true)
             .and_then(|r| r["decode_tokens_per_sec"].as_f64())
     };
-    let vs_mmap = match (rate("cache"), rate("mmap")) {
-        (Some(c), Some(m)) if m > 0.0 => Some(c / m),
-        _ => None,
-    };
+    let vs_mmap = median(
+        (0..a.repeat.max(1))
+            .filter_map(|k| match (rate("cache", k), rate("mmap", k)) {
+                (Some(c), Some(m)) if m > 0.0 => Some(c / m),
+                _ => None,
+            })
+            .collect(),
+    );
+    let medians: serde_json::Map<String, Value> = a
+        .configs
+        .iter()
+        .map(|c| {
+            let of = |key: &str| {
+                median(
+                    results
+                        .iter()
+                        .filter(|r| r["config"] == *c && r["ok"] == true)
+                        .filter_map(|r| r[key].as_f64())
+                        .collect(),
+                )
+            };
+            (
+                c.clone(),
+                json!({
+                    "decode_tokens_per_sec": of("decode_tokens_per_sec"),
+                    "ratio_to_storage_bound_before": of("ratio_to_storage_bound_before"),
+                }),
+            )
+        })
+        .collect();
     let ceiling_desc = match &ceiling {
         Ok(c) => json!({"kind": format!("memory cgroup {:?}", c.version()), "limit": c.limit()}),
         Err(why) => json!({"kind": "none: the engines' own budget only", "why": why}),
@@ -244,6 +288,8 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
         "storage_bound_tokens_per_sec": bound,
         "cache_budget": cache_budget,
         "runs": results,
+        "rounds": a.repeat.max(1),
+        "medians": medians,
         "cache_vs_mmap": vs_mmap,
     });
     if a.json {
@@ -281,10 +327,11 @@ fn print_report(r: &Value) -> Result<()> {
             .map_or("none (fits)".into(), |v| format!("{v:.3}"))
     )?;
     vpaged::outln!(
-        "  {:<6} {:>10} {:>10} {:>12} {:>12} {:>8}",
+        "  {:<6} {:>5} {:>10} {:>10} {:>12} {:>12} {:>8}",
         "config",
+        "round",
         "decode t/s",
-        "of bound",
+        "of bound*",
         "read/pass",
         "peak mem",
         "oom"
@@ -301,10 +348,11 @@ fn print_report(r: &Value) -> Result<()> {
             continue;
         }
         vpaged::outln!(
-            "  {:<6} {:>10.3} {:>10} {:>12} {:>12} {:>8}",
+            "  {:<6} {:>5} {:>10.3} {:>10} {:>12} {:>12} {:>8}",
             run["config"].as_str().unwrap_or(""),
+            run["round"],
             run["decode_tokens_per_sec"].as_f64().unwrap_or(0.0),
-            run["ratio_to_storage_bound"]
+            run["ratio_to_storage_bound_before"]
                 .as_f64()
                 .map_or("-".into(), |v| format!("{v:.2}")),
             b(&run["read_bytes_per_pass"]),
@@ -312,10 +360,39 @@ fn print_report(r: &Value) -> Result<()> {
             run["oom_kills"]
         )?;
     }
+    vpaged::outln!("  * of the bound measured just before the run")?;
+    if let Some(m) = r["medians"].as_object() {
+        for (c, v) in m {
+            vpaged::outln!(
+                "  median over {} rounds, {c}: {} tok/s, {} of the bound",
+                r["rounds"],
+                v["decode_tokens_per_sec"]
+                    .as_f64()
+                    .map_or("-".into(), |x| format!("{x:.3}")),
+                v["ratio_to_storage_bound_before"]
+                    .as_f64()
+                    .map_or("-".into(), |x| format!("{x:.2}"))
+            )?;
+        }
+    }
     if let Some(v) = r["cache_vs_mmap"].as_f64() {
-        vpaged::outln!("  cache / mmap decode: {v:.2}x")?;
+        vpaged::outln!("  cache / mmap decode (median of each round's ratio): {v:.2}x")?;
     }
     Ok(())
+}
+
+/// The median of `v` (the mean of the middle two for an even count); `None` if empty.
+fn median(mut v: Vec<f64>) -> Option<f64> {
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    Some(if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    })
 }
 
 /// Writes the page manifest the page cache needs, if missing.
