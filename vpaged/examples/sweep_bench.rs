@@ -14,8 +14,11 @@
 //! quarter of the model, so nothing stays resident from one sweep to the next beyond
 //! what the cache's admission keeps).
 //!
+//! With `POOL_ONLY=1` it measures the reader pool alone instead (no cache): the first
+//! file read whole by 1 to 8 callers of 24 or 96 MiB extents.
+//!
 //! `cargo run --release -p vpaged --example sweep_bench -- MODEL_DIR [--cache BYTES]
-//! [--depth D] [--read-threads N] [--prefetch-threads M] [--sweeps S]`
+//! [--depth D] [--read-threads N] [--prefetch-threads M] [--piece BYTES] [--sweeps S]`
 //! (MODEL_DIR needs a manifest: `vpagectl hash MODEL_DIR`).
 
 use std::collections::BTreeMap;
@@ -161,6 +164,11 @@ fn main() {
             drop_cached(&files);
             let b = direct::read_bandwidth(&files, 2 << 30, chunk, ReadMode::Direct, readers)
                 .expect("bandwidth");
+            println!(
+                "  cold direct reads, {readers} in flight of {} MiB: {:.2} GB/s",
+                chunk >> 20,
+                b.bytes_per_sec() / 1e9
+            );
             if b.bytes_per_sec() / 1e9 > best {
                 best = b.bytes_per_sec() / 1e9;
                 shape = (readers, chunk >> 20);
@@ -198,7 +206,8 @@ fn main() {
     );
 }
 
-#[allow(dead_code)]
+/// GB/s of the reader pool reading the first file whole, `callers` threads each
+/// reading the next `extent` bytes.
 fn pool_only(files: &[PathBuf], callers: usize, extent: usize, io: IoConfig) -> f64 {
     let pool = Arc::new(vpaged::read_pool::ReadPool::new(io.read_threads, io.read_piece).unwrap());
     let f = Arc::new(DirectFile::open(&files[0], ReadMode::Direct).unwrap());

@@ -11,7 +11,7 @@
 //! max_sessions = 128
 //! read_mode = "auto"    # or "direct" (around the OS page cache) or "buffered"
 //! read_threads = 8      # pieces of model files read at once
-//! prefetch_threads = 4  # prefetched pages loading at once
+//! prefetch_threads = 4  # threads taking prefetch hints
 //!
 //! [[nas]]
 //! mount = "/Volumes/nas"
@@ -204,7 +204,8 @@ pub struct DaemonArgs {
     /// the requesting thread).
     #[arg(long, env = "VPAGED_READ_THREADS")]
     pub read_threads: Option<usize>,
-    /// Prefetched pages loading at once (default 4).
+    /// Threads taking prefetch hints (default 4); pages that are not one plain read
+    /// of the primary copy (vpack, staged, NAS) load on them, one each at a time.
     #[arg(long, env = "VPAGED_PREFETCH_THREADS")]
     pub prefetch_threads: Option<usize>,
     /// TOML config file.

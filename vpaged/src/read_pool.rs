@@ -177,7 +177,8 @@ impl ReadPool {
     /// on this thread. Errors: the first piece's error (a short file is
     /// `UnexpectedEof`), after every piece has finished.
     pub fn read(&self, file: &Arc<DirectFile>, offset: u64, buf: &mut [u8]) -> io::Result<()> {
-        if self.threads == 0 || split(offset, buf.len(), self.piece).len() <= 1 {
+        let to_boundary = self.piece - (offset % self.piece as u64) as usize;
+        if self.threads == 0 || buf.len() <= to_boundary {
             return read_piece(file, offset, buf, self.piece);
         }
         let (tx, rx) = std::sync::mpsc::sync_channel(1);

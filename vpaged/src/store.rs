@@ -34,8 +34,7 @@ use voom_formats::{Checkpoint, FormatError};
 use crate::arena::{Arena, SLOT_ALIGN};
 use crate::cache::{CacheError, CacheStats, Lease, PageCache, PageKey, Reservation, Reserve};
 use crate::direct::{DirectFile, ReadMode};
-use crate::loader::check;
-use crate::loader::{PageLoader, Served};
+use crate::loader::{check, PageLoader, Served};
 use crate::read_pool::ReadPool;
 use crate::source::{PageId, PageLease, PageMeta, PageSource};
 use crate::tier::{FastTier, FileTier, Health, ModelTier, NasConfig, NasTier, TierStats};
@@ -73,8 +72,9 @@ pub struct IoConfig {
     pub read_threads: usize,
     /// Bytes of one piece.
     pub read_piece: usize,
-    /// Threads loading prefetched pages (each reads its page through the readers,
-    /// then verifies it): pages of hints loading at once.
+    /// Threads taking prefetch hints, in order. A raw page of the primary copy is
+    /// only queued on the readers (they verify and publish it); other pages (a vpack
+    /// body, a staged copy, a NAS) load on these threads, one page each at a time.
     pub prefetch_threads: usize,
 }
 
@@ -713,7 +713,7 @@ impl Store {
             .map_err(|e| cache_error(&m, page, e))
     }
 
-    /// The primary tier and open file of a page whose load is one plain read there
+    /// The open primary file of a page whose load is one plain read there
     /// (raw bytes, no staged copy on the fast tier, no vpack body to try first): such
     /// a prefetch is read in flight without holding a thread. Other pages load on a
     /// prefetch thread through [`PageLoader`], which tries every copy.
@@ -757,13 +757,14 @@ impl Store {
         let start = std::time::Instant::now();
         let then = move |read: std::io::Result<()>| {
             let entry = &m.manifest.pages[page as usize];
+            let ModelTier::File(tier) = &m.primary else {
+                unreachable!("`streamed` admits only a file tier");
+            };
             // SAFETY: every piece has landed; the reservation is still unfinished, so
             // the slot is still this load's alone.
-            let verified = read.is_ok() && check(entry, unsafe { r.buf() }, "primary").is_ok();
+            let verified = read.is_ok() && check(entry, unsafe { r.buf() }, tier.name()).is_ok();
             if verified {
-                if let ModelTier::File(t) = &m.primary {
-                    t.counters().record_read(len as u64, start.elapsed());
-                }
+                tier.counters().record_read(len as u64, start.elapsed());
                 m.served[1].fetch_add(1, Ordering::Relaxed);
                 let _ = r.finish(Ok::<(), StoreError>(()));
                 return;

@@ -225,7 +225,7 @@ impl Policy {
     /// pending prefetches most (each was read for a request still to come).
     pub fn eviction_cost(&self, key: PageKey, prefetch_freq: Option<u32>) -> Option<u64> {
         let m = self.entries.get(&key)?;
-        let units = m.size.div_ceil(16 << 10).max(1);
+        let units = m.size.div_ceil(crate::arena::SLOT_ALIGN as u64).max(1);
         match m.indexed? {
             IndexPos::Window(false, _) => Some(units),
             IndexPos::Window(true, _) => match prefetch_freq {
