@@ -25,7 +25,8 @@ pub struct EngineOptions {
     pub verify: VerifyMode,
     /// Longest context (prompt + generated); defaults to the model's maximum.
     pub max_context: Option<usize>,
-    /// Prompt tokens per forward pass during prefill. Results do not depend on it.
+    /// Positions each layer computes at a time (bounding activations); a prompt is
+    /// still one forward pass, one sweep of the weights. Results do not depend on it.
     pub prefill_chunk: usize,
     /// Decoder layers hinted to the page source ahead of the one computing (0: off).
     /// Results do not depend on it.
@@ -117,6 +118,11 @@ pub struct PageTraffic {
     pub misses: u64,
     /// Bytes loaded into the cache (demand and prefetch).
     pub bytes_loaded: u64,
+    /// Demand requests that waited for a load in flight (a prefetch not landed yet).
+    pub inflight_waits: u64,
+    /// Pages loaded on a hint, and hints dropped for want of room.
+    pub prefetch_loads: u64,
+    pub prefetch_skipped: u64,
 }
 
 impl PageTraffic {
@@ -296,7 +302,9 @@ impl Engine {
     }
 
     /// Runs `tokens` after what `kv` holds and returns the last position's logits.
-    /// Chunked by `prefill_chunk`; the result does not depend on the chunking.
+    /// One forward pass (one sweep of the weights), each layer computing the
+    /// positions `prefill_chunk` at a time; the result does not depend on the
+    /// chunking.
     pub fn prefill(&self, kv: &mut KvCache, tokens: &[u32]) -> Result<Vec<f32>, VoomError> {
         self.prefill_timed(kv, tokens, &mut Duration::default())
     }
@@ -308,11 +316,7 @@ impl Engine {
         tokens: &[u32],
         waited: &mut Duration,
     ) -> Result<Vec<f32>, VoomError> {
-        let mut logits = Vec::new();
-        for chunk in tokens.chunks(self.opts.prefill_chunk.max(1)) {
-            logits = self.forward_checked(kv, chunk, Logits::Last, waited)?;
-        }
-        Ok(logits)
+        self.forward_checked(kv, tokens, Logits::Last, waited)
     }
 
     /// Logits of every position of `tokens` after what `kv` holds.
@@ -343,7 +347,8 @@ impl Engine {
             self.opts.prefetch_depth,
             self.stream_room,
         );
-        let pass = self.model.forward(&sweep, tokens, kv, want);
+        let chunk = self.opts.prefill_chunk.max(1);
+        let pass = self.model.forward(&sweep, tokens, chunk, kv, want);
         *waited += sweep.waited();
         // Every lease of the pass is dropped by now.
         sweep.finish();
@@ -568,6 +573,9 @@ impl Engine {
                 hits: b.hits.saturating_sub(a.hits),
                 misses: b.misses.saturating_sub(a.misses),
                 bytes_loaded: b.bytes_loaded.saturating_sub(a.bytes_loaded),
+                inflight_waits: b.inflight_waits.saturating_sub(a.inflight_waits),
+                prefetch_loads: b.prefetch_loads.saturating_sub(a.prefetch_loads),
+                prefetch_skipped: b.prefetch_skipped.saturating_sub(a.prefetch_skipped),
             }),
             _ => None,
         };

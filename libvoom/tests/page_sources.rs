@@ -243,3 +243,45 @@ fn two_engines_through_the_daemon_give_the_embedded_bits() {
     let _ = stop.send(());
     h.join().unwrap();
 }
+
+/// A prompt is one sweep of the weights, however many chunks its layers compute it
+/// in: with a cache of about one layer (every layer evicted by the next), prefilling
+/// 21 positions 4 at a time loads exactly the bytes one position loads, and gives
+/// the bits of one chunk of 21.
+#[test]
+fn a_chunked_prompt_reads_the_weights_once() {
+    let (_d, dir) = fixture_copy("llama_gqa_untied");
+    let prompt: Vec<u32> = (0..21).map(|i| (i * 17 + 3) % 200).collect();
+    let layer = largest_layer_bytes(&dir);
+    let budget = (layer + 8 * (16 << 10)).next_multiple_of(16 << 10);
+    let prefill = |tokens: &[u32], chunk: usize| {
+        let store = Store::new(StoreConfig {
+            cache_bytes: budget,
+            ..Default::default()
+        })
+        .unwrap();
+        let src = StoreSource::open(Arc::clone(&store), &dir).unwrap();
+        let opts = EngineOptions {
+            prefill_chunk: chunk,
+            prefetch_depth: 0,
+            ..EngineOptions::default()
+        };
+        let e = Engine::with_source(&dir, Arc::new(src), opts).unwrap();
+        let before = store.cache_stats().bytes_loaded;
+        let mut kv = e.new_kv();
+        let logits = e.prefill(&mut kv, tokens).unwrap();
+        assert_eq!(kv.len(), tokens.len());
+        let bits: Vec<u32> = logits.iter().map(|v| v.to_bits()).collect();
+        (store.cache_stats().bytes_loaded - before, bits)
+    };
+    let (one, _) = prefill(&prompt[..1], 4);
+    let (chunked, bits) = prefill(&prompt, 4);
+    let (whole, want) = prefill(&prompt, prompt.len());
+    assert!(one > 0);
+    assert_eq!(
+        chunked, one,
+        "21 positions in 6 chunks read more than one sweep"
+    );
+    assert_eq!(whole, one);
+    assert_eq!(bits, want, "chunking changed the logits' bits");
+}

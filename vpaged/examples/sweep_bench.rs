@@ -14,6 +14,14 @@
 //! quarter of the model, so nothing stays resident from one sweep to the next beyond
 //! what the cache's admission keeps).
 //!
+//! With `--compare CONFIGS` it interleaves configurations instead, `--rounds R` times
+//! (the disk's bandwidth drifts minute to minute; only interleaved runs compare):
+//! each round measures the bound (16 direct reads in flight of 8 MiB, and buffered
+//! reads of 8 MiB from 2 threads) and then sweeps once per configuration, printing
+//! each run's share of that round's bound and, at the end, the median share per
+//! configuration. CONFIGS is a comma-separated list of `MODE:THREADS:PIECE_MIB:DEPTH`,
+//! MODE `direct` or `buffered`, for example `direct:8:1:2,direct:16:4:2`.
+//!
 //! With `POOL_ONLY=1` it measures the reader pool alone instead (no cache): the first
 //! file read whole by 1 to 8 callers of 24 or 96 MiB extents.
 //!
@@ -37,6 +45,8 @@ struct Args {
     depth: usize,
     io: IoConfig,
     sweeps: usize,
+    compare: Option<String>,
+    rounds: usize,
 }
 
 fn parse() -> Args {
@@ -47,6 +57,8 @@ fn parse() -> Args {
         depth: 2,
         io: IoConfig::default(),
         sweeps: 2,
+        compare: None,
+        rounds: 3,
     };
     let mut dir = None;
     while let Some(x) = it.next() {
@@ -62,6 +74,8 @@ fn parse() -> Args {
             "--prefetch-threads" => a.io.prefetch_threads = num("--prefetch-threads"),
             "--piece" => a.io.read_piece = num("--piece"),
             "--sweeps" => a.sweeps = num("--sweeps"),
+            "--rounds" => a.rounds = num("--rounds"),
+            "--compare" => a.compare = it.next(),
             _ => dir = Some(PathBuf::from(x)),
         }
     }
@@ -94,10 +108,17 @@ fn stages(m: &Manifest) -> Vec<Vec<PageId>> {
 
 /// Sweeps `stages` `sweeps` times through a fresh store; GB/s of bytes loaded and
 /// seconds waited per sweep.
-fn run(a: &Args, io: IoConfig, depth: usize, cache: usize, files: &[PathBuf]) -> (f64, f64) {
+fn run(
+    a: &Args,
+    mode: ReadMode,
+    io: IoConfig,
+    depth: usize,
+    cache: usize,
+    files: &[PathBuf],
+) -> (f64, f64) {
     let store = Store::new(StoreConfig {
         cache_bytes: cache,
-        read_mode: Some(ReadMode::Direct),
+        read_mode: Some(mode),
         io,
         ..StoreConfig::default()
     })
@@ -157,6 +178,10 @@ fn main() {
         a.io.read_piece >> 20,
         a.io.prefetch_threads
     );
+    if let Some(list) = &a.compare {
+        compare(&a, list, cache, &files);
+        return;
+    }
     let mut best = 0f64;
     let mut shape = (0, 0);
     for readers in [1, 4, 16] {
@@ -193,17 +218,71 @@ fn main() {
         read_threads: 0,
         ..a.io
     };
-    let (gbs, secs) = run(&a, serial, 0, cache, &files);
+    let (gbs, secs) = run(&a, ReadMode::Direct, serial, 0, cache, &files);
     println!(
         "serial (one read at a time, no prefetch): {gbs:.2} GB/s, {secs:.2} s/sweep, {:.2} of bound",
         gbs / best
     );
-    let (gbs, secs) = run(&a, a.io, a.depth, cache, &files);
+    let (gbs, secs) = run(&a, ReadMode::Direct, a.io, a.depth, cache, &files);
     println!(
         "sweep (reads in flight, prefetch depth {}): {gbs:.2} GB/s, {secs:.2} s/sweep, {:.2} of bound",
         a.depth,
         gbs / best
     );
+}
+
+/// `--compare`: configurations interleaved over rounds, each against its round's bound.
+fn compare(a: &Args, list: &str, cache: usize, files: &[PathBuf]) {
+    let configs: Vec<(String, ReadMode, IoConfig, usize)> = list
+        .split(',')
+        .map(|c| {
+            let f: Vec<&str> = c.split(':').collect();
+            let bad = || -> ! { panic!("bad config {c:?}: MODE:THREADS:PIECE_MIB:DEPTH") };
+            if f.len() != 4 {
+                bad();
+            }
+            let mode = match f[0] {
+                "direct" => ReadMode::Direct,
+                "buffered" => ReadMode::Buffered,
+                _ => bad(),
+            };
+            let n = |s: &str| s.parse::<usize>().unwrap_or_else(|_| bad());
+            let io = IoConfig {
+                read_threads: n(f[1]),
+                read_piece: n(f[2]) << 20,
+                ..a.io
+            };
+            (c.to_string(), mode, io, n(f[3]))
+        })
+        .collect();
+    let mut shares: Vec<Vec<f64>> = vec![Vec::new(); configs.len()];
+    for round in 0..a.rounds {
+        drop_cached(files);
+        let d = direct::read_bandwidth(files, 2 << 30, 8 << 20, ReadMode::Direct, 16)
+            .expect("bandwidth")
+            .bytes_per_sec();
+        let b = direct::read_bandwidth(files, 2 << 30, 8 << 20, ReadMode::Buffered, 2)
+            .expect("bandwidth")
+            .bytes_per_sec();
+        let bound = d.max(b) / 1e9;
+        println!(
+            "round {round}: bound {bound:.2} GB/s (direct 16x8 MiB {:.2}, buffered 2x8 MiB {:.2})",
+            d / 1e9,
+            b / 1e9
+        );
+        for (k, (name, mode, io, depth)) in configs.iter().enumerate() {
+            let (gbs, secs) = run(a, *mode, *io, *depth, cache, files);
+            println!(
+                "  {name}: {gbs:.2} GB/s, {secs:.2} s/sweep, {:.2} of bound",
+                gbs / bound
+            );
+            shares[k].push(gbs / bound);
+        }
+    }
+    for ((name, ..), mut s) in configs.iter().zip(shares) {
+        s.sort_by(f64::total_cmp);
+        println!("median {name}: {:.2} of bound", s[s.len() / 2]);
+    }
 }
 
 /// GB/s of the reader pool reading the first file whole, `callers` threads each

@@ -570,6 +570,9 @@ impl PageSource for DaemonSource {
             hits: n("hits"),
             misses: n("misses"),
             bytes_loaded: n("bytes_loaded"),
+            inflight_waits: n("inflight_dedups"),
+            prefetch_loads: n("prefetch_loads"),
+            prefetch_skipped: n("prefetch_skipped"),
             used_bytes: n("used"),
             capacity_bytes: n("capacity"),
         })

@@ -10,7 +10,7 @@
 //! pin_last_layers = 1
 //! max_sessions = 128
 //! read_mode = "auto"    # or "direct" (around the OS page cache) or "buffered"
-//! read_threads = 8      # pieces of model files read at once
+//! read_threads = 16     # pieces of model files read at once
 //! prefetch_threads = 4  # threads taking prefetch hints
 //!
 //! [[nas]]

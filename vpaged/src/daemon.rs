@@ -534,6 +534,7 @@ impl Daemon {
                 "hits": c.hits, "misses": c.misses, "inflight_dedups": c.inflight_dedups,
                 "evictions": c.evictions, "bytes_loaded": c.bytes_loaded,
                 "loads": c.loads, "prefetch_loads": c.prefetch_loads,
+                "prefetch_skipped": c.prefetch_skipped,
                 "load_failures": c.load_failures, "full_refusals": c.full_refusals,
                 "hit_ratio": if c.hits + c.misses == 0 { 0.0 } else { c.hits as f64 / (c.hits + c.misses) as f64 },
             },

@@ -28,9 +28,9 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use crate::direct::{AlignedBuf, DirectFile, ReadMode, DIRECT_ALIGN};
 
 /// Default bytes of one piece.
-pub const DEFAULT_PIECE: usize = 1 << 20;
+pub const DEFAULT_PIECE: usize = 2 << 20;
 /// Default reader threads: reads in flight.
-pub const DEFAULT_THREADS: usize = 8;
+pub const DEFAULT_THREADS: usize = 16;
 
 thread_local! {
     /// Whether reads issued from this thread are hints (queued behind demand reads).

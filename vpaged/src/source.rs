@@ -45,6 +45,13 @@ pub struct SourceCacheStats {
     pub misses: u64,
     /// Bytes of pages loaded into the cache (demand and prefetch).
     pub bytes_loaded: u64,
+    /// Demand requests that waited for a load already in flight (a prefetch that
+    /// had not landed yet, or another request's load).
+    pub inflight_waits: u64,
+    /// Pages loaded on a hint.
+    pub prefetch_loads: u64,
+    /// Hints dropped because making room would have cost more valuable pages.
+    pub prefetch_skipped: u64,
     /// Bytes of cache slots in use.
     pub used_bytes: u64,
     /// The cache's capacity in bytes.

@@ -1055,6 +1055,9 @@ impl PageSource for StoreSource {
             hits: c.hits,
             misses: c.misses,
             bytes_loaded: c.bytes_loaded,
+            inflight_waits: c.inflight_dedups,
+            prefetch_loads: c.prefetch_loads,
+            prefetch_skipped: c.prefetch_skipped,
             used_bytes: c.used as u64,
             capacity_bytes: c.capacity as u64,
         })

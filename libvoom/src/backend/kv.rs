@@ -58,17 +58,25 @@ impl KvCache {
         self.k.iter().chain(&self.v).map(|x| x.len() * 4).sum()
     }
 
-    /// Appends `n` positions of keys and values to `layer`. Positions `len..len+n`.
+    /// Positions `layer` holds: the committed ones and those appended since.
+    pub fn layer_len(&self, layer: usize) -> usize {
+        self.k[layer].len() / self.width.max(1)
+    }
+
+    /// Appends `n` positions of keys and values to `layer`, after those it holds
+    /// ([`KvCache::layer_len`]): a pass computing its positions in chunks appends
+    /// each chunk in turn.
     pub fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) -> Result<(), KernelError> {
         let n = k.len() / self.width;
-        if self.len + n > self.capacity {
+        let held = self.layer_len(layer);
+        if held + n > self.capacity {
             return Err(KernelError::ContextFull {
-                cached: self.len,
+                cached: held,
                 new: n,
                 limit: self.capacity,
             });
         }
-        debug_assert_eq!(self.k[layer].len(), self.len * self.width);
+        debug_assert!(held >= self.len);
         self.k[layer].extend_from_slice(k);
         self.v[layer].extend_from_slice(v);
         Ok(())

@@ -10,12 +10,12 @@ use std::path::Path;
 
 use vpaged::{PageId, PageSource};
 
-use crate::backend::{Activation, AttentionShape, Backend};
+use crate::backend::{Activation, AttentionShape, Backend, RopeTable};
 use crate::config::ModelConfig;
 use crate::kv::KvCache;
 use crate::model::plan::{PagePlan, Stage};
 use crate::model::rope;
-use crate::model::sweep::Sweep;
+use crate::model::sweep::{LayerLease, Sweep};
 use crate::model::weights::{Dim, Leased, Matrix, Vector, WeightFinder};
 use crate::model::{Logits, Model};
 use crate::VoomError;
@@ -275,14 +275,21 @@ impl<B: Backend> Model for Llama<B> {
         self.backend.threads()
     }
 
-    fn scratch_bytes(&self, tokens: usize, context: usize) -> u64 {
+    fn scratch_bytes(&self, tokens: usize, chunk: usize, context: usize) -> u64 {
         let cfg = &self.cfg;
         let (h, hd) = (cfg.hidden_size, cfg.head_dim);
         let (qd, kvd) = (cfg.num_heads * hd, cfg.num_kv_heads * hd);
-        // x, xn, o; q, att; k, v; gate, up; the rotary table; then the last row, its
-        // norm and the logits; and one row of attention scores per thread.
-        let per_token = 3 * h + 2 * qd + 2 * kvd + 2 * cfg.intermediate_size + hd;
-        let floats = tokens * per_token + 2 * h + cfg.vocab_size + self.threads() * context;
+        let chunk = chunk.clamp(1, tokens.max(1));
+        // Every position: x and its rotary table. One chunk (two sizes at most, the
+        // full one and the remainder: counted as two full ones): xn, o; q, att; k, v;
+        // gate, up. Then the last row, its norm and the logits; and one row of
+        // attention scores per thread.
+        let per_chunk = 2 * h + 2 * qd + 2 * kvd + 2 * cfg.intermediate_size;
+        let floats = tokens * (h + hd)
+            + 2 * chunk * per_chunk
+            + 2 * h
+            + cfg.vocab_size
+            + self.threads() * context;
         (floats * std::mem::size_of::<f32>()) as u64
     }
 
@@ -290,95 +297,170 @@ impl<B: Backend> Model for Llama<B> {
         &self,
         sweep: &Sweep<'_>,
         tokens: &[u32],
+        chunk: usize,
         kv: &mut KvCache,
         want: Logits,
     ) -> Result<Vec<f32>, VoomError> {
         let (b, cfg) = (&self.backend, &self.cfg);
         let n = tokens.len();
         let pos0 = kv.len();
-        let (h, hd, eps) = (cfg.hidden_size, cfg.head_dim, cfg.rms_norm_eps);
-        let (qd, kvd) = (cfg.num_heads * hd, cfg.num_kv_heads * hd);
+        let h = cfg.hidden_size;
+        // The positions in chunks: each layer computes every chunk in turn, so the
+        // pass reads the weights once however many chunks there are.
+        let chunk = chunk.clamp(1, n);
+        let ranges: Vec<std::ops::Range<usize>> = (0..n)
+            .step_by(chunk)
+            .map(|s| s..(s + chunk).min(n))
+            .collect();
 
-        let mut x = b.zeros(n, h);
+        let mut xs = Vec::with_capacity(ranges.len());
         {
             let w = sweep.head()?;
-            b.embed(w.matrix(&self.embed), tokens, &mut x)?;
+            for r in &ranges {
+                let mut x = b.zeros(r.len(), h);
+                b.embed(w.matrix(&self.embed), &tokens[r.clone()], &mut x)?;
+                xs.push(x);
+            }
         }
-        let table = rope::table(&self.inv_freq, pos0, n);
+        let tables: Vec<_> = ranges
+            .iter()
+            .map(|r| rope::table(&self.inv_freq, pos0 + r.start, r.len()))
+            .collect();
 
-        let mut xn = b.zeros(n, h);
-        let mut q = b.zeros(n, qd);
-        let mut k = b.zeros(n, kvd);
-        let mut v = b.zeros(n, kvd);
-        let mut att = b.zeros(n, qd);
-        let mut o = b.zeros(n, h);
-        let mut g = b.zeros(n, cfg.intermediate_size);
-        let mut u = b.zeros(n, cfg.intermediate_size);
-
+        let mut full = Scratch::new(b, cfg, chunk);
+        let mut rest: Option<Scratch<B>> = None;
         for (li, layer) in self.layers.iter().enumerate() {
             let lw = sweep.layer(li)?;
-            {
-                let w = lw.step(STEP_Q)?;
-                b.rms_norm(&x, w.vector(&layer.attn_norm), eps, &mut xn)?;
-                self.linear(&w, &layer.q, &xn, &mut q)?;
-                if let Some(qn) = &layer.q_norm {
-                    b.rms_norm_groups(&mut q, hd, w.vector(qn), eps)?;
-                }
+            for (x, table) in xs.iter_mut().zip(&tables) {
+                let rows = b.shape(x).0;
+                let s = if rows == chunk {
+                    &mut full
+                } else {
+                    rest.get_or_insert_with(|| Scratch::new(b, cfg, rows))
+                };
+                self.layer(&lw, li, layer, x, table, kv, s)?;
             }
-            {
-                let w = lw.step(STEP_K)?;
-                self.linear(&w, &layer.k, &xn, &mut k)?;
-                if let Some(kn) = &layer.k_norm {
-                    b.rms_norm_groups(&mut k, hd, w.vector(kn), eps)?;
-                }
-            }
-            {
-                let w = lw.step(STEP_V)?;
-                self.linear(&w, &layer.v, &xn, &mut v)?;
-            }
-            b.rope(&mut q, hd, &table)?;
-            b.rope(&mut k, hd, &table)?;
-            let shape = AttentionShape {
-                heads: cfg.num_heads,
-                kv_heads: cfg.num_kv_heads,
-                head_dim: hd,
-                window: cfg.sliding_window[li],
-            };
-            b.attention(&q, &k, &v, kv, li, &shape, &mut att)?;
-            {
-                let w = lw.step(STEP_O)?;
-                self.linear(&w, &layer.o, &att, &mut o)?;
-            }
-            b.add(&mut x, &o)?;
-
-            {
-                let w = lw.step(STEP_GATE)?;
-                b.rms_norm(&x, w.vector(&layer.mlp_norm), eps, &mut xn)?;
-                self.linear(&w, &layer.gate, &xn, &mut g)?;
-            }
-            {
-                let w = lw.step(STEP_UP)?;
-                self.linear(&w, &layer.up, &xn, &mut u)?;
-            }
-            b.gated(Activation::Silu, &mut g, &u)?;
-            {
-                let w = lw.step(STEP_DOWN)?;
-                self.linear(&w, &layer.down, &g, &mut o)?;
-            }
-            b.add(&mut x, &o)?;
         }
 
         // Final norm and LM head on the rows whose logits are wanted.
-        let rows = match want {
-            Logits::Last => b.rows(&x, n - 1..n)?,
-            Logits::All => x,
-        };
-        let m = b.shape(&rows).0;
         let w = sweep.tail()?;
-        let mut hn = b.zeros(m, h);
-        b.rms_norm(&rows, w.vector(&self.final_norm), eps, &mut hn)?;
-        let mut logits = b.zeros(m, cfg.vocab_size);
-        b.matmul(&hn, w.matrix(&self.lm_head), &mut logits)?;
-        Ok(b.download_owned(logits))
+        let mut out = Vec::new();
+        let last = xs.len() - 1;
+        for (i, x) in xs.into_iter().enumerate() {
+            let rows = match want {
+                Logits::Last if i < last => continue,
+                Logits::Last => {
+                    let r = b.shape(&x).0;
+                    b.rows(&x, r - 1..r)?
+                }
+                Logits::All => x,
+            };
+            let m = b.shape(&rows).0;
+            let mut hn = b.zeros(m, h);
+            b.rms_norm(&rows, w.vector(&self.final_norm), cfg.rms_norm_eps, &mut hn)?;
+            let mut logits = b.zeros(m, cfg.vocab_size);
+            b.matmul(&hn, w.matrix(&self.lm_head), &mut logits)?;
+            out.extend(b.download_owned(logits));
+        }
+        Ok(out)
+    }
+}
+
+/// One chunk's activations inside a layer.
+struct Scratch<B: Backend> {
+    xn: B::Act,
+    q: B::Act,
+    k: B::Act,
+    v: B::Act,
+    att: B::Act,
+    o: B::Act,
+    g: B::Act,
+    u: B::Act,
+}
+
+impl<B: Backend> Scratch<B> {
+    fn new(b: &B, cfg: &ModelConfig, rows: usize) -> Self {
+        let (qd, kvd) = (
+            cfg.num_heads * cfg.head_dim,
+            cfg.num_kv_heads * cfg.head_dim,
+        );
+        Scratch {
+            xn: b.zeros(rows, cfg.hidden_size),
+            q: b.zeros(rows, qd),
+            k: b.zeros(rows, kvd),
+            v: b.zeros(rows, kvd),
+            att: b.zeros(rows, qd),
+            o: b.zeros(rows, cfg.hidden_size),
+            g: b.zeros(rows, cfg.intermediate_size),
+            u: b.zeros(rows, cfg.intermediate_size),
+        }
+    }
+}
+
+impl<B: Backend> Llama<B> {
+    /// Decoder layer `li` on one chunk of positions `x` (in place), after the
+    /// chunks before it: their keys and values are in `kv` already.
+    #[allow(clippy::too_many_arguments)]
+    fn layer(
+        &self,
+        lw: &LayerLease<'_>,
+        li: usize,
+        layer: &Layer,
+        x: &mut B::Act,
+        table: &RopeTable,
+        kv: &mut KvCache,
+        s: &mut Scratch<B>,
+    ) -> Result<(), VoomError> {
+        let (b, cfg) = (&self.backend, &self.cfg);
+        let (hd, eps) = (cfg.head_dim, cfg.rms_norm_eps);
+        {
+            let w = lw.step(STEP_Q)?;
+            b.rms_norm(x, w.vector(&layer.attn_norm), eps, &mut s.xn)?;
+            self.linear(&w, &layer.q, &s.xn, &mut s.q)?;
+            if let Some(qn) = &layer.q_norm {
+                b.rms_norm_groups(&mut s.q, hd, w.vector(qn), eps)?;
+            }
+        }
+        {
+            let w = lw.step(STEP_K)?;
+            self.linear(&w, &layer.k, &s.xn, &mut s.k)?;
+            if let Some(kn) = &layer.k_norm {
+                b.rms_norm_groups(&mut s.k, hd, w.vector(kn), eps)?;
+            }
+        }
+        {
+            let w = lw.step(STEP_V)?;
+            self.linear(&w, &layer.v, &s.xn, &mut s.v)?;
+        }
+        b.rope(&mut s.q, hd, table)?;
+        b.rope(&mut s.k, hd, table)?;
+        let shape = AttentionShape {
+            heads: cfg.num_heads,
+            kv_heads: cfg.num_kv_heads,
+            head_dim: hd,
+            window: cfg.sliding_window[li],
+        };
+        b.attention(&s.q, &s.k, &s.v, kv, li, &shape, &mut s.att)?;
+        {
+            let w = lw.step(STEP_O)?;
+            self.linear(&w, &layer.o, &s.att, &mut s.o)?;
+        }
+        b.add(x, &s.o)?;
+        {
+            let w = lw.step(STEP_GATE)?;
+            b.rms_norm(x, w.vector(&layer.mlp_norm), eps, &mut s.xn)?;
+            self.linear(&w, &layer.gate, &s.xn, &mut s.g)?;
+        }
+        {
+            let w = lw.step(STEP_UP)?;
+            self.linear(&w, &layer.up, &s.xn, &mut s.u)?;
+        }
+        b.gated(Activation::Silu, &mut s.g, &s.u)?;
+        {
+            let w = lw.step(STEP_DOWN)?;
+            self.linear(&w, &layer.down, &s.g, &mut s.o)?;
+        }
+        b.add(x, &s.o)?;
+        Ok(())
     }
 }

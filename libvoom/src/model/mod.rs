@@ -51,9 +51,10 @@ pub trait Model: Send + Sync {
         (cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * std::mem::size_of::<f32>()) as u64
     }
 
-    /// Bytes of activations and buffers a forward pass of `tokens` positions over a
-    /// context of `context` positions allocates at most (last-position logits).
-    fn scratch_bytes(&self, tokens: usize, context: usize) -> u64;
+    /// Bytes of activations and buffers a forward pass of `tokens` positions, computed
+    /// `chunk` at a time, over a context of `context` positions allocates at most
+    /// (last-position logits).
+    fn scratch_bytes(&self, tokens: usize, chunk: usize, context: usize) -> u64;
 
     /// An empty KV cache for one sequence, holding at most `capacity` positions.
     fn new_kv(&self, capacity: usize) -> KvCache {
@@ -66,7 +67,10 @@ pub trait Model: Send + Sync {
     }
 
     /// Computes `tokens` at positions `kv.len()..` and returns the logits `want`
-    /// asks for (`vocab_size` floats per position), reading weights through `sweep`.
+    /// asks for (`vocab_size` floats per position), reading weights through `sweep`
+    /// once: each layer computes the positions `chunk` at a time (bounding the
+    /// activations) before the next layer is leased, so a long prompt costs one sweep
+    /// of the weights, not one per chunk. The result does not depend on `chunk`.
     ///
     /// The caller has checked that `tokens` is not empty, that each id is in the
     /// vocabulary and that the positions fit `kv`'s capacity. Each layer appends the
@@ -76,6 +80,7 @@ pub trait Model: Send + Sync {
         &self,
         sweep: &Sweep<'_>,
         tokens: &[u32],
+        chunk: usize,
         kv: &mut KvCache,
         want: Logits,
     ) -> Result<Vec<f32>, VoomError>;

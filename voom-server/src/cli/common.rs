@@ -405,6 +405,9 @@ pub fn result_json(
             "misses": p.misses,
             "hit_ratio": p.hit_ratio(),
             "bytes_loaded": p.bytes_loaded,
+            "inflight_waits": p.inflight_waits,
+            "prefetch_loads": p.prefetch_loads,
+            "prefetch_skipped": p.prefetch_skipped,
         })),
         // Bytes read from storage by this process in all (the weights it streamed).
         "storage_read_bytes": crate::memory::storage_read_bytes(),

@@ -29,7 +29,8 @@ pub struct PlanArgs {
     /// most 4096.
     #[arg(long)]
     pub context: Option<usize>,
-    /// Prompt tokens per prefill pass to plan scratch for.
+    /// Positions each layer computes at a time during prefill, to plan scratch for
+    /// (a prompt of the whole context is planned for).
     #[arg(long, default_value_t = 256)]
     pub prefill_chunk: usize,
     /// Compute threads (0: all cores).
@@ -77,7 +78,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
     };
     let needs = Needs {
         kv_bytes: model.kv_bytes_per_position() * context as u64,
-        scratch_bytes: model.scratch_bytes(a.prefill_chunk.max(1).min(context), context),
+        scratch_bytes: model.scratch_bytes(context, a.prefill_chunk, context),
         process_bytes: process.unwrap_or(0),
     };
     let (budget, budget_from) = match a.memory_budget {

@@ -268,7 +268,7 @@ impl Backend for CpuBackend {
                 actual: kv.width(),
             });
         }
-        let pos0 = kv.len();
+        let pos0 = kv.layer_len(layer);
         kv.append(layer, k.as_slice(), v.as_slice())?;
         let (kc, vc) = kv.layer(layer);
         attention::attend(
