@@ -685,9 +685,8 @@ impl Daemon {
                 return Some(self.release(&mut state.leases, model, pages))
             }
             Message::Prefetch { model, pages } => {
-                for p in pages {
-                    self.store.prefetch(model.0, p.0);
-                }
+                let pages: Vec<u32> = pages.iter().map(|p| p.0).collect();
+                self.store.prefetch_group(model.0, &pages);
                 return Some(Message::Ack);
             }
             Message::Stats => {

@@ -248,10 +248,13 @@ pub struct Store {
     /// lock.
     pinned_reserved: AtomicUsize,
     cfg: StoreConfig,
-    prefetch_tx: Mutex<Option<mpsc::SyncSender<(u32, u32)>>>,
+    prefetch_tx: Mutex<Option<mpsc::SyncSender<Hint>>>,
     /// Reads model files with many pieces in flight.
     readers: Arc<ReadPool>,
 }
+
+/// A prefetch hint: a model and a group of its pages read together (a layer).
+type Hint = (u32, Vec<u32>);
 
 /// Longest a demand request waits for in-flight loads to make room.
 const FULL_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
@@ -296,7 +299,7 @@ impl Store {
         // Prefetch hints are loaded on background threads, so a hint never blocks the
         // engine, several pages at once, in the order hinted; their reads queue behind
         // demand reads. The threads hold only a weak reference and end with the store.
-        let (tx, rx) = mpsc::sync_channel::<(u32, u32)>(PREFETCH_QUEUE);
+        let (tx, rx) = mpsc::sync_channel::<Hint>(PREFETCH_QUEUE);
         let rx = Arc::new(Mutex::new(rx));
         for i in 0..loaders {
             let weak = Arc::downgrade(&store);
@@ -307,11 +310,11 @@ impl Store {
                     crate::read_pool::mark_hint_thread();
                     loop {
                         let next = rx.lock().unwrap_or_else(|e| e.into_inner()).recv();
-                        let Ok((model, page)) = next else { break };
+                        let Ok((model, pages)) = next else { break };
                         let Some(store) = weak.upgrade() else { break };
                         // A failed prefetch is not an error: the demand request will
                         // report it if the page is really unavailable.
-                        let _ = store.prefetch_now(model, page);
+                        store.prefetch_now(model, &pages);
                     }
                 })
                 .map_err(threads_error)?;
@@ -676,11 +679,24 @@ impl Store {
         }
     }
 
-    /// Queues a prefetch hint; never blocks (a full queue drops the hint). A hint for a
-    /// page already resident or loading is dropped here, without waking the prefetch
-    /// thread (a model that fits is hinted every layer of every token).
+    /// Queues a prefetch hint for one page; see [`Store::prefetch_group`].
     pub fn prefetch(&self, model: u32, page: u32) {
-        if self.cache.present(PageKey { model, page }) {
+        self.prefetch_group(model, &[page]);
+    }
+
+    /// Queues a prefetch hint for pages read together (a layer, hinted ahead): their
+    /// slots are reserved as one run where one can be made
+    /// ([`PageCache::reserve_group`]), and their reads queued at once, in order.
+    /// Never blocks (a full queue drops the hint). Pages already resident or loading
+    /// are dropped here, without waking a prefetch thread (a model that fits is
+    /// hinted every layer of every token).
+    pub fn prefetch_group(&self, model: u32, pages: &[u32]) {
+        let missing: Vec<u32> = pages
+            .iter()
+            .copied()
+            .filter(|&page| !self.cache.present(PageKey { model, page }))
+            .collect();
+        if missing.is_empty() {
             return;
         }
         if let Some(tx) = self
@@ -689,28 +705,44 @@ impl Store {
             .unwrap_or_else(|e| e.into_inner())
             .as_ref()
         {
-            let _ = tx.try_send((model, page));
+            let _ = tx.try_send((model, missing));
         }
     }
 
-    fn prefetch_now(self: &Arc<Self>, model: u32, page: u32) -> Result<(), StoreError> {
-        let m = self.model(model)?;
-        let len = Self::page_len(&m, page)?;
-        let key = PageKey { model, page };
-        if let Some(file) = self.streamed(&m, page) {
-            return match self.cache.reserve::<StoreError>(key, len) {
-                Ok(Reserve::Reserved(r)) => {
-                    self.read_ahead(m, page, file, r);
-                    Ok(())
-                }
-                Ok(_) => Ok(()),
-                Err(e) => Err(cache_error(&m, page, e)),
+    /// Loads a hinted group: pages that are one plain read ([`Store::streamed`]) are
+    /// reserved together and read in flight; the others load one by one on this
+    /// thread through [`PageLoader`]. Errors are dropped: a demand request for the
+    /// page reports them.
+    fn prefetch_now(self: &Arc<Self>, model: u32, pages: &[u32]) {
+        let Ok(m) = self.model(model) else { return };
+        let mut streamed = Vec::new();
+        let mut others = Vec::new();
+        for &page in pages {
+            let Ok(len) = Self::page_len(&m, page) else {
+                continue;
             };
+            match self.streamed(&m, page) {
+                Some(file) => streamed.push((page, len, file)),
+                None => others.push((page, len)),
+            }
         }
-        self.cache
-            .prefetch(key, len, |buf| self.load_into(&m, page, buf))
-            .map(|_| ())
-            .map_err(|e| cache_error(&m, page, e))
+        let keys: Vec<(PageKey, usize)> = streamed
+            .iter()
+            .map(|&(page, len, _)| (PageKey { model, page }, len))
+            .collect();
+        if let Ok(reserved) = self.cache.reserve_group::<StoreError>(&keys) {
+            for ((page, _, file), r) in streamed.into_iter().zip(reserved) {
+                if let Reserve::Reserved(r) = r {
+                    self.read_ahead(Arc::clone(&m), page, file, r);
+                }
+            }
+        }
+        for (page, len) in others {
+            let key = PageKey { model, page };
+            let _ = self
+                .cache
+                .prefetch(key, len, |buf| self.load_into(&m, page, buf));
+        }
     }
 
     /// The open primary file of a page whose load is one plain read there
@@ -1025,21 +1057,23 @@ impl PageSource for StoreSource {
     }
 
     fn prefetch(&self, ids: &[PageId]) {
-        for id in ids {
-            self.store.prefetch(self.model.id, id.0);
-        }
+        let pages: Vec<u32> = ids.iter().map(|id| id.0).collect();
+        self.store.prefetch_group(self.model.id, &pages);
     }
 
-    /// Pins the pages, then loads them at once, in order: each takes its slot as
+    /// Pins the planner's pages and marks the model as streaming the rest
+    /// ([`PageCache::set_streaming`]: none of its other pages is admitted to the
+    /// cache's main region, which would take the room the planner left for
+    /// streaming), then loads the pins at once, in order: each takes its slot as
     /// high in the arena as it fits, so that pins sit together at the top and leave
     /// the bottom whole for the pages that stream (a pin loaded late, among
     /// streaming pages, would split the runs a large page needs). A page that fails
     /// to load is left to its first demand request, which reports the error.
     fn pin(&self, ids: &[PageId]) {
         let model = self.model.id;
-        self.store
-            .cache()
-            .pin(ids.iter().map(|id| PageKey { model, page: id.0 }));
+        let cache = self.store.cache();
+        cache.pin(ids.iter().map(|id| PageKey { model, page: id.0 }));
+        cache.set_streaming(model, true);
         for id in ids {
             drop(self.store.acquire(model, id.0));
         }

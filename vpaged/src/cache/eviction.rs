@@ -247,8 +247,8 @@ impl Policy {
     }
 
     /// A demand hit on a resident page: refreshes its recency; a second demand hit in
-    /// the window promotes it to main.
-    pub fn touch(&mut self, key: PageKey) {
+    /// the window promotes it to main (when `promote`; pages that only stream stay).
+    pub fn touch(&mut self, key: PageKey, promote: bool) {
         let t = self.next_tick();
         let was_indexed = self.unindex(key);
         if let Some(m) = self.entries.get_mut(&key) {
@@ -256,7 +256,7 @@ impl Policy {
             m.awaiting = false;
             if m.region == Region::Window {
                 m.window_demands += 1;
-                if m.window_demands >= 2 {
+                if promote && m.window_demands >= 2 {
                     m.region = Region::Main;
                     self.window_resident -= m.size;
                 }
@@ -426,7 +426,7 @@ mod tests {
             p.set_evictable(k(i), true);
         }
         p.record_access(k(0));
-        p.touch(k(0));
+        p.touch(k(0), true);
         // k(1) and k(2) have 1 request; k(2) is the more recent, so (in a cycle) the
         // one needed last.
         assert_eq!(p.main_victim(), Some((k(2), 1)));
@@ -476,9 +476,9 @@ mod tests {
         let mut p = Policy::new();
         p.insert(k(5), 1, Region::Window, false); // prefetched
         p.set_evictable(k(5), true);
-        p.touch(k(5)); // the demand the prefetch anticipated
+        p.touch(k(5), true); // the demand the prefetch anticipated
         assert_eq!(p.region(k(5)), Some(Region::Window));
-        p.touch(k(5));
+        p.touch(k(5), true);
         assert_eq!(p.region(k(5)), Some(Region::Main));
         assert_eq!(p.window_victim(), None);
         assert_eq!(p.main_victim().map(|v| v.0), Some(k(5)));
@@ -514,7 +514,7 @@ mod tests {
         p.record_access(k(1));
         p.insert(k(1), 1, Region::Main, true);
         p.set_evictable(k(1), true);
-        p.touch(k(0));
+        p.touch(k(0), true);
         assert_eq!(p.main_victim(), Some((k(1), 1)), "fewer requests go first");
     }
 
@@ -543,8 +543,8 @@ mod tests {
         p.note_window_need(4);
         assert_eq!(p.window_need(), 9);
         // A promoted page leaves the window's bytes.
-        p.touch(k(2));
-        p.touch(k(2));
+        p.touch(k(2), true);
+        p.touch(k(2), true);
         assert_eq!(p.region(k(2)), Some(Region::Main));
         assert!(!p.spare_room(3), "window 5 + free 3 < 9");
         // The need is forgotten after two aging periods without it.
