@@ -210,16 +210,31 @@ fn generate_under_low_memory_gives_the_same_ids_and_reports_the_profile() {
     assert_eq!(plain["profile"], "default");
     assert_eq!(plain["exact"], true);
 
-    // The fixture has no page manifest: the page cache cannot be used, and says so.
+    // A copy of the fixture, which has no page manifest: the page cache hashes the
+    // checkpoint once and writes the manifest beside it, as `vpagectl hash` would.
+    let copy = tempfile::tempdir().unwrap();
+    for f in ["config.json", "generation_config.json", "model.safetensors"] {
+        std::fs::copy(fixture().join(f), copy.path().join(f)).unwrap();
+    }
     let o = ok(generate(
         home.path(),
-        &fixture(),
+        copy.path(),
         &["--profile", "low-memory"],
     ));
-    assert!(stderr(&o).contains("no page manifest"), "{}", stderr(&o));
     let j = last_json(&o);
     assert_eq!(j["ids"], want);
     assert_eq!(j["profile"], "low-memory");
+    assert!(
+        j["page_source"].as_str().unwrap().starts_with("store:"),
+        "{}",
+        j["page_source"]
+    );
+    let ckpt = voom_formats::Checkpoint::open(copy.path()).unwrap();
+    let expected = voom_formats::manifest::Manifest::build(&ckpt, &mut |_, _| {}).unwrap();
+    let written = voom_formats::manifest::Manifest::load(copy.path())
+        .unwrap()
+        .expect("a manifest written beside the checkpoint");
+    assert_eq!(written, expected);
     let show = last_json(&ok(voom(home.path())
         .args(["profiles", "show", "low-memory", "--json"])
         .output()
@@ -227,18 +242,9 @@ fn generate_under_low_memory_gives_the_same_ids_and_reports_the_profile() {
     assert_eq!(j["profile_digest"], show["digest"]);
     assert_ne!(j["profile_digest"], plain["profile_digest"]);
 
-    // With a manifest the weights go through the in-process page cache: same ids,
-    // also with a cache far smaller than the model (pages evicted and reloaded; no
-    // pins, which on this 2-layer model would hold every page).
-    let copy = tempfile::tempdir().unwrap();
-    for f in ["config.json", "generation_config.json", "model.safetensors"] {
-        std::fs::copy(fixture().join(f), copy.path().join(f)).unwrap();
-    }
-    let ckpt = voom_formats::Checkpoint::open(copy.path()).unwrap();
-    voom_formats::manifest::Manifest::build(&ckpt, &mut |_, _| {})
-        .unwrap()
-        .save(copy.path())
-        .unwrap();
+    // The weights go through the in-process page cache: same ids, also with a
+    // cache far smaller than the model (pages evicted and reloaded; no pins, which
+    // on this 2-layer model would hold every page).
     let model_bytes = std::fs::metadata(copy.path().join("model.safetensors"))
         .unwrap()
         .len();

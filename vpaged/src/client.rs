@@ -63,6 +63,11 @@ pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 /// loading pages, a NAS timeout), so only a daemon that is stuck reaches it.
 pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(300);
 
+/// Longest `OpenModel` may take by default: the daemon hashes a checkpoint that has
+/// no manifest when it is first opened (about a minute per 100 GB at the storage
+/// speeds of a laptop's SSD, longer from a NAS).
+pub const OPEN_TIMEOUT: Duration = Duration::from_secs(3600);
+
 /// Whether an I/O failure is a socket timeout.
 fn timed_out(e: &ProtocolError) -> bool {
     matches!(e, ProtocolError::Io(x) if matches!(x.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut))
@@ -188,6 +193,11 @@ impl DaemonClient {
         set_timeouts(&c.stream, timeout).map_err(|x| Self::err(&self.socket, x))?;
         c.timeout = timeout;
         Ok(())
+    }
+
+    /// The current request timeout ([`DaemonClient::set_request_timeout`]).
+    pub fn request_timeout(&self) -> Option<Duration> {
+        self.conn.lock().unwrap_or_else(|p| p.into_inner()).timeout
     }
 
     /// The negotiated protocol version.
@@ -362,20 +372,31 @@ impl DaemonSource {
         let path = dir
             .to_str()
             .ok_or_else(|| DaemonClient::err(client.socket(), "the model path is not UTF-8"))?;
-        let (model, count, digest) =
-            match client.request(&Message::OpenModel { path: path.into() })? {
-                Message::ModelOpened {
-                    model,
-                    page_count,
-                    manifest_digest,
-                } => (model, page_count, manifest_digest),
-                other => {
-                    return Err(DaemonClient::err(
-                        client.socket(),
-                        format!("unexpected {}", other.name()),
-                    ))
-                }
-            };
+        // The daemon may hash a checkpoint that has no manifest before it answers
+        // (minutes for a large one): a longer timeout than other requests, unless a
+        // longer one (or none) is set.
+        let before = client.request_timeout();
+        let longer = before.is_some_and(|t| t < OPEN_TIMEOUT);
+        if longer {
+            client.set_request_timeout(Some(OPEN_TIMEOUT))?;
+        }
+        let reply = client.request(&Message::OpenModel { path: path.into() });
+        if longer {
+            client.set_request_timeout(before)?;
+        }
+        let (model, count, digest) = match reply? {
+            Message::ModelOpened {
+                model,
+                page_count,
+                manifest_digest,
+            } => (model, page_count, manifest_digest),
+            other => {
+                return Err(DaemonClient::err(
+                    client.socket(),
+                    format!("unexpected {}", other.name()),
+                ))
+            }
+        };
         let manifest_path = dir.join(MANIFEST_FILE);
         let text = voom_formats::file::read(&manifest_path).map_err(|x| StoreError::Store {
             store: dir.clone(),

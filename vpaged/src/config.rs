@@ -12,6 +12,7 @@
 //! read_mode = "auto"    # or "direct" (around the OS page cache) or "buffered"
 //! read_threads = 16     # pieces of model files read at once
 //! prefetch_threads = 4  # threads taking prefetch hints
+//! hash_on_open = true   # hash a checkpoint without a manifest when it is opened
 //!
 //! [[nas]]
 //! mount = "/Volumes/nas"
@@ -157,6 +158,7 @@ pub struct FileConfig {
     pub read_mode: Option<String>,
     pub read_threads: Option<usize>,
     pub prefetch_threads: Option<usize>,
+    pub hash_on_open: Option<bool>,
     #[serde(default)]
     pub nas: Vec<NasMount>,
 }
@@ -200,14 +202,18 @@ pub struct DaemonArgs {
     /// or `auto` (the default: direct for a model larger than the cache).
     #[arg(long, env = "VPAGED_READ_MODE")]
     pub read_mode: Option<String>,
-    /// Reads of model files in flight at once (reader threads; default 8, 0 reads on
-    /// the requesting thread).
+    /// Reads of model files in flight at once (reader threads; default 16, 0 reads
+    /// on the requesting thread).
     #[arg(long, env = "VPAGED_READ_THREADS")]
     pub read_threads: Option<usize>,
     /// Threads taking prefetch hints (default 4); pages that are not one plain read
     /// of the primary copy (vpack, staged, NAS) load on them, one each at a time.
     #[arg(long, env = "VPAGED_PREFETCH_THREADS")]
     pub prefetch_threads: Option<usize>,
+    /// Refuse a checkpoint that has no page manifest (`vpagectl hash` writes one)
+    /// instead of hashing it when it is first opened (the default).
+    #[arg(long, env = "VPAGED_NO_HASH_ON_OPEN")]
+    pub no_hash_on_open: bool,
     /// TOML config file.
     #[arg(long, env = "VPAGED_CONFIG")]
     pub config: Option<PathBuf>,
@@ -228,6 +234,8 @@ pub struct DaemonConfig {
     pub read_mode: Option<crate::direct::ReadMode>,
     /// Reads in flight and prefetched pages loading at once.
     pub io: crate::store::IoConfig,
+    /// See [`crate::store::StoreConfig::hash_on_open`].
+    pub hash_on_open: bool,
     pub nas: Vec<NasMount>,
 }
 
@@ -301,6 +309,7 @@ impl DaemonConfig {
                     .unwrap_or("auto"),
             )?,
             io,
+            hash_on_open: !args.no_hash_on_open && file.hash_on_open.unwrap_or(true),
             nas: file.nas.clone(),
         })
     }

@@ -62,6 +62,10 @@ pub struct StoreConfig {
     pub read_mode: Option<ReadMode>,
     /// How many reads are in flight.
     pub io: IoConfig,
+    /// Open a local checkpoint that has no page manifest by hashing it once (every
+    /// tensor's blake3, progress in the log) and writing the manifest beside it, as
+    /// `vpagectl hash` would. Off: such a directory is refused, naming the command.
+    pub hash_on_open: bool,
 }
 
 /// How the store reads: reads in flight and pages loaded at once.
@@ -251,6 +255,8 @@ pub struct Store {
     prefetch_tx: Mutex<Option<mpsc::SyncSender<Hint>>>,
     /// Reads model files with many pieces in flight.
     readers: Arc<ReadPool>,
+    /// Held while a checkpoint without a manifest is hashed ([`Store::load_or_hash`]).
+    hashing: Mutex<()>,
 }
 
 /// A prefetch hint: a model and a group of its pages read together (a layer).
@@ -295,6 +301,7 @@ impl Store {
             cfg,
             prefetch_tx: Mutex::new(None),
             readers,
+            hashing: Mutex::new(()),
         });
         // Prefetch hints are loaded on background threads, so a hint never blocks the
         // engine, several pages at once, in the order hinted; their reads queue behind
@@ -383,7 +390,7 @@ impl Store {
                 None => return Ok(m.id),
                 Some(loaded) => loaded,
             },
-            None => load_checked(&dir)?,
+            None => self.load_or_hash(&dir)?,
         };
         let name = dir.file_name().map(PathBuf::from).unwrap_or_default();
         // The copy on a mount is looked for with a timed probe (never a plain `stat`
@@ -415,6 +422,37 @@ impl Store {
             FileTier::with_mode("primary", &dir, mode).with_pool(Arc::clone(&self.readers)),
         );
         Ok(self.insert(dir, primary, nas, loaded))
+    }
+
+    /// [`load_checked`], hashing the checkpoint first when it has no manifest and
+    /// [`StoreConfig::hash_on_open`] allows: once (opens of other directories wait,
+    /// and an open of the same one finds the manifest the first wrote), with progress
+    /// in the log, the manifest written beside the checkpoint. A directory that is
+    /// not writable is an error saying so.
+    fn load_or_hash(&self, dir: &Path) -> Result<LoadedManifest, StoreError> {
+        // No manifest, but safetensors files to hash (a directory with neither is
+        // no model store: `load_checked` says so, naming `vpagectl hash`).
+        let unhashed = |dir: &Path| {
+            !dir.join(MANIFEST_FILE).exists()
+                && std::fs::read_dir(dir).is_ok_and(|mut entries| {
+                    entries.any(|e| {
+                        e.is_ok_and(|e| {
+                            let name = e.file_name();
+                            let name = name.to_string_lossy();
+                            name.ends_with(".safetensors")
+                                || name.ends_with(".safetensors.index.json")
+                        })
+                    })
+                })
+        };
+        if !self.cfg.hash_on_open || !unhashed(dir) {
+            return load_checked(dir);
+        }
+        let _one = self.hashing.lock().unwrap_or_else(|e| e.into_inner());
+        if unhashed(dir) {
+            hash_checkpoint(dir)?;
+        }
+        load_checked(dir)
     }
 
     /// The NAS tier of the configured mount that `dir` (absolute, normalized) lies
@@ -976,6 +1014,45 @@ fn keep_unchecked(m: &OpenModel, e: &dyn std::fmt::Display) -> Option<LoadedMani
 
 /// A model store's manifest, checked against the checkpoint that is there, with the
 /// blake3 of the very bytes it was parsed from.
+/// Hashes the checkpoint in `dir` and writes its page manifest beside it (what
+/// `vpagectl hash` does), logging progress every tenth of the bytes.
+fn hash_checkpoint(dir: &Path) -> Result<(), StoreError> {
+    let ckpt = Checkpoint::open(dir)?;
+    tracing::info!(
+        "{}: no page manifest; hashing the checkpoint once to write one",
+        dir.display()
+    );
+    let started = std::time::Instant::now();
+    let mut shown = 0u64;
+    let manifest = Manifest::build(&ckpt, &mut |done, total| {
+        let tenth = if total == 0 { 10 } else { done * 10 / total };
+        if tenth > shown {
+            shown = tenth;
+            tracing::info!(
+                "{}: hashed {:.2} of {:.2} GB",
+                dir.display(),
+                done as f64 / 1e9,
+                total as f64 / 1e9
+            );
+        }
+    })?;
+    manifest.save(dir).map_err(|e| StoreError::Store {
+        store: dir.to_path_buf(),
+        detail: format!(
+            "no page manifest ({MANIFEST_FILE}), and the one just computed cannot be \
+             written beside the checkpoint: {e}; run `vpagectl hash` where the directory \
+             is writable"
+        ),
+    })?;
+    tracing::info!(
+        "{}: wrote {MANIFEST_FILE} ({} pages) in {:.1} s",
+        dir.display(),
+        manifest.pages.len(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
 fn load_checked(dir: &Path) -> Result<LoadedManifest, StoreError> {
     let path = dir.join(MANIFEST_FILE);
     let missing = || StoreError::NotFound {

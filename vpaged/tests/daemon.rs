@@ -398,3 +398,118 @@ fn no_reply_frames_are_answered_only_when_they_fail() {
         Message::StatsReply { .. }
     ));
 }
+
+/// A checkpoint without a page manifest opens through the daemon: it is hashed once
+/// and the manifest written beside it (the same file `vpagectl hash` writes), and its
+/// pages are served verified. Where the directory is read-only the open is an error
+/// saying the manifest cannot be written and naming `vpagectl hash`; with
+/// `--no-hash-on-open` the daemon refuses it as before.
+#[test]
+fn a_checkpoint_without_a_manifest_is_hashed_once_when_opened() {
+    let d = tempfile::tempdir().unwrap();
+    let (m, pages) = model(d.path(), 7);
+    let manifest_path = m.join(voom_formats::manifest::MANIFEST_FILE);
+    let want = std::fs::read(&manifest_path).unwrap();
+    std::fs::remove_file(&manifest_path).unwrap();
+
+    let daemon = start(d.path(), "4MiB");
+    let c = DaemonClient::connect(&daemon.socket, "test").unwrap();
+    let s = DaemonSource::open(Arc::clone(&c), &m).unwrap();
+    assert_eq!(
+        std::fs::read(&manifest_path).unwrap(),
+        want,
+        "the manifest vpagectl hash writes"
+    );
+    for (i, bytes) in pages.iter().enumerate() {
+        assert_eq!(
+            s.acquire(PageId(i as u32)).unwrap().bytes(),
+            bytes.as_slice()
+        );
+    }
+    // Opened again: the manifest written is the one used, not a second hash.
+    let stamp = std::fs::metadata(&manifest_path)
+        .unwrap()
+        .modified()
+        .unwrap();
+    DaemonSource::open(Arc::clone(&c), &m).unwrap();
+    assert_eq!(
+        std::fs::metadata(&manifest_path)
+            .unwrap()
+            .modified()
+            .unwrap(),
+        stamp
+    );
+    drop(s);
+
+    // Read-only: a clear error, nothing written, and the daemon goes on serving.
+    let ro = d.path().join("ro");
+    std::fs::create_dir_all(&ro).unwrap();
+    std::fs::copy(m.join("model.safetensors"), ro.join("model.safetensors")).unwrap();
+    let mut perm = std::fs::metadata(&ro).unwrap().permissions();
+    std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o555);
+    std::fs::set_permissions(&ro, perm).unwrap();
+    // Root writes into a 0555 directory anyway; the immutable attribute stops root
+    // too, where the file system has it (undone when the test ends).
+    struct Immutable(PathBuf);
+    impl Drop for Immutable {
+        fn drop(&mut self) {
+            let _ = Command::new("chattr").arg("-i").arg(&self.0).status();
+        }
+    }
+    let probe = |dir: &Path| {
+        let ok = std::fs::File::create(dir.join("probe")).is_ok();
+        let _ = std::fs::remove_file(dir.join("probe"));
+        ok
+    };
+    let mut _immutable = None;
+    if probe(&ro)
+        && Command::new("chattr")
+            .arg("+i")
+            .arg(&ro)
+            .status()
+            .is_ok_and(|s| s.success())
+    {
+        _immutable = Some(Immutable(ro.clone()));
+    }
+    if probe(&ro) {
+        eprintln!("skipping the read-only case: this user can write into the directory");
+    } else {
+        let e = DaemonSource::open(Arc::clone(&c), &ro)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains("cannot be written") && e.contains("vpagectl hash"),
+            "{e}"
+        );
+        assert!(DaemonSource::open(Arc::clone(&c), &m).is_ok());
+    }
+    drop(daemon);
+
+    // Refused when hashing on open is off.
+    let other = tempfile::tempdir().unwrap();
+    let (m2, _) = model(other.path(), 1);
+    std::fs::remove_file(m2.join(voom_formats::manifest::MANIFEST_FILE)).unwrap();
+    let socket = other.path().join("vpaged.sock");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_vpaged"))
+        .arg("--socket")
+        .arg(&socket)
+        .args(["--cache-size", "4MiB", "--no-hash-on-open"])
+        .env("VPAGED_LOG", "warn")
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while !socket.exists() {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "vpaged did not start"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let c = DaemonClient::connect(&socket, "test").unwrap();
+    let e = DaemonSource::open(c, &m2).err().unwrap().to_string();
+    assert!(e.contains("vpagectl hash"), "{e}");
+    assert!(!m2.join(voom_formats::manifest::MANIFEST_FILE).exists());
+    let _ = child.kill();
+    let _ = child.wait();
+}

@@ -252,34 +252,41 @@ pub fn open_engine(dir: &Path, args: &EngineArgs) -> Result<Engine> {
         }
     }
     if let Some(budget) = s.cache_budget {
-        if dir.join(voom_formats::manifest::MANIFEST_FILE).is_file() {
-            let cache_bytes = usize::try_from(budget)
-                .with_context(|| format!("cache_budget {budget} does not fit this machine"))?;
-            let store = Store::new(StoreConfig {
-                cache_bytes,
-                pin_first_layers: s.pin_first_layers,
-                pin_last_layers: s.pin_last_layers,
-                ..StoreConfig::default()
-            })
-            .with_context(|| {
-                format!(
-                    "creating the {} page cache of profile {}",
-                    profile::format_size(budget),
-                    resolved.name
-                )
-            })?;
-            let src = StoreSource::open(store, dir)
-                .with_context(|| format!("opening model {} in the page cache", dir.display()))?;
-            return Engine::with_source(dir, Arc::new(src), opts)
-                .with_context(|| format!("opening model {}", dir.display()));
+        let cache_bytes = usize::try_from(budget)
+            .with_context(|| format!("cache_budget {budget} does not fit this machine"))?;
+        let store = Store::new(StoreConfig {
+            cache_bytes,
+            pin_first_layers: s.pin_first_layers,
+            pin_last_layers: s.pin_last_layers,
+            // A checkpoint without a page manifest is hashed once, the manifest
+            // written beside it.
+            hash_on_open: true,
+            ..StoreConfig::default()
+        })
+        .with_context(|| {
+            format!(
+                "creating the {} page cache of profile {}",
+                profile::format_size(budget),
+                resolved.name
+            )
+        })?;
+        let hashed = dir.join(voom_formats::manifest::MANIFEST_FILE).is_file();
+        match StoreSource::open(store, dir) {
+            Ok(src) => {
+                return Engine::with_source(dir, Arc::new(src), opts)
+                    .with_context(|| format!("opening model {}", dir.display()))
+            }
+            // The page manifest could not be made (a read-only directory): the
+            // memory-mapped store needs none.
+            Err(e) if !hashed => eprintln!(
+                "voom: warning: {e}; cache_budget is ignored and the weights are read \
+                 through the memory-mapped store"
+            ),
+            Err(e) => {
+                return Err(e)
+                    .with_context(|| format!("opening model {} in the page cache", dir.display()))
+            }
         }
-        eprintln!(
-            "voom: warning: {} has no page manifest ({}), which a page cache needs \
-             (`vpagectl hash` writes it); cache_budget is ignored and the weights are \
-             read through the memory-mapped store",
-            dir.display(),
-            voom_formats::manifest::MANIFEST_FILE
-        );
     } else if pins {
         eprintln!(
             "voom: warning: pin_first_layers/pin_last_layers apply only with a cache_budget; \

@@ -237,6 +237,21 @@ async fn metrics_text(State(app): State<Arc<App>>) -> Response {
                 "Bytes loaded into the page cache.",
             ),
             (
+                "voom_page_cache_inflight_waits".to_string(),
+                c.inflight_waits as f64,
+                "Page requests that waited for a load already in flight (a prefetch not landed yet).",
+            ),
+            (
+                "voom_page_cache_prefetch_loads".to_string(),
+                c.prefetch_loads as f64,
+                "Pages loaded on a prefetch hint.",
+            ),
+            (
+                "voom_page_cache_prefetch_skipped".to_string(),
+                c.prefetch_skipped as f64,
+                "Prefetch hints dropped for want of room.",
+            ),
+            (
                 "voom_page_cache_used_bytes".to_string(),
                 c.used_bytes as f64,
                 "Bytes of the page cache in use.",

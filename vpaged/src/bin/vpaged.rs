@@ -53,6 +53,7 @@ fn run(cli: Cli) -> Result<()> {
         pin_last_layers: cfg.pin_last_layers,
         read_mode: cfg.read_mode,
         io: cfg.io,
+        hash_on_open: cfg.hash_on_open,
     })
     .context("creating the page store")?;
     if cfg.prefault {
