@@ -1025,7 +1025,7 @@ fn hash_checkpoint(dir: &Path) -> Result<(), StoreError> {
     let started = std::time::Instant::now();
     let mut shown = 0u64;
     let manifest = Manifest::build(&ckpt, &mut |done, total| {
-        let tenth = if total == 0 { 10 } else { done * 10 / total };
+        let tenth = (done * 10).checked_div(total).unwrap_or(10);
         if tenth > shown {
             shown = tenth;
             tracing::info!(
