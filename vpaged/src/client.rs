@@ -397,7 +397,20 @@ impl DaemonSource {
                 ))
             }
         };
-        let manifest_path = dir.join(MANIFEST_FILE);
+        // Beside the checkpoint, or (a checkpoint the daemon hashed in a directory it
+        // could not write) where the daemon says it keeps it.
+        let mut manifest_path = dir.join(MANIFEST_FILE);
+        if !manifest_path.exists() && client.version().minor >= 3 {
+            match client.request(&Message::ManifestPath { model })? {
+                Message::ManifestAt { path } => manifest_path = PathBuf::from(path),
+                other => {
+                    return Err(DaemonClient::err(
+                        client.socket(),
+                        format!("unexpected {}", other.name()),
+                    ))
+                }
+            }
+        }
         let text = voom_formats::file::read(&manifest_path).map_err(|x| StoreError::Store {
             store: dir.clone(),
             detail: format!("cannot read the manifest {}: {x}", manifest_path.display()),

@@ -13,6 +13,7 @@
 //! read_threads = 16     # pieces of model files read at once
 //! prefetch_threads = 4  # threads taking prefetch hints
 //! hash_on_open = true   # hash a checkpoint without a manifest when it is opened
+//! state_dir = "/var/lib/vpaged"  # manifests of read-only checkpoints it hashed
 //!
 //! [[nas]]
 //! mount = "/Volumes/nas"
@@ -159,6 +160,7 @@ pub struct FileConfig {
     pub read_threads: Option<usize>,
     pub prefetch_threads: Option<usize>,
     pub hash_on_open: Option<bool>,
+    pub state_dir: Option<PathBuf>,
     #[serde(default)]
     pub nas: Vec<NasMount>,
 }
@@ -214,6 +216,11 @@ pub struct DaemonArgs {
     /// instead of hashing it when it is first opened (the default).
     #[arg(long, env = "VPAGED_NO_HASH_ON_OPEN")]
     pub no_hash_on_open: bool,
+    /// Where the daemon keeps what it computes (the manifests of checkpoints it
+    /// hashed whose own directory it cannot write). Default:
+    /// `$XDG_STATE_HOME/vpaged`, else `$HOME/.local/state/vpaged`.
+    #[arg(long, env = "VPAGED_STATE_DIR")]
+    pub state_dir: Option<PathBuf>,
     /// TOML config file.
     #[arg(long, env = "VPAGED_CONFIG")]
     pub config: Option<PathBuf>,
@@ -236,7 +243,20 @@ pub struct DaemonConfig {
     pub io: crate::store::IoConfig,
     /// See [`crate::store::StoreConfig::hash_on_open`].
     pub hash_on_open: bool,
+    /// See [`DaemonArgs::state_dir`].
+    pub state_dir: PathBuf,
     pub nas: Vec<NasMount>,
+}
+
+/// `$XDG_STATE_HOME/vpaged`, else `$HOME/.local/state/vpaged`.
+pub fn default_state_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("XDG_STATE_HOME") {
+        return PathBuf::from(d).join("vpaged");
+    }
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/tmp"));
+    home.join(".local").join("state").join("vpaged")
 }
 
 /// `$XDG_RUNTIME_DIR/vpaged.sock`, else `$HOME/.voom/vpaged.sock`.
@@ -310,6 +330,11 @@ impl DaemonConfig {
             )?,
             io,
             hash_on_open: !args.no_hash_on_open && file.hash_on_open.unwrap_or(true),
+            state_dir: args
+                .state_dir
+                .clone()
+                .or_else(|| file.state_dir.clone())
+                .unwrap_or_else(default_state_dir),
             nas: file.nas.clone(),
         })
     }

@@ -259,7 +259,8 @@ fn model_of(m: &Message) -> Option<ModelId> {
         Message::Acquire { model, .. }
         | Message::Prefetch { model, .. }
         | Message::Stage { model, .. }
-        | Message::Unstage { model } => Some(*model),
+        | Message::Unstage { model }
+        | Message::ManifestPath { model } => Some(*model),
         _ => None,
     }
 }
@@ -693,6 +694,21 @@ impl Daemon {
                 return Some(Message::StatsReply {
                     json: self.stats_text(),
                 })
+            }
+            Message::ManifestPath { model } => {
+                return Some(match self.store.model(model.0) {
+                    Ok(m) => match m.manifest_path().to_str() {
+                        Some(p) => Message::ManifestAt { path: p.into() },
+                        None => Message::error(
+                            ErrorCode::Internal,
+                            format!(
+                                "the manifest path {} is not UTF-8",
+                                m.manifest_path().display()
+                            ),
+                        ),
+                    },
+                    Err(e) => Message::error(ErrorCode::BadRequest, e.to_string()),
+                });
             }
             other => {
                 return Some(Message::error(

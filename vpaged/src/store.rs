@@ -66,6 +66,12 @@ pub struct StoreConfig {
     /// tensor's blake3, progress in the log) and writing the manifest beside it, as
     /// `vpagectl hash` would. Off: such a directory is refused, naming the command.
     pub hash_on_open: bool,
+    /// Where the manifests of checkpoints hashed on open are kept when their own
+    /// directory cannot be written (the daemon's state directory): one
+    /// sub-directory per checkpoint, with a record of the checkpoint files it was
+    /// computed from, so a checkpoint that changed is hashed again. `None`: such a
+    /// checkpoint is an error naming `vpagectl hash`.
+    pub manifest_dir: Option<PathBuf>,
 }
 
 /// How the store reads: reads in flight and pages loaded at once.
@@ -103,6 +109,9 @@ pub struct OpenModel {
     /// blake3 of the manifest file's bytes that `manifest` was parsed from.
     pub manifest_digest: [u8; 32],
     pub pages: Vec<PageMeta>,
+    /// The manifest file it was opened by: beside the checkpoint, or in the store's
+    /// manifest directory ([`StoreConfig::manifest_dir`]).
+    manifest_path: PathBuf,
     /// The manifest file as `stat` saw it before it was read, for a cheap re-check when
     /// the model is opened again (updated when a re-read found the same bytes).
     manifest_stamp: Mutex<FileStamp>,
@@ -122,6 +131,11 @@ pub struct OpenModel {
 }
 
 impl OpenModel {
+    /// The manifest file the model was opened by.
+    pub fn manifest_path(&self) -> &Path {
+        &self.manifest_path
+    }
+
     /// Demand requests of each page since the model was opened.
     pub fn access_counts(&self) -> Vec<u64> {
         self.accesses
@@ -217,6 +231,8 @@ impl FileStamp {
 
 /// A checked manifest with the digest of the bytes it was parsed from.
 struct LoadedManifest {
+    /// The file it was read from.
+    path: PathBuf,
     manifest: Manifest,
     digest: [u8; 32],
     stamp: FileStamp,
@@ -427,8 +443,10 @@ impl Store {
     /// [`load_checked`], hashing the checkpoint first when it has no manifest and
     /// [`StoreConfig::hash_on_open`] allows: once (opens of other directories wait,
     /// and an open of the same one finds the manifest the first wrote), with progress
-    /// in the log, the manifest written beside the checkpoint. A directory that is
-    /// not writable is an error saying so.
+    /// in the log, the manifest written beside the checkpoint, or, where that
+    /// directory cannot be written, in [`StoreConfig::manifest_dir`] (a manifest kept
+    /// there is used while the checkpoint's files are the ones it was computed
+    /// from). With neither, a directory that cannot be written is an error saying so.
     fn load_or_hash(&self, dir: &Path) -> Result<LoadedManifest, StoreError> {
         // No manifest, but safetensors files to hash (a directory with neither is
         // no model store: `load_checked` says so, naming `vpagectl hash`).
@@ -448,11 +466,44 @@ impl Store {
         if !self.cfg.hash_on_open || !unhashed(dir) {
             return load_checked(dir);
         }
-        let _one = self.hashing.lock().unwrap_or_else(|e| e.into_inner());
-        if unhashed(dir) {
-            hash_checkpoint(dir)?;
+        let kept = self
+            .cfg
+            .manifest_dir
+            .as_ref()
+            .map(|d| KeptManifest::of(d, dir));
+        let fresh = |k: &KeptManifest| k.is_fresh(dir);
+        if let Some(k) = kept.as_ref().filter(|k| fresh(k)) {
+            return load_checked_at(dir, &k.manifest());
         }
-        load_checked(dir)
+        let _one = self.hashing.lock().unwrap_or_else(|e| e.into_inner());
+        if !unhashed(dir) {
+            return load_checked(dir);
+        }
+        if let Some(k) = kept.as_ref().filter(|k| fresh(k)) {
+            return load_checked_at(dir, &k.manifest());
+        }
+        let manifest = hash_checkpoint(dir)?;
+        match manifest.save(dir) {
+            Ok(()) => {
+                log_written(dir, &dir.join(MANIFEST_FILE), &manifest);
+                load_checked(dir)
+            }
+            Err(e) => match &kept {
+                Some(k) => {
+                    k.save(&manifest, dir)?;
+                    log_written(dir, &k.manifest(), &manifest);
+                    load_checked_at(dir, &k.manifest())
+                }
+                None => Err(StoreError::Store {
+                    store: dir.to_path_buf(),
+                    detail: format!(
+                        "no page manifest ({MANIFEST_FILE}), and the one just computed \
+                         cannot be written beside the checkpoint: {e}; run `vpagectl hash` \
+                         where the directory is writable"
+                    ),
+                }),
+            },
+        }
     }
 
     /// The NAS tier of the configured mount that `dir` (absolute, normalized) lies
@@ -521,7 +572,26 @@ impl Store {
                 return Ok(None);
             }
         }
-        let path = m.dir.join(MANIFEST_FILE);
+        // A manifest the store wrote for a checkpoint it could not write beside is
+        // stale once the checkpoint's files change: hashed again.
+        if matches!(io, DirIo::Local) && m.manifest_path != m.dir.join(MANIFEST_FILE) {
+            if let Some(state) = &self.cfg.manifest_dir {
+                let loaded = self.load_or_hash(&m.dir)?;
+                if loaded.digest == m.manifest_digest {
+                    m.set_stamp(loaded.stamp);
+                    return Ok(None);
+                }
+                tracing::info!(
+                    "{}: the checkpoint changed since model {} was opened; opening the \
+                     manifest hashed again (in {}) as a new model",
+                    m.dir.display(),
+                    m.id,
+                    state.display()
+                );
+                return Ok(Some(loaded));
+            }
+        }
+        let path = m.manifest_path.clone();
         let stamp = match io.run("checking the page manifest", move || FileStamp::of(&path)) {
             Ok(Ok(stamp)) => stamp,
             Ok(Err(e)) => return Ok(keep_unchecked(m, &e)),
@@ -530,8 +600,10 @@ impl Store {
         if stamp == m.stamp() {
             return Ok(None);
         }
-        let dir = m.dir.clone();
-        let loaded = io.run("re-reading the page manifest", move || load_checked(&dir))??;
+        let (dir, path) = (m.dir.clone(), m.manifest_path.clone());
+        let loaded = io.run("re-reading the page manifest", move || {
+            load_checked_at(&dir, &path)
+        })??;
         if loaded.digest == m.manifest_digest {
             m.set_stamp(loaded.stamp);
             return Ok(None);
@@ -557,6 +629,7 @@ impl Store {
         loaded: LoadedManifest,
     ) -> u32 {
         let LoadedManifest {
+            path: manifest_path,
             manifest,
             digest,
             stamp,
@@ -588,6 +661,7 @@ impl Store {
             pages,
             manifest,
             manifest_digest: digest,
+            manifest_path,
             manifest_stamp: Mutex::new(stamp),
             superseded: AtomicBool::new(false),
             pins,
@@ -1014,15 +1088,14 @@ fn keep_unchecked(m: &OpenModel, e: &dyn std::fmt::Display) -> Option<LoadedMani
 
 /// A model store's manifest, checked against the checkpoint that is there, with the
 /// blake3 of the very bytes it was parsed from.
-/// Hashes the checkpoint in `dir` and writes its page manifest beside it (what
-/// `vpagectl hash` does), logging progress every tenth of the bytes.
-fn hash_checkpoint(dir: &Path) -> Result<(), StoreError> {
+/// Hashes the checkpoint in `dir` (what `vpagectl hash` does), logging progress
+/// every tenth of the bytes.
+fn hash_checkpoint(dir: &Path) -> Result<Manifest, StoreError> {
     let ckpt = Checkpoint::open(dir)?;
     tracing::info!(
         "{}: no page manifest; hashing the checkpoint once to write one",
         dir.display()
     );
-    let started = std::time::Instant::now();
     let mut shown = 0u64;
     let manifest = Manifest::build(&ckpt, &mut |done, total| {
         let tenth = (done * 10).checked_div(total).unwrap_or(10);
@@ -1036,25 +1109,115 @@ fn hash_checkpoint(dir: &Path) -> Result<(), StoreError> {
             );
         }
     })?;
-    manifest.save(dir).map_err(|e| StoreError::Store {
-        store: dir.to_path_buf(),
-        detail: format!(
-            "no page manifest ({MANIFEST_FILE}), and the one just computed cannot be \
-             written beside the checkpoint: {e}; run `vpagectl hash` where the directory \
-             is writable"
-        ),
-    })?;
+    Ok(manifest)
+}
+
+fn log_written(dir: &Path, path: &Path, manifest: &Manifest) {
     tracing::info!(
-        "{}: wrote {MANIFEST_FILE} ({} pages) in {:.1} s",
+        "{}: wrote its page manifest {} ({} pages)",
         dir.display(),
-        manifest.pages.len(),
-        started.elapsed().as_secs_f64()
+        path.display(),
+        manifest.pages.len()
     );
-    Ok(())
+}
+
+/// A manifest the store keeps for a checkpoint whose own directory it cannot write:
+/// `<manifest_dir>/<name>-<16 hex digits of the path's blake3>/voom-manifest.json`,
+/// beside `checkpoint.json`, the identity (name, length, inode, modification and
+/// change times) of every checkpoint file it was computed from. It is used only while
+/// those files are unchanged.
+struct KeptManifest {
+    dir: PathBuf,
+}
+
+/// File name of a kept manifest's record of the checkpoint files.
+const KEPT_RECORD: &str = "checkpoint.json";
+
+impl KeptManifest {
+    fn of(root: &Path, model: &Path) -> KeptManifest {
+        use std::os::unix::ffi::OsStrExt;
+        let key = blake3::hash(model.as_os_str().as_bytes()).to_hex();
+        let name = model
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        KeptManifest {
+            dir: root.join(format!("{name}-{}", &key[..16])),
+        }
+    }
+
+    fn manifest(&self) -> PathBuf {
+        self.dir.join(MANIFEST_FILE)
+    }
+
+    /// The identity of the checkpoint's files in `model` now, sorted by name.
+    fn files_of(model: &Path) -> Vec<serde_json::Value> {
+        let mut files: Vec<serde_json::Value> = std::fs::read_dir(model)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| {
+                let name = e.file_name().to_string_lossy().into_owned();
+                if !(name.ends_with(".safetensors") || name.ends_with(".safetensors.index.json")) {
+                    return None;
+                }
+                let m = std::fs::metadata(e.path()).ok()?;
+                Some(serde_json::json!([
+                    name,
+                    m.len(),
+                    m.ino(),
+                    [m.mtime(), m.mtime_nsec()],
+                    [m.ctime(), m.ctime_nsec()]
+                ]))
+            })
+            .collect();
+        files.sort_by(|a, b| a[0].as_str().cmp(&b[0].as_str()));
+        files
+    }
+
+    fn is_fresh(&self, model: &Path) -> bool {
+        let Ok(text) = std::fs::read(self.dir.join(KEPT_RECORD)) else {
+            return false;
+        };
+        self.manifest().is_file()
+            && serde_json::from_slice::<Vec<serde_json::Value>>(&text)
+                .is_ok_and(|rec| rec == Self::files_of(model))
+    }
+
+    fn save(&self, manifest: &Manifest, model: &Path) -> Result<(), StoreError> {
+        let fail = |what: &str, e: &dyn std::fmt::Display| StoreError::Store {
+            store: model.to_path_buf(),
+            detail: format!(
+                "no page manifest ({MANIFEST_FILE}), the checkpoint's directory cannot be \
+                 written, and {what} {}: {e}",
+                self.dir.display()
+            ),
+        };
+        std::fs::create_dir_all(&self.dir).map_err(|e| fail("cannot create", &e))?;
+        manifest
+            .save(&self.dir)
+            .map_err(|e| fail("the manifest cannot be written in", &e))?;
+        // Written after the manifest, by rename: a record names a complete manifest.
+        let record = serde_json::to_vec(&Self::files_of(model)).expect("JSON values serialize");
+        let tmp = self
+            .dir
+            .join(format!(".{KEPT_RECORD}.{}", std::process::id()));
+        std::fs::write(&tmp, &record)
+            .and_then(|()| std::fs::rename(&tmp, self.dir.join(KEPT_RECORD)))
+            .map_err(|e| {
+                let _ = std::fs::remove_file(&tmp);
+                fail("the checkpoint record cannot be written in", &e)
+            })
+    }
 }
 
 fn load_checked(dir: &Path) -> Result<LoadedManifest, StoreError> {
-    let path = dir.join(MANIFEST_FILE);
+    load_checked_at(dir, &dir.join(MANIFEST_FILE))
+}
+
+/// The manifest at `path` for the checkpoint in `dir`, checked against it.
+fn load_checked_at(dir: &Path, path: &Path) -> Result<LoadedManifest, StoreError> {
+    let path = path.to_path_buf();
     let missing = || StoreError::NotFound {
         store: dir.to_path_buf(),
         detail: "no page manifest (voom-manifest.json): run `vpagectl hash` on it".into(),
@@ -1073,6 +1236,7 @@ fn load_checked(dir: &Path) -> Result<LoadedManifest, StoreError> {
     let manifest = Manifest::from_bytes(&path, &bytes)?;
     manifest.check_matches(&Checkpoint::open(dir)?)?;
     Ok(LoadedManifest {
+        path,
         manifest,
         digest: *blake3::hash(&bytes).as_bytes(),
         stamp,

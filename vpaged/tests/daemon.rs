@@ -31,6 +31,8 @@ fn start(dir: &Path, cache: &str) -> Daemon {
         .args(["--socket"])
         .arg(&socket)
         .args(["--cache-size", cache])
+        .arg("--state-dir")
+        .arg(dir.join("state"))
         .env("VPAGED_LOG", "warn")
         .spawn()
         .unwrap();
@@ -401,9 +403,10 @@ fn no_reply_frames_are_answered_only_when_they_fail() {
 
 /// A checkpoint without a page manifest opens through the daemon: it is hashed once
 /// and the manifest written beside it (the same file `vpagectl hash` writes), and its
-/// pages are served verified. Where the directory is read-only the open is an error
-/// saying the manifest cannot be written and naming `vpagectl hash`; with
-/// `--no-hash-on-open` the daemon refuses it as before.
+/// pages are served verified. Where the directory cannot be written, the manifest is
+/// kept in the daemon's state directory, the client reads it there (`ManifestPath`),
+/// and a changed checkpoint is hashed again; with `--no-hash-on-open` the daemon
+/// refuses a checkpoint without a manifest, naming `vpagectl hash`.
 #[test]
 fn a_checkpoint_without_a_manifest_is_hashed_once_when_opened() {
     let d = tempfile::tempdir().unwrap();
@@ -431,7 +434,8 @@ fn a_checkpoint_without_a_manifest_is_hashed_once_when_opened() {
         .unwrap()
         .modified()
         .unwrap();
-    DaemonSource::open(Arc::clone(&c), &m).unwrap();
+    let again = DaemonSource::open(Arc::clone(&c), &m).unwrap();
+    assert_eq!(again.model_id(), s.model_id());
     assert_eq!(
         std::fs::metadata(&manifest_path)
             .unwrap()
@@ -439,21 +443,27 @@ fn a_checkpoint_without_a_manifest_is_hashed_once_when_opened() {
             .unwrap(),
         stamp
     );
-    drop(s);
+    drop((s, again));
 
-    // Read-only: a clear error, nothing written, and the daemon goes on serving.
+    // A directory that cannot be written (root writes into a 0555 one anyway; the
+    // immutable attribute stops root too where the file system has it).
     let ro = d.path().join("ro");
     std::fs::create_dir_all(&ro).unwrap();
     std::fs::copy(m.join("model.safetensors"), ro.join("model.safetensors")).unwrap();
-    let mut perm = std::fs::metadata(&ro).unwrap().permissions();
-    std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o555);
-    std::fs::set_permissions(&ro, perm).unwrap();
-    // Root writes into a 0555 directory anyway; the immutable attribute stops root
-    // too, where the file system has it (undone when the test ends).
+    let ro = ro.canonicalize().unwrap();
     struct Immutable(PathBuf);
+    impl Immutable {
+        fn set(dir: &Path, on: bool) -> bool {
+            Command::new("chattr")
+                .arg(if on { "+i" } else { "-i" })
+                .arg(dir)
+                .status()
+                .is_ok_and(|s| s.success())
+        }
+    }
     impl Drop for Immutable {
         fn drop(&mut self) {
-            let _ = Command::new("chattr").arg("-i").arg(&self.0).status();
+            Immutable::set(&self.0, false);
         }
     }
     let probe = |dir: &Path| {
@@ -461,28 +471,55 @@ fn a_checkpoint_without_a_manifest_is_hashed_once_when_opened() {
         let _ = std::fs::remove_file(dir.join("probe"));
         ok
     };
-    let mut _immutable = None;
-    if probe(&ro)
-        && Command::new("chattr")
-            .arg("+i")
-            .arg(&ro)
-            .status()
-            .is_ok_and(|s| s.success())
-    {
-        _immutable = Some(Immutable(ro.clone()));
-    }
+    let mut perm = std::fs::metadata(&ro).unwrap().permissions();
+    std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o555);
+    std::fs::set_permissions(&ro, perm).unwrap();
+    let _immutable = (probe(&ro) && Immutable::set(&ro, true)).then(|| Immutable(ro.clone()));
     if probe(&ro) {
         eprintln!("skipping the read-only case: this user can write into the directory");
     } else {
-        let e = DaemonSource::open(Arc::clone(&c), &ro)
-            .err()
+        let s = DaemonSource::open(Arc::clone(&c), &ro).unwrap();
+        assert!(!ro.join(voom_formats::manifest::MANIFEST_FILE).exists());
+        for (i, bytes) in pages.iter().enumerate() {
+            assert_eq!(
+                s.acquire(PageId(i as u32)).unwrap().bytes(),
+                bytes.as_slice()
+            );
+        }
+        let kept: Vec<PathBuf> = std::fs::read_dir(d.path().join("state/manifests"))
             .unwrap()
-            .to_string();
-        assert!(
-            e.contains("cannot be written") && e.contains("vpagectl hash"),
-            "{e}"
+            .map(|e| e.unwrap().path())
+            .collect();
+        assert_eq!(kept.len(), 1, "{kept:?}");
+        assert_eq!(
+            std::fs::read(kept[0].join(voom_formats::manifest::MANIFEST_FILE)).unwrap(),
+            want
         );
-        assert!(DaemonSource::open(Arc::clone(&c), &m).is_ok());
+        // Opened again, unchanged: the same model.
+        let again = DaemonSource::open(Arc::clone(&c), &ro).unwrap();
+        assert_eq!(again.model_id(), s.model_id());
+        drop((s, again));
+        // The checkpoint changes (new bytes, same layout): hashed again, opened as a
+        // new model whose pages are the new bytes.
+        let (_, new_pages) = model(&d.path().join("other"), 99);
+        Immutable::set(&ro, false);
+        std::fs::copy(
+            d.path().join("other/m/model.safetensors"),
+            ro.join("model.safetensors"),
+        )
+        .unwrap();
+        Immutable::set(&ro, true);
+        let s = DaemonSource::open(Arc::clone(&c), &ro).unwrap();
+        for (i, bytes) in new_pages.iter().enumerate() {
+            assert_eq!(
+                s.acquire(PageId(i as u32)).unwrap().bytes(),
+                bytes.as_slice()
+            );
+        }
+        assert_ne!(
+            std::fs::read(kept[0].join(voom_formats::manifest::MANIFEST_FILE)).unwrap(),
+            want
+        );
     }
     drop(daemon);
 
@@ -495,6 +532,8 @@ fn a_checkpoint_without_a_manifest_is_hashed_once_when_opened() {
         .arg("--socket")
         .arg(&socket)
         .args(["--cache-size", "4MiB", "--no-hash-on-open"])
+        .arg("--state-dir")
+        .arg(other.path().join("state"))
         .env("VPAGED_LOG", "warn")
         .spawn()
         .unwrap();

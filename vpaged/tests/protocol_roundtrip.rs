@@ -57,6 +57,8 @@ fn message() -> impl Strategy<Value = Message> {
             max_bytes
         }),
         any::<u32>().prop_map(|m| Message::Unstage { model: ModelId(m) }),
+        any::<u32>().prop_map(|m| Message::ManifestPath { model: ModelId(m) }),
+        "[^\\x00]{1,300}".prop_map(|path| Message::ManifestAt { path }),
         (version(), any::<u64>(), any::<u64>()).prop_map(|(version, arena_len, server_id)| {
             Message::Welcome {
                 version,

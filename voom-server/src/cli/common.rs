@@ -259,8 +259,10 @@ pub fn open_engine(dir: &Path, args: &EngineArgs) -> Result<Engine> {
             pin_first_layers: s.pin_first_layers,
             pin_last_layers: s.pin_last_layers,
             // A checkpoint without a page manifest is hashed once, the manifest
-            // written beside it.
+            // written beside it, or under $VOOM_HOME/manifests where its directory
+            // cannot be written.
             hash_on_open: true,
+            manifest_dir: store::voom_home().ok().map(|h| h.join("manifests")),
             ..StoreConfig::default()
         })
         .with_context(|| {
@@ -276,7 +278,7 @@ pub fn open_engine(dir: &Path, args: &EngineArgs) -> Result<Engine> {
                 return Engine::with_source(dir, Arc::new(src), opts)
                     .with_context(|| format!("opening model {}", dir.display()))
             }
-            // The page manifest could not be made (a read-only directory): the
+            // The page manifest could not be made (no room to write one): the
             // memory-mapped store needs none.
             Err(e) if !hashed => eprintln!(
                 "voom: warning: {e}; cache_budget is ignored and the weights are read \

@@ -54,6 +54,7 @@ fn run(cli: Cli) -> Result<()> {
         read_mode: cfg.read_mode,
         io: cfg.io,
         hash_on_open: cfg.hash_on_open,
+        manifest_dir: Some(cfg.state_dir.join("manifests")),
     })
     .context("creating the page store")?;
     if cfg.prefault {

@@ -16,7 +16,7 @@ use crate::PageId;
 pub const PROTOCOL_MAJOR: u16 = 1;
 /// Protocol minor version: additions that older peers of the same major can ignore
 /// (new messages are only sent to a peer that announced a minor that knows them).
-pub const PROTOCOL_MINOR: u16 = 2;
+pub const PROTOCOL_MINOR: u16 = 3;
 /// The version this build speaks.
 pub const PROTOCOL_VERSION: Version = Version {
     major: PROTOCOL_MAJOR,
@@ -58,12 +58,14 @@ pub mod msg_type {
     pub const CLOSE: u16 = 0x0007;
     pub const STAGE: u16 = 0x0008;
     pub const UNSTAGE: u16 = 0x0009;
+    pub const MANIFEST_PATH: u16 = 0x000A;
     pub const ERROR: u16 = 0x8000;
     pub const WELCOME: u16 = 0x8001;
     pub const MODEL_OPENED: u16 = 0x8002;
     pub const ACQUIRED: u16 = 0x8003;
     pub const ACK: u16 = 0x8004;
     pub const STATS_REPLY: u16 = 0x8005;
+    pub const MANIFEST_AT: u16 = 0x8006;
 }
 
 /// A protocol version.
@@ -203,6 +205,12 @@ pub enum Message {
     Unstage {
         model: ModelId,
     },
+    /// Where the daemon keeps the model's page manifest (since 1.3): beside the
+    /// checkpoint, or in its state directory for a checkpoint it hashed in a
+    /// directory it cannot write. Reply: `ManifestAt`.
+    ManifestPath {
+        model: ModelId,
+    },
     /// Server's reply to `Hello`; the arena's fd travels with this frame's bytes.
     Welcome {
         version: Version,
@@ -221,6 +229,10 @@ pub enum Message {
     },
     /// Success without data (Prefetch, Release, Close).
     Ack,
+    /// The path of a model's page manifest file (reply to `ManifestPath`).
+    ManifestAt {
+        path: String,
+    },
     /// UTF-8 JSON object with the daemon's statistics (for humans and tools; its keys
     /// are not part of the wire format).
     StatsReply {
@@ -246,6 +258,8 @@ impl Message {
             Message::Close => CLOSE,
             Message::Stage { .. } => STAGE,
             Message::Unstage { .. } => UNSTAGE,
+            Message::ManifestPath { .. } => MANIFEST_PATH,
+            Message::ManifestAt { .. } => MANIFEST_AT,
             Message::Welcome { .. } => WELCOME,
             Message::ModelOpened { .. } => MODEL_OPENED,
             Message::Acquired { .. } => ACQUIRED,
@@ -292,7 +306,11 @@ impl Message {
                 w.u32(model.0);
                 w.u64(*max_bytes);
             }
-            Message::Unstage { model } => w.u32(model.0),
+            Message::Unstage { model } | Message::ManifestPath { model } => w.u32(model.0),
+            Message::ManifestAt { path } => {
+                check_path(w.message, path)?;
+                w.str("path", path, MAX_PATH_LEN)?;
+            }
             Message::Welcome {
                 version,
                 arena_len,
@@ -419,6 +437,14 @@ impl Message {
             UNSTAGE => Message::Unstage {
                 model: ModelId(r.u32("model")?),
             },
+            MANIFEST_PATH => Message::ManifestPath {
+                model: ModelId(r.u32("model")?),
+            },
+            MANIFEST_AT => {
+                let path = r.str("path", MAX_PATH_LEN)?;
+                check_path(name, &path)?;
+                Message::ManifestAt { path }
+            }
             ACK => Message::Ack,
             WELCOME => Message::Welcome {
                 version: Version {
@@ -481,6 +507,8 @@ pub fn type_name(t: u16) -> Option<&'static str> {
         CLOSE => "Close",
         STAGE => "Stage",
         UNSTAGE => "Unstage",
+        MANIFEST_PATH => "ManifestPath",
+        MANIFEST_AT => "ManifestAt",
         ERROR => "Error",
         WELCOME => "Welcome",
         MODEL_OPENED => "ModelOpened",
