@@ -45,10 +45,12 @@ fn main() -> std::process::ExitCode {
         Ok(cli) => cli,
         Err(code) => return code,
     };
-    // The server logs one line per request by default; one-shot commands only warn.
+    // The server logs one line per request by default; one-shot commands only warn,
+    // and say what the page store does that takes time (hashing a checkpoint that has
+    // no manifest, with its progress) or changes what is served.
     let default_filter = match cli.command {
         Command::Serve(_) => "info",
-        _ => "warn",
+        _ => "warn,vpaged::store=info",
     };
     tracing_subscriber::fmt()
         .with_env_filter(
