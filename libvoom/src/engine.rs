@@ -123,6 +123,10 @@ pub struct PageTraffic {
     /// Pages loaded on a hint, and hints dropped for want of room.
     pub prefetch_loads: u64,
     pub prefetch_skipped: u64,
+    /// Bytes read from each tier: the fast tier, the model's local directory, a NAS.
+    pub fast_tier_bytes: u64,
+    pub primary_bytes: u64,
+    pub nas_bytes: u64,
 }
 
 impl PageTraffic {
@@ -576,6 +580,9 @@ impl Engine {
                 inflight_waits: b.inflight_waits.saturating_sub(a.inflight_waits),
                 prefetch_loads: b.prefetch_loads.saturating_sub(a.prefetch_loads),
                 prefetch_skipped: b.prefetch_skipped.saturating_sub(a.prefetch_skipped),
+                fast_tier_bytes: b.fast_tier_bytes.saturating_sub(a.fast_tier_bytes),
+                primary_bytes: b.primary_bytes.saturating_sub(a.primary_bytes),
+                nas_bytes: b.nas_bytes.saturating_sub(a.nas_bytes),
             }),
             _ => None,
         };
@@ -590,6 +597,9 @@ impl Engine {
             decode_page_wait_s = format_args!("{:.3}", out.decode_page_wait_secs),
             cache_hit_ratio = out.pages.map(|p| p.hit_ratio()),
             bytes_loaded = out.pages.map(|p| p.bytes_loaded),
+            primary_read_bytes = out.pages.map(|p| p.primary_bytes),
+            fast_tier_read_bytes = out.pages.map(|p| p.fast_tier_bytes),
+            nas_read_bytes = out.pages.map(|p| p.nas_bytes),
             "generation finished: {}",
             out.finish.as_str()
         );

@@ -595,5 +595,16 @@ fn generate_json_reports_the_page_cache_traffic() {
     assert_eq!(pc["misses"], 0, "{pc}");
     assert_eq!(pc["bytes_loaded"], 0, "{pc}");
     assert_eq!(pc["hit_ratio"], 1.0, "{pc}");
+    assert_eq!(pc["bytes_read"]["primary"], 0, "{pc}");
     assert_eq!(cached["ids"], mapped["ids"]);
+    // A cache smaller than the model streams: every byte loaded was read from the
+    // model's own directory (raw pages, no fast tier, no NAS).
+    let streamed = run(&["--cache-budget", "160KiB"]);
+    let pc = &streamed["page_cache"];
+    let loaded = pc["bytes_loaded"].as_u64().unwrap();
+    assert!(loaded > 0, "{pc}");
+    assert_eq!(pc["bytes_read"]["primary"], loaded, "{pc}");
+    assert_eq!(pc["bytes_read"]["fast_tier"], 0, "{pc}");
+    assert_eq!(pc["bytes_read"]["nas"], 0, "{pc}");
+    assert_eq!(streamed["ids"], mapped["ids"]);
 }

@@ -1118,6 +1118,12 @@ fn metrics_report_the_page_cache_of_the_resident_engine() {
     let misses = s.metric("voom_page_cache_misses");
     let hits = s.metric("voom_page_cache_hits");
     assert!(misses > 0.0, "the first request loaded pages");
+    // Read from the model's own directory, as many bytes as were loaded.
+    assert_eq!(
+        s.metric("voom_tier_primary_read_bytes"),
+        s.metric("voom_page_cache_bytes_loaded")
+    );
+    assert_eq!(s.metric("voom_tier_fast_read_bytes"), 0.0);
     assert_eq!(
         s.metric("voom_page_cache_capacity_bytes"),
         (64u64 << 20) as f64

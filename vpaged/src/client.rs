@@ -600,6 +600,12 @@ impl PageSource for DaemonSource {
         let v = self.client.stats().ok()?;
         let c = &v["cache"];
         let n = |k: &str| c[k].as_u64().unwrap_or(0);
+        // This model's tiers (in the full stats document; 0 where it was cut short).
+        let me = v["models"]
+            .as_array()
+            .and_then(|ms| ms.iter().find(|m| m["id"] == self.model.0));
+        let tier = |k: &str| me.and_then(|m| m[k]["bytes"].as_u64()).unwrap_or(0);
+        let local = me.is_some_and(|m| m["location"] == "file");
         Some(crate::source::SourceCacheStats {
             hits: n("hits"),
             misses: n("misses"),
@@ -607,6 +613,9 @@ impl PageSource for DaemonSource {
             inflight_waits: n("inflight_dedups"),
             prefetch_loads: n("prefetch_loads"),
             prefetch_skipped: n("prefetch_skipped"),
+            fast_tier_bytes: v["fast_tier"]["stats"]["bytes"].as_u64().unwrap_or(0),
+            primary_bytes: if local { tier("primary") } else { 0 },
+            nas_bytes: tier("nas"),
             used_bytes: n("used"),
             capacity_bytes: n("capacity"),
         })

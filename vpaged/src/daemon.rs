@@ -509,6 +509,12 @@ impl Daemon {
             "resident_pages": resident.len(),
             "pinned_pages": m.pinned_pages().len(),
             "served": {"fast": fast, "primary": primary, "nas": nas},
+            // Where the model's own directory is: a local file tier or a NAS mount
+            // (then `primary` and `nas` below are the same tier).
+            "location": match m.location() {
+                crate::tier::ModelTier::File(_) => "file",
+                crate::tier::ModelTier::Nas(_) => "nas",
+            },
         });
         if detail == StatsDetail::Full {
             v["primary"] = serde_json::json!(m.primary_stats());

@@ -52,6 +52,11 @@ pub struct SourceCacheStats {
     pub prefetch_loads: u64,
     /// Hints dropped because making room would have cost more valuable pages.
     pub prefetch_skipped: u64,
+    /// Bytes read from each tier so far: the fast tier (all models'), the model's
+    /// own local directory, and its NAS (where it lives, or a copy of it).
+    pub fast_tier_bytes: u64,
+    pub primary_bytes: u64,
+    pub nas_bytes: u64,
     /// Bytes of cache slots in use.
     pub used_bytes: u64,
     /// The cache's capacity in bytes.

@@ -1333,6 +1333,12 @@ impl PageSource for StoreSource {
             inflight_waits: c.inflight_dedups,
             prefetch_loads: c.prefetch_loads,
             prefetch_skipped: c.prefetch_skipped,
+            fast_tier_bytes: self.store.fast_tier().map_or(0, |f| f.stats().bytes),
+            primary_bytes: match self.model.location() {
+                ModelTier::File(t) => t.stats().bytes,
+                ModelTier::Nas(_) => 0,
+            },
+            nas_bytes: self.model.nas_stats().map_or(0, |s| s.bytes),
             used_bytes: c.used as u64,
             capacity_bytes: c.capacity as u64,
         })

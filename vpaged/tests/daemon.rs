@@ -77,6 +77,14 @@ fn engines_share_one_copy_and_leases_die_with_connections() {
     assert_eq!(s["cache"]["misses"], 4, "{s}");
     assert_eq!(s["cache"]["hits"], 4, "{s}");
     assert_eq!(s["sessions"]["connected"], 2, "{s}");
+    // The engine sees the bytes read per tier: one read of each page, from the
+    // model's own directory.
+    let cs = s1.cache_stats().unwrap();
+    assert_eq!(
+        (cs.primary_bytes, cs.fast_tier_bytes, cs.nas_bytes),
+        (4 * 40_000, 0, 0),
+        "{cs:?}"
+    );
 
     // Leases held by a connection that goes away (as when its engine is killed) are
     // released by the daemon.

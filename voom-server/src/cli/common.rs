@@ -417,6 +417,12 @@ pub fn result_json(
             "inflight_waits": p.inflight_waits,
             "prefetch_loads": p.prefetch_loads,
             "prefetch_skipped": p.prefetch_skipped,
+            // Bytes read from each tier in this generation.
+            "bytes_read": {
+                "fast_tier": p.fast_tier_bytes,
+                "primary": p.primary_bytes,
+                "nas": p.nas_bytes,
+            },
         })),
         // Bytes read from storage by this process in all (the weights it streamed).
         "storage_read_bytes": crate::memory::storage_read_bytes(),

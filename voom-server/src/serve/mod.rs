@@ -252,6 +252,21 @@ async fn metrics_text(State(app): State<Arc<App>>) -> Response {
                 "Prefetch hints dropped for want of room.",
             ),
             (
+                "voom_tier_fast_read_bytes".to_string(),
+                c.fast_tier_bytes as f64,
+                "Bytes read from the fast tier.",
+            ),
+            (
+                "voom_tier_primary_read_bytes".to_string(),
+                c.primary_bytes as f64,
+                "Bytes read from the model's local directory.",
+            ),
+            (
+                "voom_tier_nas_read_bytes".to_string(),
+                c.nas_bytes as f64,
+                "Bytes read from a NAS (where the model lives, or its copy).",
+            ),
+            (
                 "voom_page_cache_used_bytes".to_string(),
                 c.used_bytes as f64,
                 "Bytes of the page cache in use.",
