@@ -214,12 +214,51 @@ fn two_engines_through_the_daemon_give_the_embedded_bits() {
         &Engine::open(&dir, EngineOptions::default()).unwrap(),
         &prompt,
     );
+    // Below two layers (the engines stream step by step); and room for two layers
+    // and part of the rest, which the engines' planners pin through the daemon
+    // (`Pin`) while the other pages stream.
+    let layer = largest_layer_bytes(&dir);
+    let model_bytes: usize = voom_formats::Manifest::load(&dir)
+        .unwrap()
+        .unwrap()
+        .pages
+        .iter()
+        .map(|p| (p.len as usize).next_multiple_of(16 << 10))
+        .sum();
+    for (i, cache_bytes) in [
+        (layer * 3 / 2).next_multiple_of(16 << 10) + (512 << 10),
+        (2 * layer + model_bytes / 2).next_multiple_of(16 << 10),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let pinned = through_the_daemon(&d, &dir, &prompt, &reference, cache_bytes, i);
+        if i == 1 {
+            assert!(pinned > 0, "the planners pinned nothing through the daemon");
+            assert!(
+                pinned < model_bytes,
+                "everything was pinned: nothing streamed"
+            );
+        }
+    }
+}
+
+/// Two engines over a daemon with a cache of `cache_bytes` give `reference`; returns
+/// the bytes the daemon had pinned while they ran.
+fn through_the_daemon(
+    d: &tempfile::TempDir,
+    dir: &Path,
+    prompt: &[u32],
+    reference: &(Vec<u32>, Vec<u32>),
+    cache_bytes: usize,
+    round: usize,
+) -> usize {
     let store = Store::new(StoreConfig {
-        cache_bytes: (largest_layer_bytes(&dir) * 3 / 2).next_multiple_of(16 << 10) + (512 << 10),
+        cache_bytes,
         ..Default::default()
     })
     .unwrap();
-    let socket = d.path().join("vpaged.sock");
+    let socket = d.path().join(format!("vpaged-{round}.sock"));
     let (h, stop) = serve(Arc::clone(&store), socket.clone());
     while !socket.exists() {
         std::thread::sleep(std::time::Duration::from_millis(10));
@@ -227,21 +266,21 @@ fn two_engines_through_the_daemon_give_the_embedded_bits() {
     let engines: Vec<_> = (0..2)
         .map(|i| {
             let c = vpaged::client::DaemonClient::connect(&socket, &format!("engine-{i}")).unwrap();
-            let src = vpaged::client::DaemonSource::open(c, &dir).unwrap();
-            Engine::with_source(&dir, Arc::new(src), EngineOptions::default()).unwrap()
+            let src = vpaged::client::DaemonSource::open(c, dir).unwrap();
+            Engine::with_source(dir, Arc::new(src), EngineOptions::default()).unwrap()
         })
         .collect();
     std::thread::scope(|s| {
         for e in &engines {
-            let reference = &reference;
-            let prompt = &prompt;
-            s.spawn(move || assert_eq!(&run(e, prompt), reference));
+            s.spawn(move || assert_eq!(&run(e, prompt), reference, "cache {cache_bytes}"));
         }
     });
+    let pinned = store.cache_stats().pinned_bytes;
     assert!(engines[0].source().describe().starts_with("vpaged:"));
     drop(engines);
     let _ = stop.send(());
     h.join().unwrap();
+    pinned
 }
 
 /// A prompt is one sweep of the weights, however many chunks its layers compute it

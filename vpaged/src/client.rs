@@ -590,6 +590,30 @@ impl PageSource for DaemonSource {
         Some(self.client.arena.len() as u64)
     }
 
+    /// Sends the planner's pins to the daemon (`Pin`, since 1.3), which pins what
+    /// fits its pin budget beside other engines' for as long as this connection
+    /// lasts, and streams the model's other pages. A daemon that refuses, or speaks
+    /// an older protocol, leaves every page streaming: never an error, never a
+    /// different result.
+    fn pin(&self, ids: &[PageId]) {
+        if self.client.version().minor < 3 || ids.is_empty() {
+            return;
+        }
+        for chunk in ids.chunks(crate::protocol::MAX_PAGES_PER_REQUEST) {
+            let m = Message::Pin {
+                model: self.model,
+                pages: chunk.to_vec(),
+            };
+            match self.client.request(&m) {
+                Ok(Message::StatsReply { json }) => {
+                    tracing::info!("the daemon pinned pages of this model: {json}")
+                }
+                Ok(other) => tracing::warn!("Pin answered with {}", other.name()),
+                Err(e) => tracing::warn!("the daemon did not pin this model's pages: {e}"),
+            }
+        }
+    }
+
     fn flush(&self) {
         self.client.flush();
     }

@@ -260,7 +260,8 @@ fn model_of(m: &Message) -> Option<ModelId> {
         | Message::Prefetch { model, .. }
         | Message::Stage { model, .. }
         | Message::Unstage { model }
-        | Message::ManifestPath { model } => Some(*model),
+        | Message::ManifestPath { model }
+        | Message::Pin { model, .. } => Some(*model),
         _ => None,
     }
 }
@@ -688,6 +689,7 @@ impl Daemon {
             Message::Acquire { model, pages } => Work::Acquire { model, pages },
             Message::Stage { model, max_bytes } => Work::Stage { model, max_bytes },
             Message::Unstage { model } => Work::Unstage { model },
+            Message::Pin { model, pages } => Work::Pin { model, pages },
             Message::Release { model, pages } => {
                 return Some(self.release(&mut state.leases, model, pages))
             }
@@ -847,9 +849,18 @@ impl Daemon {
             Done::Staged(Ok((pages, bytes))) => Message::StatsReply {
                 json: serde_json::json!({"pages": pages, "bytes": bytes}).to_string(),
             },
-            Done::Opened(Err(e)) | Done::Acquired { leases: Err(e), .. } | Done::Staged(Err(e)) => {
-                store_error(&e)
+            Done::Pinned(Ok(pins)) => {
+                let reply = Message::StatsReply {
+                    json: serde_json::json!({"pinned": pins.pages(), "bytes": pins.bytes()})
+                        .to_string(),
+                };
+                state.pins.push(pins);
+                reply
             }
+            Done::Opened(Err(e))
+            | Done::Acquired { leases: Err(e), .. }
+            | Done::Staged(Err(e))
+            | Done::Pinned(Err(e)) => store_error(&e),
         }
     }
 }
@@ -860,6 +871,8 @@ impl Daemon {
 struct SessionState {
     leases: HashMap<(u32, u32), Vec<Lease>>,
     opened: HashSet<u32>,
+    /// Pins the session's engine asked for: withdrawn when the session ends.
+    pins: Vec<crate::store::PlannedPins>,
     watch: Watch<Done>,
 }
 

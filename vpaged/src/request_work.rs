@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use crate::cache::{Lease, PageKey};
 use crate::protocol::ModelId;
-use crate::store::{OpenModel, Store};
+use crate::store::{OpenModel, PlannedPins, Store};
 use crate::PageId;
 use crate::StoreError;
 
@@ -23,6 +23,7 @@ pub enum Work {
     Acquire { model: ModelId, pages: Vec<PageId> },
     Stage { model: ModelId, max_bytes: u64 },
     Unstage { model: ModelId },
+    Pin { model: ModelId, pages: Vec<PageId> },
 }
 
 /// What a piece of [`Work`] came to.
@@ -36,6 +37,8 @@ pub enum Done {
     },
     /// Pages and bytes staged or unstaged.
     Staged(Result<(usize, u64), StoreError>),
+    /// The pins granted (held for as long as the session keeps them).
+    Pinned(Result<PlannedPins, StoreError>),
 }
 
 impl Work {
@@ -46,6 +49,7 @@ impl Work {
             Work::Acquire { .. } => "Acquire",
             Work::Stage { .. } => "Stage",
             Work::Unstage { .. } => "Unstage",
+            Work::Pin { .. } => "Pin",
         }
     }
 
@@ -75,7 +79,7 @@ impl Work {
     }
 
     /// Does the work.
-    pub fn run(self, store: &Store) -> Done {
+    pub fn run(self, store: &Arc<Store>) -> Done {
         match self {
             Work::Open(path) => {
                 Done::Opened(store.open_model(&path).and_then(|id| store.model(id)))
@@ -93,6 +97,10 @@ impl Work {
             }
             Work::Stage { model, max_bytes } => Done::Staged(store.stage_hot(model.0, max_bytes)),
             Work::Unstage { model } => Done::Staged(store.unstage(model.0)),
+            Work::Pin { model, pages } => {
+                let pages: Vec<u32> = pages.iter().map(|p| p.0).collect();
+                Done::Pinned(store.pin_planned(model.0, &pages))
+            }
         }
     }
 }

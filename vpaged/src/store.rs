@@ -22,6 +22,7 @@
 //! Pinned pages (`pin_first_layers`, `pin_last_layers`) may take at most half of the
 //! cache, so that unpinned pages always have room to stream through.
 
+use std::collections::HashMap;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -273,6 +274,46 @@ pub struct Store {
     readers: Arc<ReadPool>,
     /// Held while a checkpoint without a manifest is hashed ([`Store::load_or_hash`]).
     hashing: Mutex<()>,
+    /// Pins engines' memory planners asked for ([`Store::pin_planned`]).
+    planned: Mutex<PlannedState>,
+}
+
+/// Pins asked for by engines' planners: how many holders each page has, the slot
+/// bytes of the distinct pages, and the holders per model.
+#[derive(Default)]
+struct PlannedState {
+    holders: HashMap<PageKey, u32>,
+    bytes: usize,
+    per_model: HashMap<u32, usize>,
+}
+
+/// Pins an engine's memory planner was granted ([`Store::pin_planned`]); dropped,
+/// they are withdrawn (a page another holder pinned stays pinned).
+pub struct PlannedPins {
+    store: std::sync::Weak<Store>,
+    model: u32,
+    keys: Vec<PageKey>,
+    bytes: usize,
+}
+
+impl PlannedPins {
+    /// Pages granted.
+    pub fn pages(&self) -> usize {
+        self.keys.len()
+    }
+
+    /// Slot bytes of the pages granted that no other holder had pinned.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl Drop for PlannedPins {
+    fn drop(&mut self) {
+        if let Some(store) = self.store.upgrade() {
+            store.unpin_planned(self.model, &self.keys);
+        }
+    }
 }
 
 /// A prefetch hint: a model and a group of its pages read together (a layer).
@@ -318,6 +359,7 @@ impl Store {
             prefetch_tx: Mutex::new(None),
             readers,
             hashing: Mutex::new(()),
+            planned: Mutex::new(PlannedState::default()),
         });
         // Prefetch hints are loaded on background threads, so a hint never blocks the
         // engine, several pages at once, in the order hinted; their reads queue behind
@@ -931,6 +973,110 @@ impl Store {
         unsafe { self.readers.submit(&file, offset, dst, len, false, then) };
     }
 
+    /// Pins the pages an engine's memory planner chose (the daemon's `Pin`), in the
+    /// order given, as far as they fit: the cache less the configured pins, less
+    /// every other planner's, less a window of two of this model's largest layers
+    /// (what its unpinned pages stream through). Then loads them, and marks the model
+    /// as streaming its other pages ([`PageCache::set_streaming`]) while any planner's
+    /// pins of it are held. A page another holder pinned already is granted at no
+    /// cost. A page that fails to load stays pinned for its first request, which
+    /// reports the error.
+    pub fn pin_planned(
+        self: &Arc<Self>,
+        model: u32,
+        pages: &[u32],
+    ) -> Result<PlannedPins, StoreError> {
+        let m = self.model(model)?;
+        let window = 2 * largest_layer_slot_bytes(&m.manifest);
+        let mut granted = Vec::new();
+        let mut new_keys = Vec::new();
+        let mut bytes = 0usize;
+        {
+            let mut st = self.planned.lock().unwrap_or_else(|e| e.into_inner());
+            let budget = self
+                .cache
+                .capacity()
+                .saturating_sub(self.pinned_reserved.load(Ordering::Relaxed))
+                .saturating_sub(window);
+            for &page in pages {
+                let Some(entry) = m.manifest.pages.get(page as usize) else {
+                    return Err(StoreError::NotFound {
+                        store: m.dir.clone(),
+                        detail: format!("no page {page} in model {model}"),
+                    });
+                };
+                let key = PageKey { model, page };
+                if granted.contains(&key) {
+                    continue;
+                }
+                if let Some(n) = st.holders.get_mut(&key) {
+                    *n += 1;
+                    granted.push(key);
+                    continue;
+                }
+                let b = slot_bytes(entry);
+                if st.bytes + b > budget {
+                    continue;
+                }
+                st.bytes += b;
+                bytes += b;
+                st.holders.insert(key, 1);
+                granted.push(key);
+                new_keys.push(key);
+            }
+            *st.per_model.entry(model).or_default() += 1;
+        }
+        self.cache.pin(new_keys.iter().copied());
+        self.cache.set_streaming(model, true);
+        let pins = PlannedPins {
+            store: Arc::downgrade(self),
+            model,
+            keys: granted,
+            bytes,
+        };
+        for key in &new_keys {
+            drop(self.acquire(model, key.page));
+        }
+        Ok(pins)
+    }
+
+    fn unpin_planned(&self, model: u32, keys: &[PageKey]) {
+        let mut st = self.planned.lock().unwrap_or_else(|e| e.into_inner());
+        let mut gone = Vec::new();
+        for key in keys {
+            if let Some(n) = st.holders.get_mut(key) {
+                *n -= 1;
+                if *n == 0 {
+                    st.holders.remove(key);
+                    gone.push(*key);
+                }
+            }
+        }
+        if let Ok(m) = self.model(model) {
+            let freed: usize = gone
+                .iter()
+                .filter_map(|k| m.manifest.pages.get(k.page as usize))
+                .map(slot_bytes)
+                .sum();
+            st.bytes = st.bytes.saturating_sub(freed);
+        }
+        let last = match st.per_model.get_mut(&model) {
+            Some(n) => {
+                *n -= 1;
+                *n == 0
+            }
+            None => false,
+        };
+        if last {
+            st.per_model.remove(&model);
+        }
+        drop(st);
+        self.cache.unpin(gone);
+        if last {
+            self.cache.set_streaming(model, false);
+        }
+    }
+
     /// Copies the most requested pages of `model` (verified bytes) onto the fast tier,
     /// hottest first, up to `max_bytes`. Returns (pages staged, bytes staged).
     pub fn stage_hot(&self, model: u32, max_bytes: u64) -> Result<(usize, u64), StoreError> {
@@ -1065,6 +1211,17 @@ fn pin_candidates(manifest: &Manifest, first: u32, last: u32) -> Vec<&PageEntry>
         .collect();
     ranked.sort_by_key(|(rank, p)| (*rank, p.id));
     ranked.into_iter().map(|(_, p)| p).collect()
+}
+
+/// Slot bytes of the largest decoder layer (the unit a sweep streams).
+fn largest_layer_slot_bytes(manifest: &Manifest) -> usize {
+    let mut per_layer: HashMap<u32, usize> = HashMap::new();
+    for p in &manifest.pages {
+        if let PageGroup::Layer(l) = p.group {
+            *per_layer.entry(l).or_default() += slot_bytes(p);
+        }
+    }
+    per_layer.into_values().max().unwrap_or(0)
 }
 
 /// Bytes of the cache slot a page takes (whole 16 KiB units, at least one).

@@ -560,3 +560,54 @@ fn a_checkpoint_without_a_manifest_is_hashed_once_when_opened() {
     let _ = child.kill();
     let _ = child.wait();
 }
+
+/// An engine's planner pins through the daemon (`Pin`): what fits the pin budget is
+/// pinned, loaded and kept through pressure, for as long as the connection lasts; a
+/// second engine's pins of the same pages cost nothing more, and the pins go when
+/// the last holder's connection does.
+#[test]
+fn planner_pins_last_as_long_as_their_connection() {
+    let d = tempfile::tempdir().unwrap();
+    let (m, _) = model(d.path(), 3);
+    // Four pages of 40 000 bytes (three 16 KiB slots each): a 1 MiB cache keeps
+    // every pin after a window of two of the largest "layers" (these pages form
+    // none, so the window is empty).
+    let daemon = start(d.path(), "1MiB");
+    let c1 = DaemonClient::connect(&daemon.socket, "engine-1").unwrap();
+    let s1 = DaemonSource::open(Arc::clone(&c1), &m).unwrap();
+    s1.pin(&[PageId(0), PageId(2)]);
+    let slot = 3 * (16 << 10);
+    let st = stats(&c1);
+    assert_eq!(st["cache"]["pinned_bytes"], 2 * slot, "{st}");
+    assert_eq!(st["cache"]["resident_pages"], 2, "loaded at once: {st}");
+
+    let c2 = DaemonClient::connect(&daemon.socket, "engine-2").unwrap();
+    let s2 = DaemonSource::open(Arc::clone(&c2), &m).unwrap();
+    s2.pin(&[PageId(2), PageId(3)]);
+    assert_eq!(stats(&c1)["cache"]["pinned_bytes"], 3 * slot);
+
+    // The first engine goes: page 0 is unpinned, page 2 stays (the second holds it).
+    c1.disconnect();
+    let t = Instant::now();
+    loop {
+        let st = stats(&c2);
+        if st["sessions"]["connected"] == 1 {
+            assert_eq!(st["cache"]["pinned_bytes"], 2 * slot, "{st}");
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(5), "{st}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(s1);
+    c2.disconnect();
+    let c3 = DaemonClient::connect(&daemon.socket, "observer").unwrap();
+    let t = Instant::now();
+    while stats(&c3)["cache"]["pinned_bytes"] != 0 {
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "pins outlived their connections"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(s2);
+}

@@ -58,6 +58,10 @@ fn message() -> impl Strategy<Value = Message> {
         }),
         any::<u32>().prop_map(|m| Message::Unstage { model: ModelId(m) }),
         any::<u32>().prop_map(|m| Message::ManifestPath { model: ModelId(m) }),
+        (any::<u32>(), pages()).prop_map(|(m, pages)| Message::Pin {
+            model: ModelId(m),
+            pages
+        }),
         "[^\\x00]{1,300}".prop_map(|path| Message::ManifestAt { path }),
         (version(), any::<u64>(), any::<u64>()).prop_map(|(version, arena_len, server_id)| {
             Message::Welcome {

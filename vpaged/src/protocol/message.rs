@@ -59,6 +59,7 @@ pub mod msg_type {
     pub const STAGE: u16 = 0x0008;
     pub const UNSTAGE: u16 = 0x0009;
     pub const MANIFEST_PATH: u16 = 0x000A;
+    pub const PIN: u16 = 0x000B;
     pub const ERROR: u16 = 0x8000;
     pub const WELCOME: u16 = 0x8001;
     pub const MODEL_OPENED: u16 = 0x8002;
@@ -211,6 +212,15 @@ pub enum Message {
     ManifestPath {
         model: ModelId,
     },
+    /// The pages an engine's memory planner chose to keep resident (since 1.3): the
+    /// daemon pins those that fit its pin budget, in order, loads them, and streams
+    /// the model's other pages; the pins last as long as this connection. Reply:
+    /// `StatsReply` with `{"pinned": N, "bytes": N}` (pages granted, their slot
+    /// bytes).
+    Pin {
+        model: ModelId,
+        pages: Vec<PageId>,
+    },
     /// Server's reply to `Hello`; the arena's fd travels with this frame's bytes.
     Welcome {
         version: Version,
@@ -259,6 +269,7 @@ impl Message {
             Message::Stage { .. } => STAGE,
             Message::Unstage { .. } => UNSTAGE,
             Message::ManifestPath { .. } => MANIFEST_PATH,
+            Message::Pin { .. } => PIN,
             Message::ManifestAt { .. } => MANIFEST_AT,
             Message::Welcome { .. } => WELCOME,
             Message::ModelOpened { .. } => MODEL_OPENED,
@@ -294,7 +305,8 @@ impl Message {
             }
             Message::Acquire { model, pages }
             | Message::Prefetch { model, pages }
-            | Message::Release { model, pages } => {
+            | Message::Release { model, pages }
+            | Message::Pin { model, pages } => {
                 w.u32(model.0);
                 w.count("pages", pages.len())?;
                 for p in pages {
@@ -415,7 +427,7 @@ impl Message {
                 check_path(name, &path)?;
                 Message::OpenModel { path }
             }
-            ACQUIRE | PREFETCH | RELEASE => {
+            ACQUIRE | PREFETCH | RELEASE | PIN => {
                 let model = ModelId(r.u32("model")?);
                 let n = r.count("pages", 4)?;
                 let mut pages = Vec::with_capacity(n);
@@ -425,6 +437,7 @@ impl Message {
                 match frame.msg_type {
                     ACQUIRE => Message::Acquire { model, pages },
                     PREFETCH => Message::Prefetch { model, pages },
+                    PIN => Message::Pin { model, pages },
                     _ => Message::Release { model, pages },
                 }
             }
@@ -508,6 +521,7 @@ pub fn type_name(t: u16) -> Option<&'static str> {
         STAGE => "Stage",
         UNSTAGE => "Unstage",
         MANIFEST_PATH => "ManifestPath",
+        PIN => "Pin",
         MANIFEST_AT => "ManifestAt",
         ERROR => "Error",
         WELCOME => "Welcome",
