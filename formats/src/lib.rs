@@ -15,6 +15,8 @@
 //!   the tensor types vOOM imports.
 //! - [`dtype`]: element types and exact conversions.
 //! - [`vpack`]: the lossless byte-plane encoding of BF16/F16 pages (high plane zstd).
+//! - [`pack`]: packing a model store: every BF16/F16 page's vpack body written beside
+//!   the checkpoint, verified, and named in the manifest.
 //! - [`mapguard`]: read-only file mappings whose read faults (a file truncated while
 //!   mapped) are errors naming the file and offset instead of a fatal `SIGBUS`, and
 //!   [`FileIdentity`], which tells whether a file changed since it was opened.
@@ -26,6 +28,7 @@ pub mod file;
 pub mod gguf;
 pub mod manifest;
 pub mod mapguard;
+pub mod pack;
 pub mod safetensors;
 pub mod vpack;
 

@@ -324,3 +324,62 @@ fn a_chunked_prompt_reads_the_weights_once() {
     assert_eq!(whole, one);
     assert_eq!(bits, want, "chunking changed the logits' bits");
 }
+
+/// vpack pages give the raw pages' bits: the same model packed (`voom_formats::pack`,
+/// what `vpagectl pack` writes) and read through the store core's cache, whose loads
+/// decode each page's vpack body before verifying it, gives the ids and logits bits
+/// of the mapped raw checkpoint, with an ample cache, about one layer and below one,
+/// prefetch off and on. After packing, a byte of every packed page's raw copy is
+/// flipped, so only the vpack bodies can give those bits.
+#[test]
+fn vpack_pages_give_the_raw_bits_at_any_budget() {
+    for case in ["llama_gqa_untied", "qwen3_qk_norm_eos_list"] {
+        let (_d, dir) = fixture_copy(case);
+        let prompt: Vec<u32> = (0..17).map(|i| (i * 11 + 5) % 200).collect();
+        let reference = run(
+            &Engine::open(&dir, EngineOptions::default()).unwrap(),
+            &prompt,
+        );
+        let mut manifest = voom_formats::Manifest::load(&dir).unwrap().unwrap();
+        let report = voom_formats::pack::pack_model(&dir, &mut manifest, &mut |_, _| {}).unwrap();
+        assert!(report.pages > 0, "{case}: nothing packed");
+        {
+            use std::os::unix::fs::FileExt;
+            for p in manifest.pages.iter().filter(|p| p.vpack().is_some()) {
+                let f = std::fs::OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .open(dir.join(&p.file))
+                    .unwrap();
+                let mut b = [0u8];
+                f.read_exact_at(&mut b, p.offset + 1).unwrap();
+                f.write_all_at(&[b[0] ^ 0x20], p.offset + 1).unwrap();
+            }
+        }
+        let layer = largest_layer_bytes(&dir);
+        let largest_page = manifest.pages.iter().map(|p| p.len as usize).max().unwrap();
+        let slots = |b: usize| b.next_multiple_of(16 << 10);
+        let one_layer = slots((layer + 8 * (16 << 10)).max(largest_page * 2));
+        let below = slots(largest_page) + (64 << 10);
+        for budget in [64 << 20, one_layer, below] {
+            for prefetch_depth in [0, 1] {
+                let store = Store::new(StoreConfig {
+                    cache_bytes: budget,
+                    ..Default::default()
+                })
+                .unwrap();
+                let src = StoreSource::open(Arc::clone(&store), &dir).unwrap();
+                let opts = EngineOptions {
+                    prefetch_depth,
+                    ..EngineOptions::default()
+                };
+                let e = Engine::with_source(&dir, Arc::new(src), opts).unwrap();
+                assert_eq!(
+                    run(&e, &prompt),
+                    reference,
+                    "{case}: vpack pages, budget {budget}, prefetch depth {prefetch_depth}"
+                );
+            }
+        }
+    }
+}

@@ -22,8 +22,8 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::json;
-use voom_formats::manifest::{EncodedBody, Encoding, Manifest, MANIFEST_FILE};
-use voom_formats::vpack::{self, PACK_ALIGN, PACK_FILE};
+use voom_formats::manifest::{Manifest, MANIFEST_FILE};
+use voom_formats::vpack::{PACK_ALIGN, PACK_FILE};
 use voom_formats::{Checkpoint, FormatError};
 use vpaged::{outln, stdout};
 
@@ -316,100 +316,20 @@ fn verify(dir: &Path, json: bool) -> Result<ExitCode> {
     })
 }
 
-/// How `pack` failed: a page whose raw bytes no longer match the manifest is a store
-/// mismatch (exit 1); anything else means the command could not run (exit 2).
-enum PackError {
-    Mismatch(FormatError),
-    Other(anyhow::Error),
-}
-
-impl From<FormatError> for PackError {
-    fn from(e: FormatError) -> Self {
-        match e {
-            FormatError::ChecksumMismatch { .. } => PackError::Mismatch(e),
-            e => PackError::Other(e.into()),
-        }
-    }
-}
-
-impl From<anyhow::Error> for PackError {
-    fn from(e: anyhow::Error) -> Self {
-        PackError::Other(e)
-    }
-}
-
-/// Running totals of `pack`.
-#[derive(Default)]
-struct PackStats {
-    pages: usize,
-    raw_bytes: u64,
-    packed_bytes: u64,
-    encode: Duration,
-    decode: Duration,
-}
-
 fn pack(dir: &Path, json: bool) -> Result<ExitCode> {
     let mut manifest = load_manifest(dir)?;
-    let ckpt = Checkpoint::open(dir).context("opening the checkpoint")?;
-    manifest
-        .check_matches(&ckpt)
-        .context("the manifest does not describe the checkpoint; run `vpagectl hash` again")?;
-    // Forget the old vpack bodies before model.vpack is replaced, so that a crash in
-    // between never leaves a manifest pointing into a file of other bodies.
-    if manifest.pages.iter().any(|p| p.vpack().is_some()) {
-        for p in &mut manifest.pages {
-            p.encoded.retain(|e| e.encoding != Encoding::Vpack);
-        }
-        manifest.format_version = manifest.required_version();
-        manifest.save(dir).context("writing the manifest")?;
-    }
-
-    let todo: Vec<usize> = (0..manifest.pages.len())
-        .filter(|&i| vpack::supports(manifest.pages[i].dtype))
-        .collect();
-    let total: u64 = todo.iter().map(|&i| manifest.pages[i].len).sum();
     let pb = progress_bar(json, "packing");
-    pb.set_length(total);
-    let pack_path = dir.join(PACK_FILE);
-    let mut stats = PackStats::default();
-    let mut bodies: Vec<(usize, u64, u64)> = Vec::with_capacity(todo.len());
-    let start = Instant::now();
-    let written = vpack::write_pack_file::<PackError>(&pack_path, |w| {
-        let mut decoded = Vec::new();
-        for &i in &todo {
-            let page = &manifest.pages[i];
-            let loc = ckpt
-                .get(&page.name)
-                .expect("check_matches found every page");
-            let raw = ckpt.files[loc.file].tensor_bytes(&loc.info);
-            let t = Instant::now();
-            let body = vpack::encode(page.dtype, raw)
-                .map_err(|e| anyhow::Error::new(e.in_page(ckpt.file_path(loc), &page.name)))?;
-            stats.encode += t.elapsed();
-            // Decode what was written and check it against the manifest: this proves
-            // the body and also that the raw bytes packed were the right ones.
-            decoded.resize(raw.len(), 0);
-            let t = Instant::now();
-            vpack::decode(&body, &mut decoded)
-                .map_err(|e| anyhow::Error::new(e.in_page(&pack_path, &page.name)))?;
-            stats.decode += t.elapsed();
-            Manifest::verify(page, &decoded, ckpt.file_path(loc))?;
-            let offset = w.push(&body)?;
-            bodies.push((i, offset, body.len() as u64));
-            stats.pages += 1;
-            stats.raw_bytes += raw.len() as u64;
-            stats.packed_bytes += body.len() as u64;
-            pb.inc(raw.len() as u64);
-        }
-        Ok(())
+    let packed = voom_formats::pack::pack_model(dir, &mut manifest, &mut |done, total| {
+        pb.set_length(total);
+        pb.set_position(done);
     });
     pb.finish_and_clear();
-    let file_bytes = match written {
-        Ok(n) => n,
-        Err(PackError::Other(e)) => {
-            return Err(e.context(format!("writing {}", pack_path.display())))
-        }
-        Err(PackError::Mismatch(e)) => {
+    let pack_path = dir.join(PACK_FILE);
+    let r = match packed {
+        Ok(r) => r,
+        // A page whose raw bytes no longer match the manifest is a store mismatch
+        // (exit 1); anything else means the command could not run (exit 2).
+        Err(e @ FormatError::ChecksumMismatch { .. }) => {
             if json {
                 outln!(
                     "{}",
@@ -420,21 +340,8 @@ fn pack(dir: &Path, json: bool) -> Result<ExitCode> {
             }
             return Ok(ExitCode::from(1));
         }
+        Err(e) => return Err(anyhow::Error::new(e).context(format!("packing {}", dir.display()))),
     };
-    let elapsed = start.elapsed();
-    for (i, offset, len) in bodies {
-        manifest.pages[i].encoded.push(EncodedBody {
-            encoding: Encoding::Vpack,
-            file: PACK_FILE.to_string(),
-            offset,
-            len,
-        });
-    }
-    manifest.format_version = manifest.required_version();
-    manifest.save(dir).context("writing the manifest")?;
-
-    let ratio = stats.packed_bytes as f64 / stats.raw_bytes.max(1) as f64;
-    let raw_pages = manifest.pages.len() - stats.pages;
     if json {
         outln!(
             "{}",
@@ -443,31 +350,34 @@ fn pack(dir: &Path, json: bool) -> Result<ExitCode> {
                 "model_dir": dir.display().to_string(),
                 "ok": true,
                 "pack_file": pack_path.display().to_string(),
-                "pages": stats.pages,
-                "raw_pages": raw_pages,
-                "raw_bytes": stats.raw_bytes,
-                "packed_bytes": stats.packed_bytes,
-                "file_bytes": file_bytes,
-                "ratio": ratio,
+                "pages": r.pages,
+                "raw_pages": r.raw_pages,
+                "raw_bytes": r.raw_bytes,
+                "packed_bytes": r.packed_bytes,
+                "file_bytes": r.file_bytes,
+                "ratio": r.ratio(),
                 "align": PACK_ALIGN,
-                "encode_gb_per_s": gb_per_s(stats.raw_bytes, stats.encode),
-                "decode_gb_per_s": gb_per_s(stats.raw_bytes, stats.decode),
-                "seconds": elapsed.as_secs_f64(),
+                "encode_gb_per_s": gb_per_s(r.raw_bytes, r.encode),
+                "decode_gb_per_s": gb_per_s(r.raw_bytes, r.decode),
+                "seconds": r.elapsed.as_secs_f64(),
             })
         )?;
     } else {
         outln!(
-            "packed {} pages ({raw_pages} of other types stay raw): {} raw bytes -> {} packed \
-             bytes, ratio {ratio:.4}; encode {:.2} GB/s, decode {:.2} GB/s (one thread)",
-            stats.pages,
-            stats.raw_bytes,
-            stats.packed_bytes,
-            gb_per_s(stats.raw_bytes, stats.encode),
-            gb_per_s(stats.raw_bytes, stats.decode),
+            "packed {} pages ({} of other types stay raw): {} raw bytes -> {} packed \
+             bytes, ratio {:.4}; encode {:.2} GB/s, decode {:.2} GB/s (one thread)",
+            r.pages,
+            r.raw_pages,
+            r.raw_bytes,
+            r.packed_bytes,
+            r.ratio(),
+            gb_per_s(r.raw_bytes, r.encode),
+            gb_per_s(r.raw_bytes, r.decode),
         )?;
         outln!(
-            "wrote {} ({file_bytes} bytes) and {}",
+            "wrote {} ({} bytes) and {}",
             pack_path.display(),
+            r.file_bytes,
             dir.join(MANIFEST_FILE).display()
         )?;
     }
