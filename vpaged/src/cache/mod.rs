@@ -893,7 +893,8 @@ impl PageCache {
     /// the free room fragments, and a window sized for two layers soon cannot take
     /// the next one while it holds the current (measured: a sixth of the hints of a
     /// 42-layer sweep were skipped, every one a demand read later). Where no run of
-    /// the group's size can be made, each page is reserved on its own. Returns one
+    /// the group's size can be made, its pages of more than one slot get one and the
+    /// others are reserved on their own, and failing that every page is. Returns one
     /// result per page, in order.
     pub fn reserve_group<E: Error + Send + Sync + 'static>(
         &self,
@@ -906,7 +907,9 @@ impl PageCache {
         }
         let mut st = inner.lock();
         let mut out: Vec<Option<Reserve>> = Vec::with_capacity(pages.len());
-        let (mut total, mut freq, mut first) = (0u32, u32::MAX, None);
+        // The pages to place: not resident, not loading, not pinned (a pinned page
+        // keeps its own slot high in the arena).
+        let mut missing = Vec::new();
         for (i, &(key, len)) in pages.iter().enumerate() {
             match st.pages.get(&key) {
                 Some(Entry::Ready { len: l, .. } | Entry::Loading { len: l, .. }) if *l != len => {
@@ -918,58 +921,65 @@ impl PageCache {
                 }
                 Some(Entry::Ready { .. }) => out.push(Some(Reserve::Resident)),
                 Some(Entry::Loading { .. }) => out.push(Some(Reserve::InFlight)),
-                // A pinned page keeps its own slot high in the arena.
-                None if st.pins.contains(&key) => out.push(None),
                 None => {
                     out.push(None);
-                    total = total.saturating_add(units[i]);
-                    freq = freq.min(st.policy.frequency(key));
-                    first.get_or_insert(key);
+                    if !st.pins.contains(&key) {
+                        missing.push(i);
+                    }
                 }
             }
         }
-        let run = match first {
-            Some(key) if out.iter().filter(|r| r.is_none()).count() > 1 => {
-                match inner.make_room(&mut st, key, total, Mode::Prefetch { freq }) {
-                    Room::Slot(slot, region) => Some((slot.unit, region)),
-                    Room::Full | Room::Declined => None,
-                }
+        // One run for all of them; else one for those of more than one slot (a
+        // layer whose small pages were pinned, or are resident, leaves a run that
+        // much shorter than the next layer's group; the small ones fit anywhere).
+        let big: Vec<usize> = missing.iter().copied().filter(|&i| units[i] > 1).collect();
+        let mut attempts = vec![&missing];
+        if big.len() < missing.len() {
+            attempts.push(&big);
+        }
+        let mut run = None;
+        for attempt in attempts {
+            if attempt.len() < 2 {
+                continue;
             }
-            _ => None,
-        };
-        let Some((mut unit, region)) = run else {
-            drop(st);
-            // One by one: one page, only pinned ones, or no run to be had.
-            return pages
+            let total = attempt
                 .iter()
-                .zip(out)
-                .map(|(&(key, len), r)| match r {
-                    Some(r) => Ok(r),
-                    None => self.reserve(key, len),
-                })
-                .collect();
-        };
-        let mut pinned = Vec::new();
-        let mut result = Vec::with_capacity(pages.len());
+                .fold(0u32, |t, &i| t.saturating_add(units[i]));
+            let freq = attempt
+                .iter()
+                .map(|&i| st.policy.frequency(pages[i].0))
+                .min()
+                .unwrap_or(0);
+            let key = pages[attempt[0]].0;
+            if let Room::Slot(slot, region) =
+                inner.make_room(&mut st, key, total, Mode::Prefetch { freq })
+            {
+                run = Some((slot.unit, region, attempt.clone()));
+                break;
+            }
+        }
+        let mut result: Vec<Reserve> = Vec::with_capacity(pages.len());
+        let mut alone = Vec::new();
+        let in_run = |i: usize| run.as_ref().is_some_and(|(_, _, set)| set.contains(&i));
+        let mut next = run.as_ref().map(|(unit, ..)| *unit);
         for (i, (&(key, len), r)) in pages.iter().zip(out).enumerate() {
             match r {
                 Some(r) => result.push(r),
-                None if st.pins.contains(&key) => {
-                    pinned.push(i);
-                    result.push(Reserve::Skipped);
-                }
-                None => {
+                None if in_run(i) => {
+                    let (Some(unit), Some((_, region, _))) = (next.as_mut(), run.as_ref()) else {
+                        unreachable!("a page in the run means there is a run");
+                    };
                     let slot = Slot {
-                        unit,
+                        unit: *unit,
                         units: units[i],
                     };
-                    unit += units[i];
+                    *unit += units[i];
                     st.pages.insert(
                         key,
                         Entry::Loading {
                             slot,
                             len,
-                            region,
+                            region: *region,
                             demand: false,
                             waiters: 0,
                             cell: Arc::new(InFlight::new()),
@@ -983,10 +993,15 @@ impl PageCache {
                         finished: false,
                     }));
                 }
+                // Pinned, left out of the run, or no run to be had: on its own.
+                None => {
+                    alone.push(i);
+                    result.push(Reserve::Skipped);
+                }
             }
         }
         drop(st);
-        for i in pinned {
+        for i in alone {
             let (key, len) = pages[i];
             result[i] = self.reserve(key, len)?;
         }
@@ -1491,5 +1506,51 @@ mod tests {
             drop(c.acquire(other, SLOT_ALIGN, fill(9)).unwrap());
         }
         assert_eq!(c.inner.lock().policy.region(other), Some(Region::Main));
+    }
+
+    /// A group that cannot have one run (a small page of the room it needs is
+    /// held) still gets one for its pages of more than one slot, where page by page
+    /// the first would take a free hole elsewhere and split the layer.
+    #[test]
+    fn a_group_short_of_one_run_keeps_its_large_pages_together() {
+        let c = cache(12);
+        c.set_streaming(1, true);
+        let s = SLOT_ALIGN;
+        let reserve = |g: &[(PageKey, usize)]| -> Vec<Option<usize>> {
+            c.reserve_group::<TestErr>(g)
+                .unwrap()
+                .into_iter()
+                .map(|r| match r {
+                    Reserve::Reserved(mut r) => {
+                        // SAFETY: the reservation is this test's alone until finished.
+                        unsafe { r.buf() }.fill(1);
+                        let off = r.offset;
+                        r.finish(Ok::<(), TestErr>(())).unwrap();
+                        Some(off / s)
+                    }
+                    _ => None,
+                })
+                .collect()
+        };
+        let layer = |first: u32| {
+            vec![
+                (key(first), 2 * s),
+                (key(first + 1), 2 * s),
+                (key(first + 2), s),
+            ]
+        };
+        assert_eq!(reserve(&layer(0)), vec![Some(0), Some(2), Some(4)]);
+        assert_eq!(reserve(&layer(10)), vec![Some(5), Some(7), Some(9)]);
+        // Layer 0 computed: its large pages released, its small one still held;
+        // layer 1 computing (held). Free: units 10..12.
+        drop(c.acquire(key(0), 2 * s, fill(0)).unwrap());
+        drop(c.acquire(key(1), 2 * s, fill(0)).unwrap());
+        let _held: Vec<Lease> = [(2, 1), (10, 2), (11, 2), (12, 1)]
+            .into_iter()
+            .map(|(p, n)| c.acquire(key(p), n * s, fill(0)).unwrap())
+            .collect();
+        // Five units in one run cannot be had (unit 4 is held); the two large pages
+        // take layer 0's run together, the small one the free hole.
+        assert_eq!(reserve(&layer(20)), vec![Some(0), Some(2), Some(10)]);
     }
 }
