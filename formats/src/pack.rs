@@ -125,15 +125,18 @@ mod tests {
             .flat_map(|i| ((i % 97) as u16 * 3 + 0x3f00).to_le_bytes())
             .collect();
         let f32s: Vec<u8> = (0..64u32).flat_map(|i| (i as f32).to_le_bytes()).collect();
-        crate::safetensors::write(
-            &d.path().join("model.safetensors"),
-            &[
-                ("a", DType::BF16, &[4096][..], &bf16[..]),
-                ("b", DType::F32, &[64][..], &f32s[..]),
-            ],
-            &BTreeMap::new(),
-        )
-        .unwrap();
+        let write = |a: &[u8]| {
+            crate::safetensors::write(
+                &d.path().join("model.safetensors"),
+                &[
+                    ("a", DType::BF16, &[4096][..], a),
+                    ("b", DType::F32, &[64][..], &f32s[..]),
+                ],
+                &BTreeMap::new(),
+            )
+            .unwrap()
+        };
+        write(&bf16);
         let ckpt = Checkpoint::open(d.path()).unwrap();
         let mut m = Manifest::build(&ckpt, &mut |_, _| {}).unwrap();
         drop(ckpt);
@@ -157,15 +160,7 @@ mod tests {
         let before = std::fs::read(d.path().join(PACK_FILE)).unwrap();
         let mut changed = bf16.clone();
         changed[10] ^= 1;
-        crate::safetensors::write(
-            &d.path().join("model.safetensors"),
-            &[
-                ("a", DType::BF16, &[4096][..], &changed[..]),
-                ("b", DType::F32, &[64][..], &f32s[..]),
-            ],
-            &BTreeMap::new(),
-        )
-        .unwrap();
+        write(&changed);
         let e = pack_model(d.path(), &mut m, &mut |_, _| {}).unwrap_err();
         assert!(matches!(e, FormatError::ChecksumMismatch { .. }), "{e}");
         assert_eq!(std::fs::read(d.path().join(PACK_FILE)).unwrap(), before);

@@ -68,6 +68,48 @@ fn largest_layer_bytes(dir: &Path) -> usize {
     per_layer.into_values().max().unwrap()
 }
 
+/// Cache budgets: ample; about one decoder layer (the engine leases a layer at a
+/// time, and every sweep evicts and reloads); and below one layer, where the engine
+/// leases one matrix at a time and streams.
+fn budgets(dir: &Path) -> [usize; 3] {
+    let layer = largest_layer_bytes(dir);
+    let largest_page = voom_formats::Manifest::load(dir)
+        .unwrap()
+        .unwrap()
+        .pages
+        .iter()
+        .map(|p| p.len as usize)
+        .max()
+        .unwrap();
+    let slots = |b: usize| b.next_multiple_of(16 << 10);
+    let one_layer = slots((layer + 8 * (16 << 10)).max(largest_page * 2));
+    let below = slots(largest_page) + (64 << 10);
+    [64 << 20, one_layer, below]
+}
+
+/// An engine over a fresh store core of `budget` bytes (`read_mode` `None`: the
+/// store's choice), and the store.
+fn over_store(
+    dir: &Path,
+    budget: usize,
+    prefetch_depth: usize,
+    read_mode: Option<ReadMode>,
+) -> (Arc<Store>, Engine) {
+    let store = Store::new(StoreConfig {
+        cache_bytes: budget,
+        read_mode,
+        ..Default::default()
+    })
+    .unwrap();
+    let src = StoreSource::open(Arc::clone(&store), dir).unwrap();
+    let opts = EngineOptions {
+        prefetch_depth,
+        ..EngineOptions::default()
+    };
+    let e = Engine::with_source(dir, Arc::new(src), opts).unwrap();
+    (store, e)
+}
+
 #[test]
 fn store_core_gives_the_embedded_bits_at_any_budget() {
     for case in ["llama_gqa_untied", "qwen2_bias_tied", "llama_sharded"] {
@@ -78,21 +120,7 @@ fn store_core_gives_the_embedded_bits_at_any_budget() {
             &prompt,
         );
 
-        let layer = largest_layer_bytes(&dir);
-        let largest_page = voom_formats::Manifest::load(&dir)
-            .unwrap()
-            .unwrap()
-            .pages
-            .iter()
-            .map(|p| p.len as usize)
-            .max()
-            .unwrap();
-        // Ample; about one decoder layer (the engine leases a layer at a time, and
-        // every sweep evicts and reloads); and below one layer, where the engine
-        // leases one matrix at a time and streams.
-        let slots = |b: usize| b.next_multiple_of(16 << 10);
-        let one_layer = slots((layer + 8 * (16 << 10)).max(largest_page * 2));
-        let below = slots(largest_page) + (64 << 10);
+        let [ample, one_layer, below] = budgets(&dir);
         let layer_slots = layer_slot_bytes(&dir);
         assert!(
             below < layer_slots,
@@ -100,25 +128,14 @@ fn store_core_gives_the_embedded_bits_at_any_budget() {
         );
         // Prefetch off, one layer ahead (the default) and three ahead; reads
         // around the OS page cache and through it.
-        let runs = [64 << 20, one_layer, below].into_iter().flat_map(|b| {
+        let runs = [ample, one_layer, below].into_iter().flat_map(|b| {
             [0, 1, 3]
                 .into_iter()
                 .flat_map(move |d| [ReadMode::Direct, ReadMode::Buffered].map(move |m| (b, d, m)))
         });
         for (budget, prefetch_depth, read_mode) in runs {
             {
-                let store = Store::new(StoreConfig {
-                    cache_bytes: budget,
-                    read_mode: Some(read_mode),
-                    ..Default::default()
-                })
-                .unwrap();
-                let src = StoreSource::open(Arc::clone(&store), &dir).unwrap();
-                let opts = EngineOptions {
-                    prefetch_depth,
-                    ..EngineOptions::default()
-                };
-                let e = Engine::with_source(&dir, Arc::new(src), opts).unwrap();
+                let (store, e) = over_store(&dir, budget, prefetch_depth, Some(read_mode));
                 assert_eq!(
                     run(&e, &prompt),
                     reference,
@@ -126,7 +143,7 @@ fn store_core_gives_the_embedded_bits_at_any_budget() {
                 );
                 let s = store.cache_stats();
                 assert!(s.misses > 0 && s.bytes_loaded > 0, "{case}: {s:?}");
-                if budget == 64 << 20 {
+                if budget == ample {
                     // The memory planner pinned the model it found room for.
                     assert!(s.pinned_bytes > 0, "{case}: nothing pinned: {s:?}");
                 }
@@ -356,24 +373,9 @@ fn vpack_pages_give_the_raw_bits_at_any_budget() {
                 f.write_all_at(&[b[0] ^ 0x20], p.offset + 1).unwrap();
             }
         }
-        let layer = largest_layer_bytes(&dir);
-        let largest_page = manifest.pages.iter().map(|p| p.len as usize).max().unwrap();
-        let slots = |b: usize| b.next_multiple_of(16 << 10);
-        let one_layer = slots((layer + 8 * (16 << 10)).max(largest_page * 2));
-        let below = slots(largest_page) + (64 << 10);
-        for budget in [64 << 20, one_layer, below] {
+        for budget in budgets(&dir) {
             for prefetch_depth in [0, 1] {
-                let store = Store::new(StoreConfig {
-                    cache_bytes: budget,
-                    ..Default::default()
-                })
-                .unwrap();
-                let src = StoreSource::open(Arc::clone(&store), &dir).unwrap();
-                let opts = EngineOptions {
-                    prefetch_depth,
-                    ..EngineOptions::default()
-                };
-                let e = Engine::with_source(&dir, Arc::new(src), opts).unwrap();
+                let (_store, e) = over_store(&dir, budget, prefetch_depth, None);
                 assert_eq!(
                     run(&e, &prompt),
                     reference,

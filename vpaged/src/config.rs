@@ -250,24 +250,24 @@ pub struct DaemonConfig {
 
 /// `$XDG_STATE_HOME/vpaged`, else `$HOME/.local/state/vpaged`.
 pub fn default_state_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("XDG_STATE_HOME") {
-        return PathBuf::from(d).join("vpaged");
+    xdg_or_home("XDG_STATE_HOME", &[".local", "state"]).join("vpaged")
+}
+
+/// The directory `$var` names, else `$HOME` joined with `under` (`/tmp` without
+/// `HOME`).
+fn xdg_or_home(var: &str, under: &[&str]) -> PathBuf {
+    if let Some(d) = std::env::var_os(var) {
+        return PathBuf::from(d);
     }
     let home = std::env::var_os("HOME")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from("/tmp"));
-    home.join(".local").join("state").join("vpaged")
+    under.iter().fold(home, |p, part| p.join(part))
 }
 
 /// `$XDG_RUNTIME_DIR/vpaged.sock`, else `$HOME/.voom/vpaged.sock`.
 pub fn default_socket() -> PathBuf {
-    if let Some(d) = std::env::var_os("XDG_RUNTIME_DIR") {
-        return PathBuf::from(d).join("vpaged.sock");
-    }
-    let home = std::env::var_os("HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/tmp"));
-    home.join(".voom").join("vpaged.sock")
+    xdg_or_home("XDG_RUNTIME_DIR", &[".voom"]).join("vpaged.sock")
 }
 
 impl DaemonConfig {

@@ -845,17 +845,8 @@ impl PageCache {
         let inner = &self.inner;
         let units = self.units_checked(key, len)?;
         let mut st = inner.lock();
-        match st.pages.get(&key) {
-            Some(Entry::Ready { len: l, .. } | Entry::Loading { len: l, .. }) if *l != len => {
-                return Err(CacheError::LengthMismatch {
-                    key,
-                    resident: *l,
-                    requested: len,
-                })
-            }
-            Some(Entry::Ready { .. }) => return Ok(Reserve::Resident),
-            Some(Entry::Loading { .. }) => return Ok(Reserve::InFlight),
-            None => {}
+        if let Some(r) = Self::already_there(&st, key, len)? {
+            return Ok(r);
         }
         let freq = st.policy.frequency(key);
         let (slot, region) = match inner.make_room(&mut st, key, units, Mode::Prefetch { freq }) {
@@ -885,6 +876,27 @@ impl PageCache {
         }))
     }
 
+    /// What a reservation of `key` finds already there: `Resident`, `InFlight`, or
+    /// `None` when it is neither; a length other than the one held is an error.
+    fn already_there<E: Error + Send + Sync + 'static>(
+        st: &State,
+        key: PageKey,
+        len: usize,
+    ) -> Result<Option<Reserve>, CacheError<E>> {
+        match st.pages.get(&key) {
+            Some(Entry::Ready { len: l, .. } | Entry::Loading { len: l, .. }) if *l != len => {
+                Err(CacheError::LengthMismatch {
+                    key,
+                    resident: *l,
+                    requested: len,
+                })
+            }
+            Some(Entry::Ready { .. }) => Ok(Some(Reserve::Resident)),
+            Some(Entry::Loading { .. }) => Ok(Some(Reserve::InFlight)),
+            None => Ok(None),
+        }
+    }
+
     /// [`PageCache::reserve`] for a group of pages read together (a layer hinted
     /// ahead): the pages not resident or loading get consecutive slots of one run,
     /// when one can be made, so that streaming layer after layer through a window of
@@ -911,23 +923,11 @@ impl PageCache {
         // keeps its own slot high in the arena).
         let mut missing = Vec::new();
         for (i, &(key, len)) in pages.iter().enumerate() {
-            match st.pages.get(&key) {
-                Some(Entry::Ready { len: l, .. } | Entry::Loading { len: l, .. }) if *l != len => {
-                    return Err(CacheError::LengthMismatch {
-                        key,
-                        resident: *l,
-                        requested: len,
-                    })
-                }
-                Some(Entry::Ready { .. }) => out.push(Some(Reserve::Resident)),
-                Some(Entry::Loading { .. }) => out.push(Some(Reserve::InFlight)),
-                None => {
-                    out.push(None);
-                    if !st.pins.contains(&key) {
-                        missing.push(i);
-                    }
-                }
+            let there = Self::already_there(&st, key, len)?;
+            if there.is_none() && !st.pins.contains(&key) {
+                missing.push(i);
             }
+            out.push(there);
         }
         // One run for all of them; else one for those of more than one slot (a
         // layer whose small pages were pinned, or are resident, leaves a run that
@@ -958,28 +958,24 @@ impl PageCache {
                 break;
             }
         }
+        let (mut unit, region, in_run) = run.unwrap_or((0, Region::Window, Vec::new()));
         let mut result: Vec<Reserve> = Vec::with_capacity(pages.len());
         let mut alone = Vec::new();
-        let in_run = |i: usize| run.as_ref().is_some_and(|(_, _, set)| set.contains(&i));
-        let mut next = run.as_ref().map(|(unit, ..)| *unit);
         for (i, (&(key, len), r)) in pages.iter().zip(out).enumerate() {
             match r {
                 Some(r) => result.push(r),
-                None if in_run(i) => {
-                    let (Some(unit), Some((_, region, _))) = (next.as_mut(), run.as_ref()) else {
-                        unreachable!("a page in the run means there is a run");
-                    };
+                None if in_run.contains(&i) => {
                     let slot = Slot {
-                        unit: *unit,
+                        unit,
                         units: units[i],
                     };
-                    *unit += units[i];
+                    unit += units[i];
                     st.pages.insert(
                         key,
                         Entry::Loading {
                             slot,
                             len,
-                            region: *region,
+                            region,
                             demand: false,
                             waiters: 0,
                             cell: Arc::new(InFlight::new()),
