@@ -241,11 +241,7 @@ fn compare(a: &Args, list: &str, cache: usize, files: &[PathBuf]) {
             if f.len() != 4 {
                 bad();
             }
-            let mode = match f[0] {
-                "direct" => ReadMode::Direct,
-                "buffered" => ReadMode::Buffered,
-                _ => bad(),
-            };
+            let mode = ReadMode::from_name(f[0]).unwrap_or_else(|| bad());
             let n = |s: &str| s.parse::<usize>().unwrap_or_else(|_| bad());
             let io = IoConfig {
                 read_threads: n(f[1]),

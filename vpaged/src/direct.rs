@@ -24,10 +24,26 @@ use std::time::Instant;
 /// size of common devices; 16 KiB also suits Metal's page size for wrapping).
 pub const DIRECT_ALIGN: usize = 16 << 10;
 
-/// A heap buffer aligned to [`DIRECT_ALIGN`], reused across reads.
+/// Bytes of a huge page (x86-64 and arm64 Linux): a buffer of at least this is
+/// mapped on its own, aligned to it, and backed by huge pages where the kernel
+/// allows.
+const HUGE_PAGE: usize = 2 << 20;
+
+/// A buffer aligned to [`DIRECT_ALIGN`], reused across reads, zeroed when made.
+///
+/// One of a huge page or more is its own anonymous mapping, aligned to
+/// [`HUGE_PAGE`] and advised to be backed by transparent huge pages before anything
+/// touches it: a direct read into memory of 4 KiB pages is cut into requests of at
+/// most `max_segments` pages (254 on the virtio disk measured here: 1 MiB), one
+/// into huge pages only at `max_sectors_kb` (4 MiB there), as the kernel's own
+/// readahead into its page cache is. Measured there, the page cache's readahead
+/// averaged requests of 2.6 MiB and 1.2 GB/s while direct reads into 4 KiB pages
+/// averaged 1.1 MiB and 0.8 GB/s.
 pub struct AlignedBuf {
     ptr: NonNull<u8>,
     cap: usize,
+    /// Whether it is a mapping of its own (else a heap allocation).
+    mapped: bool,
 }
 
 // SAFETY: the buffer is plain owned memory; `&AlignedBuf` only yields `&[u8]` and
@@ -40,11 +56,67 @@ impl AlignedBuf {
     /// A zeroed buffer of at least `bytes` (rounded up to [`DIRECT_ALIGN`]).
     pub fn new(bytes: usize) -> Self {
         let cap = bytes.max(1).next_multiple_of(DIRECT_ALIGN);
+        if cap >= HUGE_PAGE {
+            if let Some(b) = Self::mapped(cap) {
+                return b;
+            }
+        }
         let layout = Layout::from_size_align(cap, DIRECT_ALIGN).expect("valid layout");
         // SAFETY: `layout` has a non-zero size.
         let ptr = unsafe { alloc::alloc_zeroed(layout) };
         let ptr = NonNull::new(ptr).unwrap_or_else(|| alloc::handle_alloc_error(layout));
-        AlignedBuf { ptr, cap }
+        AlignedBuf {
+            ptr,
+            cap,
+            mapped: false,
+        }
+    }
+
+    /// `cap` bytes of a fresh anonymous mapping (zero-filled by the OS) aligned to
+    /// [`HUGE_PAGE`], advised to huge pages; `None` if the OS refuses the mapping.
+    fn mapped(cap: usize) -> Option<Self> {
+        let len = cap.checked_add(HUGE_PAGE)?;
+        // SAFETY: a new private anonymous mapping; it aliases nothing.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANON,
+                -1,
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return None;
+        }
+        let skip = (base as usize).next_multiple_of(HUGE_PAGE) - base as usize;
+        // SAFETY: `skip < HUGE_PAGE`, so `base + skip .. + cap` lies in the mapping.
+        let ptr = unsafe { base.cast::<u8>().add(skip) };
+        // The mapping is trimmed to the buffer: nothing past `cap` can be backed by
+        // a huge page of its own. (Both ends are multiples of the OS page size:
+        // `base`, `skip` and `cap` are.)
+        // SAFETY: unmaps the parts of this new mapping before and after the buffer,
+        // which nothing refers to.
+        unsafe {
+            if skip > 0 {
+                libc::munmap(base, skip);
+            }
+            if len - skip - cap > 0 {
+                libc::munmap(ptr.add(cap).cast(), len - skip - cap);
+            }
+        }
+        #[cfg(target_os = "linux")]
+        // SAFETY: advice on memory of this mapping, which nothing has touched yet;
+        // it changes how the memory is backed, not what it holds.
+        unsafe {
+            libc::madvise(ptr.cast(), cap, libc::MADV_HUGEPAGE);
+        }
+        Some(AlignedBuf {
+            ptr: NonNull::new(ptr)?,
+            cap,
+            mapped: true,
+        })
     }
 
     pub fn capacity(&self) -> usize {
@@ -65,9 +137,17 @@ impl AlignedBuf {
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
-        let layout = Layout::from_size_align(self.cap, DIRECT_ALIGN).expect("valid layout");
-        // SAFETY: allocated in `new` with this very layout, freed once.
-        unsafe { alloc::dealloc(self.ptr.as_ptr(), layout) }
+        if self.mapped {
+            // SAFETY: the mapping made in `mapped` (trimmed to `ptr..ptr + cap`),
+            // unmapped once; no slice of it outlives `self`.
+            unsafe {
+                libc::munmap(self.ptr.as_ptr().cast(), self.cap);
+            }
+        } else {
+            let layout = Layout::from_size_align(self.cap, DIRECT_ALIGN).expect("valid layout");
+            // SAFETY: allocated in `new` with this very layout, freed once.
+            unsafe { alloc::dealloc(self.ptr.as_ptr(), layout) }
+        }
     }
 }
 
@@ -86,6 +166,13 @@ impl ReadMode {
             ReadMode::Direct => "direct",
             ReadMode::Buffered => "buffered",
         }
+    }
+
+    /// The mode named `name` (as [`ReadMode::name`] gives it).
+    pub fn from_name(name: &str) -> Option<ReadMode> {
+        [ReadMode::Direct, ReadMode::Buffered]
+            .into_iter()
+            .find(|m| m.name() == name)
     }
 }
 
@@ -358,6 +445,24 @@ mod tests {
         let data: Vec<u8> = (0..len).map(|i| (i * 7 + i / 251) as u8).collect();
         std::fs::write(&p, &data).unwrap();
         (dir, p, data)
+    }
+
+    /// Buffers of a huge page or more are mappings of their own, aligned to a huge
+    /// page, zeroed, and as writable as heap ones; smaller ones come from the heap.
+    #[test]
+    fn large_buffers_are_aligned_zeroed_mappings() {
+        for bytes in [1, DIRECT_ALIGN + 1, HUGE_PAGE, 3 * HUGE_PAGE + 5] {
+            let mut b = AlignedBuf::new(bytes);
+            assert!(b.capacity() >= bytes && b.capacity().is_multiple_of(DIRECT_ALIGN));
+            assert_eq!(b.mapped, b.capacity() >= HUGE_PAGE, "{bytes}");
+            let align = if b.mapped { HUGE_PAGE } else { DIRECT_ALIGN };
+            assert_eq!(b.as_slice().as_ptr() as usize % align, 0, "{bytes}");
+            assert!(b.as_slice().iter().all(|&x| x == 0));
+            let n = b.capacity();
+            b.as_mut_slice()[n - 1] = 7;
+            b.as_mut_slice()[0] = 9;
+            assert_eq!((b.as_slice()[0], b.as_slice()[n - 1]), (9, 7));
+        }
     }
 
     #[test]

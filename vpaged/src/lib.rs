@@ -22,6 +22,7 @@ pub mod loader;
 pub mod protocol;
 pub mod read_pool;
 pub mod request_work;
+pub mod seal;
 pub mod socket_path;
 pub mod source;
 pub mod stdout;

@@ -1,14 +1,16 @@
 //! Filling a page's bytes from the fastest tier that holds a verified copy.
 //!
 //! Order: the fast tier's staged copy (by blake3), then the model's own directory (a
-//! local one, or one on a NAS mount), then the NAS copy of a local model. Every copy is hashed after it is read (and decoded) and
-//! before the caller may use it; a copy that fails is recorded as an integrity
+//! local one, or one on a NAS mount), then the NAS copy of a local model. Every copy is
+//! verified after it is read (and decoded) and before the caller may use it (by its
+//! blake3, or by the seal of a copy that matched it: [`Seals`]); a copy that fails is recorded as an integrity
 //! failure on its tier and the next tier is tried. Only when no tier yields the
 //! manifest's bytes does the load fail, with every tier's reason.
 
 use voom_formats::manifest::PageEntry;
 use voom_formats::vpack;
 
+use crate::seal::Seals;
 use crate::tier::{Extent, FastTier, FileTier, ModelTier, NasTier, TierError};
 use crate::StoreError;
 
@@ -28,6 +30,9 @@ pub struct PageLoader<'a> {
     pub primary: &'a ModelTier,
     /// A NAS copy of a model whose own directory is local.
     pub nas: Option<&'a NasTier>,
+    /// The model's seals: a copy is checked against its page's seal once one copy
+    /// has matched the blake3 ([`Seals`]).
+    pub seals: &'a Seals,
 }
 
 impl PageLoader<'_> {
@@ -42,7 +47,7 @@ impl PageLoader<'_> {
 
         if let Some(fast) = self.fast.filter(|f| f.contains(&entry.blake3)) {
             match fast.read(&entry.blake3, buf) {
-                Ok(()) => match check(entry, buf, fast.name()) {
+                Ok(()) => match self.verify(entry, buf, fast.name()) {
                     Ok(()) => return Ok(Served::Fast),
                     Err(e) => {
                         fast.counters().record_integrity_failure();
@@ -73,7 +78,7 @@ impl PageLoader<'_> {
         for (served, loc) in std::iter::once(own).chain(copy) {
             if let Some(p) = &packed {
                 let outcome = match loc.read_packed(entry, p, buf) {
-                    Ok(()) => check(entry, buf, loc.name()).map_err(|e| {
+                    Ok(()) => self.verify(entry, buf, loc.name()).map_err(|e| {
                         loc.record_integrity_failure();
                         Packed::Corrupt(e)
                     }),
@@ -100,7 +105,7 @@ impl PageLoader<'_> {
                 }
             }
             match loc.read(&raw, buf) {
-                Ok(()) => match check(entry, buf, loc.name()) {
+                Ok(()) => match self.verify(entry, buf, loc.name()) {
                     Ok(()) => return Ok(served),
                     Err(e) => {
                         loc.record_integrity_failure();
@@ -111,6 +116,10 @@ impl PageLoader<'_> {
             }
         }
         Err(failed.into_error(entry))
+    }
+
+    fn verify(&self, entry: &PageEntry, bytes: &[u8], tier: &str) -> Result<(), StoreError> {
+        self.seals.verify(entry, bytes, tier)
     }
 }
 
@@ -235,22 +244,6 @@ impl Location<'_> {
     }
 }
 
-/// Whether `bytes` are the page's (its blake3), else [`StoreError::Integrity`] naming
-/// page and tier.
-pub(crate) fn check(entry: &PageEntry, bytes: &[u8], tier: &str) -> Result<(), StoreError> {
-    let actual = blake3::hash(bytes).to_hex();
-    if actual.as_str() == entry.blake3 {
-        Ok(())
-    } else {
-        Err(StoreError::Integrity {
-            page: entry.name.clone(),
-            tier: tier.to_string(),
-            expected: entry.blake3.clone(),
-            actual: actual.to_string(),
-        })
-    }
-}
-
 impl From<TierError> for StoreError {
     fn from(e: TierError) -> Self {
         StoreError::Tier(e)
@@ -336,6 +329,7 @@ mod tests {
             fast: None,
             primary: &primary,
             nas: None,
+            seals: &Seals::new(2),
         };
         let a = f.manifest.page("a").unwrap();
         let mut buf = vec![0u8; a.len as usize];
@@ -368,6 +362,7 @@ mod tests {
             fast: Some(&fast),
             primary: &primary,
             nas: Some(&nas),
+            seals: &Seals::new(2),
         };
         let a = f.manifest.page("a").unwrap();
         let mut buf = vec![0u8; a.len as usize];
@@ -431,6 +426,7 @@ mod tests {
             fast: None,
             primary: &primary,
             nas: Some(&copy),
+            seals: &Seals::new(2),
         };
         let b = f.manifest.page("b").unwrap();
         flip(&f.primary_dir.join("model.safetensors"), b.offset);
@@ -456,35 +452,47 @@ mod tests {
             fast: None,
             primary: &primary,
             nas: Some(&fresh),
+            seals: &Seals::new(2),
         };
         let e = loader.load(b, &mut buf).unwrap_err();
         assert!(matches!(e, StoreError::Unavailable { .. }), "{e}");
     }
 
+    /// Whether the page was sealed by a good copy first (so the bad one is checked
+    /// against the seal) or not, the error is the same.
     #[test]
     fn a_lone_tier_reports_integrity_with_both_hashes() {
-        let f = fixture();
-        let primary = ModelTier::File(FileTier::new("primary", &f.primary_dir));
-        let loader = PageLoader {
-            fast: None,
-            primary: &primary,
-            nas: None,
-        };
-        let b = f.manifest.page("b").unwrap();
-        flip(&f.primary_dir.join("model.safetensors"), b.offset);
-        let mut buf = vec![0u8; b.len as usize];
-        match loader.load(b, &mut buf).unwrap_err() {
-            StoreError::Integrity {
-                page,
-                tier,
-                expected,
-                actual,
-            } => {
-                assert_eq!((page.as_str(), tier.as_str()), ("b", "primary"));
-                assert_eq!(expected, b.blake3);
-                assert_ne!(actual, expected);
+        for sealed_first in [false, true] {
+            let f = fixture();
+            let primary = ModelTier::File(FileTier::new("primary", &f.primary_dir));
+            let seals = Seals::new(2);
+            let loader = PageLoader {
+                fast: None,
+                primary: &primary,
+                nas: None,
+                seals: &seals,
+            };
+            let b = f.manifest.page("b").unwrap();
+            let mut buf = vec![0u8; b.len as usize];
+            if sealed_first {
+                loader.load(b, &mut buf).unwrap();
+                assert!(seals.is_sealed(b.id));
             }
-            other => panic!("{other}"),
+            flip(&f.primary_dir.join("model.safetensors"), b.offset + 3);
+            match loader.load(b, &mut buf).unwrap_err() {
+                StoreError::Integrity {
+                    page,
+                    tier,
+                    expected,
+                    actual,
+                } => {
+                    assert_eq!((page.as_str(), tier.as_str()), ("b", "primary"));
+                    assert_eq!(expected, b.blake3);
+                    assert_ne!(actual, expected);
+                }
+                other => panic!("sealed first {sealed_first}: {other}"),
+            }
+            assert_eq!(seals.is_sealed(b.id), sealed_first);
         }
     }
 
@@ -507,6 +515,7 @@ mod tests {
                 fast: None,
                 primary: tier,
                 nas: None,
+                seals: &Seals::new(2),
             };
             let mut buf = vec![0u8; a.len as usize];
             loader.load(&a, &mut buf).unwrap();
@@ -520,6 +529,7 @@ mod tests {
             fast: None,
             primary: &fresh,
             nas: None,
+            seals: &Seals::new(2),
         };
         let mut buf = vec![0u8; a.len as usize];
         let e = loader.load(&a, &mut buf).unwrap_err().to_string();
@@ -542,6 +552,7 @@ mod tests {
             fast: None,
             primary: &primary,
             nas: None,
+            seals: &Seals::new(2),
         };
         let b = f.manifest.page("b").unwrap();
         let mut buf = vec![0u8; b.len as usize];

@@ -398,6 +398,25 @@ mod tests {
         }
     }
 
+    /// Pieces of a huge page and more (bounce buffers that are mappings of their own)
+    /// give the file's bytes too.
+    #[test]
+    fn huge_pieces_give_the_files_bytes() {
+        let piece = 2 << 20;
+        let len = 5 * piece / 2 + 777;
+        let (_d, path, data) = data_file(len);
+        for mode in [ReadMode::Direct, ReadMode::Buffered] {
+            let file = Arc::new(DirectFile::open(&path, mode).unwrap());
+            for threads in [0, 3] {
+                let pool = ReadPool::new(threads, piece).unwrap();
+                let (offset, n) = (4097, len - 5000);
+                let mut buf = vec![0u8; n];
+                pool.read(&file, offset as u64, &mut buf).unwrap();
+                assert!(buf == data[offset..offset + n], "{mode:?} {threads}");
+            }
+        }
+    }
+
     /// A read past the end is `UnexpectedEof` naming the file, after every piece has
     /// finished; the pool still serves later reads.
     #[test]

@@ -35,8 +35,9 @@ use voom_formats::{Checkpoint, FormatError};
 use crate::arena::{Arena, SLOT_ALIGN};
 use crate::cache::{CacheError, CacheStats, Lease, PageCache, PageKey, Reservation, Reserve};
 use crate::direct::{DirectFile, ReadMode};
-use crate::loader::{check, PageLoader, Served};
+use crate::loader::{PageLoader, Served};
 use crate::read_pool::ReadPool;
+use crate::seal::Seals;
 use crate::source::{PageId, PageLease, PageMeta, PageSource};
 use crate::tier::{FastTier, FileTier, Health, ModelTier, NasConfig, NasTier, TierStats};
 use crate::StoreError;
@@ -129,6 +130,8 @@ pub struct OpenModel {
     /// Demand requests per page (for staging the hottest pages).
     accesses: Vec<AtomicU64>,
     served: [AtomicU64; 3],
+    /// The seals of pages verified once ([`Seals`]).
+    seals: Seals,
 }
 
 impl OpenModel {
@@ -699,6 +702,7 @@ impl Store {
             dir,
             nas,
             accesses: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            seals: Seals::new(n),
             served: Default::default(),
             pages,
             manifest,
@@ -789,6 +793,7 @@ impl Store {
             fast: self.fast.as_ref(),
             primary: &m.primary,
             nas: m.nas.as_ref(),
+            seals: &m.seals,
         };
         let served = loader.load(entry, buf)?;
         let i = match served {
@@ -948,7 +953,10 @@ impl Store {
             };
             // SAFETY: every piece has landed; the reservation is still unfinished, so
             // the slot is still this load's alone.
-            let verified = read.is_ok() && check(entry, unsafe { r.buf() }, tier.name()).is_ok();
+            let verified = read.is_ok()
+                && m.seals
+                    .verify(entry, unsafe { r.buf() }, tier.name())
+                    .is_ok();
             if verified {
                 tier.counters().record_read(len as u64, start.elapsed());
                 m.served[1].fetch_add(1, Ordering::Relaxed);
