@@ -6,6 +6,7 @@
 //! When the source's cache holds two layers (the one computing and the one
 //! prefetched), a layer is leased whole; otherwise one step (a matrix and the small
 //! vectors beside it) at a time, so that a cache smaller than a layer still streams.
+//! The walk is cyclic: past the last layer, the next pass's first layers are hinted.
 //! Neither the lease scope nor the prefetch depth changes a result.
 
 use std::cell::Cell;
@@ -111,8 +112,14 @@ impl<'a> Sweep<'a> {
         })
     }
 
-    /// Leases the pages read after the last layer.
+    /// Leases the pages read after the last layer, first hinting the layers the next
+    /// pass starts with (decode sweeps again at once; without this hint a pass's
+    /// first layer was read on demand, with nothing computing meanwhile). After the
+    /// last pass of a generation that is one layer read for nothing.
     pub fn tail(&self) -> Result<Leased, VoomError> {
+        for layer in self.plan.layers.iter().take(self.depth) {
+            self.source.prefetch(layer.ids());
+        }
         self.acquire(self.plan.tail.ids())
     }
 
@@ -188,5 +195,95 @@ impl std::ops::Deref for StepLease<'_> {
             StepLease::Shared(l) => l,
             StepLease::Own(l) => l,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use voom_formats::DType;
+    use vpaged::{PageLease, PageMeta, StoreError};
+
+    use super::*;
+    use crate::model::plan::{PlannedRead, Stage};
+
+    /// A source that records what it is asked: `Lease(id)` and `Hint(ids)`.
+    #[derive(Default)]
+    struct Recorder {
+        pages: Vec<PageMeta>,
+        log: Mutex<Vec<String>>,
+        bytes: Arc<Vec<u8>>,
+    }
+
+    impl PageSource for Recorder {
+        fn pages(&self) -> &[PageMeta] {
+            &self.pages
+        }
+        fn acquire(&self, id: PageId) -> Result<PageLease, StoreError> {
+            self.log.lock().unwrap().push(format!("lease {}", id.0));
+            // SAFETY: `bytes` is kept alive by the lease's holder and never written.
+            Ok(unsafe { PageLease::new(id, self.bytes.as_ptr(), 0, self.bytes.clone()) })
+        }
+        fn prefetch(&self, ids: &[PageId]) {
+            let ids: Vec<String> = ids.iter().map(|i| i.0.to_string()).collect();
+            self.log
+                .lock()
+                .unwrap()
+                .push(format!("hint {}", ids.join(",")));
+        }
+        fn describe(&self) -> String {
+            "recorder".into()
+        }
+    }
+
+    fn stage(id: u32) -> Stage {
+        Stage::from_reads(
+            vec![PlannedRead {
+                page: PageId(id),
+                bytes: 100,
+                per_token: 100,
+            }],
+            vec![vec![PageId(id)]],
+        )
+    }
+
+    /// Each layer hints the one after it, the last one the tail, and the tail the
+    /// next pass's first layer (decode sweeps again at once).
+    #[test]
+    fn hints_run_one_layer_ahead_and_wrap_to_the_next_pass() {
+        let src = Recorder {
+            pages: (0..5)
+                .map(|i| PageMeta {
+                    id: PageId(i),
+                    name: format!("p{i}"),
+                    dtype: DType::BF16,
+                    shape: vec![50],
+                    len: 100,
+                })
+                .collect(),
+            ..Recorder::default()
+        };
+        let plan = PagePlan {
+            head: stage(0),
+            layers: vec![stage(1), stage(2), stage(3)],
+            tail: stage(4),
+        };
+        let sweep = Sweep::new(&src, &plan, 1, None);
+        assert_eq!(sweep.depth(), 1);
+        drop(sweep.head().unwrap());
+        for li in 0..3 {
+            drop(sweep.layer(li).unwrap());
+        }
+        drop(sweep.tail().unwrap());
+        sweep.finish();
+        let log = src.log.lock().unwrap().clone();
+        assert_eq!(
+            log,
+            [
+                "lease 0", "hint 2", "lease 1", "hint 3", "lease 2", "hint 4", "lease 3", "hint 1",
+                "lease 4"
+            ]
+        );
     }
 }
