@@ -38,6 +38,8 @@ pub const KEYS: &[&str] = &[
     "pin_first_layers",
     "pin_last_layers",
     "prefetch_depth",
+    "read_threads",
+    "read_piece",
     "kv_budget",
     "max_context",
     "threads",
@@ -220,6 +222,11 @@ pub struct Settings {
     pub pin_first_layers: u32,
     pub pin_last_layers: u32,
     pub prefetch_depth: usize,
+    /// Reads of model files in flight for an in-process page cache (its reader
+    /// threads; 0: each page read on the thread that needs it).
+    pub read_threads: usize,
+    /// Bytes of one of those reads (a page is read as pieces of it at once).
+    pub read_piece: u64,
     /// Bytes of KV cache; bounds the context (see [`Settings::max_context_for`]).
     pub kv_budget: Option<u64>,
     pub max_context: Option<usize>,
@@ -238,6 +245,8 @@ impl Default for Settings {
             pin_first_layers: 0,
             pin_last_layers: 0,
             prefetch_depth: 1,
+            read_threads: vpaged::read_pool::DEFAULT_THREADS,
+            read_piece: vpaged::read_pool::DEFAULT_PIECE as u64,
             kv_budget: None,
             max_context: None,
             threads: 0,
@@ -306,6 +315,8 @@ pub struct Overrides {
     pub pin_first_layers: Option<u32>,
     pub pin_last_layers: Option<u32>,
     pub prefetch_depth: Option<usize>,
+    pub read_threads: Option<usize>,
+    pub read_piece: Option<u64>,
     pub kv_budget: Option<u64>,
     pub max_context: Option<usize>,
     pub threads: Option<usize>,
@@ -326,6 +337,8 @@ const NAMES: &[(&str, &str, &str)] = &[
         "VOOM_PIN_LAST_LAYERS",
     ),
     ("prefetch_depth", "--prefetch-depth", "VOOM_PREFETCH_DEPTH"),
+    ("read_threads", "--read-threads", "VOOM_READ_THREADS"),
+    ("read_piece", "--read-piece", "VOOM_READ_PIECE"),
     ("kv_budget", "--kv-budget", "VOOM_KV_BUDGET"),
     ("max_context", "--max-context", "VOOM_MAX_CONTEXT"),
     ("threads", "--threads", "VOOM_THREADS"),
@@ -370,6 +383,8 @@ impl Overrides {
             pin_first_layers: read(get, "pin_first_layers", num32)?,
             pin_last_layers: read(get, "pin_last_layers", num32)?,
             prefetch_depth: read(get, "prefetch_depth", num)?,
+            read_threads: read(get, "read_threads", num)?,
+            read_piece: read(get, "read_piece", parse_size)?,
             kv_budget: read(get, "kv_budget", parse_size)?,
             max_context: read(get, "max_context", num)?,
             threads: read(get, "threads", num)?,
@@ -390,6 +405,8 @@ struct ProfileFile {
     pin_first_layers: Option<u32>,
     pin_last_layers: Option<u32>,
     prefetch_depth: Option<usize>,
+    read_threads: Option<usize>,
+    read_piece: Option<vpaged::config::ByteSize>,
     kv_budget: Option<vpaged::config::ByteSize>,
     max_context: Option<usize>,
     threads: Option<usize>,
@@ -809,6 +826,8 @@ pub fn resolve(
     pick!(pin_first_layers, id, id);
     pick!(pin_last_layers, id, id);
     pick!(prefetch_depth, id, id);
+    pick!(read_threads, id, id);
+    pick!(read_piece, bytes, id);
     pick!(kv_budget, bytes, Some);
     pick!(max_context, id, Some);
     pick!(threads, id, id);
@@ -1124,6 +1143,49 @@ mod tests {
             plain.digest,
             blake3::hash(canonical_json(&plain.settings_json()).as_bytes()).to_hex()[..16]
         );
+    }
+
+    /// The in-process page cache's reads in flight: a profile sets them, the
+    /// environment and flags override them, and the defaults are the reader pool's.
+    #[test]
+    fn read_threads_and_pieces_resolve_like_every_setting() {
+        let plain = resolve(&ProfileDirs::builtin_only(), "default", &none(), &none()).unwrap();
+        assert_eq!(
+            (plain.settings.read_threads, plain.settings.read_piece),
+            (
+                vpaged::read_pool::DEFAULT_THREADS,
+                vpaged::read_pool::DEFAULT_PIECE as u64
+            )
+        );
+        let (_d, dirs) = dir_with(&[(
+            "io.yaml",
+            "read_threads: 4
+read_piece: 8MiB
+",
+        )]);
+        let r = resolve(&dirs, "io", &none(), &none()).unwrap();
+        assert_eq!(
+            (r.settings.read_threads, r.settings.read_piece),
+            (4, 8 << 20)
+        );
+        assert!(matches!(r.sources["read_piece"], Source::Profile(_)));
+        assert_ne!(r.digest, plain.digest);
+        let env =
+            Overrides::from_env(&|k| (k == "VOOM_READ_PIECE").then(|| "4MiB".into())).unwrap();
+        let flags = Overrides {
+            read_threads: Some(2),
+            ..Overrides::default()
+        };
+        let r = resolve(&dirs, "io", &flags, &env).unwrap();
+        assert_eq!(
+            (r.settings.read_threads, r.settings.read_piece),
+            (2, 4 << 20)
+        );
+        assert_eq!(r.sources["read_threads"], Source::Flag("--read-threads"));
+        assert_eq!(r.sources["read_piece"], Source::Env("VOOM_READ_PIECE"));
+        let e =
+            Overrides::from_env(&|k| (k == "VOOM_READ_PIECE").then(|| "big".into())).unwrap_err();
+        assert!(e.to_string().contains("VOOM_READ_PIECE='big'"), "{e}");
     }
 
     #[test]

@@ -119,6 +119,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
                     vpaged: None,
                     vpaged_fallback: false,
                     prefetch_depth: None,
+                    read_threads: None,
+                    read_piece: None,
                     cache_budget: None,
                     pin_first_layers: None,
                     pin_last_layers: None,

@@ -51,6 +51,14 @@ pub struct EngineArgs {
     /// [env: VOOM_PREFETCH_DEPTH] [default: 1].
     #[arg(long)]
     pub prefetch_depth: Option<usize>,
+    /// Reads of model files in flight for an in-process page cache (0: each page on
+    /// the thread that needs it) [env: VOOM_READ_THREADS] [default: 16].
+    #[arg(long)]
+    pub read_threads: Option<usize>,
+    /// Bytes of one such read, e.g. 4MiB: a page is read as pieces of it at once
+    /// [env: VOOM_READ_PIECE] [default: 2MiB].
+    #[arg(long, value_parser = profile::parse_size)]
+    pub read_piece: Option<u64>,
     /// Bytes of an in-process page cache for the weights, e.g. 4GiB (needs the model's
     /// page manifest) [env: VOOM_CACHE_BUDGET] [default: none: the memory-mapped store].
     #[arg(long, value_parser = profile::parse_size)]
@@ -77,6 +85,34 @@ pub struct EngineArgs {
 /// [`result_json`] reports (one-shot commands open one engine).
 static OPENED_PROFILE: Mutex<Option<Arc<Resolved>>> = Mutex::new(None);
 
+/// Smallest and largest `read_piece`: one direct-read alignment unit, and a piece
+/// whose bounce buffer (one per reader) is still a small part of a budget.
+const READ_PIECE_RANGE: (u64, u64) = (16 << 10, 256 << 20);
+
+/// The in-process page cache's reads in flight, from the settings.
+fn read_io(s: &Settings) -> Result<vpaged::store::IoConfig> {
+    let (lo, hi) = READ_PIECE_RANGE;
+    if !(lo..=hi).contains(&s.read_piece) {
+        bail!(
+            "read_piece {} is outside {}..={} (each reader holds a buffer of one piece)",
+            profile::format_size(s.read_piece),
+            profile::format_size(lo),
+            profile::format_size(hi)
+        );
+    }
+    if s.read_threads > 1024 {
+        bail!(
+            "read_threads {} is more than 1024 reader threads",
+            s.read_threads
+        );
+    }
+    Ok(vpaged::store::IoConfig {
+        read_threads: s.read_threads,
+        read_piece: s.read_piece as usize,
+        ..vpaged::store::IoConfig::default()
+    })
+}
+
 /// A `--backend` name this machine has.
 fn parse_backend(s: &str) -> Result<libvoom::backend::BackendKind, String> {
     libvoom::backend::BackendKind::parse(s)
@@ -90,6 +126,8 @@ impl EngineArgs {
             pin_first_layers: self.pin_first_layers,
             pin_last_layers: self.pin_last_layers,
             prefetch_depth: self.prefetch_depth,
+            read_threads: self.read_threads,
+            read_piece: self.read_piece,
             kv_budget: self.kv_budget,
             max_context: self.max_context,
             threads: self.threads,
@@ -263,6 +301,7 @@ pub fn open_engine(dir: &Path, args: &EngineArgs) -> Result<Engine> {
             // cannot be written.
             hash_on_open: true,
             manifest_dir: store::voom_home().ok().map(|h| h.join("manifests")),
+            io: read_io(s)?,
             ..StoreConfig::default()
         })
         .with_context(|| {
@@ -427,4 +466,31 @@ pub fn result_json(
         // Bytes read from storage by this process in all (the weights it streamed).
         "storage_read_bytes": crate::memory::storage_read_bytes(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A piece outside the range a reader's buffer can take is an error naming the
+    /// setting and the range; the settings' values reach the store's config.
+    #[test]
+    fn read_settings_become_the_store_reads_or_a_clear_error() {
+        let s = Settings {
+            read_threads: 3,
+            read_piece: 4 << 20,
+            ..Settings::default()
+        };
+        let io = read_io(&s).unwrap();
+        assert_eq!((io.read_threads, io.read_piece), (3, 4 << 20));
+        for piece in [0, 1 << 30] {
+            let e = read_io(&Settings {
+                read_piece: piece,
+                ..Settings::default()
+            })
+            .unwrap_err()
+            .to_string();
+            assert!(e.contains("read_piece") && e.contains("16KiB"), "{e}");
+        }
+    }
 }

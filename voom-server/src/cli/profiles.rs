@@ -18,7 +18,7 @@ pub enum ProfilesCommand {
     List(ListArgs),
     /// Show a profile's resolved settings and where each value came from
     /// (flag, environment, profile file or built-in default).
-    Show(ShowArgs),
+    Show(Box<ShowArgs>),
 }
 
 #[derive(Args, Debug)]
@@ -46,7 +46,7 @@ pub struct ShowArgs {
 pub fn run(a: ProfilesArgs) -> Result<()> {
     match a.command {
         ProfilesCommand::List(l) => list(l),
-        ProfilesCommand::Show(s) => show(s),
+        ProfilesCommand::Show(s) => show(*s),
     }
 }
 
@@ -119,6 +119,8 @@ fn print_text(r: &Resolved) -> std::io::Result<()> {
         ("pin_first_layers", s.pin_first_layers.to_string()),
         ("pin_last_layers", s.pin_last_layers.to_string()),
         ("prefetch_depth", s.prefetch_depth.to_string()),
+        ("read_threads", s.read_threads.to_string()),
+        ("read_piece", profile::format_size(s.read_piece)),
         ("kv_budget", size(s.kv_budget)),
         ("max_context", opt(s.max_context.map(|v| v.to_string()))),
         ("threads", s.threads.to_string()),
