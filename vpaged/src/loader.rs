@@ -3,9 +3,9 @@
 //! Order: the fast tier's staged copy (by blake3), then the model's own directory (a
 //! local one, or one on a NAS mount), then the NAS copy of a local model. Every copy is
 //! verified after it is read (and decoded) and before the caller may use it (by its
-//! blake3, or by the seal of a copy that matched it: [`Seals`]); a copy that fails is recorded as an integrity
-//! failure on its tier and the next tier is tried. Only when no tier yields the
-//! manifest's bytes does the load fail, with every tier's reason.
+//! blake3, or by the seal of a copy that matched it: [`Seals`]); a copy that fails is
+//! recorded as an integrity failure on its tier and the next tier is tried. Only when
+//! no tier yields the manifest's bytes does the load fail, with every tier's reason.
 
 use voom_formats::manifest::PageEntry;
 use voom_formats::vpack;

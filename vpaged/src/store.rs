@@ -995,6 +995,17 @@ impl Store {
         pages: &[u32],
     ) -> Result<PlannedPins, StoreError> {
         let m = self.model(model)?;
+        // Every page named must exist before any pin is counted (an error leaves no
+        // holder behind).
+        if let Some(&page) = pages
+            .iter()
+            .find(|&&p| m.manifest.pages.get(p as usize).is_none())
+        {
+            return Err(StoreError::NotFound {
+                store: m.dir.clone(),
+                detail: format!("no page {page} in model {model}"),
+            });
+        }
         let window = 2 * largest_layer_slot_bytes(&m.manifest);
         let mut granted = Vec::new();
         let mut new_keys = Vec::new();
@@ -1007,12 +1018,7 @@ impl Store {
                 .saturating_sub(self.pinned_reserved.load(Ordering::Relaxed))
                 .saturating_sub(window);
             for &page in pages {
-                let Some(entry) = m.manifest.pages.get(page as usize) else {
-                    return Err(StoreError::NotFound {
-                        store: m.dir.clone(),
-                        detail: format!("no page {page} in model {model}"),
-                    });
-                };
+                let entry = &m.manifest.pages[page as usize];
                 let key = PageKey { model, page };
                 if granted.contains(&key) {
                     continue;
@@ -1803,6 +1809,32 @@ mod tests {
 
     /// Pins never take more than half the cache, in priority order, so a cache too
     /// small for everything asked to be pinned still streams every other page.
+    /// A planner's pin request naming a page the model lacks is refused whole: it
+    /// leaves no holder behind, so the same page pinned after is new and counted.
+    #[test]
+    fn a_planned_pin_of_a_missing_page_pins_nothing() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path().join("m");
+        write_layered_model(&dir, 2, 2 * SLOT_ALIGN);
+        let s = Store::new(StoreConfig {
+            cache_bytes: 64 * SLOT_ALIGN,
+            ..Default::default()
+        })
+        .unwrap();
+        let id = s.open_model(&dir).unwrap();
+        let e = s.pin_planned(id, &[0, 9999]).err().expect("refused");
+        assert!(matches!(e, StoreError::NotFound { .. }), "{e}");
+        assert_eq!(s.cache_stats().pinned_bytes, 0);
+        let pins = s.pin_planned(id, &[0]).unwrap();
+        assert_eq!(pins.pages(), 1);
+        assert!(
+            pins.bytes() > 0,
+            "page 0 was left held by the refused request"
+        );
+        drop(pins);
+        assert_eq!(s.cache_stats().pinned_bytes, 0);
+    }
+
     #[test]
     fn pins_are_capped_at_half_the_cache_and_unpinned_pages_still_stream() {
         let d = tempfile::tempdir().unwrap();
