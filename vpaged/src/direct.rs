@@ -290,6 +290,80 @@ impl DirectFile {
         Ok(&buf.as_slice()[skip..skip + len])
     }
 
+    /// Reads `dst.len()` bytes of the file at `offset` into `dst`. A direct file whose
+    /// `offset` and `dst` fall at the same place within a [`DIRECT_ALIGN`] block is
+    /// read straight into `dst` (the device writes the aligned middle where it
+    /// belongs: no copy), the partial blocks at either end through `bounce`; any
+    /// other read goes through `bounce` whole (it must then hold the widened range,
+    /// as for [`read_at`](Self::read_at)). Errors as `read_at`'s.
+    pub fn read_into(
+        &self,
+        offset: u64,
+        dst: &mut [u8],
+        bounce: &mut AlignedBuf,
+    ) -> io::Result<()> {
+        let a = DIRECT_ALIGN as u64;
+        let in_phase = (dst.as_ptr() as u64) % a == offset % a;
+        if self.mode == ReadMode::Buffered || !in_phase || dst.len() < DIRECT_ALIGN {
+            let got = self.read_at(offset, dst.len(), bounce)?;
+            dst.copy_from_slice(got);
+            return Ok(());
+        }
+        let head = ((a - offset % a) % a) as usize;
+        let middle = (dst.len() - head) / DIRECT_ALIGN * DIRECT_ALIGN;
+        let (head_dst, rest) = dst.split_at_mut(head);
+        let (middle_dst, tail_dst) = rest.split_at_mut(middle);
+        if head > 0 {
+            head_dst.copy_from_slice(self.read_at(offset, head, bounce)?);
+        }
+        if !middle_dst.is_empty() {
+            self.read_aligned(offset + head as u64, middle_dst)?;
+        }
+        if !tail_dst.is_empty() {
+            let at = offset + (head + middle) as u64;
+            let got = self.read_at(at, tail_dst.len(), bounce)?;
+            tail_dst.copy_from_slice(got);
+        }
+        Ok(())
+    }
+
+    /// Reads `dst` (at a [`DIRECT_ALIGN`] boundary, a whole number of blocks) from
+    /// `offset` (a boundary too) straight into it.
+    fn read_aligned(&self, offset: u64, dst: &mut [u8]) -> io::Result<()> {
+        debug_assert!(offset.is_multiple_of(DIRECT_ALIGN as u64));
+        debug_assert!((dst.as_ptr() as usize).is_multiple_of(DIRECT_ALIGN));
+        debug_assert!(dst.len().is_multiple_of(DIRECT_ALIGN));
+        let file_len = self.file.metadata()?.len();
+        let end = offset + dst.len() as u64;
+        if end > file_len {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!(
+                    "{}: bytes {offset}..{end} are past its end ({file_len} bytes)",
+                    self.path.display()
+                ),
+            ));
+        }
+        let mut done = 0usize;
+        while done < dst.len() {
+            let n = self.file.read_at(&mut dst[done..], offset + done as u64)?;
+            done += n;
+            // A direct read stops short only at the end of the file (it shrank since
+            // the check above); what is left cannot be read aligned.
+            if n == 0 || (done < dst.len() && !n.is_multiple_of(DIRECT_ALIGN)) {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    format!(
+                        "{}: the file ended at byte {} while bytes up to {end} were read",
+                        self.path.display(),
+                        offset + done as u64
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Asks the OS to drop the file's clean pages from its page cache (a cold
     /// buffered read after it; a no-op where the OS has no such call).
     pub fn drop_cached(&self) {
@@ -489,6 +563,54 @@ mod tests {
                 let got = f.read_at(off as u64, len, &mut buf).unwrap();
                 assert_eq!(got, &data[off..off + len], "{mode:?} {off}+{len}");
             }
+        }
+    }
+
+    /// `read_into` gives the file's bytes for destinations in and out of phase with
+    /// the file; in phase, the aligned middle never passes through the bounce buffer.
+    #[test]
+    fn reads_into_a_destination_give_the_bytes_and_skip_the_bounce_in_phase() {
+        let (_d, p, data) = file_with(6 * DIRECT_ALIGN + 321);
+        for mode in [ReadMode::Direct, ReadMode::Buffered] {
+            let f = match DirectFile::open(&p, mode) {
+                Ok(f) => f,
+                Err(e) if mode == ReadMode::Direct => {
+                    eprintln!("skipping direct reads: {e}");
+                    continue;
+                }
+                Err(e) => panic!("{e}"),
+            };
+            let mut dst = AlignedBuf::new(8 * DIRECT_ALIGN);
+            let mut bounce = AlignedBuf::new(6 * DIRECT_ALIGN);
+            for (off, len, shift) in [
+                (0usize, 4 * DIRECT_ALIGN, 0usize),
+                (0, 3 * DIRECT_ALIGN + 7, 0),
+                (100, 2 * DIRECT_ALIGN, 100),
+                (DIRECT_ALIGN - 1, DIRECT_ALIGN + 2, DIRECT_ALIGN - 1),
+                (5, 2 * DIRECT_ALIGN, 6),
+                (17, 100, 17),
+                (3 * DIRECT_ALIGN, data.len() - 3 * DIRECT_ALIGN, 0),
+            ] {
+                bounce.as_mut_slice().fill(0xAB);
+                let out = &mut dst.as_mut_slice()[shift..shift + len];
+                out.fill(0);
+                f.read_into(off as u64, out, &mut bounce).unwrap();
+                assert_eq!(
+                    out,
+                    &data[off..off + len],
+                    "{mode:?} {off}+{len} at {shift}"
+                );
+                let whole_blocks = off % DIRECT_ALIGN == 0 && len % DIRECT_ALIGN == 0;
+                if mode == ReadMode::Direct && shift == off % DIRECT_ALIGN && whole_blocks {
+                    assert!(bounce.as_slice().iter().all(|&b| b == 0xAB), "{off}+{len}");
+                }
+            }
+            let out = &mut dst.as_mut_slice()[..2 * DIRECT_ALIGN];
+            let e = f
+                .read_into(5 * DIRECT_ALIGN as u64, out, &mut bounce)
+                .unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof, "{mode:?}: {e}");
+            assert!(e.to_string().contains("f.bin"), "{e}");
         }
     }
 

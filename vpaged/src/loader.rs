@@ -7,8 +7,12 @@
 //! recorded as an integrity failure on its tier and the next tier is tried. Only when
 //! no tier yields the manifest's bytes does the load fail, with every tier's reason.
 
+use std::cell::RefCell;
+
 use voom_formats::manifest::PageEntry;
 use voom_formats::vpack;
+
+use crate::direct::AlignedBuf;
 
 use crate::seal::Seals;
 use crate::tier::{Extent, FastTier, FileTier, ModelTier, NasTier, TierError};
@@ -77,14 +81,7 @@ impl PageLoader<'_> {
         let copy = self.nas.map(|t| (Served::Nas, Location::Nas(t)));
         for (served, loc) in std::iter::once(own).chain(copy) {
             if let Some(p) = &packed {
-                let outcome = match loc.read_packed(entry, p, buf) {
-                    Ok(()) => self.verify(entry, buf, loc.name()).map_err(|e| {
-                        loc.record_integrity_failure();
-                        Packed::Corrupt(e)
-                    }),
-                    Err(e) => Err(e),
-                };
-                match outcome {
+                match loc.load_packed(entry, p, buf, self.seals) {
                     Ok(()) => return Ok(served),
                     Err(Packed::Corrupt(e)) => {
                         tracing::warn!(
@@ -171,6 +168,31 @@ impl Failures {
     }
 }
 
+/// Bodies up to this many bytes leave their buffer to the thread's next body.
+const KEEP_BODY_BUFFER: usize = 64 << 20;
+
+thread_local! {
+    /// This thread's buffer for vpack bodies.
+    static BODY: RefCell<Option<AlignedBuf>> = const { RefCell::new(None) };
+}
+
+/// Runs `f` on a buffer of `len` bytes for a vpack body, aligned for direct reads
+/// (a pack file's bodies start at 16 KiB boundaries, so the device writes them in
+/// place: [`DirectFile::read_into`](crate::direct::DirectFile::read_into)) and reused
+/// by this thread's next body: no allocation, no zeroing, no page faults per page.
+/// Its bytes before `f` writes them are a previous body's.
+fn with_body_buffer<R>(len: usize, f: impl FnOnce(&mut [u8]) -> R) -> R {
+    let mut buf = BODY
+        .with(|b| b.borrow_mut().take())
+        .filter(|b| b.capacity() >= len)
+        .unwrap_or_else(|| AlignedBuf::new(len));
+    let r = f(&mut buf.as_mut_slice()[..len]);
+    if buf.capacity() <= KEEP_BODY_BUFFER {
+        BODY.with(|b| *b.borrow_mut() = Some(buf));
+    }
+    r
+}
+
 /// Why a vpack body did not yield the page.
 enum Packed {
     /// It was read but is corrupt: it does not decode, or decodes to the wrong bytes.
@@ -216,8 +238,16 @@ impl Location<'_> {
         }
     }
 
-    /// Reads a vpack body and decodes it into `buf`.
-    fn read_packed(&self, entry: &PageEntry, ext: &Extent, buf: &mut [u8]) -> Result<(), Packed> {
+    /// Reads a vpack body, decodes it into `buf` and verifies the page: a body that
+    /// matches its seal decodes to the bytes verified before ([`Seals::body_is_sealed`]);
+    /// any other is decoded and the page's bytes checked, then the body is sealed.
+    fn load_packed(
+        &self,
+        entry: &PageEntry,
+        ext: &Extent,
+        buf: &mut [u8],
+        seals: &Seals,
+    ) -> Result<(), Packed> {
         let unreadable = |e: TierError| Packed::Unreadable(e.into());
         // The body's length comes from the manifest: allocate only what the file holds.
         self.check_extent(ext).map_err(unreadable)?;
@@ -227,9 +257,30 @@ impl Location<'_> {
                 detail: format!("vpack body of {} bytes does not fit in memory", ext.len),
             })
         })?;
-        let mut body = vec![0u8; len];
-        self.read(ext, &mut body).map_err(unreadable)?;
-        vpack::decode(&body, buf).map_err(|e| {
+        with_body_buffer(len, |body| {
+            self.read(ext, body).map_err(unreadable)?;
+            let sealed = seals.body_is_sealed(entry.id, body);
+            self.decode(entry, ext, body, buf)?;
+            if !sealed {
+                seals.verify(entry, buf, self.name()).map_err(|e| {
+                    self.record_integrity_failure();
+                    Packed::Corrupt(e)
+                })?;
+                seals.seal_body(entry.id, body);
+            }
+            Ok(())
+        })
+    }
+
+    /// Decodes the vpack `body` read from `ext` into `buf`.
+    fn decode(
+        &self,
+        entry: &PageEntry,
+        ext: &Extent,
+        body: &[u8],
+        buf: &mut [u8],
+    ) -> Result<(), Packed> {
+        vpack::decode(body, buf).map_err(|e| {
             // A body that does not decode is corrupt: an integrity failure of the tier.
             self.record_integrity_failure();
             Packed::Corrupt(StoreError::Store {

@@ -312,8 +312,9 @@ fn split(offset: u64, len: usize, piece: usize) -> Vec<(usize, usize)> {
 }
 
 /// Reads `dst.len()` bytes of `file` at `offset` on this thread: buffered straight
-/// into `dst`, direct through this thread's bounce buffer in pieces of at most
-/// `piece` bytes.
+/// into `dst`, direct in pieces of at most `piece` bytes, each straight into `dst`
+/// where `dst` is aligned as the file is ([`DirectFile::read_into`]), else through
+/// this thread's bounce buffer.
 fn read_piece(file: &DirectFile, offset: u64, dst: &mut [u8], piece: usize) -> io::Result<()> {
     match file.mode() {
         ReadMode::Buffered => file.file().read_exact_at(dst, offset),
@@ -329,8 +330,7 @@ fn read_piece(file: &DirectFile, offset: u64, dst: &mut [u8], piece: usize) -> i
                 let pos = offset + done as u64;
                 let to_boundary = piece - (pos % piece as u64) as usize;
                 let n = (dst.len() - done).min(to_boundary);
-                let got = file.read_at(pos, n, bounce)?;
-                dst[done..done + n].copy_from_slice(got);
+                file.read_into(pos, &mut dst[done..done + n], bounce)?;
                 done += n;
             }
             Ok(())

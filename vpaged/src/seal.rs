@@ -28,6 +28,8 @@ use crate::StoreError;
 pub struct Seals {
     key: u64,
     seals: Box<[OnceLock<u128>]>,
+    /// Seals of vpack bodies that decoded to their page's verified bytes.
+    bodies: Box<[OnceLock<u128>]>,
 }
 
 impl Seals {
@@ -41,6 +43,7 @@ impl Seals {
         Seals {
             key,
             seals: (0..pages).map(|_| OnceLock::new()).collect(),
+            bodies: (0..pages).map(|_| OnceLock::new()).collect(),
         }
     }
 
@@ -73,6 +76,30 @@ impl Seals {
         check(entry, bytes, tier)?;
         let _ = seal.set(self.digest(bytes));
         Ok(())
+    }
+}
+
+impl Seals {
+    /// Whether `body` is the vpack body of the page of manifest id `id` that once
+    /// decoded to the page's verified bytes ([`seal_body`](Self::seal_body)).
+    /// Decoding is a function of the body alone, so a body that matches the seal
+    /// decodes to those bytes again: they need no check of their own, and the body
+    /// is fewer bytes to hash than what it decodes to.
+    pub fn body_is_sealed(&self, id: u32, body: &[u8]) -> bool {
+        self.bodies
+            .get(id as usize)
+            .and_then(|s| s.get())
+            .is_some_and(|&known| self.digest(body) == known)
+    }
+
+    /// Seals `body` as the vpack body of page `id`. Only for a body whose decoded
+    /// bytes were just verified as the page.
+    pub fn seal_body(&self, id: u32, body: &[u8]) {
+        if let Some(s) = self.bodies.get(id as usize) {
+            if s.get().is_none() {
+                let _ = s.set(self.digest(body));
+            }
+        }
     }
 }
 
@@ -156,6 +183,28 @@ mod tests {
         seals.verify(&far, &good, "primary").unwrap();
         assert!(seals.verify(&far, &bad, "primary").is_err());
         assert!(!seals.is_sealed(7));
+    }
+
+    /// A body is sealed only when asked, after its decoding was verified; a body
+    /// that differs anywhere from the sealed one is not taken for it.
+    #[test]
+    fn bodies_are_sealed_apart_from_pages() {
+        let body: Vec<u8> = (0..50_000u32).map(|i| (i * 13 % 241) as u8).collect();
+        let seals = Seals::new(2);
+        assert!(!seals.body_is_sealed(1, &body));
+        seals.seal_body(1, &body);
+        assert!(seals.body_is_sealed(1, &body));
+        assert!(!seals.body_is_sealed(0, &body), "another page's body");
+        assert!(!seals.is_sealed(1), "sealing a body seals no page bytes");
+        for at in [0, 31, 32, 49_999] {
+            let mut bad = body.clone();
+            bad[at] ^= 0x80;
+            assert!(!seals.body_is_sealed(1, &bad), "flipped byte {at}");
+        }
+        assert!(!seals.body_is_sealed(1, &body[..body.len() - 1]));
+        // Ids past the table are never sealed.
+        seals.seal_body(9, &body);
+        assert!(!seals.body_is_sealed(9, &body));
     }
 
     /// Two stores seal under different keys.

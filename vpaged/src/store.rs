@@ -869,9 +869,10 @@ impl Store {
     }
 
     /// Loads a hinted group: pages that are one plain read ([`Store::streamed`]) are
-    /// reserved together and read in flight; the others load one by one on this
-    /// thread through [`PageLoader`]. Errors are dropped: a demand request for the
-    /// page reports them.
+    /// reserved together and read in flight; the first of the others loads on this
+    /// thread through [`PageLoader`], the rest are hinted again one by one, for every
+    /// prefetch thread to share. Errors are dropped: a demand request for the page
+    /// reports them.
     fn prefetch_now(self: &Arc<Self>, model: u32, pages: &[u32]) {
         let Ok(m) = self.model(model) else { return };
         let mut streamed = Vec::new();
@@ -896,12 +897,31 @@ impl Store {
                 }
             }
         }
-        for (page, len) in others {
+        // Loads that hold a thread (a vpack body is read, then decoded) are shared
+        // out: every page after the first goes back to the queue as a hint of its
+        // own, for the next free prefetch thread, so a layer's pages read and decode
+        // on every thread at once rather than one after another on this one.
+        let mut mine = Vec::with_capacity(1);
+        for (k, (page, len)) in others.into_iter().enumerate() {
+            if k == 0 || !self.requeue(model, page) {
+                mine.push((page, len));
+            }
+        }
+        for (page, len) in mine {
             let key = PageKey { model, page };
             let _ = self
                 .cache
                 .prefetch(key, len, |buf| self.load_into(&m, page, buf));
         }
+    }
+
+    /// Queues `page` as a hint of its own; false when the queue is full or closed.
+    fn requeue(&self, model: u32, page: u32) -> bool {
+        self.prefetch_tx
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .is_some_and(|tx| tx.try_send((model, vec![page])).is_ok())
     }
 
     /// The open primary file of a page whose load is one plain read there

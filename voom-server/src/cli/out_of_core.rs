@@ -51,9 +51,11 @@ pub struct OutOfCoreArgs {
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
     /// Configurations to run, comma-separated: `mmap` (the embedded memory-mapped
-    /// store, the naive baseline) and `cache` (vOOM's page cache at the budget less
-    /// KV, scratch and the process).
-    #[arg(long, value_delimiter = ',', default_value = "mmap,cache")]
+    /// store, the naive baseline), `cache` (vOOM's page cache at the budget less KV,
+    /// scratch and the process) and `vpack` (the same cache reading the pages' vpack
+    /// bodies: a packed copy of the model beside it, its files hard links of the
+    /// model's, packed once and reused).
+    #[arg(long, value_delimiter = ',', default_value = "mmap,cache,vpack")]
     pub configs: Vec<String>,
     /// Rounds: every configuration runs once per round, in turn, each run after a
     /// fresh measurement of the storage's bandwidth (this benchmark's disk may change
@@ -140,6 +142,17 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
         .map(|i| ((i * 7919 + 13) % vocab.max(1)).to_string())
         .collect();
     let cache_budget = room.saturating_sub(64 << 20).max(1 << 20);
+    // The packed copy, and the bytes per token its bodies leave on storage.
+    let packed = if a.configs.iter().any(|c| c == "vpack") {
+        ensure_manifest(&dir)?;
+        Some(packed_copy(&dir)?)
+    } else {
+        None
+    };
+    let pack_ratio = packed.as_ref().map(|p| p.ratio);
+    let packed_bound = pack_ratio
+        .zip(bound)
+        .map(|(r, b)| b / r.max(f64::MIN_POSITIVE));
     let mut results = Vec::new();
     let runs: Vec<(usize, &String)> = (0..a.repeat.max(1))
         .flat_map(|round| a.configs.iter().map(move |c| (round, c)))
@@ -150,19 +163,32 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
         let near = direct::read_bandwidth(&files, 1 << 30, bw.chunk, bw.mode, bw.readers)
             .map(|b| b.bytes_per_sec())
             .unwrap_or(storage_bps);
-        let near_bound = (non_resident > 0).then(|| near / non_resident as f64);
-        let extra: Vec<String> = match cfg.as_str() {
-            "mmap" => vec![],
+        // Bytes per token a configuration must read: the packed bodies' for vpack.
+        let scale = if cfg == "vpack" {
+            pack_ratio.unwrap_or(1.0)
+        } else {
+            1.0
+        };
+        let near_bound = (non_resident > 0).then(|| near / (non_resident as f64 * scale));
+        let (model_dir, extra): (&Path, Vec<String>) = match cfg.as_str() {
+            "mmap" => (&dir, vec![]),
             "cache" => {
                 ensure_manifest(&dir)?;
-                vec!["--cache-budget".into(), cache_budget.to_string()]
+                (
+                    &dir,
+                    vec!["--cache-budget".into(), cache_budget.to_string()],
+                )
             }
-            other => bail!("unknown configuration '{other}' (mmap, cache)"),
+            "vpack" => (
+                &packed.as_ref().expect("packed above").dir,
+                vec!["--cache-budget".into(), cache_budget.to_string()],
+            ),
+            other => bail!("unknown configuration '{other}' (mmap, cache, vpack)"),
         };
         let mut args: Vec<String> = vec![
             "generate".into(),
             "--model".into(),
-            dir.display().to_string(),
+            model_dir.display().to_string(),
             "--prompt-ids".into(),
             prompt.join(","),
             "--max-new-tokens".into(),
@@ -231,7 +257,7 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
             "peak_bytes": peak,
             "peak_rss_bytes": r["peak_rss_bytes"],
             "oom_kills": oom,
-            "ratio_to_storage_bound": bound.map(|b| decode_tps / b),
+            "ratio_to_storage_bound": bound.map(|b| decode_tps / (b / scale)),
             "wall_secs": wall,
         }));
     }
@@ -242,14 +268,16 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
             .find(|r| r["config"] == name && r["round"] == round && r["ok"] == true)
             .and_then(|r| r["decode_tokens_per_sec"].as_f64())
     };
-    let vs_mmap = median(
-        (0..a.repeat.max(1))
-            .filter_map(|k| match (rate("cache", k), rate("mmap", k)) {
-                (Some(c), Some(m)) if m > 0.0 => Some(c / m),
-                _ => None,
-            })
-            .collect(),
-    );
+    let vs_mmap = |name: &str| {
+        median(
+            (0..a.repeat.max(1))
+                .filter_map(|k| match (rate(name, k), rate("mmap", k)) {
+                    (Some(c), Some(m)) if m > 0.0 => Some(c / m),
+                    _ => None,
+                })
+                .collect(),
+        )
+    };
     let medians: serde_json::Map<String, Value> = a
         .configs
         .iter()
@@ -287,11 +315,17 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
         "needs": {"kv": kv, "scratch": scratch, "process_assumed": PROCESS_BYTES},
         "storage": {"mode": bw.mode.name(), "bytes_per_sec": storage_bps, "bytes_read": bw.bytes, "readers": bw.readers, "chunk": bw.chunk},
         "storage_bound_tokens_per_sec": bound,
+        "vpack": packed.as_ref().map(|p| json!({
+            "dir": p.dir.display().to_string(),
+            "packed_over_raw": p.ratio,
+            "storage_bound_tokens_per_sec": packed_bound,
+        })),
         "cache_budget": cache_budget,
         "runs": results,
         "rounds": a.repeat.max(1),
         "medians": medians,
-        "cache_vs_mmap": vs_mmap,
+        "cache_vs_mmap": vs_mmap("cache"),
+        "vpack_vs_mmap": vs_mmap("vpack"),
     });
     if a.json {
         vpaged::outln!("{report}")?;
@@ -327,6 +361,15 @@ fn print_report(r: &Value) -> Result<()> {
             .as_f64()
             .map_or("none (fits)".into(), |v| format!("{v:.3}"))
     )?;
+    if let Some(v) = r["vpack"].as_object() {
+        vpaged::outln!(
+            "  vpack bodies {:.4} of the raw bytes; their storage bound: {} tok/s",
+            v["packed_over_raw"].as_f64().unwrap_or(0.0),
+            v["storage_bound_tokens_per_sec"]
+                .as_f64()
+                .map_or("none (fits)".into(), |v| format!("{v:.3}"))
+        )?;
+    }
     vpaged::outln!(
         "  {:<6} {:>5} {:>10} {:>10} {:>12} {:>12} {:>8}",
         "config",
@@ -361,7 +404,7 @@ fn print_report(r: &Value) -> Result<()> {
             run["oom_kills"]
         )?;
     }
-    vpaged::outln!("  * of the bound measured just before the run")?;
+    vpaged::outln!("  * of the bound measured just before the run (vpack: of its bodies' bytes)")?;
     if let Some(m) = r["medians"].as_object() {
         for (c, v) in m {
             vpaged::outln!(
@@ -376,8 +419,10 @@ fn print_report(r: &Value) -> Result<()> {
             )?;
         }
     }
-    if let Some(v) = r["cache_vs_mmap"].as_f64() {
-        vpaged::outln!("  cache / mmap decode (median of each round's ratio): {v:.2}x")?;
+    for c in ["cache", "vpack"] {
+        if let Some(v) = r[format!("{c}_vs_mmap")].as_f64() {
+            vpaged::outln!("  {c} / mmap decode (median of each round's ratio): {v:.2}x")?;
+        }
     }
     Ok(())
 }
@@ -409,4 +454,74 @@ fn ensure_manifest(dir: &Path) -> Result<()> {
     let manifest = Manifest::build(&ckpt, &mut |_, _| {})?;
     manifest.save(dir)?;
     Ok(())
+}
+
+/// The packed copy of a model that the `vpack` configuration reads.
+struct Packed {
+    dir: PathBuf,
+    /// Bytes of the bodies over the raw bytes of the pages they encode.
+    ratio: f64,
+}
+
+/// The packed copy of `dir` (`DIR-vpack` beside it): its checkpoint files hard links
+/// of `dir`'s (the same blocks on storage; copies where links cannot be made), the
+/// other files copied, its manifest naming the vpack bodies in its own `model.vpack`.
+/// Made once; a copy whose manifest no longer matches the model is made again.
+fn packed_copy(dir: &Path) -> Result<Packed> {
+    use voom_formats::vpack::PACK_FILE;
+    let name = dir.file_name().context("the model directory has no name")?;
+    let packed = dir.with_file_name(format!("{}-vpack", name.to_string_lossy()));
+    let ckpt = Checkpoint::open(dir)?;
+    let ratio = |m: &Manifest| {
+        let (raw, body) = m
+            .pages
+            .iter()
+            .filter_map(|p| p.vpack().map(|b| (p.len, b.len)))
+            .fold((0u64, 0u64), |(r, b), (x, y)| (r + x, b + y));
+        body as f64 / raw.max(1) as f64
+    };
+    if let Ok(Some(m)) = Manifest::load(&packed) {
+        if packed.join(PACK_FILE).is_file()
+            && m.pages.iter().any(|p| p.vpack().is_some())
+            && Checkpoint::open(&packed).is_ok_and(|c| m.check_matches(&c).is_ok())
+        {
+            return Ok(Packed {
+                ratio: ratio(&m),
+                dir: packed,
+            });
+        }
+    }
+    eprintln!(
+        "voom bench: packing a copy of {} into {} for the vpack configuration",
+        dir.display(),
+        packed.display()
+    );
+    std::fs::create_dir_all(&packed).with_context(|| format!("creating {}", packed.display()))?;
+    let links: Vec<PathBuf> = ckpt.files.iter().map(|f| f.path.clone()).collect();
+    for entry in std::fs::read_dir(dir).with_context(|| format!("listing {}", dir.display()))? {
+        let from = entry?.path();
+        if !from.is_file() || from.file_name().is_some_and(|n| n == PACK_FILE) {
+            continue;
+        }
+        let to = packed.join(from.file_name().expect("a file has a name"));
+        let _ = std::fs::remove_file(&to);
+        let linked = links.contains(&from) && std::fs::hard_link(&from, &to).is_ok();
+        if !linked {
+            std::fs::copy(&from, &to)
+                .with_context(|| format!("copying {} to {}", from.display(), to.display()))?;
+        }
+    }
+    let mut manifest = Manifest::load(&packed)?
+        .with_context(|| format!("{} has no page manifest", packed.display()))?;
+    let report = voom_formats::pack::pack_model(&packed, &mut manifest, &mut |_, _| {})
+        .with_context(|| format!("packing {}", packed.display()))?;
+    eprintln!(
+        "voom bench: packed {} pages, bodies {:.4} of the raw bytes",
+        report.pages,
+        report.ratio()
+    );
+    Ok(Packed {
+        ratio: ratio(&manifest),
+        dir: packed,
+    })
 }
