@@ -1,6 +1,6 @@
 //! Packing a model store: the lossless vpack body of every BF16/F16 page written to
 //! `model.vpack` beside the checkpoint, and the manifest updated to name them (what
-//! `vpagectl pack` and `voom pack` do).
+//! `vpagectl pack` does, and `voom bench out-of-core` for its packed copy).
 //!
 //! Every body is decoded again and checked against the manifest's blake3 before it
 //! is kept, which proves the body and also that the raw bytes packed were the right

@@ -44,11 +44,14 @@ pub struct Needs {
     pub scratch_bytes: u64,
     /// The process itself: code, tokenizer, heap before weights.
     pub process_bytes: u64,
+    /// The page store's read buffers: readers' bounce buffers and vpack bodies being
+    /// decoded ([`vpaged::store::IoConfig::buffer_bytes`]).
+    pub io_bytes: u64,
 }
 
 impl Needs {
     pub fn total(&self) -> u64 {
-        self.kv_bytes + self.scratch_bytes + self.process_bytes
+        self.kv_bytes + self.scratch_bytes + self.process_bytes + self.io_bytes
     }
 }
 
@@ -93,9 +96,9 @@ pub enum PlacementError {
     #[error(
         "a memory budget of {} cannot run this model: it needs at least {} ({} of \
          streaming window for its largest step, {} of KV cache, {} of compute scratch, \
-         {} for the process)",
+         {} for the process, {} of read buffers)",
         human(*budget), human(*minimum), human(*window), human(*kv), human(*scratch),
-        human(*process)
+        human(*process), human(*io)
     )]
     BelowMinimum {
         budget: u64,
@@ -104,6 +107,7 @@ pub enum PlacementError {
         kv: u64,
         scratch: u64,
         process: u64,
+        io: u64,
     },
 }
 
@@ -168,6 +172,7 @@ pub fn place(plan: &PagePlan, needs: &Needs, budget: u64) -> Result<Placement, P
         kv: needs.kv_bytes,
         scratch: needs.scratch_bytes,
         process: needs.process_bytes,
+        io: needs.io_bytes,
     };
     let avail = budget.checked_sub(needs.total()).ok_or_else(refuse)?;
     if avail < min_window {
@@ -275,7 +280,8 @@ mod tests {
         let needs = Needs {
             kv_bytes: MIB,
             scratch_bytes: MIB,
-            process_bytes: 10 * MIB,
+            process_bytes: 8 * MIB,
+            io_bytes: 2 * MIB,
         };
         // The largest step is the embedding (8 MiB): 8 + 12 needed.
         let e = place(&plan, &needs, 20 * MIB - 1).unwrap_err();
@@ -284,6 +290,7 @@ mod tests {
         } = e.clone();
         assert_eq!((minimum, window), (20 * MIB, 8 * MIB));
         assert!(e.to_string().contains("at least 20.0 MiB"), "{e}");
+        assert!(e.to_string().contains("2.00 MiB of read buffers"), "{e}");
         let p = place(&plan, &needs, 20 * MIB).unwrap();
         assert_eq!(p.window_bytes, 8 * MIB);
         assert!(p.pinned.is_empty());
@@ -329,9 +336,10 @@ mod tests {
             kv in 0u64..(256 << 20),
             scratch in 0u64..(64 << 20),
             process in 0u64..(64 << 20),
+            io in 0u64..(64 << 20),
             budget in 0u64..(2u64 << 30),
         ) {
-            let needs = Needs { kv_bytes: kv, scratch_bytes: scratch, process_bytes: process };
+            let needs = Needs { kv_bytes: kv, scratch_bytes: scratch, process_bytes: process, io_bytes: io };
             match place(&plan, &needs, budget) {
                 Ok(p) => {
                     prop_assert!(p.total() <= budget);

@@ -100,6 +100,30 @@ impl Default for IoConfig {
     }
 }
 
+impl IoConfig {
+    /// The most memory the store's own read buffers hold at once, besides the cache:
+    /// a bounce buffer per reader (one piece and its alignment margins, for direct
+    /// reads; one reader when reads run on the requesting thread), and for a model
+    /// with vpack bodies (its `manifest`), a body on each prefetch thread and on the
+    /// requesting thread as it is read and decoded: the largest bodies, one each (a
+    /// page loads on one thread at a time).
+    pub fn buffer_bytes(&self, manifest: Option<&Manifest>) -> u64 {
+        let align = crate::direct::DIRECT_ALIGN as u64;
+        let bounce = self.read_piece as u64 + 2 * align;
+        let mut bodies: Vec<u64> = manifest
+            .map(|m| {
+                m.pages
+                    .iter()
+                    .filter_map(|p| p.vpack().map(|b| b.len.next_multiple_of(align)))
+                    .collect()
+            })
+            .unwrap_or_default();
+        bodies.sort_unstable_by(|a, b| b.cmp(a));
+        let decoding: u64 = bodies.iter().take(self.prefetch_threads + 1).sum();
+        self.read_threads.max(1) as u64 * bounce + decoding
+    }
+}
+
 /// Default threads loading prefetched pages.
 pub const DEFAULT_PREFETCH_THREADS: usize = 4;
 
@@ -2063,6 +2087,58 @@ mod tests {
                 "{mode:?}: {e}"
             );
         }
+    }
+
+    /// The read buffers: a bounce buffer per reader, and the largest vpack bodies,
+    /// one for each thread that may decode one at once.
+    #[test]
+    fn read_buffers_count_readers_and_the_largest_bodies() {
+        let io = IoConfig {
+            read_threads: 4,
+            read_piece: 1 << 20,
+            prefetch_threads: 1,
+        };
+        let bounce = (1 << 20) + 2 * crate::direct::DIRECT_ALIGN as u64;
+        assert_eq!(io.buffer_bytes(None), 4 * bounce);
+        let page = |id: u32, body: Option<u64>| PageEntry {
+            id,
+            name: format!("w{id}"),
+            dtype: DType::BF16,
+            shape: vec![8],
+            file: "model.safetensors".into(),
+            offset: 0,
+            len: 16,
+            encoding: Encoding::Raw,
+            blake3: String::new(),
+            group: PageGroup::Other,
+            encoded: body
+                .map(|len| voom_formats::manifest::EncodedBody {
+                    encoding: Encoding::Vpack,
+                    file: "model.vpack".into(),
+                    offset: 0,
+                    len,
+                })
+                .into_iter()
+                .collect(),
+        };
+        let m = Manifest {
+            format_version: 2,
+            pages: vec![
+                page(0, Some(112 << 10)),
+                page(1, None),
+                page(2, Some(320 << 10)),
+                page(3, Some(1)),
+                page(4, Some(200 << 10)),
+            ],
+        };
+        // The two largest bodies (prefetch thread and requesting thread), each to
+        // its 16 KiB.
+        assert_eq!(io.buffer_bytes(Some(&m)), 4 * bounce + (320 << 10) + (208 << 10));
+        let none = IoConfig {
+            read_threads: 0,
+            ..io
+        };
+        assert_eq!(none.buffer_bytes(None), bounce, "reads on the requesting thread");
     }
 
     #[test]

@@ -74,6 +74,9 @@ pub struct OutOfCoreArgs {
 const PREFILL_CHUNK: usize = 256;
 /// Memory assumed for the child process itself (code, tokenizer, heap).
 const PROCESS_BYTES: u64 = 96 << 20;
+/// Room left besides the cache, the read buffers and the process, for the heap's
+/// growth while it runs.
+const HEAP_MARGIN: u64 = 32 << 20;
 
 pub fn run(a: OutOfCoreArgs) -> Result<()> {
     if a.decode_tokens < 2 || a.prompt_tokens == 0 {
@@ -141,7 +144,14 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
     let prompt: Vec<String> = (0..a.prompt_tokens as u32)
         .map(|i| ((i * 7919 + 13) % vocab.max(1)).to_string())
         .collect();
-    let cache_budget = room.saturating_sub(64 << 20).max(1 << 20);
+    // The cache gets the room less the store's read buffers (for vpack, the bodies
+    // being decoded too) and a margin for the heap.
+    let io = vpaged::store::IoConfig::default();
+    let cache_budget_with = |manifest: Option<&Manifest>| {
+        room.saturating_sub(io.buffer_bytes(manifest) + HEAP_MARGIN)
+            .max(1 << 20)
+    };
+    let cache_budget = cache_budget_with(None);
     // The packed copy, and the bytes per token its bodies leave on storage.
     let packed = if a.configs.iter().any(|c| c == "vpack") {
         ensure_manifest(&dir)?;
@@ -150,6 +160,9 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
         None
     };
     let pack_ratio = packed.as_ref().map(|p| p.ratio);
+    let packed_cache_budget = packed
+        .as_ref()
+        .map(|p| cache_budget_with(Some(&p.manifest)));
     let packed_bound = pack_ratio
         .zip(bound)
         .map(|(r, b)| b / r.max(f64::MIN_POSITIVE));
@@ -181,7 +194,10 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
             }
             "vpack" => (
                 &packed.as_ref().expect("packed above").dir,
-                vec!["--cache-budget".into(), cache_budget.to_string()],
+                vec![
+                    "--cache-budget".into(),
+                    packed_cache_budget.unwrap_or(cache_budget).to_string(),
+                ],
             ),
             other => bail!("unknown configuration '{other}' (mmap, cache, vpack)"),
         };
@@ -312,12 +328,15 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
         "page_cache_dropped": dropped.is_ok(),
         "weight_bytes_per_token": weights,
         "non_resident_bytes_per_token": non_resident,
-        "needs": {"kv": kv, "scratch": scratch, "process_assumed": PROCESS_BYTES},
+        "needs": {"kv": kv, "scratch": scratch, "process_assumed": PROCESS_BYTES,
+                  "read_buffers": io.buffer_bytes(None), "heap_margin": HEAP_MARGIN},
         "storage": {"mode": bw.mode.name(), "bytes_per_sec": storage_bps, "bytes_read": bw.bytes, "readers": bw.readers, "chunk": bw.chunk},
         "storage_bound_tokens_per_sec": bound,
         "vpack": packed.as_ref().map(|p| json!({
             "dir": p.dir.display().to_string(),
             "packed_over_raw": p.ratio,
+            "read_buffers": io.buffer_bytes(Some(&p.manifest)),
+            "cache_budget": packed_cache_budget,
             "storage_bound_tokens_per_sec": packed_bound,
         })),
         "cache_budget": cache_budget,
@@ -461,6 +480,8 @@ struct Packed {
     dir: PathBuf,
     /// Bytes of the bodies over the raw bytes of the pages they encode.
     ratio: f64,
+    /// Its manifest.
+    manifest: Manifest,
 }
 
 /// The packed copy of `dir` (`DIR-vpack` beside it): its checkpoint files hard links
@@ -487,6 +508,7 @@ fn packed_copy(dir: &Path) -> Result<Packed> {
         {
             return Ok(Packed {
                 ratio: ratio(&m),
+                manifest: m,
                 dir: packed,
             });
         }
@@ -522,6 +544,7 @@ fn packed_copy(dir: &Path) -> Result<Packed> {
     );
     Ok(Packed {
         ratio: ratio(&manifest),
+        manifest,
         dir: packed,
     })
 }

@@ -11,6 +11,7 @@ use libvoom::engine::{Engine, EngineOptions};
 use libvoom::model::plan::Stage;
 use libvoom::placement::{self, human, Needs, Placement};
 use serde_json::json;
+use voom_formats::Manifest;
 use vpaged::direct::{self, Bandwidth, ReadMode};
 use vpaged::VerifyMode;
 
@@ -76,10 +77,14 @@ pub fn run(a: PlanArgs) -> Result<()> {
             None => (None, "not measured"),
         },
     };
+    // The in-process page cache's read buffers at its default reads in flight, and
+    // the model's largest vpack body where it has them.
+    let manifest = Manifest::load(&dir).ok().flatten();
     let needs = Needs {
         kv_bytes: model.kv_bytes_per_position() * context as u64,
         scratch_bytes: model.scratch_bytes(context, a.prefill_chunk, context),
         process_bytes: process.unwrap_or(0),
+        io_bytes: vpaged::store::IoConfig::default().buffer_bytes(manifest.as_ref()),
     };
     let (budget, budget_from) = match a.memory_budget {
         Some(b) => (b, "--memory-budget".to_string()),
@@ -116,6 +121,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
                     "scratch": needs.scratch_bytes,
                     "process": needs.process_bytes,
                     "process_from": process_from,
+                    "read_buffers": needs.io_bytes,
                 },
                 "minimum_budget": p.minimum_budget(),
                 "pinned_pages": p.pinned.len(),
@@ -145,7 +151,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
         human(budget)
     )?;
     vpaged::outln!(
-        "  needs: KV {} ({context} positions), scratch {}, process {}{}",
+        "  needs: KV {} ({context} positions), scratch {}, process {}{}, read buffers {}",
         human(needs.kv_bytes),
         human(needs.scratch_bytes),
         human(needs.process_bytes),
@@ -153,7 +159,8 @@ pub fn run(a: PlanArgs) -> Result<()> {
             String::new()
         } else {
             format!(" ({process_from})")
-        }
+        },
+        human(needs.io_bytes)
     )?;
     vpaged::outln!(
         "  pinned: {} pages, {}; streaming window {}; in all {} (minimum {})",
