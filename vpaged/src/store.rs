@@ -2133,12 +2133,19 @@ mod tests {
         };
         // The two largest bodies (prefetch thread and requesting thread), each to
         // its 16 KiB.
-        assert_eq!(io.buffer_bytes(Some(&m)), 4 * bounce + (320 << 10) + (208 << 10));
+        assert_eq!(
+            io.buffer_bytes(Some(&m)),
+            4 * bounce + (320 << 10) + (208 << 10)
+        );
         let none = IoConfig {
             read_threads: 0,
             ..io
         };
-        assert_eq!(none.buffer_bytes(None), bounce, "reads on the requesting thread");
+        assert_eq!(
+            none.buffer_bytes(None),
+            bounce,
+            "reads on the requesting thread"
+        );
     }
 
     #[test]
