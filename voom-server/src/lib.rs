@@ -4,6 +4,7 @@
 //! It is the binary's inside, not a published API: errors are `anyhow` in the
 //! commands, typed ([`serve::error::ApiError`]) in the server.
 
+pub mod blockdev;
 pub mod cgroup;
 pub mod cli;
 pub mod memory;

@@ -10,7 +10,11 @@
 //! (private memory and page cache together). The storage bound is the cold read
 //! bandwidth of the checkpoint's files, measured here (direct and buffered, the best
 //! shape, the page cache dropped), divided
-//! by the bytes per token that cannot be resident under the budget.
+//! by the bytes per token that cannot be resident under the budget. The block
+//! device's own counters around each run ([`crate::blockdev`]) show what the device
+//! did: its mean read request, the share of the run it was busy, and what it read
+//! while busy, which tells a pipeline that leaves the device idle from a device that
+//! is slow.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -25,6 +29,7 @@ use voom_formats::Checkpoint;
 use vpaged::direct::{self, ReadMode};
 use vpaged::VerifyMode;
 
+use crate::blockdev::Device;
 use crate::cgroup::{self, Ceiling};
 use crate::synth;
 
@@ -136,6 +141,8 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
     };
 
     let ceiling = Ceiling::create(a.budget);
+    // The device under the checkpoint, whose counters are read around each run.
+    let device = files.first().and_then(|f| Device::of(f));
     let voom = match &a.voom {
         Some(v) => v.clone(),
         None => std::env::current_exe().context("finding the voom binary")?,
@@ -223,6 +230,7 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
             }
         }
         let _ = cgroup::drop_page_cache();
+        let dev_before = device.as_ref().and_then(|d| d.read());
         let t0 = Instant::now();
         let (out, peak, oom) = match &ceiling {
             Ok(c) => {
@@ -238,6 +246,11 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
             ),
         };
         let wall = t0.elapsed().as_secs_f64();
+        let dev = device
+            .as_ref()
+            .and_then(|d| d.read())
+            .zip(dev_before)
+            .map(|(after, before)| after.since(&before));
         let stdout = String::from_utf8_lossy(&out.stdout);
         let line = stdout.lines().last().unwrap_or("");
         let r: Value = match serde_json::from_str(line) {
@@ -275,6 +288,14 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
             "oom_kills": oom,
             "ratio_to_storage_bound": bound.map(|b| decode_tps / (b / scale)),
             "wall_secs": wall,
+            "device": dev.map(|d| json!({
+                "bytes_read": d.bytes,
+                "read_requests": d.reads,
+                "mean_request_bytes": d.mean_request_bytes(),
+                "busy_secs": d.busy.as_secs_f64(),
+                "busy_share": d.busy.as_secs_f64() / wall.max(1e-9),
+                "bytes_per_sec_while_busy": d.busy_bytes_per_sec(),
+            })),
         }));
     }
     // Per round, then the median over rounds.
@@ -332,6 +353,7 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
                   "read_buffers": io.buffer_bytes(None), "heap_margin": HEAP_MARGIN},
         "storage": {"mode": bw.mode.name(), "bytes_per_sec": storage_bps, "bytes_read": bw.bytes, "readers": bw.readers, "chunk": bw.chunk},
         "storage_bound_tokens_per_sec": bound,
+        "device": device.as_ref().map(|d| d.name().to_string()),
         "vpack": packed.as_ref().map(|p| json!({
             "dir": p.dir.display().to_string(),
             "packed_over_raw": p.ratio,
@@ -390,14 +412,17 @@ fn print_report(r: &Value) -> Result<()> {
         )?;
     }
     vpaged::outln!(
-        "  {:<6} {:>5} {:>10} {:>10} {:>12} {:>12} {:>8}",
+        "  {:<6} {:>5} {:>10} {:>10} {:>12} {:>12} {:>8} {:>10} {:>6} {:>10}",
         "config",
         "round",
         "decode t/s",
         "of bound*",
         "read/pass",
         "peak mem",
-        "oom"
+        "oom",
+        "dev req**",
+        "busy",
+        "GB/s busy"
     )?;
     for run in r["runs"].as_array().into_iter().flatten() {
         if run["ok"] != true {
@@ -410,8 +435,9 @@ fn print_report(r: &Value) -> Result<()> {
             )?;
             continue;
         }
+        let dev = &run["device"];
         vpaged::outln!(
-            "  {:<6} {:>5} {:>10.3} {:>10} {:>12} {:>12} {:>8}",
+            "  {:<6} {:>5} {:>10.3} {:>10} {:>12} {:>12} {:>8} {:>10} {:>6} {:>10}",
             run["config"].as_str().unwrap_or(""),
             run["round"],
             run["decode_tokens_per_sec"].as_f64().unwrap_or(0.0),
@@ -420,10 +446,23 @@ fn print_report(r: &Value) -> Result<()> {
                 .map_or("-".into(), |v| format!("{v:.2}")),
             b(&run["read_bytes_per_pass"]),
             run["peak_bytes"].as_u64().map_or("-".into(), human),
-            run["oom_kills"]
+            run["oom_kills"],
+            dev["mean_request_bytes"].as_u64().map_or("-".into(), human),
+            dev["busy_share"]
+                .as_f64()
+                .map_or("-".into(), |v| format!("{:.0}%", 100.0 * v)),
+            dev["bytes_per_sec_while_busy"]
+                .as_f64()
+                .map_or("-".into(), |v| format!("{:.2}", v / 1e9))
         )?;
     }
     vpaged::outln!("  * of the bound measured just before the run (vpack: of its bodies' bytes)")?;
+    vpaged::outln!(
+        "  ** the device's counters ({}) over the run: mean read request, share of the \
+         run's wall time it had a request in flight, and what it read while it did \
+         (other processes' I/O on it included)",
+        r["device"].as_str().unwrap_or("none found")
+    )?;
     if let Some(m) = r["medians"].as_object() {
         for (c, v) in m {
             vpaged::outln!(
