@@ -430,7 +430,7 @@ fn print_report(r: &Value) -> Result<()> {
                 "  {:<6} failed ({}; {} killed for memory): {}",
                 run["config"].as_str().unwrap_or(""),
                 run["status"].as_str().unwrap_or(""),
-                run["oom_kills"],
+                run["oom_kills"].as_u64().unwrap_or(0),
                 run["error"].as_str().unwrap_or("")
             )?;
             continue;
@@ -446,7 +446,7 @@ fn print_report(r: &Value) -> Result<()> {
                 .map_or("-".into(), |v| format!("{v:.2}")),
             b(&run["read_bytes_per_pass"]),
             run["peak_bytes"].as_u64().map_or("-".into(), human),
-            run["oom_kills"],
+            run["oom_kills"].as_u64().unwrap_or(0),
             dev["mean_request_bytes"].as_u64().map_or("-".into(), human),
             dev["busy_share"]
                 .as_f64()
