@@ -1051,6 +1051,7 @@ impl Store {
             });
         }
         let window = 2 * largest_layer_slot_bytes(&m.manifest);
+        let configured: std::collections::HashSet<PageKey> = m.pins.iter().copied().collect();
         let mut granted = Vec::new();
         let mut new_keys = Vec::new();
         let mut bytes = 0usize;
@@ -1065,6 +1066,12 @@ impl Store {
                 let entry = &m.manifest.pages[page as usize];
                 let key = PageKey { model, page };
                 if granted.contains(&key) {
+                    continue;
+                }
+                // Pinned by the configuration already: granted at no cost, and never
+                // unpinned when this planner's pins go.
+                if configured.contains(&key) {
+                    granted.push(key);
                     continue;
                 }
                 if let Some(n) = st.holders.get_mut(&key) {
@@ -1484,13 +1491,20 @@ fn lexical_absolute(p: &Path) -> PathBuf {
 pub struct StoreSource {
     store: Arc<Store>,
     model: Arc<OpenModel>,
+    /// The pins its engine's planner was granted ([`Store::pin_planned`]), held for
+    /// as long as the source lives.
+    planned: Mutex<Option<PlannedPins>>,
 }
 
 impl StoreSource {
     pub fn open(store: Arc<Store>, dir: &Path) -> Result<Self, StoreError> {
         let id = store.open_model(dir)?;
         let model = store.model(id)?;
-        Ok(StoreSource { store, model })
+        Ok(StoreSource {
+            store,
+            model,
+            planned: Mutex::new(None),
+        })
     }
 
     pub fn store(&self) -> &Arc<Store> {
@@ -1517,26 +1531,35 @@ impl PageSource for StoreSource {
         self.store.prefetch_group(self.model.id, &pages);
     }
 
-    /// Pins the planner's pages and marks the model as streaming the rest
-    /// ([`PageCache::set_streaming`]: none of its other pages is admitted to the
-    /// cache's main region, which would take the room the planner left for
-    /// streaming), then loads the pins at once, in order: each takes its slot as
-    /// high in the arena as it fits, so that pins sit together at the top and leave
-    /// the bottom whole for the pages that stream (a pin loaded late, among
-    /// streaming pages, would split the runs a large page needs). A page that fails
-    /// to load is left to its first demand request, which reports the error.
+    /// Pins the planner's pages as the daemon does ([`Store::pin_planned`]): as far
+    /// as they fit beside the configured pins, other planners' and a window of two
+    /// layers, marking the model as streaming the rest ([`PageCache::set_streaming`]:
+    /// none of its other pages is admitted to the cache's main region, which would
+    /// take the room the planner left for streaming), then loading them at once, in
+    /// order: each takes its slot as high in the arena as it fits, so that pins sit
+    /// together at the top and leave the bottom whole for the pages that stream. A
+    /// page that fails to load is left to its first demand request, which reports
+    /// the error. (Pinned straight into the cache, the planner's pages once took the
+    /// room of the configured pins too: with `pin_last_layers` beside a
+    /// `cache_budget`, a layer then found no room and the run failed.)
     fn pin(&self, ids: &[PageId]) {
-        let model = self.model.id;
-        let cache = self.store.cache();
-        cache.pin(ids.iter().map(|id| PageKey { model, page: id.0 }));
-        cache.set_streaming(model, true);
-        for id in ids {
-            drop(self.store.acquire(model, id.0));
+        let pages: Vec<u32> = ids.iter().map(|id| id.0).collect();
+        match self.store.pin_planned(self.model.id, &pages) {
+            // Granted before the pins it replaces are dropped: pages in both stay.
+            Ok(p) => drop(
+                self.planned
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .replace(p),
+            ),
+            Err(e) => tracing::warn!("{}: the planner's pins: {e}", self.model.dir.display()),
         }
     }
 
+    /// The cache less the configured pins: what a planner may place pages in.
     fn budget(&self) -> Option<u64> {
-        Some(self.store.cache().capacity() as u64)
+        let cache = self.store.cache().capacity();
+        Some(cache.saturating_sub(self.store.pinned_reserved.load(Ordering::Relaxed)) as u64)
     }
 
     fn cache_stats(&self) -> Option<crate::source::SourceCacheStats> {
@@ -1855,6 +1878,82 @@ mod tests {
     /// small for everything asked to be pinned still streams every other page.
     /// A planner's pin request naming a page the model lacks is refused whole: it
     /// leaves no holder behind, so the same page pinned after is new and counted.
+    /// An engine's planner on the in-process source plans in the cache less the
+    /// configured pins and is granted what fits beside them and a window of two
+    /// layers: every page then streams, where pinning the planner's pages straight
+    /// into the cache left no room for a layer.
+    #[test]
+    fn a_planner_beside_configured_pins_leaves_room_to_stream() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path().join("m");
+        write_layered_model(&dir, 8, 4 * SLOT_ALIGN);
+        let s = Store::new(StoreConfig {
+            cache_bytes: 40 * SLOT_ALIGN,
+            pin_last_layers: 3,
+            ..Default::default()
+        })
+        .unwrap();
+        let src = StoreSource::open(Arc::clone(&s), &dir).unwrap();
+        let m = s.model(src.model.id).unwrap();
+        let budget = src.budget().unwrap() as usize;
+        assert_eq!(budget, 40 * SLOT_ALIGN - m.pinned_slot_bytes);
+        // The planner asks for every page (it cannot know the window the store keeps).
+        let all: Vec<PageId> = (0..m.pages.len() as u32).map(PageId).collect();
+        src.pin(&all);
+        for k in m.pinned_pages() {
+            drop(s.acquire(m.id, k.page).unwrap());
+        }
+        let window = 2 * largest_layer_slot_bytes(&m.manifest);
+        let pinned = s.cache_stats().pinned_bytes;
+        assert!(
+            pinned + window <= 40 * SLOT_ALIGN,
+            "pinned {pinned}, window {window}"
+        );
+        for _ in 0..2 {
+            for p in &all {
+                drop(src.acquire(*p).unwrap());
+            }
+        }
+        drop(src);
+        // The planner's pins go with the source; the configured ones stay.
+        assert_eq!(s.cache_stats().pinned_bytes, m.pinned_slot_bytes);
+    }
+
+    #[test]
+    fn configured_and_planned_pins_leave_the_window_free() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path().join("m");
+        // 8 layers of one 4-slot matrix and a norm (5 slots a layer); embeddings and
+        // head 4 slots each.
+        write_layered_model(&dir, 8, 4 * SLOT_ALIGN);
+        let s = Store::new(StoreConfig {
+            cache_bytes: 40 * SLOT_ALIGN,
+            pin_last_layers: 3,
+            ..Default::default()
+        })
+        .unwrap();
+        let id = s.open_model(&dir).unwrap();
+        let m = s.model(id).unwrap();
+        let all: Vec<u32> = (0..m.pages.len() as u32).collect();
+        let pins = s.pin_planned(id, &all).unwrap();
+        for k in m.pinned_pages() {
+            drop(s.acquire(id, k.page).unwrap());
+        }
+        let pinned = s.cache_stats().pinned_bytes;
+        let window = 2 * largest_layer_slot_bytes(&m.manifest);
+        assert!(
+            pinned + window <= 40 * SLOT_ALIGN,
+            "pinned {pinned} (planned {}), window {window}",
+            pins.bytes()
+        );
+        for _ in 0..2 {
+            for p in 0..m.pages.len() as u32 {
+                drop(s.acquire(id, p).unwrap());
+            }
+        }
+        drop(pins);
+    }
+
     #[test]
     fn a_planned_pin_of_a_missing_page_pins_nothing() {
         let d = tempfile::tempdir().unwrap();
