@@ -521,6 +521,19 @@ mod tests {
         (dir, p, data)
     }
 
+    /// `p` opened in `mode`; `None` (and a printed reason) where the file system
+    /// refuses direct reads (tmpfs).
+    fn open_or_skip(p: &Path, mode: ReadMode) -> Option<DirectFile> {
+        match DirectFile::open(p, mode) {
+            Ok(f) => Some(f),
+            Err(e) if mode == ReadMode::Direct => {
+                eprintln!("skipping direct reads: {e}");
+                None
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+
     /// Buffers of a huge page or more are mappings of their own, aligned to a huge
     /// page, zeroed, and as writable as heap ones; smaller ones come from the heap.
     #[test]
@@ -543,13 +556,8 @@ mod tests {
     fn unaligned_ranges_read_the_bytes_asked_for_in_both_modes() {
         let (_d, p, data) = file_with(3 * DIRECT_ALIGN + 123);
         for mode in [ReadMode::Direct, ReadMode::Buffered] {
-            let f = match DirectFile::open(&p, mode) {
-                Ok(f) => f,
-                Err(e) if mode == ReadMode::Direct => {
-                    eprintln!("skipping direct reads: {e}");
-                    continue;
-                }
-                Err(e) => panic!("{e}"),
+            let Some(f) = open_or_skip(&p, mode) else {
+                continue;
             };
             let mut buf = AlignedBuf::new(4 * DIRECT_ALIGN + 2 * DIRECT_ALIGN);
             for (off, len) in [
@@ -572,13 +580,8 @@ mod tests {
     fn reads_into_a_destination_give_the_bytes_and_skip_the_bounce_in_phase() {
         let (_d, p, data) = file_with(6 * DIRECT_ALIGN + 321);
         for mode in [ReadMode::Direct, ReadMode::Buffered] {
-            let f = match DirectFile::open(&p, mode) {
-                Ok(f) => f,
-                Err(e) if mode == ReadMode::Direct => {
-                    eprintln!("skipping direct reads: {e}");
-                    continue;
-                }
-                Err(e) => panic!("{e}"),
+            let Some(f) = open_or_skip(&p, mode) else {
+                continue;
             };
             let mut dst = AlignedBuf::new(8 * DIRECT_ALIGN);
             let mut bounce = AlignedBuf::new(6 * DIRECT_ALIGN);

@@ -1920,41 +1920,6 @@ mod tests {
     }
 
     #[test]
-    fn configured_and_planned_pins_leave_the_window_free() {
-        let d = tempfile::tempdir().unwrap();
-        let dir = d.path().join("m");
-        // 8 layers of one 4-slot matrix and a norm (5 slots a layer); embeddings and
-        // head 4 slots each.
-        write_layered_model(&dir, 8, 4 * SLOT_ALIGN);
-        let s = Store::new(StoreConfig {
-            cache_bytes: 40 * SLOT_ALIGN,
-            pin_last_layers: 3,
-            ..Default::default()
-        })
-        .unwrap();
-        let id = s.open_model(&dir).unwrap();
-        let m = s.model(id).unwrap();
-        let all: Vec<u32> = (0..m.pages.len() as u32).collect();
-        let pins = s.pin_planned(id, &all).unwrap();
-        for k in m.pinned_pages() {
-            drop(s.acquire(id, k.page).unwrap());
-        }
-        let pinned = s.cache_stats().pinned_bytes;
-        let window = 2 * largest_layer_slot_bytes(&m.manifest);
-        assert!(
-            pinned + window <= 40 * SLOT_ALIGN,
-            "pinned {pinned} (planned {}), window {window}",
-            pins.bytes()
-        );
-        for _ in 0..2 {
-            for p in 0..m.pages.len() as u32 {
-                drop(s.acquire(id, p).unwrap());
-            }
-        }
-        drop(pins);
-    }
-
-    #[test]
     fn a_planned_pin_of_a_missing_page_pins_nothing() {
         let d = tempfile::tempdir().unwrap();
         let dir = d.path().join("m");
