@@ -240,21 +240,7 @@ impl DirectFile {
         len: usize,
         buf: &'b mut AlignedBuf,
     ) -> io::Result<&'b [u8]> {
-        // The file's length now (it may have changed since it was opened).
-        let file_len = self.file.metadata()?.len();
-        let end = offset
-            .checked_add(len as u64)
-            .filter(|&e| e <= file_len)
-            .ok_or_else(|| {
-                io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    format!(
-                        "{}: bytes {offset}..{} are past its end ({file_len} bytes)",
-                        self.path.display(),
-                        offset.saturating_add(len as u64),
-                    ),
-                )
-            })?;
+        let end = self.end_within(offset, len)?;
         let a = DIRECT_ALIGN as u64;
         let start = offset / a * a;
         let wide_end = end.next_multiple_of(a);
@@ -275,14 +261,7 @@ impl DirectFile {
         while done < want {
             let n = self.file.read_at(&mut dst[done..], start + done as u64)?;
             if n == 0 {
-                return Err(io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    format!(
-                        "{}: the file ended at byte {} while bytes up to {end} were read",
-                        self.path.display(),
-                        start + done as u64
-                    ),
-                ));
+                return Err(self.ended_early(start + done as u64, end));
             }
             done += n;
         }
@@ -333,17 +312,7 @@ impl DirectFile {
         debug_assert!(offset.is_multiple_of(DIRECT_ALIGN as u64));
         debug_assert!((dst.as_ptr() as usize).is_multiple_of(DIRECT_ALIGN));
         debug_assert!(dst.len().is_multiple_of(DIRECT_ALIGN));
-        let file_len = self.file.metadata()?.len();
-        let end = offset + dst.len() as u64;
-        if end > file_len {
-            return Err(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                format!(
-                    "{}: bytes {offset}..{end} are past its end ({file_len} bytes)",
-                    self.path.display()
-                ),
-            ));
-        }
+        let end = self.end_within(offset, dst.len())?;
         let mut done = 0usize;
         while done < dst.len() {
             let n = self.file.read_at(&mut dst[done..], offset + done as u64)?;
@@ -351,17 +320,40 @@ impl DirectFile {
             // A direct read stops short only at the end of the file (it shrank since
             // the check above); what is left cannot be read aligned.
             if n == 0 || (done < dst.len() && !n.is_multiple_of(DIRECT_ALIGN)) {
-                return Err(io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    format!(
-                        "{}: the file ended at byte {} while bytes up to {end} were read",
-                        self.path.display(),
-                        offset + done as u64
-                    ),
-                ));
+                return Err(self.ended_early(offset + done as u64, end));
             }
         }
         Ok(())
+    }
+
+    /// The end of bytes `offset..offset + len`, or an `UnexpectedEof` error naming the
+    /// file when they pass its length now (it may have changed since it was opened).
+    fn end_within(&self, offset: u64, len: usize) -> io::Result<u64> {
+        let file_len = self.file.metadata()?.len();
+        offset
+            .checked_add(len as u64)
+            .filter(|&e| e <= file_len)
+            .ok_or_else(|| {
+                io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    format!(
+                        "{}: bytes {offset}..{} are past its end ({file_len} bytes)",
+                        self.path.display(),
+                        offset.saturating_add(len as u64),
+                    ),
+                )
+            })
+    }
+
+    /// The error of a read that found the file ending at `at`, short of `end`.
+    fn ended_early(&self, at: u64, end: u64) -> io::Error {
+        io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            format!(
+                "{}: the file ended at byte {at} while bytes up to {end} were read",
+                self.path.display()
+            ),
+        )
     }
 
     /// Asks the OS to drop the file's clean pages from its page cache (a cold

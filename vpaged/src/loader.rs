@@ -13,7 +13,6 @@ use voom_formats::manifest::PageEntry;
 use voom_formats::vpack;
 
 use crate::direct::AlignedBuf;
-
 use crate::seal::Seals;
 use crate::tier::{Extent, FastTier, FileTier, ModelTier, NasTier, TierError};
 use crate::StoreError;

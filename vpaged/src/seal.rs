@@ -77,9 +77,7 @@ impl Seals {
         let _ = seal.set(self.digest(bytes));
         Ok(())
     }
-}
 
-impl Seals {
     /// Whether `body` is the vpack body of the page of manifest id `id` that once
     /// decoded to the page's verified bytes ([`seal_body`](Self::seal_body)).
     /// Decoding is a function of the body alone, so a body that matches the seal

@@ -1874,10 +1874,6 @@ mod tests {
             .unwrap();
     }
 
-    /// Pins never take more than half the cache, in priority order, so a cache too
-    /// small for everything asked to be pinned still streams every other page.
-    /// A planner's pin request naming a page the model lacks is refused whole: it
-    /// leaves no holder behind, so the same page pinned after is new and counted.
     /// An engine's planner on the in-process source plans in the cache less the
     /// configured pins and is granted what fits beside them and a window of two
     /// layers: every page then streams, where pinning the planner's pages straight
@@ -1919,6 +1915,8 @@ mod tests {
         assert_eq!(s.cache_stats().pinned_bytes, m.pinned_slot_bytes);
     }
 
+    /// A planner's pin request naming a page the model lacks is refused whole: it
+    /// leaves no holder behind, so the same page pinned after is new and counted.
     #[test]
     fn a_planned_pin_of_a_missing_page_pins_nothing() {
         let d = tempfile::tempdir().unwrap();
@@ -1943,6 +1941,8 @@ mod tests {
         assert_eq!(s.cache_stats().pinned_bytes, 0);
     }
 
+    /// Pins never take more than half the cache, in priority order, so a cache too
+    /// small for everything asked to be pinned still streams every other page.
     #[test]
     fn pins_are_capped_at_half_the_cache_and_unpinned_pages_still_stream() {
         let d = tempfile::tempdir().unwrap();

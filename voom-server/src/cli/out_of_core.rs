@@ -24,7 +24,7 @@ use clap::Args;
 use libvoom::engine::{Engine, EngineOptions};
 use libvoom::placement::human;
 use serde_json::{json, Value};
-use voom_formats::manifest::{Manifest, MANIFEST_FILE};
+use voom_formats::manifest::{Manifest, PageEntry, MANIFEST_FILE};
 use voom_formats::Checkpoint;
 use vpaged::direct::{self, ReadMode};
 use vpaged::VerifyMode;
@@ -166,7 +166,7 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
     } else {
         None
     };
-    let pack_ratio = packed.as_ref().map(|p| p.ratio);
+    let pack_ratio = packed.as_ref().map(Packed::ratio);
     let packed_cache_budget = packed
         .as_ref()
         .map(|p| cache_budget_with(Some(&p.manifest)));
@@ -356,7 +356,7 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
         "device": device.as_ref().map(|d| d.name().to_string()),
         "vpack": packed.as_ref().map(|p| json!({
             "dir": p.dir.display().to_string(),
-            "packed_over_raw": p.ratio,
+            "packed_over_raw": p.ratio(),
             "read_buffers": io.buffer_bytes(Some(&p.manifest)),
             "cache_budget": packed_cache_budget,
             "storage_bound_tokens_per_sec": packed_bound,
@@ -517,36 +517,50 @@ fn ensure_manifest(dir: &Path) -> Result<()> {
 /// The packed copy of a model that the `vpack` configuration reads.
 struct Packed {
     dir: PathBuf,
-    /// Bytes of the bodies over the raw bytes of the pages they encode.
-    ratio: f64,
     /// Its manifest.
     manifest: Manifest,
 }
 
-/// The packed copy of `dir` (`DIR-vpack` beside it): its checkpoint files hard links
-/// of `dir`'s (the same blocks on storage; copies where links cannot be made), the
-/// other files copied, its manifest naming the vpack bodies in its own `model.vpack`.
-/// Made once; a copy whose manifest no longer matches the model is made again.
-fn packed_copy(dir: &Path) -> Result<Packed> {
-    use voom_formats::vpack::PACK_FILE;
-    let name = dir.file_name().context("the model directory has no name")?;
-    let packed = dir.with_file_name(format!("{}-vpack", name.to_string_lossy()));
-    let ckpt = Checkpoint::open(dir)?;
-    let ratio = |m: &Manifest| {
-        let (raw, body) = m
+impl Packed {
+    /// Bytes of the bodies over the raw bytes of the pages they encode.
+    fn ratio(&self) -> f64 {
+        let (raw, body) = self
+            .manifest
             .pages
             .iter()
             .filter_map(|p| p.vpack().map(|b| (p.len, b.len)))
             .fold((0u64, 0u64), |(r, b), (x, y)| (r + x, b + y));
         body as f64 / raw.max(1) as f64
+    }
+}
+
+/// The packed copy of `dir` (`DIR-vpack` beside it): its checkpoint files hard links
+/// of `dir`'s (the same blocks on storage; copies where links cannot be made), the
+/// other files copied, its manifest naming the vpack bodies in its own `model.vpack`.
+/// Made once; a copy whose pages are no longer the model's (its manifest's pages,
+/// blake3s included, differ from the model's manifest) is made again. The model must
+/// have its manifest ([`ensure_manifest`]).
+fn packed_copy(dir: &Path) -> Result<Packed> {
+    use voom_formats::vpack::PACK_FILE;
+    let name = dir.file_name().context("the model directory has no name")?;
+    let packed = dir.with_file_name(format!("{}-vpack", name.to_string_lossy()));
+    let ckpt = Checkpoint::open(dir)?;
+    let model =
+        Manifest::load(dir)?.with_context(|| format!("{} has no page manifest", dir.display()))?;
+    let same_page = |a: &PageEntry, b: &PageEntry| {
+        (&a.name, &a.blake3, &a.file, a.offset, a.len)
+            == (&b.name, &b.blake3, &b.file, b.offset, b.len)
     };
     if let Ok(Some(m)) = Manifest::load(&packed) {
         if packed.join(PACK_FILE).is_file()
             && m.pages.iter().any(|p| p.vpack().is_some())
-            && Checkpoint::open(&packed).is_ok_and(|c| m.check_matches(&c).is_ok())
+            && m.pages.len() == model.pages.len()
+            && m.pages
+                .iter()
+                .zip(&model.pages)
+                .all(|(a, b)| same_page(a, b))
         {
             return Ok(Packed {
-                ratio: ratio(&m),
                 manifest: m,
                 dir: packed,
             });
@@ -582,7 +596,6 @@ fn packed_copy(dir: &Path) -> Result<Packed> {
         report.ratio()
     );
     Ok(Packed {
-        ratio: ratio(&manifest),
         manifest,
         dir: packed,
     })
