@@ -202,6 +202,36 @@ impl OpenModel {
         self.nas_tier().map(|n| n.health())
     }
 
+    /// The error a load of `page` would end in, found before the cache makes room for
+    /// it (evicting pages it could still serve): the model lives on a NAS that is
+    /// down, and the fast tier holds no copy of the page. [`NasCheck::IfDown`] looks again
+    /// only while the NAS was last found down (no I/O while it is healthy: a demand
+    /// request's latency); [`NasCheck::IfDue`] also checks a healthy NAS whose check is
+    /// due (a prefetch, which would otherwise be what finds an outage, after making
+    /// room). `None` when the load may succeed.
+    fn unreachable(
+        &self,
+        fast: Option<&FastTier>,
+        page: u32,
+        check: NasCheck,
+    ) -> Option<StoreError> {
+        let entry = self.manifest.pages.get(page as usize)?;
+        let ModelTier::Nas(nas) = &self.primary else {
+            return None;
+        };
+        if fast.is_some_and(|f| f.contains(&entry.blake3)) {
+            return None;
+        }
+        let down = match check {
+            NasCheck::IfDown => nas.still_down(),
+            NasCheck::IfDue => nas.check_if_due(),
+        };
+        down.err().map(|e| StoreError::Unavailable {
+            page: entry.name.clone(),
+            reasons: vec![e.to_string()],
+        })
+    }
+
     /// Whether a later open of `dir` found another manifest and opened it as a new
     /// model (this one then serves only the sessions that had opened it).
     pub fn is_superseded(&self) -> bool {
@@ -844,13 +874,19 @@ impl Store {
         let m = self.model(model)?;
         let len = Self::page_len(&m, page)?;
         m.accesses[page as usize].fetch_add(1, Ordering::Relaxed);
+        let key = PageKey { model, page };
+        if !self.cache.present(key) {
+            if let Some(e) = m.unreachable(self.fast.as_ref(), page, NasCheck::IfDown) {
+                return Err(e);
+            }
+        }
         // A cache full only because other pages are still loading (prefetches, other
         // engines' requests) has room once they land: wait for them rather than fail.
         let deadline = std::time::Instant::now() + FULL_WAIT;
         loop {
-            let r = self.cache.acquire(PageKey { model, page }, len, |buf| {
-                self.load_into(&m, page, buf)
-            });
+            let r = self
+                .cache
+                .acquire(key, len, |buf| self.load_into(&m, page, buf));
             match r {
                 Err(CacheError::Full { loading, .. })
                     if loading > 0 && std::time::Instant::now() < deadline =>
@@ -896,7 +932,8 @@ impl Store {
     /// reserved together and read in flight; the first of the others loads on this
     /// thread through [`PageLoader`], the rest are hinted again one by one, for every
     /// prefetch thread to share. Errors are dropped: a demand request for the page
-    /// reports them.
+    /// reports them. Pages only a NAS that is down holds are dropped before any room
+    /// is made for them ([`OpenModel::unreachable`]).
     fn prefetch_now(self: &Arc<Self>, model: u32, pages: &[u32]) {
         let Ok(m) = self.model(model) else { return };
         let mut streamed = Vec::new();
@@ -905,6 +942,11 @@ impl Store {
             let Ok(len) = Self::page_len(&m, page) else {
                 continue;
             };
+            if m.unreachable(self.fast.as_ref(), page, NasCheck::IfDue)
+                .is_some()
+            {
+                continue;
+            }
             match self.streamed(&m, page) {
                 Some(file) => streamed.push((page, len, file)),
                 None => others.push((page, len)),
@@ -1197,6 +1239,15 @@ impl Store {
         }
         Ok((pages, bytes))
     }
+}
+
+/// How far [`OpenModel::unreachable`] looks at a NAS before a load makes room.
+#[derive(Clone, Copy)]
+enum NasCheck {
+    /// Again only while it was last found down.
+    IfDown,
+    /// Also while it is healthy, when its recheck interval has passed.
+    IfDue,
 }
 
 fn cache_error(m: &OpenModel, page: u32, e: CacheError<StoreError>) -> StoreError {
@@ -1695,6 +1746,57 @@ mod tests {
         s.acquire(id, b).unwrap();
         assert_eq!(m.nas_health(), Some(Health::Ok));
         assert_eq!(m.nas_tier().unwrap().recoveries(), 1);
+    }
+
+    /// A load of a page only a NAS that is down holds fails before the cache makes
+    /// room for it: a one-slot cache keeps serving the page it holds through any
+    /// number of hints and requests for the other, and loads resume once it is back.
+    #[test]
+    fn a_nas_that_is_down_evicts_no_resident_page() {
+        let d = tempfile::tempdir().unwrap();
+        let mount = d.path().join("nas");
+        let away = d.path().join("nas.away");
+        write_model(&mount.join("m"));
+        let s = Store::new(StoreConfig {
+            cache_bytes: SLOT_ALIGN,
+            nas: vec![nas_config(&mount, None)],
+            ..Default::default()
+        })
+        .unwrap();
+        let id = s.open_model(&mount.join("m")).unwrap();
+        let m = s.model(id).unwrap();
+        let (a, b) = (page_id(&m, "a"), page_id(&m, "b"));
+        drop(s.acquire(id, a).unwrap());
+
+        // The outage is found by a health check (the daemon's, `vpagectl tiers`), or
+        // by a prefetch: neither makes room first.
+        std::fs::rename(&mount, &away).unwrap();
+        s.prefetch_now(id, &[b]);
+        assert!(matches!(m.nas_health(), Some(Health::Unavailable(_))));
+        for _ in 0..3 {
+            s.prefetch_now(id, &[b]);
+            let e = s.acquire(id, b).unwrap_err();
+            assert!(matches!(e, StoreError::Unavailable { .. }), "{e}");
+            let msg = e.to_string();
+            assert!(
+                msg.contains("page 'b'") && msg.contains(&format!("NAS mount {}", mount.display())),
+                "{msg}"
+            );
+        }
+        let stats = s.cache_stats();
+        assert_eq!((stats.evictions, stats.loads), (0, 1));
+        assert!(s.cache().resident(PageKey { model: id, page: a }));
+        let lease = s.acquire(id, a).unwrap();
+        assert_eq!(
+            blake3::hash(lease.bytes()).to_hex().as_str(),
+            m.manifest.pages[a as usize].blake3
+        );
+        drop(lease);
+
+        std::fs::rename(&away, &mount).unwrap();
+        s.acquire(id, b).unwrap();
+        assert_eq!(m.nas_health(), Some(Health::Ok));
+        assert_eq!(s.cache_stats().evictions, 1);
     }
 
     #[test]

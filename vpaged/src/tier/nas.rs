@@ -339,9 +339,19 @@ impl NasTier {
         }
     }
 
+    /// While the mount was last found down: checks it again if a check is due, and
+    /// fails (at once when none is due) unless it is back. No I/O while it is healthy.
+    /// What a load checks before it makes room for a page that only this tier holds.
+    pub fn still_down(&self) -> Result<(), TierError> {
+        match self.health() {
+            Health::Ok => Ok(()),
+            Health::Unavailable(_) => self.check_if_due(),
+        }
+    }
+
     /// Checks the mount if a check is due; fails at once while it is known to be down
     /// and no check is due.
-    fn check_if_due(&self) -> Result<(), TierError> {
+    pub(crate) fn check_if_due(&self) -> Result<(), TierError> {
         {
             let s = self.state.lock().unwrap_or_else(|e| e.into_inner());
             let due = s.last_check.is_none_or(|t| t.elapsed() >= self.cfg.recheck);
@@ -372,9 +382,7 @@ impl NasTier {
     /// is known to be down it fails at once unless a re-check is due and finds it back
     /// (a healthy mount is probed by the read that follows, not twice).
     pub fn check_extent(&self, ext: &Extent) -> Result<(), TierError> {
-        if let Health::Unavailable(_) = self.health() {
-            self.check_if_due()?;
-        }
+        self.still_down()?;
         let inner = Arc::clone(&self.inner);
         let ext = ext.clone();
         self.call("checking an extent's file length", move || {
