@@ -34,6 +34,7 @@ pub const KEYS: &[&str] = &[
     "notes",
     "exact",
     "lossy",
+    "memory_budget",
     "cache_budget",
     "pin_first_layers",
     "pin_last_layers",
@@ -215,6 +216,11 @@ pub struct Sampling {
 pub struct Settings {
     /// Always true: no lossy encoding exists.
     pub exact: bool,
+    /// Bytes of memory for the whole process (weights held, KV, scratch, read
+    /// buffers, the process itself): the memory planner's budget. `None`: the
+    /// memory available when an engine opens, used only for a model that does not
+    /// fit in it (see `cli::budget`).
+    pub memory_budget: Option<u64>,
     /// Bytes of an in-process page cache (vpaged store) for the weights; `None`: the
     /// embedded memory-mapped store. That cache verifies every page it loads against
     /// the manifest, whatever `verify` says.
@@ -241,6 +247,7 @@ impl Default for Settings {
     fn default() -> Self {
         Settings {
             exact: true,
+            memory_budget: None,
             cache_budget: None,
             pin_first_layers: 0,
             pin_last_layers: 0,
@@ -285,9 +292,15 @@ pub fn kv_positions(
     }
 }
 
+/// The context a memory budget plans KV for when neither `max_context` nor
+/// `kv_budget` bounds it (the model's own maximum when that is less).
+pub const BUDGET_CONTEXT: usize = 4096;
+
 impl Settings {
     /// The context limit for a model: `max_context` and what `kv_budget` holds,
-    /// whichever is smaller (`None`: the model's own maximum).
+    /// whichever is smaller; under a `memory_budget` with neither, the model's
+    /// maximum up to [`BUDGET_CONTEXT`] (the budget holds its KV cache, so the
+    /// context cannot grow past what was planned). `None`: the model's own maximum.
     pub fn max_context_for(
         &self,
         cfg: &libvoom::config::ModelConfig,
@@ -303,6 +316,9 @@ impl Settings {
         };
         Ok(match (self.max_context, kv) {
             (Some(a), Some(b)) => Some(a.min(b)),
+            (None, None) if self.memory_budget.is_some() => {
+                Some(cfg.max_position_embeddings.clamp(1, BUDGET_CONTEXT))
+            }
             (a, b) => a.or(b),
         })
     }
@@ -311,6 +327,7 @@ impl Settings {
 /// Values given outside profiles for one run: CLI flags, or environment variables.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Overrides {
+    pub memory_budget: Option<u64>,
     pub cache_budget: Option<u64>,
     pub pin_first_layers: Option<u32>,
     pub pin_last_layers: Option<u32>,
@@ -325,6 +342,7 @@ pub struct Overrides {
 
 /// Per setting: its profile key, flag and environment variable.
 const NAMES: &[(&str, &str, &str)] = &[
+    ("memory_budget", "--memory-budget", "VOOM_MEMORY_BUDGET"),
     ("cache_budget", "--cache-budget", "VOOM_CACHE_BUDGET"),
     (
         "pin_first_layers",
@@ -379,6 +397,7 @@ impl Overrides {
         let num = |s: &str| s.parse().map_err(|e| format!("not a count: {e}"));
         let num32 = |s: &str| s.parse().map_err(|e| format!("not a count: {e}"));
         Ok(Overrides {
+            memory_budget: read(get, "memory_budget", parse_size)?,
             cache_budget: read(get, "cache_budget", parse_size)?,
             pin_first_layers: read(get, "pin_first_layers", num32)?,
             pin_last_layers: read(get, "pin_last_layers", num32)?,
@@ -401,6 +420,7 @@ struct ProfileFile {
     notes: Option<String>,
     exact: Option<bool>,
     lossy: Option<bool>,
+    memory_budget: Option<vpaged::config::ByteSize>,
     cache_budget: Option<vpaged::config::ByteSize>,
     pin_first_layers: Option<u32>,
     pin_last_layers: Option<u32>,
@@ -493,6 +513,9 @@ fn parse(text: &str, file: &str) -> Result<ProfileFile, ProfileError> {
     if let Some(v) = &p.verify {
         v.parse::<Verify>()
             .map_err(|e| invalid(format!("verify {e}")))?;
+    }
+    if p.memory_budget.is_some_and(|b| b.0 == 0) {
+        return Err(invalid("memory_budget must be more than 0 bytes".into()));
     }
     if p.cache_budget.is_some_and(|b| b.0 == 0) {
         return Err(invalid("cache_budget must be more than 0 bytes".into()));
@@ -822,6 +845,7 @@ pub fn resolve(
         v
     }
     let bytes = |b: vpaged::config::ByteSize| b.0;
+    pick!(memory_budget, bytes, Some);
     pick!(cache_budget, bytes, Some);
     pick!(pin_first_layers, id, id);
     pick!(pin_last_layers, id, id);
@@ -894,6 +918,41 @@ mod tests {
 
     fn none() -> Overrides {
         Overrides::default()
+    }
+
+    /// Under a memory budget, the context is what was planned: `max_context` or what
+    /// `kv_budget` holds, else the model's maximum up to `BUDGET_CONTEXT`.
+    #[test]
+    fn a_memory_budget_bounds_the_context_to_what_it_plans() {
+        let cfg = |max: usize| libvoom::config::ModelConfig {
+            max_position_embeddings: max,
+            ..libvoom::config::ModelConfig::from_dir(
+                &Path::new(env!("CARGO_MANIFEST_DIR"))
+                    .join("../tests/fixtures/tiny/llama_gqa_untied"),
+            )
+            .unwrap()
+        };
+        let budgeted = Settings {
+            memory_budget: Some(1 << 30),
+            ..Settings::default()
+        };
+        assert_eq!(
+            Settings::default().max_context_for(&cfg(32768)).unwrap(),
+            None
+        );
+        assert_eq!(
+            budgeted.max_context_for(&cfg(32768)).unwrap(),
+            Some(BUDGET_CONTEXT)
+        );
+        assert_eq!(budgeted.max_context_for(&cfg(512)).unwrap(), Some(512));
+        let with_max = Settings {
+            max_context: Some(100_000),
+            ..budgeted.clone()
+        };
+        assert_eq!(
+            with_max.max_context_for(&cfg(32768)).unwrap(),
+            Some(100_000)
+        );
     }
 
     #[test]

@@ -608,3 +608,82 @@ fn generate_json_reports_the_page_cache_traffic() {
     assert_eq!(pc["bytes_read"]["nas"], 0, "{pc}");
     assert_eq!(streamed["ids"], mapped["ids"]);
 }
+
+/// `--memory-budget`: a budget the model fits in memory-maps it; one it does not fit
+/// in streams it through a page cache of what the KV cache, scratch, read buffers and
+/// the process leave, with the same ids as an unbudgeted run and a peak resident set
+/// (measured) within the budget; one too small to stream is an error naming what
+/// the model needs. Without a budget, the memory available is the budget, and a
+/// model that fits in it is memory-mapped.
+#[test]
+fn a_memory_budget_smaller_than_the_model_streams_it_within_the_budget() {
+    let Some(dir) = common::smollm2() else { return };
+    let budget: u64 = 240 << 20;
+    let run = |extra: &[&str]| {
+        voom()
+            .args(["generate", "--model"])
+            .arg(&dir)
+            .args(["--prompt", "The capital of France is", "--json"])
+            .args(["--max-new-tokens", "6", "--max-context", "128"])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let ok = |o: Output| {
+        assert!(o.status.success(), "{}", stderr(&o));
+        last_json(&o)
+    };
+    let free = ok(run(&[]));
+    let plan = &free["memory_budget"];
+    assert_eq!(plan["explicit"], false, "{plan}");
+    assert!(
+        plan["from"]
+            .as_str()
+            .unwrap()
+            .starts_with("the memory available now"),
+        "{plan}"
+    );
+    assert_eq!(plan["store"], "memory-mapped", "{plan}");
+    assert!(free["page_cache"].is_null());
+
+    let big = ok(run(&["--memory-budget", "8GiB"]));
+    assert_eq!(big["memory_budget"]["store"], "memory-mapped");
+    assert_eq!(big["memory_budget"]["explicit"], true);
+    assert_eq!(big["ids"], free["ids"]);
+
+    let o = run(&["--memory-budget", &budget.to_string()]);
+    let small = ok(o);
+    let plan = &small["memory_budget"];
+    assert_eq!(plan["store"], "page cache", "{plan}");
+    assert_eq!(plan["from"], "flag --memory-budget", "{plan}");
+    let weights: u64 = std::fs::metadata(dir.join("model.safetensors"))
+        .unwrap()
+        .len();
+    let cache = plan["cache_bytes"].as_u64().unwrap();
+    let needs: u64 = ["kv", "scratch", "process", "read_buffers"]
+        .iter()
+        .map(|k| plan["needs"][k].as_u64().unwrap())
+        .sum();
+    assert_eq!(cache + needs, budget, "{plan}");
+    assert!(cache < weights, "{plan}");
+    assert!(
+        plan["streamed_bytes_per_token"].as_u64().unwrap() > 0,
+        "{plan}"
+    );
+    assert!(small["page_cache"]["bytes_loaded"].as_u64().unwrap() > 0);
+    assert_eq!(small["ids"], free["ids"]);
+    let peak = small["peak_rss_bytes"].as_u64().unwrap();
+    assert!(
+        peak <= budget,
+        "peak resident {peak} over the budget {budget}"
+    );
+
+    let o = run(&["--memory-budget", "20MiB"]);
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(
+        e.contains("memory_budget (flag --memory-budget)")
+            && e.contains("cannot run this model: it needs at least"),
+        "{e}"
+    );
+}

@@ -121,6 +121,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
                     prefetch_depth: None,
                     read_threads: None,
                     read_piece: None,
+                    memory_budget: None,
                     cache_budget: None,
                     pin_first_layers: None,
                     pin_last_layers: None,

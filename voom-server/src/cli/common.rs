@@ -12,6 +12,7 @@ use libvoom::sampler::SamplingParams;
 use libvoom::text::StreamDecoder;
 use vpaged::store::{Store, StoreConfig, StoreSource};
 
+use crate::cli::budget;
 use crate::profile::{self, Overrides, ProfileDirs, Resolved, Settings, Verify};
 use crate::store;
 
@@ -59,8 +60,17 @@ pub struct EngineArgs {
     /// [env: VOOM_READ_PIECE] [default: 2MiB].
     #[arg(long, value_parser = profile::parse_size)]
     pub read_piece: Option<u64>,
-    /// Bytes of an in-process page cache for the weights, e.g. 4GiB (needs the model's
-    /// page manifest) [env: VOOM_CACHE_BUDGET] [default: none: the memory-mapped store].
+    /// Memory for the whole process, e.g. 4GiB: the memory planner sets aside KV,
+    /// scratch, read buffers and the process, and memory-maps the model if it fits,
+    /// else pins what saves the most reads in a page cache of the rest and streams
+    /// the others; too little to stream is an error saying how much is needed
+    /// [env: VOOM_MEMORY_BUDGET] [default: the memory available, used only for a
+    /// model that does not fit in it].
+    #[arg(long, value_parser = profile::parse_size)]
+    pub memory_budget: Option<u64>,
+    /// Bytes of an in-process page cache for the weights, e.g. 4GiB, as given
+    /// rather than planned from a memory budget (needs the model's page manifest)
+    /// [env: VOOM_CACHE_BUDGET] [default: none].
     #[arg(long, value_parser = profile::parse_size)]
     pub cache_budget: Option<u64>,
     /// Keep the first N decoder layers resident in the page cache
@@ -122,6 +132,7 @@ impl EngineArgs {
     /// The values given by flags.
     pub fn flag_overrides(&self) -> Overrides {
         Overrides {
+            memory_budget: self.memory_budget,
             cache_budget: self.cache_budget,
             pin_first_layers: self.pin_first_layers,
             pin_last_layers: self.pin_last_layers,
@@ -246,35 +257,36 @@ pub fn resolve_model(model: &str, pull_missing: bool) -> Result<PathBuf> {
 }
 
 /// Opens the engine for the model in `dir` with the resolved profile: over the
-/// vpaged daemon (`--vpaged`), over an in-process page cache (`cache_budget`), or
-/// over the embedded memory-mapped store. None of these changes results.
+/// vpaged daemon (`--vpaged`), over an in-process page cache (a `cache_budget`, or a
+/// memory budget the model does not fit in: [`budget`]), or over the embedded
+/// memory-mapped store. None of these changes results.
 pub fn open_engine(dir: &Path, args: &EngineArgs) -> Result<Engine> {
     let resolved = args.resolve()?;
     let s = &resolved.settings;
-    let max_context = match s.kv_budget {
-        Some(_) => {
-            let cfg = libvoom::config::ModelConfig::from_dir(dir)
-                .with_context(|| format!("opening model {}", dir.display()))?;
-            s.max_context_for(&cfg)
-                .with_context(|| format!("profile {} for model {}", resolved.name, dir.display()))?
-        }
-        None => s.max_context,
+    let max_context = if s.kv_budget.is_some() || s.memory_budget.is_some() {
+        let cfg = libvoom::config::ModelConfig::from_dir(dir)
+            .with_context(|| format!("opening model {}", dir.display()))?;
+        s.max_context_for(&cfg)
+            .with_context(|| format!("profile {} for model {}", resolved.name, dir.display()))?
+    } else {
+        s.max_context
     };
     let mut opts = EngineArgs::options(s, max_context);
     if let Some(b) = args.backend {
         opts.backend = b;
     }
     *OPENED_PROFILE.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::clone(&resolved));
+    *OPENED_BUDGET.lock().unwrap_or_else(|e| e.into_inner()) = None;
     let pins = s.pin_first_layers > 0 || s.pin_last_layers > 0;
     if let Some(socket) = &args.vpaged {
         let source = vpaged::client::DaemonClient::connect(socket, "voom")
             .and_then(|c| vpaged::client::DaemonSource::open(c, dir));
         match source {
             Ok(src) => {
-                if s.cache_budget.is_some() || pins {
+                if s.memory_budget.is_some() || s.cache_budget.is_some() || pins {
                     eprintln!(
                         "voom: warning: the vpaged daemon's own cache budget and pins apply; \
-                         the profile's cache_budget/pin_*_layers are ignored"
+                         the profile's memory_budget/cache_budget/pin_*_layers are ignored"
                     );
                 }
                 return Engine::with_source(dir, Arc::new(src), opts)
@@ -289,9 +301,20 @@ pub fn open_engine(dir: &Path, args: &EngineArgs) -> Result<Engine> {
             }
         }
     }
-    if let Some(budget) = s.cache_budget {
+    let (sizing, note) = budget::sizing(&resolved, || {
+        let a = crate::memory::available();
+        (a.bytes, a.source)
+    })?;
+    if let Some(n) = note {
+        eprintln!("voom: warning: {n}");
+    }
+    let cache = match sizing {
+        budget::Sizing::Cache(bytes) => Some(bytes),
+        budget::Sizing::Memory(b) => plan_store(dir, s, &opts, &b)?,
+    };
+    if let Some(budget) = cache {
         let cache_bytes = usize::try_from(budget)
-            .with_context(|| format!("cache_budget {budget} does not fit this machine"))?;
+            .with_context(|| format!("a page cache of {budget} bytes does not fit this machine"))?;
         let store = Store::new(StoreConfig {
             cache_bytes,
             pin_first_layers: s.pin_first_layers,
@@ -320,7 +343,7 @@ pub fn open_engine(dir: &Path, args: &EngineArgs) -> Result<Engine> {
             // The page manifest could not be made (no room to write one): the
             // memory-mapped store needs none.
             Err(e) if !hashed => eprintln!(
-                "voom: warning: {e}; cache_budget is ignored and the weights are read \
+                "voom: warning: {e}; the page cache is not used and the weights are read \
                  through the memory-mapped store"
             ),
             Err(e) => {
@@ -330,11 +353,85 @@ pub fn open_engine(dir: &Path, args: &EngineArgs) -> Result<Engine> {
         }
     } else if pins {
         eprintln!(
-            "voom: warning: pin_first_layers/pin_last_layers apply only with a cache_budget; \
-             ignored"
+            "voom: warning: pin_first_layers/pin_last_layers apply only with a page cache \
+             (a cache_budget, or a memory budget the model does not fit in); ignored"
         );
     }
     Engine::open(dir, opts).with_context(|| format!("opening model {}", dir.display()))
+}
+
+/// The plan of the engine most recently opened by [`open_engine`] under a memory
+/// budget, which [`result_json`] reports.
+static OPENED_BUDGET: Mutex<Option<serde_json::Value>> = Mutex::new(None);
+
+/// Plans the model in `dir` under memory budget `b` ([`budget`]): the bytes of the
+/// page cache to read it through, or `None` for the memory-mapped store (it fits,
+/// or, under the memory available by default, not even streaming fits and the
+/// kernel is left to page it). An explicit budget too small to stream is an error
+/// naming what the model needs.
+fn plan_store(
+    dir: &Path,
+    s: &Settings,
+    opts: &EngineOptions,
+    b: &budget::Budget,
+) -> Result<Option<u64>> {
+    // The model's shapes and page plan, from its memory-mapped files (nothing read).
+    let probe = Engine::open(
+        dir,
+        EngineOptions {
+            verify: vpaged::VerifyMode::Off,
+            ..opts.clone()
+        },
+    )
+    .with_context(|| format!("opening model {}", dir.display()))?;
+    let context = opts
+        .max_context
+        .unwrap_or(profile::BUDGET_CONTEXT)
+        .min(probe.config().max_position_embeddings)
+        .max(1);
+    let manifest = voom_formats::Manifest::load(dir).ok().flatten();
+    let needs = budget::needs(
+        &probe,
+        context,
+        opts.prefill_chunk,
+        &read_io(s)?,
+        manifest.as_ref(),
+        crate::memory::resident_bytes(),
+    );
+    let choice = budget::choose(probe.model().plan(), &needs, b.bytes);
+    drop(probe);
+    let store = match choice {
+        Ok(store) => store,
+        Err(e) if b.explicit => {
+            return Err(e).with_context(|| {
+                format!(
+                    "memory_budget ({}) for model {} at a context of {context} positions",
+                    b.from,
+                    dir.display()
+                )
+            })
+        }
+        Err(e) => {
+            eprintln!(
+                "voom: warning: model {} cannot stream within {}: {e}; the weights are \
+                 memory-mapped and the kernel pages them (--memory-budget sets a budget)",
+                dir.display(),
+                b.from
+            );
+            return Ok(None);
+        }
+    };
+    let line = budget::describe(b, &needs, &store);
+    tracing::info!("{line}");
+    if !b.explicit && store != budget::Store::Mapped {
+        eprintln!("voom: {line}");
+    }
+    *OPENED_BUDGET.lock().unwrap_or_else(|e| e.into_inner()) =
+        Some(budget::to_json(b, &needs, &store));
+    Ok(match store {
+        budget::Store::Mapped => None,
+        budget::Store::Cache { cache_bytes, .. } => Some(cache_bytes),
+    })
 }
 
 /// Token ids of a chat: the messages rendered with the model's chat template.
@@ -428,6 +525,9 @@ pub fn result_json(
         "profile_digest": profile.as_ref().map(|p| p.digest.as_str()),
         "exact": true,
         "page_source": engine.source().describe(),
+        // How a memory budget placed the weights (none with a cache_budget or the
+        // daemon).
+        "memory_budget": OPENED_BUDGET.lock().unwrap_or_else(|e| e.into_inner()).clone(),
         "prompt_ids": prompt_ids,
         "ids": g.ids,
         "text": text,

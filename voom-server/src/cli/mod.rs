@@ -1,6 +1,7 @@
 //! The `voom` subcommands, one module each.
 
 pub mod bench;
+pub mod budget;
 pub mod common;
 pub mod generate;
 pub mod list;

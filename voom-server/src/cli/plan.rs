@@ -9,7 +9,7 @@ use clap::Args;
 use libvoom::backend::cpu::membw;
 use libvoom::engine::{Engine, EngineOptions};
 use libvoom::model::plan::Stage;
-use libvoom::placement::{self, human, Needs, Placement};
+use libvoom::placement::{self, human, Placement};
 use serde_json::json;
 use voom_formats::Manifest;
 use vpaged::direct::{self, Bandwidth, ReadMode};
@@ -42,6 +42,7 @@ pub struct PlanArgs {
     pub measure_bytes: u64,
     /// Memory of the process itself besides weights, KV and scratch (code, heap,
     /// tokenizer). Default: this process's resident memory once the model is open.
+    /// A margin for its growth is added either way, as `voom generate` does.
     #[arg(long, value_parser = crate::profile::parse_size)]
     pub process_bytes: Option<u64>,
     /// Skip the bandwidth measurements (no predicted speed).
@@ -67,7 +68,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
     let cfg = engine.config();
     let context = a
         .context
-        .unwrap_or(4096)
+        .unwrap_or(crate::profile::BUDGET_CONTEXT)
         .min(cfg.max_position_embeddings)
         .max(1);
     let (process, process_from) = match a.process_bytes {
@@ -77,15 +78,18 @@ pub fn run(a: PlanArgs) -> Result<()> {
             None => (None, "not measured"),
         },
     };
-    // The in-process page cache's read buffers at its default reads in flight, and
-    // the model's largest vpack body where it has them.
+    // What `voom generate --memory-budget` sets aside (cli::budget): the in-process
+    // page cache's read buffers at its default reads in flight (and the model's
+    // largest vpack bodies where it has them), and the process with its margin.
     let manifest = Manifest::load(&dir).ok().flatten();
-    let needs = Needs {
-        kv_bytes: model.kv_bytes_per_position() * context as u64,
-        scratch_bytes: model.scratch_bytes(context, a.prefill_chunk, context),
-        process_bytes: process.unwrap_or(0),
-        io_bytes: vpaged::store::IoConfig::default().buffer_bytes(manifest.as_ref()),
-    };
+    let needs = crate::cli::budget::needs(
+        &engine,
+        context,
+        a.prefill_chunk,
+        &vpaged::store::IoConfig::default(),
+        manifest.as_ref(),
+        process,
+    );
     let (budget, budget_from) = match a.memory_budget {
         Some(b) => (b, "--memory-budget".to_string()),
         None => {

@@ -115,6 +115,7 @@ fn print_text(r: &Resolved) -> std::io::Result<()> {
     let size = |v: Option<u64>| v.map_or("none".to_string(), profile::format_size);
     let opt = |v: Option<String>| v.unwrap_or_else(|| "none".to_string());
     let rows: Vec<(&str, String)> = vec![
+        ("memory_budget", size(s.memory_budget)),
         ("cache_budget", size(s.cache_budget)),
         ("pin_first_layers", s.pin_first_layers.to_string()),
         ("pin_last_layers", s.pin_last_layers.to_string()),

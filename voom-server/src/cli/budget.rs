@@ -1,0 +1,332 @@
+//! How a memory budget becomes the engine's page store.
+//!
+//! The budget is a ceiling for the whole process. What the run needs besides weights
+//! is set aside first ([`Needs`]: the KV cache at the planned context, the scratch of
+//! the largest pass, the page store's read buffers, and the process itself as
+//! measured once the model is open, plus a margin for its growth). Then the memory
+//! planner ([`placement::place`]) places the weights in what is left:
+//!
+//! - everything fits: the memory-mapped store, whose pages the kernel keeps resident
+//!   (no copy, shared with every process mapping the same files);
+//! - it does not: an in-process page cache of the room left, in which the planner
+//!   pins the pages that save the most reads per token, and through which the others
+//!   stream, read around the OS page cache;
+//! - not even the streaming window of its largest step fits: an error that says how
+//!   much the model needs.
+//!
+//! The budget comes from `memory_budget` (flag, environment or profile), else from
+//! `cache_budget`, which sizes the cache itself; else it is the memory available
+//! when the engine opens, and then only a model that does not fit in it is planned
+//! (one that fits is memory-mapped, as without a budget, and its context is not
+//! bounded by the plan).
+
+use anyhow::{bail, Result};
+use libvoom::engine::Engine;
+use libvoom::placement::{self, human, Needs, Placement, PlacementError};
+use voom_formats::Manifest;
+use vpaged::store::IoConfig;
+
+use crate::profile::{Resolved, Source};
+
+/// Memory the process may grow by while it runs, beyond what it holds once the
+/// model is open (heap fragmentation, request buffers), counted as part of it.
+pub const PROCESS_MARGIN: u64 = 32 << 20;
+
+/// The process's own memory where it cannot be measured (no `/proc`).
+pub const PROCESS_GUESS: u64 = 96 << 20;
+
+/// The budget a run plans with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Budget {
+    pub bytes: u64,
+    /// Where it comes from: `flag --memory-budget`, `MemAvailable`, a cgroup.
+    pub from: String,
+    /// Set by the user (`memory_budget`): a ceiling that bounds the context and is
+    /// an error when too small. Otherwise the memory available now: used only for
+    /// a model that does not fit in it.
+    pub explicit: bool,
+}
+
+/// How the settings size the weights' memory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Sizing {
+    /// `cache_budget`: an in-process page cache of these bytes, as given.
+    Cache(u64),
+    /// A budget for the whole process, to plan.
+    Memory(Budget),
+}
+
+/// What the settings ask for: `memory_budget` or `cache_budget`, whichever was
+/// given with the higher precedence (flag, environment, profile); the other is
+/// reported in the returned note. Both at one level is an error naming both. With
+/// neither, `available` (the memory available now, and where that figure comes
+/// from) is the budget.
+pub fn sizing(
+    resolved: &Resolved,
+    available: impl FnOnce() -> (u64, String),
+) -> Result<(Sizing, Option<String>)> {
+    let s = &resolved.settings;
+    let source = |key: &str| {
+        resolved
+            .sources
+            .get(key)
+            .cloned()
+            .unwrap_or(Source::Default)
+    };
+    let memory = |bytes: u64| {
+        Sizing::Memory(Budget {
+            bytes,
+            from: source("memory_budget").to_string(),
+            explicit: true,
+        })
+    };
+    Ok(match (s.memory_budget, s.cache_budget) {
+        (Some(m), Some(c)) => {
+            let (ms, cs) = (source("memory_budget"), source("cache_budget"));
+            let note = |used: &str, u: &Source, ignored: &str, i: &Source| {
+                format!("{used} ({u}) is used and {ignored} ({i}) is ignored")
+            };
+            match rank(&ms).cmp(&rank(&cs)) {
+                std::cmp::Ordering::Greater => (
+                    memory(m),
+                    Some(note("memory_budget", &ms, "cache_budget", &cs)),
+                ),
+                std::cmp::Ordering::Less => (
+                    Sizing::Cache(c),
+                    Some(note("cache_budget", &cs, "memory_budget", &ms)),
+                ),
+                std::cmp::Ordering::Equal => bail!(
+                    "memory_budget ({ms}) and cache_budget ({cs}) are both set: a memory \
+                     budget sizes the page cache itself; give one of them"
+                ),
+            }
+        }
+        (Some(m), None) => (memory(m), None),
+        (None, Some(c)) => (Sizing::Cache(c), None),
+        (None, None) => {
+            let (bytes, from) = available();
+            (
+                Sizing::Memory(Budget {
+                    bytes,
+                    from: format!("the memory available now: {from}"),
+                    explicit: false,
+                }),
+                None,
+            )
+        }
+    })
+}
+
+/// Precedence of where a setting came from.
+fn rank(s: &Source) -> u8 {
+    match s {
+        Source::Flag(_) => 3,
+        Source::Env(_) => 2,
+        Source::Profile(_) => 1,
+        Source::Default => 0,
+    }
+}
+
+/// What a run of `engine`'s model needs besides weights: KV for `context`
+/// positions, the scratch of a prompt of the whole context computed
+/// `prefill_chunk` positions at a time, the read buffers of a page store reading
+/// with `io` (its vpack bodies too, where `manifest` has them), and `process`
+/// bytes (the process as measured, or [`PROCESS_GUESS`]) plus [`PROCESS_MARGIN`].
+pub fn needs(
+    engine: &Engine,
+    context: usize,
+    prefill_chunk: usize,
+    io: &IoConfig,
+    manifest: Option<&Manifest>,
+    process: Option<u64>,
+) -> Needs {
+    let model = engine.model();
+    Needs {
+        kv_bytes: model.kv_bytes_per_position() * context as u64,
+        scratch_bytes: model.scratch_bytes(context, prefill_chunk, context),
+        process_bytes: process.unwrap_or(PROCESS_GUESS) + PROCESS_MARGIN,
+        io_bytes: io.buffer_bytes(manifest),
+    }
+}
+
+/// The page store a budget chooses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Store {
+    /// Everything fits: the memory-mapped store.
+    Mapped,
+    /// An in-process page cache of `cache_bytes` (the budget less the needs),
+    /// placed as `placement` says.
+    Cache {
+        cache_bytes: u64,
+        placement: Placement,
+    },
+}
+
+/// The store for `plan`'s pages under `budget` with `needs` set aside.
+pub fn choose(
+    plan: &libvoom::model::plan::PagePlan,
+    needs: &Needs,
+    budget: u64,
+) -> Result<Store, PlacementError> {
+    let p = placement::place(plan, needs, budget)?;
+    if p.streamed_per_token == 0 {
+        return Ok(Store::Mapped);
+    }
+    Ok(Store::Cache {
+        cache_bytes: budget - needs.total(),
+        placement: p,
+    })
+}
+
+/// One line on what a budget chose, for the log and stderr.
+pub fn describe(budget: &Budget, needs: &Needs, store: &Store) -> String {
+    match store {
+        Store::Mapped => format!(
+            "memory budget {} ({}): the model fits, memory-mapped",
+            human(budget.bytes),
+            budget.from
+        ),
+        Store::Cache {
+            cache_bytes,
+            placement: p,
+        } => format!(
+            "memory budget {} ({}): {} for KV, scratch, read buffers and the process; \
+             a {} page cache pins {} and streams {} per token from storage",
+            human(budget.bytes),
+            budget.from,
+            human(needs.total()),
+            human(*cache_bytes),
+            human(p.pinned_bytes),
+            human(p.streamed_per_token)
+        ),
+    }
+}
+
+/// The plan as JSON, for `voom generate --json`.
+pub fn to_json(budget: &Budget, needs: &Needs, store: &Store) -> serde_json::Value {
+    let (kind, cache, placement) = match store {
+        Store::Mapped => ("memory-mapped", None, None),
+        Store::Cache {
+            cache_bytes,
+            placement,
+        } => ("page cache", Some(*cache_bytes), Some(placement)),
+    };
+    serde_json::json!({
+        "bytes": budget.bytes,
+        "from": budget.from,
+        "explicit": budget.explicit,
+        "needs": {
+            "kv": needs.kv_bytes,
+            "scratch": needs.scratch_bytes,
+            "process": needs.process_bytes,
+            "read_buffers": needs.io_bytes,
+        },
+        "store": kind,
+        "cache_bytes": cache,
+        "pinned_bytes": placement.map(|p| p.pinned_bytes),
+        "streamed_bytes_per_token": placement.map(|p| p.streamed_per_token),
+        "minimum_budget": placement.map(|p| p.minimum_budget()),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::profile::{self, Overrides, ProfileDirs};
+
+    fn resolved(flags: Overrides, env: Overrides, profile_text: Option<&str>) -> Resolved {
+        let d = tempfile::tempdir().unwrap();
+        let dirs = match profile_text {
+            Some(t) => {
+                std::fs::write(d.path().join("p.yaml"), t).unwrap();
+                ProfileDirs::new(Some(d.path().to_path_buf()), None).unwrap()
+            }
+            None => ProfileDirs::builtin_only(),
+        };
+        let name = if profile_text.is_some() {
+            "p"
+        } else {
+            "default"
+        };
+        profile::resolve(&dirs, name, &flags, &env).unwrap()
+    }
+
+    fn never() -> (u64, String) {
+        panic!("the available memory is not asked for when a budget is set")
+    }
+
+    #[test]
+    fn the_budget_given_with_the_higher_precedence_sizes_the_memory() {
+        // Neither: the memory available now, not explicit.
+        let r = resolved(Overrides::default(), Overrides::default(), None);
+        let (s, note) = sizing(&r, || (5 << 30, "MemAvailable".into())).unwrap();
+        assert_eq!(
+            s,
+            Sizing::Memory(Budget {
+                bytes: 5 << 30,
+                from: "the memory available now: MemAvailable".into(),
+                explicit: false
+            })
+        );
+        assert_eq!(note, None);
+
+        // One of them.
+        let flags = Overrides {
+            memory_budget: Some(3 << 30),
+            ..Default::default()
+        };
+        let r = resolved(flags, Overrides::default(), None);
+        let (s, _) = sizing(&r, never).unwrap();
+        assert_eq!(
+            s,
+            Sizing::Memory(Budget {
+                bytes: 3 << 30,
+                from: "flag --memory-budget".into(),
+                explicit: true
+            })
+        );
+        let r = resolved(
+            Overrides::default(),
+            Overrides::default(),
+            Some("cache_budget: 1GiB\n"),
+        );
+        assert_eq!(sizing(&r, never).unwrap().0, Sizing::Cache(1 << 30));
+
+        // Both: the flag over the profile's, either way round, with a note.
+        let flags = Overrides {
+            memory_budget: Some(3 << 30),
+            ..Default::default()
+        };
+        let r = resolved(flags, Overrides::default(), Some("cache_budget: 1GiB\n"));
+        let (s, note) = sizing(&r, never).unwrap();
+        assert!(matches!(s, Sizing::Memory(Budget { bytes, .. }) if bytes == 3 << 30));
+        let note = note.unwrap();
+        assert!(
+            note.contains("memory_budget (flag --memory-budget) is used")
+                && note.contains("cache_budget (profile"),
+            "{note}"
+        );
+        let env = Overrides {
+            cache_budget: Some(1 << 30),
+            ..Default::default()
+        };
+        let r = resolved(Overrides::default(), env, Some("memory_budget: 3GiB\n"));
+        let (s, note) = sizing(&r, never).unwrap();
+        assert_eq!(s, Sizing::Cache(1 << 30));
+        assert!(note
+            .unwrap()
+            .contains("cache_budget (env VOOM_CACHE_BUDGET) is used"));
+
+        // Both at one level: an error naming both.
+        let r = resolved(
+            Overrides::default(),
+            Overrides::default(),
+            Some("memory_budget: 3GiB\ncache_budget: 1GiB\n"),
+        );
+        let e = sizing(&r, never).unwrap_err().to_string();
+        assert!(
+            e.contains("memory_budget (profile") && e.contains("cache_budget (profile"),
+            "{e}"
+        );
+    }
+}
