@@ -35,6 +35,7 @@ pub const KEYS: &[&str] = &[
     "exact",
     "lossy",
     "memory_budget",
+    "memory_mapped",
     "cache_budget",
     "pin_first_layers",
     "pin_last_layers",
@@ -221,6 +222,9 @@ pub struct Settings {
     /// memory available when an engine opens, used only for a model that does not
     /// fit in it (see `cli::budget`).
     pub memory_budget: Option<u64>,
+    /// Read the weights through the memory-mapped store whatever their size (the
+    /// kernel pages them), with no memory planning.
+    pub memory_mapped: bool,
     /// Bytes of an in-process page cache (vpaged store) for the weights; `None`: the
     /// embedded memory-mapped store. That cache verifies every page it loads against
     /// the manifest, whatever `verify` says.
@@ -248,6 +252,7 @@ impl Default for Settings {
         Settings {
             exact: true,
             memory_budget: None,
+            memory_mapped: false,
             cache_budget: None,
             pin_first_layers: 0,
             pin_last_layers: 0,
@@ -292,6 +297,17 @@ pub fn kv_positions(
     }
 }
 
+/// A yes/no setting's value: `1`, `true`, `yes`, `on`, or `0`, `false`, `no`, `off`.
+pub fn parse_bool(s: &str) -> Result<bool, String> {
+    match s.to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Ok(true),
+        "0" | "false" | "no" | "off" => Ok(false),
+        _ => Err(format!(
+            "not a yes/no value (1/0, true/false, yes/no, on/off): '{s}'"
+        )),
+    }
+}
+
 /// The context a memory budget plans KV for when neither `max_context` nor
 /// `kv_budget` bounds it (the model's own maximum when that is less).
 pub const BUDGET_CONTEXT: usize = 4096;
@@ -328,6 +344,7 @@ impl Settings {
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Overrides {
     pub memory_budget: Option<u64>,
+    pub memory_mapped: Option<bool>,
     pub cache_budget: Option<u64>,
     pub pin_first_layers: Option<u32>,
     pub pin_last_layers: Option<u32>,
@@ -343,6 +360,7 @@ pub struct Overrides {
 /// Per setting: its profile key, flag and environment variable.
 const NAMES: &[(&str, &str, &str)] = &[
     ("memory_budget", "--memory-budget", "VOOM_MEMORY_BUDGET"),
+    ("memory_mapped", "--memory-mapped", "VOOM_MEMORY_MAPPED"),
     ("cache_budget", "--cache-budget", "VOOM_CACHE_BUDGET"),
     (
         "pin_first_layers",
@@ -398,6 +416,7 @@ impl Overrides {
         let num32 = |s: &str| s.parse().map_err(|e| format!("not a count: {e}"));
         Ok(Overrides {
             memory_budget: read(get, "memory_budget", parse_size)?,
+            memory_mapped: read(get, "memory_mapped", parse_bool)?,
             cache_budget: read(get, "cache_budget", parse_size)?,
             pin_first_layers: read(get, "pin_first_layers", num32)?,
             pin_last_layers: read(get, "pin_last_layers", num32)?,
@@ -421,6 +440,7 @@ struct ProfileFile {
     exact: Option<bool>,
     lossy: Option<bool>,
     memory_budget: Option<vpaged::config::ByteSize>,
+    memory_mapped: Option<bool>,
     cache_budget: Option<vpaged::config::ByteSize>,
     pin_first_layers: Option<u32>,
     pin_last_layers: Option<u32>,
@@ -846,6 +866,7 @@ pub fn resolve(
     }
     let bytes = |b: vpaged::config::ByteSize| b.0;
     pick!(memory_budget, bytes, Some);
+    pick!(memory_mapped, id, id);
     pick!(cache_budget, bytes, Some);
     pick!(pin_first_layers, id, id);
     pick!(pin_last_layers, id, id);

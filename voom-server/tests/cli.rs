@@ -678,6 +678,36 @@ fn a_memory_budget_smaller_than_the_model_streams_it_within_the_budget() {
         "peak resident {peak} over the budget {budget}"
     );
 
+    // `--memory-mapped` over a budget given at a lower level: memory-mapped, with a
+    // warning naming both; two at one level: an error naming both.
+    let o = voom()
+        .args(["generate", "--model"])
+        .arg(&dir)
+        .args(["--prompt", "The capital of France is", "--json"])
+        .args(["--max-new-tokens", "6", "--memory-mapped"])
+        .env("VOOM_MEMORY_BUDGET", budget.to_string())
+        .output()
+        .unwrap();
+    let e = stderr(&o);
+    let mapped = ok(o);
+    assert!(
+        e.contains("memory_mapped (flag --memory-mapped) is used and memory_budget (env VOOM_MEMORY_BUDGET) ignored"),
+        "{e}"
+    );
+    assert!(mapped["page_source"]
+        .as_str()
+        .unwrap()
+        .starts_with("embedded:"));
+    assert!(mapped["memory_budget"].is_null());
+    assert_eq!(mapped["ids"], free["ids"]);
+    let o = run(&["--memory-mapped", "--memory-budget", "1GiB"]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("memory_budget (flag --memory-budget) and memory_mapped (flag --memory-mapped) are set at the same level"),
+        "{}",
+        stderr(&o)
+    );
+
     let o = run(&["--memory-budget", "20MiB"]);
     assert!(!o.status.success());
     let e = stderr(&o);

@@ -122,6 +122,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
                     read_threads: None,
                     read_piece: None,
                     memory_budget: None,
+                    memory_mapped: false,
                     cache_budget: None,
                     pin_first_layers: None,
                     pin_last_layers: None,

@@ -14,11 +14,13 @@
 //! - not even the streaming window of its largest step fits: an error that says how
 //!   much the model needs.
 //!
-//! The budget comes from `memory_budget` (flag, environment or profile), else from
-//! `cache_budget`, which sizes the cache itself; else it is the memory available
-//! when the engine opens, and then only a model that does not fit in it is planned
-//! (one that fits is memory-mapped, as without a budget, and its context is not
-//! bounded by the plan).
+//! The budget comes from `memory_budget` (flag, environment or profile). Instead,
+//! `cache_budget` sizes the cache itself, and `memory_mapped` asks for the
+//! memory-mapped store whatever the model's size; of those given, the one with the
+//! highest precedence is used ([`sizing`]). With none, the budget is the memory
+//! available when the engine opens, and then only a model that does not fit in it
+//! is planned (one that fits is memory-mapped, and its context is not bounded by
+//! the plan).
 
 use anyhow::{bail, Result};
 use libvoom::engine::Engine;
@@ -50,17 +52,19 @@ pub struct Budget {
 /// How the settings size the weights' memory.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Sizing {
+    /// `memory_mapped`: the memory-mapped store, unplanned.
+    Mapped,
     /// `cache_budget`: an in-process page cache of these bytes, as given.
     Cache(u64),
     /// A budget for the whole process, to plan.
     Memory(Budget),
 }
 
-/// What the settings ask for: `memory_budget` or `cache_budget`, whichever was
-/// given with the higher precedence (flag, environment, profile); the other is
-/// reported in the returned note. Both at one level is an error naming both. With
-/// neither, `available` (the memory available now, and where that figure comes
-/// from) is the budget.
+/// What the settings ask for: `memory_budget`, `cache_budget` or `memory_mapped`,
+/// whichever was given with the highest precedence (flag, environment, profile);
+/// the others are named in the returned note. Two at the top level is an error
+/// naming them. With none, `available` (the memory available now, and where that
+/// figure comes from) is the budget.
 pub fn sizing(
     resolved: &Resolved,
     available: impl FnOnce() -> (u64, String),
@@ -73,48 +77,63 @@ pub fn sizing(
             .cloned()
             .unwrap_or(Source::Default)
     };
-    let memory = |bytes: u64| {
-        Sizing::Memory(Budget {
+    let mut given: Vec<(&str, Source, Sizing)> = Vec::new();
+    if let Some(bytes) = s.memory_budget {
+        let from = source("memory_budget");
+        let budget = Budget {
             bytes,
-            from: source("memory_budget").to_string(),
+            from: from.to_string(),
             explicit: true,
-        })
+        };
+        given.push(("memory_budget", from, Sizing::Memory(budget)));
+    }
+    if let Some(bytes) = s.cache_budget {
+        given.push(("cache_budget", source("cache_budget"), Sizing::Cache(bytes)));
+    }
+    if s.memory_mapped {
+        given.push(("memory_mapped", source("memory_mapped"), Sizing::Mapped));
+    }
+    given.sort_by_key(|(_, from, _)| std::cmp::Reverse(rank(from)));
+    let named = |g: &[(&str, Source, Sizing)]| {
+        g.iter()
+            .map(|(k, from, _)| format!("{k} ({from})"))
+            .collect::<Vec<_>>()
+            .join(" and ")
     };
-    Ok(match (s.memory_budget, s.cache_budget) {
-        (Some(m), Some(c)) => {
-            let (ms, cs) = (source("memory_budget"), source("cache_budget"));
-            let note = |used: &str, u: &Source, ignored: &str, i: &Source| {
-                format!("{used} ({u}) is used and {ignored} ({i}) is ignored")
-            };
-            match rank(&ms).cmp(&rank(&cs)) {
-                std::cmp::Ordering::Greater => (
-                    memory(m),
-                    Some(note("memory_budget", &ms, "cache_budget", &cs)),
-                ),
-                std::cmp::Ordering::Less => (
-                    Sizing::Cache(c),
-                    Some(note("cache_budget", &cs, "memory_budget", &ms)),
-                ),
-                std::cmp::Ordering::Equal => bail!(
-                    "memory_budget ({ms}) and cache_budget ({cs}) are both set: a memory \
-                     budget sizes the page cache itself; give one of them"
-                ),
-            }
-        }
-        (Some(m), None) => (memory(m), None),
-        (None, Some(c)) => (Sizing::Cache(c), None),
-        (None, None) => {
+    match given.as_slice() {
+        [] => {
             let (bytes, from) = available();
-            (
-                Sizing::Memory(Budget {
-                    bytes,
-                    from: format!("the memory available now: {from}"),
-                    explicit: false,
-                }),
-                None,
+            let budget = Budget {
+                bytes,
+                from: format!("the memory available now: {from}"),
+                explicit: false,
+            };
+            Ok((Sizing::Memory(budget), None))
+        }
+        [(_, _, one)] => Ok((one.clone(), None)),
+        [first, second, ..] if rank(&first.1) == rank(&second.1) => {
+            let tied: Vec<_> = given
+                .iter()
+                .filter(|(_, from, _)| rank(from) == rank(&first.1))
+                .cloned()
+                .collect();
+            bail!(
+                "{} are set at the same level: each chooses how the weights are held \
+                 (memory_budget plans a page cache, cache_budget sizes one, \
+                 memory_mapped uses none); give one of them",
+                named(&tied)
             )
         }
-    })
+        [first, rest @ ..] => Ok((
+            first.2.clone(),
+            Some(format!(
+                "{} ({}) is used and {} ignored",
+                first.0,
+                first.1,
+                named(rest)
+            )),
+        )),
+    }
 }
 
 /// Precedence of where a setting came from.
@@ -303,7 +322,8 @@ mod tests {
         let note = note.unwrap();
         assert!(
             note.contains("memory_budget (flag --memory-budget) is used")
-                && note.contains("cache_budget (profile"),
+                && note.contains("and cache_budget (profile")
+                && note.ends_with("ignored"),
             "{note}"
         );
         let env = Overrides {
@@ -328,5 +348,26 @@ mod tests {
             e.contains("memory_budget (profile") && e.contains("cache_budget (profile"),
             "{e}"
         );
+
+        // The memory-mapped store, asked for over a profile's budget.
+        let env = Overrides {
+            memory_mapped: Some(true),
+            ..Default::default()
+        };
+        let r = resolved(Overrides::default(), env, Some("memory_budget: 3GiB\n"));
+        let (s, note) = sizing(&r, never).unwrap();
+        assert_eq!(s, Sizing::Mapped);
+        assert!(note
+            .unwrap()
+            .starts_with("memory_mapped (env VOOM_MEMORY_MAPPED) is used"),);
+        let r = resolved(
+            Overrides::default(),
+            Overrides::default(),
+            Some("memory_mapped: false\n"),
+        );
+        assert!(matches!(
+            sizing(&r, || (1, "x".into())).unwrap().0,
+            Sizing::Memory(_)
+        ));
     }
 }

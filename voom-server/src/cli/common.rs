@@ -68,6 +68,11 @@ pub struct EngineArgs {
     /// model that does not fit in it].
     #[arg(long, value_parser = profile::parse_size)]
     pub memory_budget: Option<u64>,
+    /// Read the weights through the memory-mapped store whatever their size, the
+    /// kernel paging them, with no memory planning (the naive baseline)
+    /// [env: VOOM_MEMORY_MAPPED=1].
+    #[arg(long)]
+    pub memory_mapped: bool,
     /// Bytes of an in-process page cache for the weights, e.g. 4GiB, as given
     /// rather than planned from a memory budget (needs the model's page manifest)
     /// [env: VOOM_CACHE_BUDGET] [default: none].
@@ -133,6 +138,7 @@ impl EngineArgs {
     pub fn flag_overrides(&self) -> Overrides {
         Overrides {
             memory_budget: self.memory_budget,
+            memory_mapped: self.memory_mapped.then_some(true),
             cache_budget: self.cache_budget,
             pin_first_layers: self.pin_first_layers,
             pin_last_layers: self.pin_last_layers,
@@ -302,13 +308,16 @@ pub fn open_engine(dir: &Path, args: &EngineArgs) -> Result<Engine> {
         }
     }
     let (sizing, note) = budget::sizing(&resolved, || {
+        // What is available to this process: what is free, and what it holds.
         let a = crate::memory::available();
-        (a.bytes, a.source)
+        let own = crate::memory::resident_bytes().unwrap_or(0);
+        (a.bytes + own, a.source)
     })?;
     if let Some(n) = note {
         eprintln!("voom: warning: {n}");
     }
     let cache = match sizing {
+        budget::Sizing::Mapped => None,
         budget::Sizing::Cache(bytes) => Some(bytes),
         budget::Sizing::Memory(b) => plan_store(dir, s, &opts, &b)?,
     };

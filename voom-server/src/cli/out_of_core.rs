@@ -56,8 +56,9 @@ pub struct OutOfCoreArgs {
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
     /// Configurations to run, comma-separated: `mmap` (the embedded memory-mapped
-    /// store, the naive baseline), `cache` (vOOM's page cache at the budget less KV,
-    /// scratch and the process) and `vpack` (the same cache reading the pages' vpack
+    /// store, the naive baseline: `--memory-mapped`), `cache` (`--memory-budget` of
+    /// the ceiling: the page cache the memory planner sizes and fills) and `vpack`
+    /// (the same, reading the pages' vpack
     /// bodies: a packed copy of the model beside it, its files hard links of the
     /// model's, packed once and reused).
     #[arg(long, value_delimiter = ',', default_value = "mmap,cache,vpack")]
@@ -77,11 +78,9 @@ pub struct OutOfCoreArgs {
 
 /// Prefill tokens per pass (the engine's default chunk).
 const PREFILL_CHUNK: usize = 256;
-/// Memory assumed for the child process itself (code, tokenizer, heap).
+/// Memory assumed for the child process itself (code, tokenizer, heap), for the
+/// bytes per token that cannot be resident (the child plans with its own measure).
 const PROCESS_BYTES: u64 = 96 << 20;
-/// Room left besides the cache, the read buffers and the process, for the heap's
-/// growth while it runs.
-const HEAP_MARGIN: u64 = 32 << 20;
 
 pub fn run(a: OutOfCoreArgs) -> Result<()> {
     if a.decode_tokens < 2 || a.prompt_tokens == 0 {
@@ -151,14 +150,7 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
     let prompt: Vec<String> = (0..a.prompt_tokens as u32)
         .map(|i| ((i * 7919 + 13) % vocab.max(1)).to_string())
         .collect();
-    // The cache gets the room less the store's read buffers (for vpack, the bodies
-    // being decoded too) and a margin for the heap.
     let io = vpaged::store::IoConfig::default();
-    let cache_budget_with = |manifest: Option<&Manifest>| {
-        room.saturating_sub(io.buffer_bytes(manifest) + HEAP_MARGIN)
-            .max(1 << 20)
-    };
-    let cache_budget = cache_budget_with(None);
     // The packed copy, and the bytes per token its bodies leave on storage.
     let packed = if a.configs.iter().any(|c| c == "vpack") {
         ensure_manifest(&dir)?;
@@ -167,9 +159,6 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
         None
     };
     let pack_ratio = packed.as_ref().map(Packed::ratio);
-    let packed_cache_budget = packed
-        .as_ref()
-        .map(|p| cache_budget_with(Some(&p.manifest)));
     let packed_bound = pack_ratio
         .zip(bound)
         .map(|(r, b)| b / r.max(f64::MIN_POSITIVE));
@@ -190,22 +179,16 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
             1.0
         };
         let near_bound = (non_resident > 0).then(|| near / (non_resident as f64 * scale));
+        // The page cache runs as a user would run it: with the ceiling as its memory
+        // budget, which it plans itself (cli::budget).
+        let budget = vec!["--memory-budget".to_string(), a.budget.to_string()];
         let (model_dir, extra): (&Path, Vec<String>) = match cfg.as_str() {
-            "mmap" => (&dir, vec![]),
+            "mmap" => (&dir, vec!["--memory-mapped".into()]),
             "cache" => {
                 ensure_manifest(&dir)?;
-                (
-                    &dir,
-                    vec!["--cache-budget".into(), cache_budget.to_string()],
-                )
+                (&dir, budget)
             }
-            "vpack" => (
-                &packed.as_ref().expect("packed above").dir,
-                vec![
-                    "--cache-budget".into(),
-                    packed_cache_budget.unwrap_or(cache_budget).to_string(),
-                ],
-            ),
+            "vpack" => (&packed.as_ref().expect("packed above").dir, budget),
             other => bail!("unknown configuration '{other}' (mmap, cache, vpack)"),
         };
         let mut args: Vec<String> = vec![
@@ -274,6 +257,7 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
             "storage_bytes_per_sec_before": near,
             "ratio_to_storage_bound_before": near_bound.map(|b| decode_tps / b),
             "page_source": r["page_source"],
+            "memory_plan": r["memory_budget"],
             "decode_tokens_per_sec": decode_tps,
             "prefill_tokens_per_sec": r["timing"]["prefill_tokens_per_sec"],
             "decode_page_wait_share": r["timing"]["decode_page_wait_secs"].as_f64()
@@ -350,7 +334,7 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
         "weight_bytes_per_token": weights,
         "non_resident_bytes_per_token": non_resident,
         "needs": {"kv": kv, "scratch": scratch, "process_assumed": PROCESS_BYTES,
-                  "read_buffers": io.buffer_bytes(None), "heap_margin": HEAP_MARGIN},
+                  "read_buffers": io.buffer_bytes(None)},
         "storage": {"mode": bw.mode.name(), "bytes_per_sec": storage_bps, "bytes_read": bw.bytes, "readers": bw.readers, "chunk": bw.chunk},
         "storage_bound_tokens_per_sec": bound,
         "device": device.as_ref().map(|d| d.name().to_string()),
@@ -358,10 +342,8 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
             "dir": p.dir.display().to_string(),
             "packed_over_raw": p.ratio(),
             "read_buffers": io.buffer_bytes(Some(&p.manifest)),
-            "cache_budget": packed_cache_budget,
             "storage_bound_tokens_per_sec": packed_bound,
         })),
-        "cache_budget": cache_budget,
         "runs": results,
         "rounds": a.repeat.max(1),
         "medians": medians,

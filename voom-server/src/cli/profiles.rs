@@ -116,6 +116,7 @@ fn print_text(r: &Resolved) -> std::io::Result<()> {
     let opt = |v: Option<String>| v.unwrap_or_else(|| "none".to_string());
     let rows: Vec<(&str, String)> = vec![
         ("memory_budget", size(s.memory_budget)),
+        ("memory_mapped", s.memory_mapped.to_string()),
         ("cache_budget", size(s.cache_budget)),
         ("pin_first_layers", s.pin_first_layers.to_string()),
         ("pin_last_layers", s.pin_last_layers.to_string()),
