@@ -1,7 +1,8 @@
 //! A model larger than a real memory ceiling (a memory cgroup, where this machine
-//! lets the test make one) completes with transformers' ids and is not killed, on
-//! the memory-mapped store and on the page cache alike; the cgroup's peak (private
-//! memory and page cache) stays within the ceiling.
+//! lets the test make one) completes with transformers' ids and is not killed, by
+//! default, on the memory-mapped store, on a page cache of a given size and on the
+//! one the memory planner sizes for the ceiling; the cgroup's peak (private memory
+//! and page cache) stays within the ceiling.
 
 use std::path::Path;
 
@@ -48,7 +49,22 @@ fn a_model_larger_than_its_memory_cgroup_gives_transformers_ids_and_is_not_kille
         .map(|i| i.to_string())
         .collect();
     let want: Vec<u64> = ids(&case["output_ids"])[..12].to_vec();
-    for extra in [vec![], vec!["--cache-budget", "96MiB"]] {
+    let budget = LIMIT.to_string();
+    for extra in [
+        // The default: the memory the cgroup leaves is the budget.
+        vec![],
+        vec!["--memory-mapped"],
+        vec!["--cache-budget", "96MiB"],
+        // The memory planner at the ceiling (fewer readers: smaller read buffers).
+        vec![
+            "--memory-budget",
+            budget.as_str(),
+            "--max-context",
+            "128",
+            "--read-threads",
+            "4",
+        ],
+    ] {
         let mut args: Vec<String> = vec![
             "generate".into(),
             "--model".into(),
@@ -79,6 +95,14 @@ fn a_model_larger_than_its_memory_cgroup_gives_transformers_ids_and_is_not_kille
             want,
             "{extra:?}: greedy ids under the ceiling"
         );
+        if extra.first() == Some(&"--memory-budget") {
+            let plan = &j["memory_budget"];
+            assert_eq!(plan["store"], "page cache", "{plan}");
+            assert!(
+                plan["streamed_bytes_per_token"].as_u64().unwrap() > 0,
+                "{plan}"
+            );
+        }
         if let Some(peak) = ceiling.peak() {
             assert!(
                 peak <= LIMIT,

@@ -423,7 +423,8 @@ fn plan_store(
         Err(e) => {
             eprintln!(
                 "voom: warning: model {} cannot stream within {}: {e}; the weights are \
-                 memory-mapped and the kernel pages them (--memory-budget sets a budget)",
+                 memory-mapped and the kernel pages them (--memory-budget and --max-context \
+                 set what is planned)",
                 dir.display(),
                 b.from
             );
