@@ -791,8 +791,25 @@ fn health_and_metrics_formats() {
         "voom_decode_tokens_per_second",
         "voom_queue_depth",
         "voom_requests_cancelled_total",
+        "voom_prefill_page_wait_seconds_total",
+        "voom_decode_page_wait_seconds_total",
     ] {
         assert!(typed.contains(name), "{name} missing:\n{text}");
+    }
+    // The process's memory, where the OS reports it: the peak at least what it
+    // holds now, and more than nothing.
+    let sample = |name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(&format!("{name} ")))
+            .map(|v| v.parse::<f64>().unwrap())
+    };
+    if let (Some(now), Some(peak)) = (
+        sample("voom_resident_bytes"),
+        sample("voom_peak_resident_bytes"),
+    ) {
+        assert!(now > 0.0 && peak >= now, "{now} {peak}");
+    } else {
+        assert!(!Path::new("/proc/self/status").exists(), "{text}");
     }
     assert!(
         text.contains("voom_requests_total{endpoint=\"/chat/completions\",status=\"200\"} 1"),

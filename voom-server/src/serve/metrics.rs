@@ -13,6 +13,9 @@ pub struct Metrics {
     /// Microseconds spent in prefill and decode.
     prefill_us: AtomicU64,
     decode_us: AtomicU64,
+    /// Of those, microseconds the passes waited for pages.
+    prefill_wait_us: AtomicU64,
+    decode_wait_us: AtomicU64,
     /// Requests queued for the engine, not yet started.
     pub queue_depth: AtomicUsize,
     /// 1 while the engine runs a request.
@@ -43,16 +46,21 @@ impl Metrics {
         (n > 0).then(|| us as f64 / 1e6 / n as f64)
     }
 
-    pub fn record_generation(&self, prompt: usize, completion: usize, prefill: f64, decode: f64) {
+    pub fn record_generation(&self, g: &libvoom::engine::Generation) {
+        let us = |secs: f64| (secs * 1e6) as u64;
         self.generations.fetch_add(1, Ordering::Relaxed);
         self.prompt_tokens
-            .fetch_add(prompt as u64, Ordering::Relaxed);
+            .fetch_add(g.prompt_tokens as u64, Ordering::Relaxed);
         self.completion_tokens
-            .fetch_add(completion as u64, Ordering::Relaxed);
+            .fetch_add(g.ids.len() as u64, Ordering::Relaxed);
         self.prefill_us
-            .fetch_add((prefill * 1e6) as u64, Ordering::Relaxed);
+            .fetch_add(us(g.prefill_secs), Ordering::Relaxed);
         self.decode_us
-            .fetch_add((decode * 1e6) as u64, Ordering::Relaxed);
+            .fetch_add(us(g.decode_secs), Ordering::Relaxed);
+        self.prefill_wait_us
+            .fetch_add(us(g.prefill_page_wait_secs), Ordering::Relaxed);
+        self.decode_wait_us
+            .fetch_add(us(g.decode_page_wait_secs), Ordering::Relaxed);
     }
 
     /// The Prometheus exposition; `extra` lines (already formatted) are appended.
@@ -78,7 +86,8 @@ impl Metrics {
         let decode_s = load(&self.decode_us) as f64 / 1e6;
         let prompt = load(&self.prompt_tokens);
         let prefill_s = load(&self.prefill_us) as f64 / 1e6;
-        let rows: [(&str, &str, &str, f64); 10] = [
+        let secs = |a: &AtomicU64| load(a) as f64 / 1e6;
+        let rows: [(&str, &str, &str, f64); 12] = [
             (
                 "voom_prompt_tokens_total",
                 "counter",
@@ -102,6 +111,18 @@ impl Metrics {
                 "counter",
                 "Seconds spent decoding.",
                 decode_s,
+            ),
+            (
+                "voom_prefill_page_wait_seconds_total",
+                "counter",
+                "Of the prefill seconds, those the passes waited for pages.",
+                secs(&self.prefill_wait_us),
+            ),
+            (
+                "voom_decode_page_wait_seconds_total",
+                "counter",
+                "Of the decode seconds, those the passes waited for pages.",
+                secs(&self.decode_wait_us),
             ),
             (
                 "voom_decode_tokens_per_second",
@@ -165,7 +186,18 @@ mod tests {
         m.record_request("/v1/chat/completions", 200);
         m.record_request("/v1/chat/completions", 200);
         m.record_request("/v1/messages", 400);
-        m.record_generation(10, 20, 0.5, 2.0);
+        m.record_generation(&libvoom::engine::Generation {
+            prompt_tokens: 10,
+            ids: vec![1; 20],
+            prefill_secs: 0.5,
+            decode_secs: 2.0,
+            decode_page_wait_secs: 0.25,
+            prefill_page_wait_secs: 0.0,
+            finish: libvoom::engine::FinishReason::Length,
+            logits: Vec::new(),
+            constraint_secs: 0.0,
+            pages: None,
+        });
         let s = m.render(&[]);
         assert!(
             s.contains("voom_requests_total{endpoint=\"/v1/chat/completions\",status=\"200\"} 2")
@@ -173,6 +205,8 @@ mod tests {
         assert!(s.contains("voom_requests_total{endpoint=\"/v1/messages\",status=\"400\"} 1"));
         assert!(s.contains("voom_completion_tokens_total 20"));
         assert!(s.contains("voom_decode_tokens_per_second 10"));
+        assert!(s.contains("voom_decode_page_wait_seconds_total 0.25"));
+        assert!(s.contains("voom_prefill_page_wait_seconds_total 0\n"));
         assert!(s.contains("# TYPE voom_queue_depth gauge"));
     }
 }

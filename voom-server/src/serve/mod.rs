@@ -278,6 +278,23 @@ async fn metrics_text(State(app): State<Arc<App>>) -> Response {
             ),
         ];
     }
+    // This process's memory: what it holds now and at its peak (Linux).
+    for (name, v, help) in [
+        (
+            "voom_resident_bytes",
+            crate::memory::resident_bytes(),
+            "The server process's resident memory.",
+        ),
+        (
+            "voom_peak_resident_bytes",
+            crate::memory::peak_resident_bytes(),
+            "The server process's peak resident memory.",
+        ),
+    ] {
+        if let Some(v) = v {
+            extra.push((name.to_string(), v as f64, help));
+        }
+    }
     let body = app.metrics.render(&extra);
     (
         StatusCode::OK,

@@ -316,12 +316,7 @@ impl WorkerState {
         }
         if gone {
             // The work was done even though nobody reads it: count it.
-            self.metrics.record_generation(
-                g.prompt_tokens,
-                g.ids.len(),
-                g.prefill_secs,
-                g.decode_secs,
-            );
+            self.metrics.record_generation(&g);
             self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
             return Ok(None);
         }
@@ -423,8 +418,7 @@ impl WorkerState {
                 }
             }
         }
-        self.metrics
-            .record_generation(g.prompt_tokens, g.ids.len(), g.prefill_secs, g.decode_secs);
+        self.metrics.record_generation(&g);
         tracing::info!(
             "generated: model {} prompt {} tokens, completion {} tokens ({:?}); queue {:.3}s prefill {:.3}s decode {:.3}s ({:.1} tok/s)",
             job.request.meta.id,
