@@ -171,7 +171,8 @@ pub struct Engine {
 }
 
 /// Pins in `source`'s cache (when it has one) the pages the memory planner chooses
-/// for its budget, and returns the room left for streaming; `None` when the source
+/// for its budget, has its fast tier (if any) keep copies of the pages that stream
+/// and save the most, and returns the room left for streaming; `None` when the source
 /// has no budget, everything fits, or the budget is below the planner's minimum
 /// (the sweep then streams step by step, as without a plan).
 fn place_in(source: &dyn PageSource, model: &dyn Model) -> Option<u64> {
@@ -179,6 +180,9 @@ fn place_in(source: &dyn PageSource, model: &dyn Model) -> Option<u64> {
     let p =
         crate::placement::place(model.plan(), &crate::placement::Needs::default(), budget).ok()?;
     source.pin(&p.pinned);
+    if let Some(room) = source.fast_tier_room() {
+        source.keep_on_fast_tier(&crate::placement::fast_tier_set(model.plan(), &p, room));
+    }
     (p.streamed_per_token > 0).then(|| budget - p.pinned_bytes)
 }
 

@@ -131,24 +131,70 @@ pub fn human(n: u64) -> String {
 #[derive(Debug, Clone, Copy)]
 struct Weighed {
     page: PageId,
+    /// Its bytes, and what it holds resident.
+    bytes: u64,
     slot: u64,
     per_token: u64,
 }
 
-/// Places `plan`'s pages under `budget` bytes, with `needs` set aside first.
-pub fn place(plan: &PagePlan, needs: &Needs, budget: u64) -> Result<Placement, PlacementError> {
-    // Each distinct page once: its slot and the bytes every stage reading it reads.
+/// Each distinct page of `plan` once: its bytes, its slot and the bytes every stage
+/// reading it reads per token.
+fn weigh(plan: &PagePlan) -> BTreeMap<PageId, Weighed> {
     let mut pages: BTreeMap<PageId, Weighed> = BTreeMap::new();
     for stage in plan.stages() {
         for r in stage.reads() {
             let w = pages.entry(r.page).or_insert(Weighed {
                 page: r.page,
+                bytes: r.bytes,
                 slot: slot_bytes(r.bytes),
                 per_token: 0,
             });
             w.per_token += r.per_token;
         }
     }
+    pages
+}
+
+/// Sorts pages by the bytes each saves per token for each byte `held` says it holds,
+/// highest first (compared exactly, as `per_token_a * held_b` against
+/// `per_token_b * held_a`); then by the most saved; then by page, so equal plans
+/// give equal placements.
+fn by_value(order: &mut [Weighed], held: impl Fn(&Weighed) -> u64) {
+    order.sort_by(|a, b| {
+        let (x, y) = (
+            a.per_token as u128 * held(b) as u128,
+            b.per_token as u128 * held(a) as u128,
+        );
+        y.cmp(&x)
+            .then(b.per_token.cmp(&a.per_token))
+            .then(a.page.cmp(&b.page))
+    });
+}
+
+/// The pages a fast tier of `room` bytes keeps copies of beside `placement` (its
+/// static set): pages that stream (not pinned, read every token), by the bytes
+/// each saves per token for each byte of copy, as far as they fit. Sorted.
+pub fn fast_tier_set(plan: &PagePlan, placement: &Placement, room: u64) -> Vec<PageId> {
+    let mut order: Vec<Weighed> = weigh(plan)
+        .into_values()
+        .filter(|w| w.per_token > 0 && !placement.is_pinned(w.page))
+        .collect();
+    by_value(&mut order, |w| w.bytes);
+    let mut left = room;
+    let mut set = Vec::new();
+    for w in order {
+        if w.bytes <= left {
+            left -= w.bytes;
+            set.push(w.page);
+        }
+    }
+    set.sort_unstable();
+    set
+}
+
+/// Places `plan`'s pages under `budget` bytes, with `needs` set aside first.
+pub fn place(plan: &PagePlan, needs: &Needs, budget: u64) -> Result<Placement, PlacementError> {
+    let pages = weigh(plan);
     let min_window = plan
         .stages()
         .map(|s| {
@@ -201,18 +247,7 @@ pub fn place(plan: &PagePlan, needs: &Needs, budget: u64) -> Result<Placement, P
     let window = (2 * largest_layer).max(min_window).min(avail);
     let mut room = avail - window;
     let mut order: Vec<Weighed> = pages.values().copied().collect();
-    // Bytes saved per token per byte held, highest first (compared exactly as
-    // per_token_a * slot_b against per_token_b * slot_a); then the most saved; then
-    // by page, so equal plans give equal placements.
-    order.sort_by(|a, b| {
-        let (x, y) = (
-            a.per_token as u128 * b.slot as u128,
-            b.per_token as u128 * a.slot as u128,
-        );
-        y.cmp(&x)
-            .then(b.per_token.cmp(&a.per_token))
-            .then(a.page.cmp(&b.page))
-    });
+    by_value(&mut order, |w| w.slot);
     let mut pinned = Vec::new();
     let (mut pinned_bytes, mut pinned_per_token) = (0u64, 0u64);
     for w in order {
@@ -317,6 +352,29 @@ mod tests {
         let p = place(&plan, &needs, 200 * MIB).unwrap();
         assert_eq!((p.window_bytes, p.streamed_per_token), (0, 0));
         assert_eq!(p.pinned.len(), 1 + 16 + 1);
+    }
+
+    #[test]
+    fn the_fast_tier_keeps_what_streams_and_saves_the_most_never_the_pins() {
+        let plan = plan_of(64 * MIB, 4096, &vec![vec![4 * MIB, 4 * MIB]; 8], 16 * MIB);
+        let p = place(&plan, &Needs::default(), 64 * MIB + 40 * MIB).unwrap();
+        // Room for five matrices and a bit: five streamed 4 MiB matrices (a ratio of
+        // one, the lowest pages first), never a pinned page, never the embedding
+        // (one row a token) while a matrix fits.
+        let set = fast_tier_set(&plan, &p, 21 * MIB);
+        assert_eq!(set.len(), 5, "{set:?}");
+        assert!(set.iter().all(|id| !p.is_pinned(*id) && *id != PageId(1)));
+        assert!(set.windows(2).all(|w| w[0] < w[1]));
+        // Room for everything that streams: all of it, the embedding last.
+        let streamed: Vec<PageId> = (1..=18)
+            .map(PageId)
+            .filter(|id| !p.is_pinned(*id))
+            .collect();
+        assert_eq!(fast_tier_set(&plan, &p, 1 << 40), streamed);
+        assert!(fast_tier_set(&plan, &p, 0).is_empty());
+        // Everything pinned: nothing to keep.
+        let all = place(&plan, &Needs::default(), 1 << 30).unwrap();
+        assert!(fast_tier_set(&plan, &all, 1 << 40).is_empty());
     }
 
     fn arb_plan() -> impl Strategy<Value = PagePlan> {

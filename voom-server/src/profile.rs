@@ -37,6 +37,8 @@ pub const KEYS: &[&str] = &[
     "memory_budget",
     "memory_mapped",
     "cache_budget",
+    "fast_tier",
+    "fast_tier_size",
     "pin_first_layers",
     "pin_last_layers",
     "prefetch_depth",
@@ -229,6 +231,12 @@ pub struct Settings {
     /// embedded memory-mapped store. That cache verifies every page it loads against
     /// the manifest, whatever `verify` says.
     pub cache_budget: Option<u64>,
+    /// A directory on faster storage than the model's (an internal SSD under a model
+    /// on a USB disk or a NAS) where a page cache keeps copies of the pages the
+    /// planner cannot pin, so their reads leave the slow tier.
+    pub fast_tier: Option<PathBuf>,
+    /// Bytes the fast tier may hold (default: nine tenths of its free space).
+    pub fast_tier_size: Option<u64>,
     pub pin_first_layers: u32,
     pub pin_last_layers: u32,
     pub prefetch_depth: usize,
@@ -254,6 +262,8 @@ impl Default for Settings {
             memory_budget: None,
             memory_mapped: false,
             cache_budget: None,
+            fast_tier: None,
+            fast_tier_size: None,
             pin_first_layers: 0,
             pin_last_layers: 0,
             prefetch_depth: 1,
@@ -346,6 +356,8 @@ pub struct Overrides {
     pub memory_budget: Option<u64>,
     pub memory_mapped: Option<bool>,
     pub cache_budget: Option<u64>,
+    pub fast_tier: Option<PathBuf>,
+    pub fast_tier_size: Option<u64>,
     pub pin_first_layers: Option<u32>,
     pub pin_last_layers: Option<u32>,
     pub prefetch_depth: Option<usize>,
@@ -362,6 +374,8 @@ const NAMES: &[(&str, &str, &str)] = &[
     ("memory_budget", "--memory-budget", "VOOM_MEMORY_BUDGET"),
     ("memory_mapped", "--memory-mapped", "VOOM_MEMORY_MAPPED"),
     ("cache_budget", "--cache-budget", "VOOM_CACHE_BUDGET"),
+    ("fast_tier", "--fast-tier", "VOOM_FAST_TIER"),
+    ("fast_tier_size", "--fast-tier-size", "VOOM_FAST_TIER_SIZE"),
     (
         "pin_first_layers",
         "--pin-first-layers",
@@ -418,6 +432,8 @@ impl Overrides {
             memory_budget: read(get, "memory_budget", parse_size)?,
             memory_mapped: read(get, "memory_mapped", parse_bool)?,
             cache_budget: read(get, "cache_budget", parse_size)?,
+            fast_tier: read(get, "fast_tier", |s| Ok(PathBuf::from(s)))?,
+            fast_tier_size: read(get, "fast_tier_size", parse_size)?,
             pin_first_layers: read(get, "pin_first_layers", num32)?,
             pin_last_layers: read(get, "pin_last_layers", num32)?,
             prefetch_depth: read(get, "prefetch_depth", num)?,
@@ -442,6 +458,8 @@ struct ProfileFile {
     memory_budget: Option<vpaged::config::ByteSize>,
     memory_mapped: Option<bool>,
     cache_budget: Option<vpaged::config::ByteSize>,
+    fast_tier: Option<PathBuf>,
+    fast_tier_size: Option<vpaged::config::ByteSize>,
     pin_first_layers: Option<u32>,
     pin_last_layers: Option<u32>,
     prefetch_depth: Option<usize>,
@@ -539,6 +557,9 @@ fn parse(text: &str, file: &str) -> Result<ProfileFile, ProfileError> {
     }
     if p.cache_budget.is_some_and(|b| b.0 == 0) {
         return Err(invalid("cache_budget must be more than 0 bytes".into()));
+    }
+    if p.fast_tier_size.is_some_and(|b| b.0 == 0) {
+        return Err(invalid("fast_tier_size must be more than 0 bytes".into()));
     }
     if p.kv_budget.is_some_and(|b| b.0 == 0) {
         return Err(invalid("kv_budget must be more than 0 bytes".into()));
@@ -868,6 +889,8 @@ pub fn resolve(
     pick!(memory_budget, bytes, Some);
     pick!(memory_mapped, id, id);
     pick!(cache_budget, bytes, Some);
+    pick!(fast_tier, id, Some);
+    pick!(fast_tier_size, bytes, Some);
     pick!(pin_first_layers, id, id);
     pick!(pin_last_layers, id, id);
     pick!(prefetch_depth, id, id);

@@ -717,3 +717,68 @@ fn a_memory_budget_smaller_than_the_model_streams_it_within_the_budget() {
         "{e}"
     );
 }
+
+/// `--fast-tier`: the planner has the fast tier keep copies of the pages a small
+/// cache streams, as they are first read; later reads of them come from it (the
+/// slow tier reads less), every copy verified, the ids the same; a later run finds
+/// them there.
+#[test]
+fn a_fast_tier_takes_the_streamed_pages_off_the_slow_tier() {
+    let (d, dir) = hashed_copy("llama_gqa_untied");
+    let fast = d.path().join("fast");
+    let r = reference("llama_gqa_untied");
+    let p = &r["prompts"][0];
+    let ids = id_list(&p["prompt_ids"]);
+    let run = |extra: &[&str]| {
+        let o = voom()
+            .args(["generate", "--model"])
+            .arg(&dir)
+            .args(["--prompt-ids", &ids, "--json", "--max-new-tokens", "8"])
+            .args(["--cache-budget", "160KiB"])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        last_json(&o)
+    };
+    let slow = run(&[]);
+    let tier = [
+        "--fast-tier",
+        fast.to_str().unwrap(),
+        "--fast-tier-size",
+        "1MiB",
+    ];
+    let first = run(&tier);
+    let second = run(&tier);
+    let read = |j: &Value, k: &str| j["page_cache"]["bytes_read"][k].as_u64().unwrap();
+    for j in [&first, &second] {
+        assert_eq!(j["ids"], slow["ids"]);
+    }
+    assert_eq!(read(&slow, "fast_tier"), 0);
+    // The first run reads each page from the slow tier once, then from the copies.
+    assert!(read(&first, "fast_tier") > 0, "{}", first["page_cache"]);
+    assert!(read(&first, "primary") < read(&slow, "primary"));
+    // The second finds every copy there: nothing from the slow tier.
+    assert!(read(&second, "fast_tier") > 0);
+    assert_eq!(read(&second, "primary"), 0, "{}", second["page_cache"]);
+    let copies = walk(&fast);
+    assert!(!copies.is_empty() && copies.iter().all(|p| p.extension().unwrap() == "page"));
+    let kept: u64 = copies
+        .iter()
+        .map(|p| std::fs::metadata(p).unwrap().len())
+        .sum();
+    assert!(kept <= 1 << 20, "{kept}");
+}
+
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
+}

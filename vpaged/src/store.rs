@@ -153,6 +153,9 @@ pub struct OpenModel {
     nas: Option<NasTier>,
     /// Demand requests per page (for staging the hottest pages).
     accesses: Vec<AtomicU64>,
+    /// Pages whose copies the fast tier keeps once read: the planner's static set
+    /// ([`Store::keep_on_fast_tier`]).
+    kept_fast: Vec<AtomicBool>,
     served: [AtomicU64; 3],
     /// The seals of pages verified once ([`Seals`]).
     seals: Seals,
@@ -756,6 +759,7 @@ impl Store {
             dir,
             nas,
             accesses: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            kept_fast: (0..n).map(|_| AtomicBool::new(false)).collect(),
             seals: Seals::new(n),
             served: Default::default(),
             pages,
@@ -856,6 +860,44 @@ impl Store {
             Served::Nas => 2,
         };
         m.served[i].fetch_add(1, Ordering::Relaxed);
+        if served != Served::Fast {
+            self.keep_fast(m, page, buf);
+        }
+        Ok(())
+    }
+
+    /// Keeps a copy of a verified page on the fast tier when it is in the model's
+    /// static set and fits there. A failed write is logged and changes nothing else:
+    /// the page is read from its slow tier again next time.
+    fn keep_fast(&self, m: &OpenModel, page: u32, bytes: &[u8]) {
+        let Some(fast) = &self.fast else { return };
+        if !m.kept_fast[page as usize].load(Ordering::Relaxed) {
+            return;
+        }
+        let entry = &m.manifest.pages[page as usize];
+        if let Err(e) = fast.keep(&entry.blake3, bytes) {
+            tracing::warn!(
+                "page '{}': keeping a copy on the fast tier: {e}",
+                entry.name
+            );
+        }
+    }
+
+    /// Makes `pages` of `model` its static set on the fast tier (replacing the one
+    /// before): each page's copy is kept there once the page is read from its slow
+    /// tier, as far as the tier has room, and later reads of the page are served
+    /// from it. The planner chooses them (`libvoom::placement::fast_tier_set`): pages
+    /// the cache cannot pin, by the bytes each saves per token.
+    pub fn keep_on_fast_tier(&self, model: u32, pages: &[u32]) -> Result<(), StoreError> {
+        let m = self.model(model)?;
+        for flag in &m.kept_fast {
+            flag.store(false, Ordering::Relaxed);
+        }
+        for &page in pages {
+            if let Some(flag) = m.kept_fast.get(page as usize) {
+                flag.store(true, Ordering::Relaxed);
+            }
+        }
         Ok(())
     }
 
@@ -1046,6 +1088,10 @@ impl Store {
             if verified {
                 tier.counters().record_read(len as u64, start.elapsed());
                 m.served[1].fetch_add(1, Ordering::Relaxed);
+                if let Some(store) = store.upgrade() {
+                    // SAFETY: as above: still this load's alone, and verified.
+                    store.keep_fast(&m, page, unsafe { r.buf() });
+                }
                 let _ = r.finish(Ok::<(), StoreError>(()));
                 return;
             }
@@ -1604,6 +1650,33 @@ impl PageSource for StoreSource {
                     .replace(p),
             ),
             Err(e) => tracing::warn!("{}: the planner's pins: {e}", self.model.dir.display()),
+        }
+    }
+
+    /// The fast tier's capacity less what other models' copies take there.
+    fn fast_tier_room(&self) -> Option<u64> {
+        let fast = self.store.fast_tier()?;
+        let mine: u64 = self
+            .model
+            .manifest
+            .pages
+            .iter()
+            .filter(|p| fast.contains(&p.blake3))
+            .map(|p| p.len)
+            .sum();
+        Some(
+            fast.capacity()
+                .saturating_sub(fast.used().saturating_sub(mine)),
+        )
+    }
+
+    fn keep_on_fast_tier(&self, ids: &[PageId]) {
+        let pages: Vec<u32> = ids.iter().map(|id| id.0).collect();
+        if let Err(e) = self.store.keep_on_fast_tier(self.model.id, &pages) {
+            tracing::warn!(
+                "{}: the fast tier's static set: {e}",
+                self.model.dir.display()
+            );
         }
     }
 

@@ -124,6 +124,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
                     memory_budget: None,
                     memory_mapped: false,
                     cache_budget: None,
+                    fast_tier: None,
+                    fast_tier_size: None,
                     pin_first_layers: None,
                     pin_last_layers: None,
                     kv_budget: None,

@@ -78,6 +78,16 @@ pub struct EngineArgs {
     /// [env: VOOM_CACHE_BUDGET] [default: none].
     #[arg(long, value_parser = profile::parse_size)]
     pub cache_budget: Option<u64>,
+    /// A directory on faster storage than the model's where a page cache keeps
+    /// copies of the pages the memory planner cannot pin, so that their reads leave
+    /// the slow tier (copies are verified whenever read) [env: VOOM_FAST_TIER]
+    /// [default: none].
+    #[arg(long)]
+    pub fast_tier: Option<PathBuf>,
+    /// Bytes the fast tier may hold [env: VOOM_FAST_TIER_SIZE] [default: nine
+    /// tenths of the free space where it is].
+    #[arg(long, value_parser = profile::parse_size)]
+    pub fast_tier_size: Option<u64>,
     /// Keep the first N decoder layers resident in the page cache
     /// [env: VOOM_PIN_FIRST_LAYERS] [default: 0].
     #[arg(long)]
@@ -140,6 +150,8 @@ impl EngineArgs {
             memory_budget: self.memory_budget,
             memory_mapped: self.memory_mapped.then_some(true),
             cache_budget: self.cache_budget,
+            fast_tier: self.fast_tier.clone(),
+            fast_tier_size: self.fast_tier_size,
             pin_first_layers: self.pin_first_layers,
             pin_last_layers: self.pin_last_layers,
             prefetch_depth: self.prefetch_depth,
@@ -289,10 +301,15 @@ pub fn open_engine(dir: &Path, args: &EngineArgs) -> Result<Engine> {
             .and_then(|c| vpaged::client::DaemonSource::open(c, dir));
         match source {
             Ok(src) => {
-                if s.memory_budget.is_some() || s.cache_budget.is_some() || pins {
+                if s.memory_budget.is_some()
+                    || s.cache_budget.is_some()
+                    || s.fast_tier.is_some()
+                    || pins
+                {
                     eprintln!(
-                        "voom: warning: the vpaged daemon's own cache budget and pins apply; \
-                         the profile's memory_budget/cache_budget/pin_*_layers are ignored"
+                        "voom: warning: the vpaged daemon's own cache budget, pins and fast \
+                         tier apply; the profile's memory_budget/cache_budget/fast_tier/\
+                         pin_*_layers are ignored"
                     );
                 }
                 return Engine::with_source(dir, Arc::new(src), opts)
@@ -334,6 +351,7 @@ pub fn open_engine(dir: &Path, args: &EngineArgs) -> Result<Engine> {
             hash_on_open: true,
             manifest_dir: store::voom_home().ok().map(|h| h.join("manifests")),
             io: read_io(s)?,
+            fast_tier: fast_tier(s)?,
             ..StoreConfig::default()
         })
         .with_context(|| {
@@ -360,13 +378,47 @@ pub fn open_engine(dir: &Path, args: &EngineArgs) -> Result<Engine> {
                     .with_context(|| format!("opening model {} in the page cache", dir.display()))
             }
         }
-    } else if pins {
+    } else if pins || s.fast_tier.is_some() {
         eprintln!(
-            "voom: warning: pin_first_layers/pin_last_layers apply only with a page cache \
-             (a cache_budget, or a memory budget the model does not fit in); ignored"
+            "voom: warning: pin_first_layers/pin_last_layers/fast_tier apply only with a \
+             page cache (a cache_budget, or a memory budget the model does not fit in); \
+             ignored: the model is memory-mapped"
         );
     }
     Engine::open(dir, opts).with_context(|| format!("opening model {}", dir.display()))
+}
+
+/// The fast tier of the settings: its directory (created) and the bytes it may hold.
+fn fast_tier(s: &Settings) -> Result<Option<(PathBuf, u64)>> {
+    let Some(dir) = &s.fast_tier else {
+        if s.fast_tier_size.is_some() {
+            eprintln!("voom: warning: fast_tier_size applies only with a fast_tier; ignored");
+        }
+        return Ok(None);
+    };
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("creating the fast tier {}", dir.display()))?;
+    let size = match s.fast_tier_size {
+        Some(b) => b,
+        None => free_bytes(dir)
+            .map(|b| b / 10 * 9)
+            .with_context(|| format!("the free space of the fast tier {}", dir.display()))?,
+    };
+    Ok(Some((dir.clone(), size)))
+}
+
+/// Bytes free for an unprivileged user on the file system holding `dir`.
+fn free_bytes(dir: &Path) -> Result<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c =
+        std::ffi::CString::new(dir.as_os_str().as_bytes()).context("the path has a NUL byte")?;
+    // SAFETY: an all-zero statvfs is a valid value for the call to overwrite.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is a NUL-terminated path and `st` a valid statvfs to write.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return Err(std::io::Error::last_os_error().into());
+    }
+    Ok(st.f_bavail as u64 * st.f_frsize as u64)
 }
 
 /// The plan of the engine most recently opened by [`open_engine`] under a memory

@@ -118,6 +118,11 @@ fn print_text(r: &Resolved) -> std::io::Result<()> {
         ("memory_budget", size(s.memory_budget)),
         ("memory_mapped", s.memory_mapped.to_string()),
         ("cache_budget", size(s.cache_budget)),
+        (
+            "fast_tier",
+            opt(s.fast_tier.as_ref().map(|p| p.display().to_string())),
+        ),
+        ("fast_tier_size", size(s.fast_tier_size)),
         ("pin_first_layers", s.pin_first_layers.to_string()),
         ("pin_last_layers", s.pin_last_layers.to_string()),
         ("prefetch_depth", s.prefetch_depth.to_string()),

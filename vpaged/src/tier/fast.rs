@@ -259,6 +259,64 @@ impl FastTier {
         Ok(evicted)
     }
 
+    /// Keeps a copy of a page (its decoded, verified bytes) if it fits in the room
+    /// left, evicting nothing: a store's static set of pages fills the tier as its
+    /// pages are first read. Returns whether a copy is there now. Not synced to disk:
+    /// every copy is verified when it is read, so a torn one (after a crash) is
+    /// caught and read again from the slow tier.
+    pub fn keep(&self, hash: &str, bytes: &[u8]) -> Result<bool, TierError> {
+        self.check_hash(hash)?;
+        let len = bytes.len() as u64;
+        {
+            let mut ix = self.lock();
+            if ix.entries.contains_key(hash) {
+                return Ok(true);
+            }
+            if ix.used + len > self.capacity {
+                return Ok(false);
+            }
+            // The room is taken now, so concurrent keeps never overfill the tier.
+            ix.used += len;
+        }
+        let path = self.path(hash);
+        let io = |source| TierError::Io {
+            tier: self.name.clone(),
+            path: path.clone(),
+            source,
+        };
+        let parent = path.parent().expect("a page path has a parent");
+        let tmp = parent.join(format!(
+            "{hash}.{}.{:?}.tmp",
+            std::process::id(),
+            std::thread::current().id()
+        ));
+        let write = || -> std::io::Result<()> {
+            std::fs::create_dir_all(parent)?;
+            let mut f = File::create(&tmp)?;
+            f.write_all(bytes)?;
+            std::fs::rename(&tmp, &path)
+        };
+        let written = write();
+        let mut ix = self.lock();
+        if ix.entries.contains_key(hash) || written.is_err() {
+            // Another thread kept the same page meanwhile (its copy stands), or this
+            // write failed: the room goes back.
+            ix.used -= len;
+            let kept = ix.entries.contains_key(hash);
+            drop(ix);
+            let _ = std::fs::remove_file(&tmp);
+            return match written {
+                Err(e) if !kept => Err(io(e)),
+                _ => Ok(true),
+            };
+        }
+        ix.clock += 1;
+        let c = ix.clock;
+        ix.entries
+            .insert(hash.to_string(), Entry { len, last_use: c });
+        Ok(true)
+    }
+
     /// Removes the staged copy of `hash`, if any. Returns whether there was one.
     pub fn unstage(&self, hash: &str) -> Result<bool, TierError> {
         self.check_hash(hash)?;
@@ -285,6 +343,27 @@ mod tests {
 
     fn h(bytes: &[u8]) -> String {
         blake3::hash(bytes).to_hex().to_string()
+    }
+
+    #[test]
+    fn keeping_fills_the_room_left_and_evicts_nothing() {
+        let d = tempfile::tempdir().unwrap();
+        let t = FastTier::open("fast", d.path(), 100).unwrap();
+        let (a, b, c) = (vec![1u8; 40], vec![2u8; 40], vec![3u8; 40]);
+        assert!(t.keep(&h(&a), &a).unwrap());
+        assert!(t.keep(&h(&b), &b).unwrap());
+        assert!(t.keep(&h(&a), &a).unwrap(), "already there");
+        assert!(!t.keep(&h(&c), &c).unwrap(), "no room: nothing evicted");
+        assert_eq!(t.used(), 80);
+        assert!(t.contains(&h(&a)) && t.contains(&h(&b)) && !t.contains(&h(&c)));
+        let mut buf = vec![0u8; 40];
+        t.read(&h(&b), &mut buf).unwrap();
+        assert_eq!(buf, b);
+        // What was kept is found again when the tier reopens.
+        drop(t);
+        let t = FastTier::open("fast", d.path(), 100).unwrap();
+        assert_eq!(t.used(), 80);
+        assert!(t.contains(&h(&a)));
     }
 
     #[test]
