@@ -107,6 +107,8 @@ pub struct Available {
     pub bytes: u64,
     /// `MemAvailable`, `memory cgroup /path (limit L, in use U)`, or an estimate.
     pub source: String,
+    /// The OS gave no figure: `bytes` is a guess.
+    pub guessed: bool,
 }
 
 /// The lower of the machine's available memory (`MemAvailable`) and what this
@@ -123,14 +125,17 @@ pub fn available() -> Available {
         (_, Some((room, src))) if machine.is_none_or(|m| room < m) => Available {
             bytes: room,
             source: src,
+            guessed: false,
         },
         (Some(m), _) => Available {
             bytes: m,
             source: "MemAvailable".into(),
+            guessed: false,
         },
         _ => Available {
             bytes: 4 << 30,
             source: "a guess: this OS reports no available memory".into(),
+            guessed: true,
         },
     }
 }

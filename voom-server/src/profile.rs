@@ -111,6 +111,12 @@ pub enum ProfileError {
         kv_heads: usize,
         head_dim: usize,
     },
+    #[error(
+        "{set} are set at the same level: each chooses how the weights are held \
+         (memory_budget plans a page cache, cache_budget sizes one, memory_mapped uses \
+         none); give one of them"
+    )]
+    StoreConflict { set: String },
 }
 
 /// Page verification against the manifest.
@@ -763,6 +769,9 @@ pub struct Resolved {
     pub sources: BTreeMap<String, Source>,
     /// blake3 of [`canonical_json`] of the settings, first 16 hex digits.
     pub digest: String,
+    /// What resolving set aside, for the user to hear (a setting overridden by
+    /// another of higher precedence that excludes it).
+    pub warnings: Vec<String>,
 }
 
 /// `v` as JSON with object keys sorted at every level: one text per value.
@@ -932,6 +941,7 @@ pub fn resolve(
             .or_insert(Source::Default);
     }
     sources.insert("exact".into(), Source::Default);
+    let warnings = one_store_choice(&mut s, &mut sources, &chain)?;
 
     let json = serde_json::to_value(&s).expect("settings serialize to JSON");
     let digest = blake3::hash(canonical_json(&json).as_bytes()).to_hex()[..16].to_string();
@@ -944,7 +954,77 @@ pub fn resolve(
         settings: s,
         sources,
         digest,
+        warnings,
     })
+}
+
+/// Of `memory_budget`, `cache_budget` and `memory_mapped`, which exclude one
+/// another, keeps the one given with the highest precedence (flag, environment, the
+/// nearest profile of the chain: a child's over its parent's) and unsets the others,
+/// returning a warning that names them; two at the top level are an error naming
+/// them.
+fn one_store_choice(
+    s: &mut Settings,
+    sources: &mut BTreeMap<String, Source>,
+    chain: &[Loaded],
+) -> Result<Vec<String>, ProfileError> {
+    let rank = |src: &Source| -> usize {
+        match src {
+            Source::Flag(_) => usize::MAX,
+            Source::Env(_) => usize::MAX - 1,
+            Source::Profile(origin) => {
+                let depth = chain
+                    .iter()
+                    .position(|l| l.origin.to_string() == *origin)
+                    .unwrap_or(chain.len());
+                1 + chain.len() - depth
+            }
+            Source::Default => 0,
+        }
+    };
+    let mut given: Vec<(&str, Source)> = [
+        ("memory_budget", s.memory_budget.is_some()),
+        ("cache_budget", s.cache_budget.is_some()),
+        ("memory_mapped", s.memory_mapped),
+    ]
+    .into_iter()
+    .filter(|(_, set)| *set)
+    .map(|(k, _)| (k, sources.get(k).cloned().unwrap_or(Source::Default)))
+    .collect();
+    if given.len() < 2 {
+        return Ok(Vec::new());
+    }
+    given.sort_by_key(|(_, src)| std::cmp::Reverse(rank(src)));
+    let named = |g: &[(&str, Source)]| {
+        g.iter()
+            .map(|(k, src)| format!("{k} ({src})"))
+            .collect::<Vec<_>>()
+            .join(" and ")
+    };
+    if rank(&given[0].1) == rank(&given[1].1) {
+        let top = rank(&given[0].1);
+        let tied: Vec<(&str, Source)> = given
+            .iter()
+            .filter(|(_, src)| rank(src) == top)
+            .cloned()
+            .collect();
+        return Err(ProfileError::StoreConflict { set: named(&tied) });
+    }
+    let warning = format!(
+        "{} ({}) is used and {} ignored",
+        given[0].0,
+        given[0].1,
+        named(&given[1..])
+    );
+    for (k, _) in &given[1..] {
+        match *k {
+            "memory_budget" => s.memory_budget = None,
+            "cache_budget" => s.cache_budget = None,
+            _ => s.memory_mapped = false,
+        }
+        sources.insert(k.to_string(), Source::Default);
+    }
+    Ok(vec![warning])
 }
 
 #[cfg(test)]

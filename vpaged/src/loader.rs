@@ -55,9 +55,13 @@ impl PageLoader<'_> {
                     Err(e) => {
                         fast.counters().record_integrity_failure();
                         failed.corrupt(e, fast.name(), "staged copy");
+                        Self::drop_copy(fast, entry);
                     }
                 },
-                Err(e) => failed.unreadable(e.to_string()),
+                Err(e) => {
+                    failed.unreadable(e.to_string());
+                    Self::drop_copy(fast, entry);
+                }
             }
         }
 
@@ -112,6 +116,18 @@ impl PageLoader<'_> {
             }
         }
         Err(failed.into_error(entry))
+    }
+
+    /// Removes a staged copy that could not serve (torn by a crash, changed, gone),
+    /// so the page is read from its own tier from now on and may be staged again.
+    fn drop_copy(fast: &FastTier, entry: &PageEntry) {
+        if let Err(e) = fast.unstage(&entry.blake3) {
+            tracing::warn!(
+                "page '{}': removing its bad copy from tier '{}': {e}",
+                entry.name,
+                fast.name()
+            );
+        }
     }
 
     fn verify(&self, entry: &PageEntry, bytes: &[u8], tier: &str) -> Result<(), StoreError> {
@@ -434,6 +450,14 @@ mod tests {
         assert_eq!(loader.load(a, &mut buf).unwrap(), Served::Primary);
         assert_eq!(buf, good);
         assert_eq!(fast.stats().integrity_failures, 1);
+        // The bad copy is gone: the page is read from its own tier from now on, and
+        // may be staged again.
+        assert!(!fast.contains(&a.blake3) && !staged.exists());
+        assert_eq!(loader.load(a, &mut buf).unwrap(), Served::Primary);
+        assert_eq!(fast.stats().integrity_failures, 1);
+        // A bad copy staged again, for what follows.
+        fast.stage(&a.blake3, &good).unwrap();
+        flip(&staged, 100);
 
         // And in the primary too: the NAS copy serves.
         flip(&f.primary_dir.join("model.safetensors"), a.offset + 7);
@@ -447,6 +471,8 @@ mod tests {
         assert_eq!(primary.stats().integrity_failures, 1);
 
         // Everywhere: an integrity error naming the page, every tier and the hashes.
+        fast.stage(&a.blake3, &good).unwrap();
+        flip(&staged, 100);
         flip(&f.nas_mount.join("m/model.safetensors"), a.offset + 9);
         let e = loader.load(a, &mut buf).unwrap_err();
         assert!(

@@ -888,6 +888,10 @@ impl Store {
     /// tier, as far as the tier has room, and later reads of the page are served
     /// from it. The planner chooses them (`libvoom::placement::fast_tier_set`): pages
     /// the cache cannot pin, by the bytes each saves per token.
+    ///
+    /// Copies of the model's other pages are removed from the tier (one kept by an
+    /// earlier set, or a staged hot page), so the room is the set's; a page another
+    /// model holds too (copies are by content) is read from its own tier after.
     pub fn keep_on_fast_tier(&self, model: u32, pages: &[u32]) -> Result<(), StoreError> {
         let m = self.model(model)?;
         for flag in &m.kept_fast {
@@ -896,6 +900,13 @@ impl Store {
         for &page in pages {
             if let Some(flag) = m.kept_fast.get(page as usize) {
                 flag.store(true, Ordering::Relaxed);
+            }
+        }
+        if let Some(fast) = &self.fast {
+            for (entry, kept) in m.manifest.pages.iter().zip(&m.kept_fast) {
+                if !kept.load(Ordering::Relaxed) && fast.contains(&entry.blake3) {
+                    fast.unstage(&entry.blake3)?;
+                }
             }
         }
         Ok(())

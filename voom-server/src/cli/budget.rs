@@ -22,7 +22,6 @@
 //! is planned (one that fits is memory-mapped, and its context is not bounded by
 //! the plan).
 
-use anyhow::{bail, Result};
 use libvoom::engine::Engine;
 use libvoom::placement::{self, human, Needs, Placement, PlacementError};
 use voom_formats::Manifest;
@@ -60,15 +59,11 @@ pub enum Sizing {
     Memory(Budget),
 }
 
-/// What the settings ask for: `memory_budget`, `cache_budget` or `memory_mapped`,
-/// whichever was given with the highest precedence (flag, environment, profile);
-/// the others are named in the returned note. Two at the top level is an error
-/// naming them. With none, `available` (the memory available now, and where that
-/// figure comes from) is the budget.
-pub fn sizing(
-    resolved: &Resolved,
-    available: impl FnOnce() -> (u64, String),
-) -> Result<(Sizing, Option<String>)> {
+/// What the settings ask for: `memory_budget`, `cache_budget` or `memory_mapped`
+/// (resolving keeps at most one of them: `profile::resolve`). With none, the budget
+/// is `available()`, the memory available now and where that figure comes from;
+/// where it cannot be known (`None`), the model is memory-mapped, unplanned.
+pub fn sizing(resolved: &Resolved, available: impl FnOnce() -> Option<(u64, String)>) -> Sizing {
     let s = &resolved.settings;
     let source = |key: &str| {
         resolved
@@ -77,72 +72,26 @@ pub fn sizing(
             .cloned()
             .unwrap_or(Source::Default)
     };
-    let mut given: Vec<(&str, Source, Sizing)> = Vec::new();
     if let Some(bytes) = s.memory_budget {
-        let from = source("memory_budget");
-        let budget = Budget {
+        return Sizing::Memory(Budget {
             bytes,
-            from: from.to_string(),
+            from: source("memory_budget").to_string(),
             explicit: true,
-        };
-        given.push(("memory_budget", from, Sizing::Memory(budget)));
+        });
     }
     if let Some(bytes) = s.cache_budget {
-        given.push(("cache_budget", source("cache_budget"), Sizing::Cache(bytes)));
+        return Sizing::Cache(bytes);
     }
     if s.memory_mapped {
-        given.push(("memory_mapped", source("memory_mapped"), Sizing::Mapped));
+        return Sizing::Mapped;
     }
-    given.sort_by_key(|(_, from, _)| std::cmp::Reverse(rank(from)));
-    let named = |g: &[(&str, Source, Sizing)]| {
-        g.iter()
-            .map(|(k, from, _)| format!("{k} ({from})"))
-            .collect::<Vec<_>>()
-            .join(" and ")
-    };
-    match given.as_slice() {
-        [] => {
-            let (bytes, from) = available();
-            let budget = Budget {
-                bytes,
-                from: format!("the memory available now: {from}"),
-                explicit: false,
-            };
-            Ok((Sizing::Memory(budget), None))
-        }
-        [(_, _, one)] => Ok((one.clone(), None)),
-        [first, second, ..] if rank(&first.1) == rank(&second.1) => {
-            let tied: Vec<_> = given
-                .iter()
-                .filter(|(_, from, _)| rank(from) == rank(&first.1))
-                .cloned()
-                .collect();
-            bail!(
-                "{} are set at the same level: each chooses how the weights are held \
-                 (memory_budget plans a page cache, cache_budget sizes one, \
-                 memory_mapped uses none); give one of them",
-                named(&tied)
-            )
-        }
-        [first, rest @ ..] => Ok((
-            first.2.clone(),
-            Some(format!(
-                "{} ({}) is used and {} ignored",
-                first.0,
-                first.1,
-                named(rest)
-            )),
-        )),
-    }
-}
-
-/// Precedence of where a setting came from.
-fn rank(s: &Source) -> u8 {
-    match s {
-        Source::Flag(_) => 3,
-        Source::Env(_) => 2,
-        Source::Profile(_) => 1,
-        Source::Default => 0,
+    match available() {
+        Some((bytes, from)) => Sizing::Memory(Budget {
+            bytes,
+            from: format!("the memory available now: {from}"),
+            explicit: false,
+        }),
+        None => Sizing::Mapped,
     }
 }
 
@@ -251,34 +200,37 @@ pub fn to_json(budget: &Budget, needs: &Needs, store: &Store) -> serde_json::Val
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::profile::{self, Overrides, ProfileDirs};
+    use crate::profile::{self, Overrides, ProfileDirs, ProfileError};
 
-    fn resolved(flags: Overrides, env: Overrides, profile_text: Option<&str>) -> Resolved {
+    /// The profile `p` (with `text`, inheriting `parent` when given) or the default,
+    /// resolved with `flags` and `env`.
+    fn resolve(
+        flags: Overrides,
+        env: Overrides,
+        text: Option<&str>,
+    ) -> Result<Resolved, ProfileError> {
         let d = tempfile::tempdir().unwrap();
-        let dirs = match profile_text {
+        let dirs = match text {
             Some(t) => {
                 std::fs::write(d.path().join("p.yaml"), t).unwrap();
                 ProfileDirs::new(Some(d.path().to_path_buf()), None).unwrap()
             }
             None => ProfileDirs::builtin_only(),
         };
-        let name = if profile_text.is_some() {
-            "p"
-        } else {
-            "default"
-        };
-        profile::resolve(&dirs, name, &flags, &env).unwrap()
+        let name = if text.is_some() { "p" } else { "default" };
+        profile::resolve(&dirs, name, &flags, &env)
     }
 
-    fn never() -> (u64, String) {
+    fn never() -> Option<(u64, String)> {
         panic!("the available memory is not asked for when a budget is set")
     }
 
     #[test]
-    fn the_budget_given_with_the_higher_precedence_sizes_the_memory() {
-        // Neither: the memory available now, not explicit.
-        let r = resolved(Overrides::default(), Overrides::default(), None);
-        let (s, note) = sizing(&r, || (5 << 30, "MemAvailable".into())).unwrap();
+    fn the_setting_given_with_the_highest_precedence_sizes_the_memory() {
+        let none = Overrides::default;
+        // None: the memory available now, not explicit; unknown: memory-mapped.
+        let r = resolve(none(), none(), None).unwrap();
+        let s = sizing(&r, || Some((5 << 30, "MemAvailable".into())));
         assert_eq!(
             s,
             Sizing::Memory(Budget {
@@ -287,63 +239,72 @@ mod tests {
                 explicit: false
             })
         );
-        assert_eq!(note, None);
+        assert_eq!(sizing(&r, || None), Sizing::Mapped);
 
         // One of them.
         let flags = Overrides {
             memory_budget: Some(3 << 30),
-            ..Default::default()
+            ..none()
         };
-        let r = resolved(flags, Overrides::default(), None);
-        let (s, _) = sizing(&r, never).unwrap();
+        let r = resolve(flags, none(), None).unwrap();
         assert_eq!(
-            s,
+            sizing(&r, never),
             Sizing::Memory(Budget {
                 bytes: 3 << 30,
                 from: "flag --memory-budget".into(),
                 explicit: true
             })
         );
-        let r = resolved(
-            Overrides::default(),
-            Overrides::default(),
-            Some("cache_budget: 1GiB\n"),
-        );
-        assert_eq!(sizing(&r, never).unwrap().0, Sizing::Cache(1 << 30));
+        let r = resolve(none(), none(), Some("cache_budget: 1GiB\n")).unwrap();
+        assert_eq!(sizing(&r, never), Sizing::Cache(1 << 30));
 
-        // Both: the flag over the profile's, either way round, with a note.
+        // Both: the flag over the profile's, either way round, with a warning; the
+        // one set aside is unset (so it bounds no context).
         let flags = Overrides {
             memory_budget: Some(3 << 30),
-            ..Default::default()
+            ..none()
         };
-        let r = resolved(flags, Overrides::default(), Some("cache_budget: 1GiB\n"));
-        let (s, note) = sizing(&r, never).unwrap();
-        assert!(matches!(s, Sizing::Memory(Budget { bytes, .. }) if bytes == 3 << 30));
-        let note = note.unwrap();
+        let r = resolve(flags, none(), Some("cache_budget: 1GiB\n")).unwrap();
         assert!(
-            note.contains("memory_budget (flag --memory-budget) is used")
-                && note.contains("and cache_budget (profile")
-                && note.ends_with("ignored"),
-            "{note}"
+            matches!(sizing(&r, never), Sizing::Memory(Budget { bytes, .. }) if bytes == 3 << 30)
+        );
+        assert_eq!(r.settings.cache_budget, None);
+        let w = &r.warnings[0];
+        assert!(
+            w.contains("memory_budget (flag --memory-budget) is used")
+                && w.contains("and cache_budget (profile")
+                && w.ends_with("ignored"),
+            "{w}"
         );
         let env = Overrides {
             cache_budget: Some(1 << 30),
-            ..Default::default()
+            ..none()
         };
-        let r = resolved(Overrides::default(), env, Some("memory_budget: 3GiB\n"));
-        let (s, note) = sizing(&r, never).unwrap();
-        assert_eq!(s, Sizing::Cache(1 << 30));
-        assert!(note
-            .unwrap()
-            .contains("cache_budget (env VOOM_CACHE_BUDGET) is used"));
+        let r = resolve(none(), env, Some("memory_budget: 3GiB\n")).unwrap();
+        assert_eq!(sizing(&r, never), Sizing::Cache(1 << 30));
+        assert_eq!(r.settings.memory_budget, None);
+        assert!(r.warnings[0].contains("cache_budget (env VOOM_CACHE_BUDGET) is used"));
+
+        // A child profile's over its parent's (low-memory sets cache_budget).
+        let r = resolve(
+            none(),
+            none(),
+            Some("inherits: low-memory\nmemory_budget: 3GiB\n"),
+        )
+        .unwrap();
+        assert!(
+            matches!(sizing(&r, never), Sizing::Memory(Budget { bytes, .. }) if bytes == 3 << 30)
+        );
+        assert_eq!(r.settings.cache_budget, None);
 
         // Both at one level: an error naming both.
-        let r = resolved(
-            Overrides::default(),
-            Overrides::default(),
+        let e = resolve(
+            none(),
+            none(),
             Some("memory_budget: 3GiB\ncache_budget: 1GiB\n"),
-        );
-        let e = sizing(&r, never).unwrap_err().to_string();
+        )
+        .unwrap_err()
+        .to_string();
         assert!(
             e.contains("memory_budget (profile") && e.contains("cache_budget (profile"),
             "{e}"
@@ -352,21 +313,14 @@ mod tests {
         // The memory-mapped store, asked for over a profile's budget.
         let env = Overrides {
             memory_mapped: Some(true),
-            ..Default::default()
+            ..none()
         };
-        let r = resolved(Overrides::default(), env, Some("memory_budget: 3GiB\n"));
-        let (s, note) = sizing(&r, never).unwrap();
-        assert_eq!(s, Sizing::Mapped);
-        assert!(note
-            .unwrap()
-            .starts_with("memory_mapped (env VOOM_MEMORY_MAPPED) is used"),);
-        let r = resolved(
-            Overrides::default(),
-            Overrides::default(),
-            Some("memory_mapped: false\n"),
-        );
+        let r = resolve(none(), env, Some("memory_budget: 3GiB\n")).unwrap();
+        assert_eq!(sizing(&r, never), Sizing::Mapped);
+        assert!(r.warnings[0].starts_with("memory_mapped (env VOOM_MEMORY_MAPPED) is used"));
+        let r = resolve(none(), none(), Some("memory_mapped: false\n")).unwrap();
         assert!(matches!(
-            sizing(&r, || (1, "x".into())).unwrap().0,
+            sizing(&r, || Some((1, "x".into()))),
             Sizing::Memory(_)
         ));
     }

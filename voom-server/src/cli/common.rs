@@ -280,6 +280,9 @@ pub fn resolve_model(model: &str, pull_missing: bool) -> Result<PathBuf> {
 /// memory-mapped store. None of these changes results.
 pub fn open_engine(dir: &Path, args: &EngineArgs) -> Result<Engine> {
     let resolved = args.resolve()?;
+    for w in &resolved.warnings {
+        eprintln!("voom: warning: {w}");
+    }
     let s = &resolved.settings;
     let max_context = if s.kv_budget.is_some() || s.memory_budget.is_some() {
         let cfg = libvoom::config::ModelConfig::from_dir(dir)
@@ -324,19 +327,17 @@ pub fn open_engine(dir: &Path, args: &EngineArgs) -> Result<Engine> {
             }
         }
     }
-    let (sizing, note) = budget::sizing(&resolved, || {
-        // What is available to this process: what is free, and what it holds.
-        let a = crate::memory::available();
+    let sizing = budget::sizing(&resolved, || {
+        // What is available to this process: what is free, and what it holds. A
+        // figure the OS does not give is no budget.
+        let a = Some(crate::memory::available()).filter(|a| !a.guessed)?;
         let own = crate::memory::resident_bytes().unwrap_or(0);
-        (a.bytes + own, a.source)
-    })?;
-    if let Some(n) = note {
-        eprintln!("voom: warning: {n}");
-    }
+        Some((a.bytes + own, a.source))
+    });
     let cache = match sizing {
         budget::Sizing::Mapped => None,
         budget::Sizing::Cache(bytes) => Some(bytes),
-        budget::Sizing::Memory(b) => plan_store(dir, s, &opts, &b)?,
+        budget::Sizing::Memory(b) => plan_store(dir, s, &mut opts, &b)?,
     };
     if let Some(budget) = cache {
         let cache_bytes = usize::try_from(budget)
@@ -400,11 +401,26 @@ fn fast_tier(s: &Settings) -> Result<Option<(PathBuf, u64)>> {
         .with_context(|| format!("creating the fast tier {}", dir.display()))?;
     let size = match s.fast_tier_size {
         Some(b) => b,
+        // Nine tenths of what it could hold: the free space and its own copies.
         None => free_bytes(dir)
-            .map(|b| b / 10 * 9)
+            .map(|b| (b + dir_bytes(dir)) / 10 * 9)
             .with_context(|| format!("the free space of the fast tier {}", dir.display()))?,
     };
     Ok(Some((dir.clone(), size)))
+}
+
+/// Bytes of the files under `dir` (a fast tier: its copies), as far as it can be read.
+fn dir_bytes(dir: &Path) -> u64 {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    rd.flatten()
+        .map(|e| match e.file_type() {
+            Ok(t) if t.is_dir() => dir_bytes(&e.path()),
+            Ok(t) if t.is_file() => e.metadata().map_or(0, |m| m.len()),
+            _ => 0,
+        })
+        .sum()
 }
 
 /// Bytes free for an unprivileged user on the file system holding `dir`.
@@ -429,11 +445,12 @@ static OPENED_BUDGET: Mutex<Option<serde_json::Value>> = Mutex::new(None);
 /// page cache to read it through, or `None` for the memory-mapped store (it fits,
 /// or, under the memory available by default, not even streaming fits and the
 /// kernel is left to page it). An explicit budget too small to stream is an error
-/// naming what the model needs.
+/// naming what the model needs. With a page cache, the engine's context is bounded
+/// to the one planned, so that its KV cache never outgrows its share.
 fn plan_store(
     dir: &Path,
     s: &Settings,
-    opts: &EngineOptions,
+    opts: &mut EngineOptions,
     b: &budget::Budget,
 ) -> Result<Option<u64>> {
     // The model's shapes and page plan, from its memory-mapped files (nothing read).
@@ -485,8 +502,16 @@ fn plan_store(
     };
     let line = budget::describe(b, &needs, &store);
     tracing::info!("{line}");
-    if !b.explicit && store != budget::Store::Mapped {
-        eprintln!("voom: {line}");
+    if store != budget::Store::Mapped {
+        if !b.explicit && opts.max_context.is_none_or(|c| c > context) {
+            eprintln!(
+                "voom: {line}; the context is bounded to the {context} positions planned \
+                 (--max-context to plan another)"
+            );
+        } else if !b.explicit {
+            eprintln!("voom: {line}");
+        }
+        opts.max_context = Some(context);
     }
     *OPENED_BUDGET.lock().unwrap_or_else(|e| e.into_inner()) =
         Some(budget::to_json(b, &needs, &store));

@@ -231,6 +231,15 @@ impl FastTier {
                 None => break,
             }
         }
+        {
+            // The room is taken now, as `keep` takes it, so that the two never
+            // count one copy twice or overfill the tier between them.
+            let mut ix = self.lock();
+            if ix.entries.contains_key(hash) {
+                return Ok(evicted);
+            }
+            ix.used += len;
+        }
         let path = self.path(hash);
         let io = |source| TierError::Io {
             tier: self.name.clone(),
@@ -238,22 +247,32 @@ impl FastTier {
             source,
         };
         let parent = path.parent().expect("a page path has a parent");
-        std::fs::create_dir_all(parent).map_err(io)?;
-        let tmp = parent.join(format!("{hash}.{}.tmp", std::process::id()));
+        let tmp = parent.join(format!(
+            "{hash}.{}.{:?}.tmp",
+            std::process::id(),
+            std::thread::current().id()
+        ));
         let write = || -> std::io::Result<()> {
+            std::fs::create_dir_all(parent)?;
             let mut f = File::create(&tmp)?;
             f.write_all(bytes)?;
             f.sync_all()?;
             std::fs::rename(&tmp, &path)
         };
-        if let Err(e) = write() {
-            let _ = std::fs::remove_file(&tmp);
-            return Err(io(e));
-        }
+        let written = write();
         let mut ix = self.lock();
+        if ix.entries.contains_key(hash) || written.is_err() {
+            ix.used -= len;
+            let kept = ix.entries.contains_key(hash);
+            drop(ix);
+            let _ = std::fs::remove_file(&tmp);
+            return match written {
+                Err(e) if !kept => Err(io(e)),
+                _ => Ok(evicted),
+            };
+        }
         ix.clock += 1;
         let c = ix.clock;
-        ix.used += len;
         ix.entries
             .insert(hash.to_string(), Entry { len, last_use: c });
         Ok(evicted)
