@@ -180,9 +180,7 @@ fn place_in(source: &dyn PageSource, model: &dyn Model) -> Option<u64> {
     let p =
         crate::placement::place(model.plan(), &crate::placement::Needs::default(), budget).ok()?;
     source.pin(&p.pinned);
-    if let Some(room) = source.fast_tier_room() {
-        source.keep_on_fast_tier(&crate::placement::fast_tier_set(model.plan(), &p, room));
-    }
+    source.keep_on_fast_tier(&crate::placement::fast_tier_order(model.plan(), &p));
     (p.streamed_per_token > 0).then(|| budget - p.pinned_bytes)
 }
 

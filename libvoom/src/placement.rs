@@ -171,25 +171,18 @@ fn by_value(order: &mut [Weighed], held: impl Fn(&Weighed) -> u64) {
     });
 }
 
-/// The pages a fast tier of `room` bytes keeps copies of beside `placement` (its
-/// static set): pages that stream (not pinned, read every token), by the bytes
-/// each saves per token for each byte of copy, as far as they fit. Sorted.
-pub fn fast_tier_set(plan: &PagePlan, placement: &Placement, room: u64) -> Vec<PageId> {
+/// The candidates for a fast tier's static set beside `placement`: the pages that
+/// stream (not pinned, read every token), most valuable first, by the bytes each
+/// saves per token for each byte of copy. A tier keeps them in this order as far
+/// as its room goes, skipping one that does not fit for smaller ones after it
+/// ([`PageSource::keep_on_fast_tier`](vpaged::PageSource::keep_on_fast_tier)).
+pub fn fast_tier_order(plan: &PagePlan, placement: &Placement) -> Vec<PageId> {
     let mut order: Vec<Weighed> = weigh(plan)
         .into_values()
         .filter(|w| w.per_token > 0 && !placement.is_pinned(w.page))
         .collect();
     by_value(&mut order, |w| w.bytes);
-    let mut left = room;
-    let mut set = Vec::new();
-    for w in order {
-        if w.bytes <= left {
-            left -= w.bytes;
-            set.push(w.page);
-        }
-    }
-    set.sort_unstable();
-    set
+    order.into_iter().map(|w| w.page).collect()
 }
 
 /// Places `plan`'s pages under `budget` bytes, with `needs` set aside first.
@@ -355,26 +348,22 @@ mod tests {
     }
 
     #[test]
-    fn the_fast_tier_keeps_what_streams_and_saves_the_most_never_the_pins() {
+    fn the_fast_tier_candidates_are_what_streams_most_valuable_first() {
         let plan = plan_of(64 * MIB, 4096, &vec![vec![4 * MIB, 4 * MIB]; 8], 16 * MIB);
         let p = place(&plan, &Needs::default(), 64 * MIB + 40 * MIB).unwrap();
-        // Room for five matrices and a bit: five streamed 4 MiB matrices (a ratio of
-        // one, the lowest pages first), never a pinned page, never the embedding
-        // (one row a token) while a matrix fits.
-        let set = fast_tier_set(&plan, &p, 21 * MIB);
-        assert_eq!(set.len(), 5, "{set:?}");
-        assert!(set.iter().all(|id| !p.is_pinned(*id) && *id != PageId(1)));
-        assert!(set.windows(2).all(|w| w[0] < w[1]));
-        // Room for everything that streams: all of it, the embedding last.
-        let streamed: Vec<PageId> = (1..=18)
+        // Every streamed page, never a pinned one; the matrices (read whole every
+        // token: a ratio of one) lowest page first, the embedding (one row a token)
+        // last.
+        let order = fast_tier_order(&plan, &p);
+        let mut streamed: Vec<PageId> = (2..=17)
             .map(PageId)
             .filter(|id| !p.is_pinned(*id))
             .collect();
-        assert_eq!(fast_tier_set(&plan, &p, 1 << 40), streamed);
-        assert!(fast_tier_set(&plan, &p, 0).is_empty());
+        streamed.push(PageId(1));
+        assert_eq!(order, streamed);
         // Everything pinned: nothing to keep.
         let all = place(&plan, &Needs::default(), 1 << 30).unwrap();
-        assert!(fast_tier_set(&plan, &all, 1 << 40).is_empty());
+        assert!(fast_tier_order(&plan, &all).is_empty());
     }
 
     fn arb_plan() -> impl Strategy<Value = PagePlan> {

@@ -115,17 +115,13 @@ pub trait PageSource: Send + Sync {
     /// sources without one (memory-mapped files) ignore it. Never changes a result.
     fn pin(&self, _ids: &[PageId]) {}
 
-    /// Bytes of a fast tier (faster storage than the model's own) that this model's
-    /// pages may keep copies on; `None` without one.
-    fn fast_tier_room(&self) -> Option<u64> {
-        None
-    }
-
-    /// Keep copies of these pages on the fast tier once they are read (the memory
-    /// planner's static set: pages the cache cannot pin, by the bytes each saves per
-    /// token), so that later reads of them leave the slow tier. Never changes a
-    /// result: a copy is verified whenever it is read.
-    fn keep_on_fast_tier(&self, _ids: &[PageId]) {}
+    /// Keep copies of pages on the source's fast tier (faster storage than the
+    /// model's own), if it has one, once they are read, so that later reads of them
+    /// leave the slow tier: the memory planner's static set. `by_value` lists the
+    /// candidates, most valuable first (pages the cache cannot pin, by the bytes each
+    /// saves per token); the source keeps as many as its tier has room for. Never
+    /// changes a result: a copy is verified whenever it is read.
+    fn keep_on_fast_tier(&self, _by_value: &[PageId]) {}
 
     /// The page cache's counters, for sources that have one (the store core's cache,
     /// the daemon's); `None` for memory-mapped files, whose caching is the OS's.

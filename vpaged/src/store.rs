@@ -883,33 +883,61 @@ impl Store {
         }
     }
 
-    /// Makes `pages` of `model` its static set on the fast tier (replacing the one
-    /// before): each page's copy is kept there once the page is read from its slow
-    /// tier, as far as the tier has room, and later reads of the page are served
-    /// from it. The planner chooses them (`libvoom::placement::fast_tier_set`): pages
-    /// the cache cannot pin, by the bytes each saves per token.
+    /// Chooses the static set of `model` on the fast tier (replacing the one before)
+    /// from `by_value`, the candidates most valuable first (the planner's:
+    /// `libvoom::placement::fast_tier_order`): in that order, each page that fits in
+    /// the tier's room (its capacity less other models' copies), skipping one that
+    /// does not for smaller ones after it. Each page of the set has its copy kept on
+    /// the tier once it is read from its slow tier, and later reads of it are served
+    /// from the copy. Returns the set's pages and bytes; none without a fast tier.
     ///
     /// Copies of the model's other pages are removed from the tier (one kept by an
     /// earlier set, or a staged hot page), so the room is the set's; a page another
     /// model holds too (copies are by content) is read from its own tier after.
-    pub fn keep_on_fast_tier(&self, model: u32, pages: &[u32]) -> Result<(), StoreError> {
+    pub fn keep_on_fast_tier(
+        &self,
+        model: u32,
+        by_value: &[u32],
+    ) -> Result<(usize, u64), StoreError> {
         let m = self.model(model)?;
         for flag in &m.kept_fast {
             flag.store(false, Ordering::Relaxed);
         }
-        for &page in pages {
-            if let Some(flag) = m.kept_fast.get(page as usize) {
-                flag.store(true, Ordering::Relaxed);
+        let Some(fast) = &self.fast else {
+            return Ok((0, 0));
+        };
+        let mine: u64 = m
+            .manifest
+            .pages
+            .iter()
+            .filter(|p| fast.contains(&p.blake3))
+            .map(|p| p.len)
+            .sum();
+        let mut room = fast
+            .capacity()
+            .saturating_sub(fast.used().saturating_sub(mine));
+        let (mut pages, mut bytes) = (0usize, 0u64);
+        for &page in by_value {
+            let (Some(flag), Some(entry)) = (
+                m.kept_fast.get(page as usize),
+                m.manifest.pages.get(page as usize),
+            ) else {
+                continue;
+            };
+            if flag.load(Ordering::Relaxed) || entry.len > room {
+                continue;
+            }
+            room -= entry.len;
+            flag.store(true, Ordering::Relaxed);
+            pages += 1;
+            bytes += entry.len;
+        }
+        for (entry, kept) in m.manifest.pages.iter().zip(&m.kept_fast) {
+            if !kept.load(Ordering::Relaxed) && fast.contains(&entry.blake3) {
+                fast.unstage(&entry.blake3)?;
             }
         }
-        if let Some(fast) = &self.fast {
-            for (entry, kept) in m.manifest.pages.iter().zip(&m.kept_fast) {
-                if !kept.load(Ordering::Relaxed) && fast.contains(&entry.blake3) {
-                    fast.unstage(&entry.blake3)?;
-                }
-            }
-        }
-        Ok(())
+        Ok((pages, bytes))
     }
 
     fn page_len(m: &OpenModel, page: u32) -> Result<usize, StoreError> {
@@ -1662,23 +1690,6 @@ impl PageSource for StoreSource {
             ),
             Err(e) => tracing::warn!("{}: the planner's pins: {e}", self.model.dir.display()),
         }
-    }
-
-    /// The fast tier's capacity less what other models' copies take there.
-    fn fast_tier_room(&self) -> Option<u64> {
-        let fast = self.store.fast_tier()?;
-        let mine: u64 = self
-            .model
-            .manifest
-            .pages
-            .iter()
-            .filter(|p| fast.contains(&p.blake3))
-            .map(|p| p.len)
-            .sum();
-        Some(
-            fast.capacity()
-                .saturating_sub(fast.used().saturating_sub(mine)),
-        )
     }
 
     fn keep_on_fast_tier(&self, ids: &[PageId]) {
