@@ -614,6 +614,35 @@ impl PageSource for DaemonSource {
         }
     }
 
+    /// Sends the planner's candidates for the fast tier to the daemon (`KeepFast`,
+    /// since 1.4), in parts where they are many, most valuable first; the daemon
+    /// keeps what its fast tier has room for. A daemon without a fast tier, or with
+    /// an older protocol, keeps nothing: never an error, never a different result.
+    fn keep_on_fast_tier(&self, by_value: &[PageId]) {
+        if self.client.version().minor < 4 {
+            return;
+        }
+        let mut parts = by_value.chunks(crate::protocol::MAX_PAGES_PER_REQUEST);
+        let first = parts.next().unwrap_or(&[]);
+        for (k, part) in std::iter::once(first).chain(parts).enumerate() {
+            let m = Message::KeepFast {
+                model: self.model,
+                append: k > 0,
+                pages: part.to_vec(),
+            };
+            match self.client.request(&m) {
+                Ok(Message::StatsReply { json }) => {
+                    tracing::info!("the daemon's fast tier keeps pages of this model: {json}")
+                }
+                Ok(other) => tracing::warn!("KeepFast answered with {}", other.name()),
+                Err(e) => {
+                    tracing::warn!("the daemon's fast tier keeps none of this model's pages: {e}");
+                    return;
+                }
+            }
+        }
+    }
+
     fn flush(&self) {
         self.client.flush();
     }

@@ -261,7 +261,8 @@ fn model_of(m: &Message) -> Option<ModelId> {
         | Message::Stage { model, .. }
         | Message::Unstage { model }
         | Message::ManifestPath { model }
-        | Message::Pin { model, .. } => Some(*model),
+        | Message::Pin { model, .. }
+        | Message::KeepFast { model, .. } => Some(*model),
         _ => None,
     }
 }
@@ -690,6 +691,15 @@ impl Daemon {
             Message::Stage { model, max_bytes } => Work::Stage { model, max_bytes },
             Message::Unstage { model } => Work::Unstage { model },
             Message::Pin { model, pages } => Work::Pin { model, pages },
+            Message::KeepFast {
+                model,
+                append,
+                pages,
+            } => Work::KeepFast {
+                model,
+                append,
+                pages,
+            },
             Message::Release { model, pages } => {
                 return Some(self.release(&mut state.leases, model, pages))
             }

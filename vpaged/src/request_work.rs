@@ -20,10 +20,26 @@ use crate::StoreError;
 #[derive(Debug)]
 pub enum Work {
     Open(PathBuf),
-    Acquire { model: ModelId, pages: Vec<PageId> },
-    Stage { model: ModelId, max_bytes: u64 },
-    Unstage { model: ModelId },
-    Pin { model: ModelId, pages: Vec<PageId> },
+    Acquire {
+        model: ModelId,
+        pages: Vec<PageId>,
+    },
+    Stage {
+        model: ModelId,
+        max_bytes: u64,
+    },
+    Unstage {
+        model: ModelId,
+    },
+    Pin {
+        model: ModelId,
+        pages: Vec<PageId>,
+    },
+    KeepFast {
+        model: ModelId,
+        append: bool,
+        pages: Vec<PageId>,
+    },
 }
 
 /// What a piece of [`Work`] came to.
@@ -50,6 +66,7 @@ impl Work {
             Work::Stage { .. } => "Stage",
             Work::Unstage { .. } => "Unstage",
             Work::Pin { .. } => "Pin",
+            Work::KeepFast { .. } => "KeepFast",
         }
     }
 
@@ -100,6 +117,14 @@ impl Work {
             Work::Pin { model, pages } => {
                 let pages: Vec<u32> = pages.iter().map(|p| p.0).collect();
                 Done::Pinned(store.pin_planned(model.0, &pages))
+            }
+            Work::KeepFast {
+                model,
+                append,
+                pages,
+            } => {
+                let pages: Vec<u32> = pages.iter().map(|p| p.0).collect();
+                Done::Staged(store.keep_on_fast_tier(model.0, &pages, append))
             }
         }
     }

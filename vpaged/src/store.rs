@@ -894,28 +894,38 @@ impl Store {
     /// Copies of the model's other pages are removed from the tier (one kept by an
     /// earlier set, or a staged hot page), so the room is the set's; a page another
     /// model holds too (copies are by content) is read from its own tier after.
+    /// With `append`, `by_value` continues the set chosen before (the daemon's
+    /// `KeepFast` carries a long list in parts) instead of replacing it.
     pub fn keep_on_fast_tier(
         &self,
         model: u32,
         by_value: &[u32],
+        append: bool,
     ) -> Result<(usize, u64), StoreError> {
         let m = self.model(model)?;
-        for flag in &m.kept_fast {
-            flag.store(false, Ordering::Relaxed);
+        if !append {
+            for flag in &m.kept_fast {
+                flag.store(false, Ordering::Relaxed);
+            }
         }
         let Some(fast) = &self.fast else {
             return Ok((0, 0));
         };
-        let mine: u64 = m
-            .manifest
-            .pages
-            .iter()
-            .filter(|p| fast.contains(&p.blake3))
-            .map(|p| p.len)
-            .sum();
+        // The room: the capacity less other models' copies and the pages this
+        // model's set holds already (copied or not yet).
+        let (mut mine, mut claimed) = (0u64, 0u64);
+        for (p, kept) in m.manifest.pages.iter().zip(&m.kept_fast) {
+            if fast.contains(&p.blake3) {
+                mine += p.len;
+            }
+            if kept.load(Ordering::Relaxed) {
+                claimed += p.len;
+            }
+        }
         let mut room = fast
             .capacity()
-            .saturating_sub(fast.used().saturating_sub(mine));
+            .saturating_sub(fast.used().saturating_sub(mine))
+            .saturating_sub(claimed);
         let (mut pages, mut bytes) = (0usize, 0u64);
         for &page in by_value {
             let (Some(flag), Some(entry)) = (
@@ -1694,7 +1704,7 @@ impl PageSource for StoreSource {
 
     fn keep_on_fast_tier(&self, ids: &[PageId]) {
         let pages: Vec<u32> = ids.iter().map(|id| id.0).collect();
-        if let Err(e) = self.store.keep_on_fast_tier(self.model.id, &pages) {
+        if let Err(e) = self.store.keep_on_fast_tier(self.model.id, &pages, false) {
             tracing::warn!(
                 "{}: the fast tier's static set: {e}",
                 self.model.dir.display()

@@ -602,3 +602,56 @@ fn planner_pins_last_as_long_as_their_connection() {
     }
     drop(s2);
 }
+
+/// `KeepFast` (protocol 1.4): the daemon keeps, of an engine's candidates (most
+/// valuable first), those its fast tier has room for; a copy of each is written as
+/// the page is first read, and once the cache has evicted it, the page is read back
+/// from its copy, with the same bytes.
+#[test]
+fn the_planners_fast_tier_set_is_kept_as_its_pages_are_read() {
+    let d = tempfile::tempdir().unwrap();
+    let (m, bytes) = model(d.path(), 0);
+    let fast = d.path().join("fast");
+    // A cache of two pages (three 16 KiB slots each); a fast tier of two copies.
+    let daemon = start_with(
+        d.path(),
+        "96KiB",
+        &[
+            "--fast-tier",
+            fast.to_str().unwrap(),
+            "--fast-tier-size",
+            "100000",
+        ],
+    );
+    let c = DaemonClient::connect(&daemon.socket, "engine").unwrap();
+    let s = DaemonSource::open(Arc::clone(&c), &m).unwrap();
+    s.keep_on_fast_tier(&[PageId(3), PageId(1), PageId(2), PageId(0)]);
+    let copies = || {
+        std::fs::read_dir(&fast)
+            .map(|rd| {
+                rd.flatten()
+                    .filter(|e| e.path().is_dir())
+                    .flat_map(|e| std::fs::read_dir(e.path()).unwrap())
+                    .count()
+            })
+            .unwrap_or(0)
+    };
+    assert_eq!(copies(), 0, "nothing is copied before it is read");
+    for p in [3, 1, 2, 0] {
+        let l = s.acquire(PageId(p)).unwrap();
+        assert_eq!(l.bytes(), &bytes[p as usize][..]);
+    }
+    // Pages 3 and 1 fit; 2 and 0 do not.
+    assert_eq!(copies(), 2);
+    let before = s.cache_stats().unwrap();
+    // Of pages 3 and 1, what 2 and 0 evicted is read back from its copy: nothing
+    // from the slow tier.
+    for p in [3, 1] {
+        let l = s.acquire(PageId(p)).unwrap();
+        assert_eq!(l.bytes(), &bytes[p as usize][..]);
+    }
+    let after = s.cache_stats().unwrap();
+    let from_fast = after.fast_tier_bytes - before.fast_tier_bytes;
+    assert!(from_fast > 0 && from_fast.is_multiple_of(40_000), "{from_fast}");
+    assert_eq!(after.primary_bytes, before.primary_bytes);
+}

@@ -30,7 +30,7 @@ fn decode(t: u16, payload: Vec<u8>) -> ProtocolError {
 
 #[test]
 fn unknown_message_type() {
-    for t in [0u16, 0x000c, 0x7fff, 0x8007, 0xffff] {
+    for t in [0u16, 0x000d, 0x7fff, 0x8007, 0xffff] {
         let e = decode(t, vec![]);
         assert!(
             matches!(e, ProtocolError::UnknownMessageType { msg_type } if msg_type == t),
@@ -287,6 +287,22 @@ fn invalid_values() {
             ProtocolError::InvalidValue {
                 message: "Acquired",
                 field: "slots",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    // KeepFast's append flag is 0 or 1.
+    let mut p = le32(0).to_vec();
+    p.extend_from_slice(&2u16.to_le_bytes());
+    p.extend_from_slice(&le32(0));
+    let e = decode(msg_type::KEEP_FAST, p);
+    assert!(
+        matches!(
+            e,
+            ProtocolError::InvalidValue {
+                message: "KeepFast",
+                field: "append",
                 ..
             }
         ),

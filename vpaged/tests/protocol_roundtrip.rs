@@ -62,6 +62,13 @@ fn message() -> impl Strategy<Value = Message> {
             model: ModelId(m),
             pages
         }),
+        (any::<u32>(), any::<bool>(), pages()).prop_map(|(m, append, pages)| {
+            Message::KeepFast {
+                model: ModelId(m),
+                append,
+                pages,
+            }
+        }),
         "[^\\x00]{1,300}".prop_map(|path| Message::ManifestAt { path }),
         (version(), any::<u64>(), any::<u64>()).prop_map(|(version, arena_len, server_id)| {
             Message::Welcome {

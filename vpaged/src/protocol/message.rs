@@ -16,7 +16,7 @@ use crate::PageId;
 pub const PROTOCOL_MAJOR: u16 = 1;
 /// Protocol minor version: additions that older peers of the same major can ignore
 /// (new messages are only sent to a peer that announced a minor that knows them).
-pub const PROTOCOL_MINOR: u16 = 3;
+pub const PROTOCOL_MINOR: u16 = 4;
 /// The version this build speaks.
 pub const PROTOCOL_VERSION: Version = Version {
     major: PROTOCOL_MAJOR,
@@ -60,6 +60,7 @@ pub mod msg_type {
     pub const UNSTAGE: u16 = 0x0009;
     pub const MANIFEST_PATH: u16 = 0x000A;
     pub const PIN: u16 = 0x000B;
+    pub const KEEP_FAST: u16 = 0x000C;
     pub const ERROR: u16 = 0x8000;
     pub const WELCOME: u16 = 0x8001;
     pub const MODEL_OPENED: u16 = 0x8002;
@@ -221,6 +222,18 @@ pub enum Message {
         model: ModelId,
         pages: Vec<PageId>,
     },
+    /// Candidates for the model's static set on the fast tier (since 1.4), most
+    /// valuable first (an engine's memory planner ranks them): the daemon keeps as
+    /// many as its fast tier has room for, a copy of each written there once the
+    /// page is read from its slow tier, and removes the model's other copies.
+    /// `append`: these continue the previous `KeepFast`'s list (a long one comes in
+    /// parts) rather than replace it. Reply: `StatsReply` with `{"pages": N,
+    /// "bytes": N}` (the set chosen from these), both 0 without a fast tier.
+    KeepFast {
+        model: ModelId,
+        append: bool,
+        pages: Vec<PageId>,
+    },
     /// Server's reply to `Hello`; the arena's fd travels with this frame's bytes.
     Welcome {
         version: Version,
@@ -270,6 +283,7 @@ impl Message {
             Message::Unstage { .. } => UNSTAGE,
             Message::ManifestPath { .. } => MANIFEST_PATH,
             Message::Pin { .. } => PIN,
+            Message::KeepFast { .. } => KEEP_FAST,
             Message::ManifestAt { .. } => MANIFEST_AT,
             Message::Welcome { .. } => WELCOME,
             Message::ModelOpened { .. } => MODEL_OPENED,
@@ -308,6 +322,18 @@ impl Message {
             | Message::Release { model, pages }
             | Message::Pin { model, pages } => {
                 w.u32(model.0);
+                w.count("pages", pages.len())?;
+                for p in pages {
+                    w.u32(p.0);
+                }
+            }
+            Message::KeepFast {
+                model,
+                append,
+                pages,
+            } => {
+                w.u32(model.0);
+                w.u16(u16::from(*append));
                 w.count("pages", pages.len())?;
                 for p in pages {
                     w.u32(p.0);
@@ -441,6 +467,30 @@ impl Message {
                     _ => Message::Release { model, pages },
                 }
             }
+            KEEP_FAST => {
+                let model = ModelId(r.u32("model")?);
+                let append = match r.u16("append")? {
+                    0 => false,
+                    1 => true,
+                    v => {
+                        return Err(ProtocolError::InvalidValue {
+                            message: name,
+                            field: "append",
+                            detail: format!("{v}, not 0 or 1"),
+                        })
+                    }
+                };
+                let n = r.count("pages", 4)?;
+                let mut pages = Vec::with_capacity(n);
+                for _ in 0..n {
+                    pages.push(PageId(r.u32("pages")?));
+                }
+                Message::KeepFast {
+                    model,
+                    append,
+                    pages,
+                }
+            }
             STATS => Message::Stats,
             CLOSE => Message::Close,
             STAGE => Message::Stage {
@@ -522,6 +572,7 @@ pub fn type_name(t: u16) -> Option<&'static str> {
         UNSTAGE => "Unstage",
         MANIFEST_PATH => "ManifestPath",
         PIN => "Pin",
+        KEEP_FAST => "KeepFast",
         MANIFEST_AT => "ManifestAt",
         ERROR => "Error",
         WELCOME => "Welcome",
