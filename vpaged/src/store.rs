@@ -1853,6 +1853,43 @@ mod tests {
         assert_eq!(m.nas_tier().unwrap().recoveries(), 1);
     }
 
+    /// The fast tier's static set: candidates taken in order as far as the room goes
+    /// (a later part appends), a copy written as a page is first read, and a new set
+    /// removes the model's copies outside it.
+    #[test]
+    fn the_static_set_takes_what_fits_and_a_new_set_removes_the_old_copies() {
+        let d = tempfile::tempdir().unwrap();
+        write_model(&d.path().join("m"));
+        let s = Store::new(StoreConfig {
+            cache_bytes: 1 << 20,
+            fast_tier: Some((d.path().join("fast"), 8192 + 63)),
+            ..Default::default()
+        })
+        .unwrap();
+        let id = s.open_model(&d.path().join("m")).unwrap();
+        let m = s.model(id).unwrap();
+        let (a, b) = (page_id(&m, "a"), page_id(&m, "b"));
+        let fast = s.fast_tier().unwrap();
+        // 'a' (8 KiB) fits; 'b' (64 bytes) then does not, whether in one list or in
+        // a part appended after.
+        assert_eq!(s.keep_on_fast_tier(id, &[a, b], false).unwrap(), (1, 8192));
+        assert_eq!(s.keep_on_fast_tier(id, &[a], false).unwrap(), (1, 8192));
+        assert_eq!(s.keep_on_fast_tier(id, &[b], true).unwrap(), (0, 0));
+        let (ha, hb) = (
+            &m.manifest.pages[a as usize].blake3,
+            &m.manifest.pages[b as usize].blake3,
+        );
+        assert!(!fast.contains(ha), "nothing is copied before it is read");
+        drop(s.acquire(id, a).unwrap());
+        assert!(fast.contains(ha));
+        // A set of 'b' alone: 'a's copy goes, 'b' is kept once read.
+        assert_eq!(s.keep_on_fast_tier(id, &[b], false).unwrap(), (1, 64));
+        assert!(!fast.contains(ha) && !fast.contains(hb));
+        drop(s.acquire(id, b).unwrap());
+        assert!(fast.contains(hb));
+        assert_eq!(fast.used(), 64);
+    }
+
     /// A load of a page only a NAS that is down holds fails before the cache makes
     /// room for it: a one-slot cache keeps serving the page it holds through any
     /// number of hints and requests for the other, and loads resume once it is back.

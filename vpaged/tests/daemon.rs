@@ -652,6 +652,9 @@ fn the_planners_fast_tier_set_is_kept_as_its_pages_are_read() {
     }
     let after = s.cache_stats().unwrap();
     let from_fast = after.fast_tier_bytes - before.fast_tier_bytes;
-    assert!(from_fast > 0 && from_fast.is_multiple_of(40_000), "{from_fast}");
+    assert!(
+        from_fast > 0 && from_fast.is_multiple_of(40_000),
+        "{from_fast}"
+    );
     assert_eq!(after.primary_bytes, before.primary_bytes);
 }
