@@ -334,10 +334,18 @@ pub fn open_engine(dir: &Path, args: &EngineArgs) -> Result<Engine> {
         let own = crate::memory::resident_bytes().unwrap_or(0);
         Some((a.bytes + own, a.source))
     });
+    // The engine the planner opened, when it is the one to run.
+    let mut planned = None;
     let cache = match sizing {
         budget::Sizing::Mapped => None,
         budget::Sizing::Cache(bytes) => Some(bytes),
-        budget::Sizing::Memory(b) => plan_store(dir, s, &mut opts, &b)?,
+        budget::Sizing::Memory(b) => match plan_store(dir, s, &mut opts, &b)? {
+            Planned::Cache(bytes) => Some(bytes),
+            Planned::Mapped(engine) => {
+                planned = engine;
+                None
+            }
+        },
     };
     if let Some(budget) = cache {
         let cache_bytes = usize::try_from(budget)
@@ -385,6 +393,9 @@ pub fn open_engine(dir: &Path, args: &EngineArgs) -> Result<Engine> {
              page cache (a cache_budget, or a memory budget the model does not fit in); \
              ignored: the model is memory-mapped"
         );
+    }
+    if let Some(engine) = planned {
+        return Ok(*engine);
     }
     Engine::open(dir, opts).with_context(|| format!("opening model {}", dir.display()))
 }
@@ -441,27 +452,41 @@ fn free_bytes(dir: &Path) -> Result<u64> {
 /// budget, which [`result_json`] reports.
 static OPENED_BUDGET: Mutex<Option<serde_json::Value>> = Mutex::new(None);
 
-/// Plans the model in `dir` under memory budget `b` ([`budget`]): the bytes of the
-/// page cache to read it through, or `None` for the memory-mapped store (it fits,
-/// or, under the memory available by default, not even streaming fits and the
-/// kernel is left to page it). An explicit budget too small to stream is an error
-/// naming what the model needs. With a page cache, the engine's context is bounded
-/// to the one planned, so that its KV cache never outgrows its share.
+/// What [`plan_store`] chose.
+enum Planned {
+    /// A page cache of these bytes.
+    Cache(u64),
+    /// The memory-mapped store: the engine it opened to plan, where it is the one to
+    /// run (opened with the run's options).
+    Mapped(Option<Box<Engine>>),
+}
+
+/// Plans the model in `dir` under memory budget `b` ([`budget`]): a page cache to
+/// read it through, or the memory-mapped store (it fits, or, under the memory
+/// available by default, not even streaming fits and the kernel is left to page
+/// it). An explicit budget too small to stream is an error naming what the model
+/// needs. With a page cache, the engine's context is bounded to the one planned, so
+/// that its KV cache never outgrows its share.
 fn plan_store(
     dir: &Path,
     s: &Settings,
     opts: &mut EngineOptions,
     b: &budget::Budget,
-) -> Result<Option<u64>> {
+) -> Result<Planned> {
     // The model's shapes and page plan, from its memory-mapped files (nothing read).
-    let probe = Engine::open(
-        dir,
+    // Opened as the run would open it unless that verifies every page at once, so
+    // that a model that stays memory-mapped is not opened twice.
+    let reuse = opts.verify != vpaged::VerifyMode::Eager;
+    let probe_opts = if reuse {
+        opts.clone()
+    } else {
         EngineOptions {
             verify: vpaged::VerifyMode::Off,
             ..opts.clone()
-        },
-    )
-    .with_context(|| format!("opening model {}", dir.display()))?;
+        }
+    };
+    let probe = Engine::open(dir, probe_opts)
+        .with_context(|| format!("opening model {}", dir.display()))?;
     let context = opts
         .max_context
         .unwrap_or(profile::BUDGET_CONTEXT)
@@ -477,7 +502,7 @@ fn plan_store(
         crate::memory::resident_bytes(),
     );
     let choice = budget::choose(probe.model().plan(), &needs, b.bytes);
-    drop(probe);
+    let mapped = |probe: Engine| Planned::Mapped(reuse.then(|| Box::new(probe)));
     let store = match choice {
         Ok(store) => store,
         Err(e) if b.explicit => {
@@ -497,7 +522,7 @@ fn plan_store(
                 dir.display(),
                 b.from
             );
-            return Ok(None);
+            return Ok(mapped(probe));
         }
     };
     let line = budget::describe(b, &needs, &store);
@@ -516,8 +541,11 @@ fn plan_store(
     *OPENED_BUDGET.lock().unwrap_or_else(|e| e.into_inner()) =
         Some(budget::to_json(b, &needs, &store));
     Ok(match store {
-        budget::Store::Mapped => None,
-        budget::Store::Cache { cache_bytes, .. } => Some(cache_bytes),
+        budget::Store::Mapped => mapped(probe),
+        budget::Store::Cache { cache_bytes, .. } => {
+            drop(probe);
+            Planned::Cache(cache_bytes)
+        }
     })
 }
 
