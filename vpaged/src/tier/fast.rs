@@ -240,41 +240,7 @@ impl FastTier {
             }
             ix.used += len;
         }
-        let path = self.path(hash);
-        let io = |source| TierError::Io {
-            tier: self.name.clone(),
-            path: path.clone(),
-            source,
-        };
-        let parent = path.parent().expect("a page path has a parent");
-        let tmp = parent.join(format!(
-            "{hash}.{}.{:?}.tmp",
-            std::process::id(),
-            std::thread::current().id()
-        ));
-        let write = || -> std::io::Result<()> {
-            std::fs::create_dir_all(parent)?;
-            let mut f = File::create(&tmp)?;
-            f.write_all(bytes)?;
-            f.sync_all()?;
-            std::fs::rename(&tmp, &path)
-        };
-        let written = write();
-        let mut ix = self.lock();
-        if ix.entries.contains_key(hash) || written.is_err() {
-            ix.used -= len;
-            let kept = ix.entries.contains_key(hash);
-            drop(ix);
-            let _ = std::fs::remove_file(&tmp);
-            return match written {
-                Err(e) if !kept => Err(io(e)),
-                _ => Ok(evicted),
-            };
-        }
-        ix.clock += 1;
-        let c = ix.clock;
-        ix.entries
-            .insert(hash.to_string(), Entry { len, last_use: c });
+        self.write_reserved(hash, bytes, true)?;
         Ok(evicted)
     }
 
@@ -297,12 +263,17 @@ impl FastTier {
             // The room is taken now, so concurrent keeps never overfill the tier.
             ix.used += len;
         }
+        self.write_reserved(hash, bytes, false)?;
+        Ok(true)
+    }
+
+    /// Writes the copy of `hash` whose room the caller has taken (`used` counts it):
+    /// to a temporary file, then renamed to the page's name (`sync`: synced to disk
+    /// first), and indexed. Where another thread indexed the same page meanwhile, its
+    /// copy stands; where the write fails, the room goes back.
+    fn write_reserved(&self, hash: &str, bytes: &[u8], sync: bool) -> Result<(), TierError> {
+        let len = bytes.len() as u64;
         let path = self.path(hash);
-        let io = |source| TierError::Io {
-            tier: self.name.clone(),
-            path: path.clone(),
-            source,
-        };
         let parent = path.parent().expect("a page path has a parent");
         let tmp = parent.join(format!(
             "{hash}.{}.{:?}.tmp",
@@ -313,27 +284,32 @@ impl FastTier {
             std::fs::create_dir_all(parent)?;
             let mut f = File::create(&tmp)?;
             f.write_all(bytes)?;
+            if sync {
+                f.sync_all()?;
+            }
             std::fs::rename(&tmp, &path)
         };
         let written = write();
         let mut ix = self.lock();
-        if ix.entries.contains_key(hash) || written.is_err() {
-            // Another thread kept the same page meanwhile (its copy stands), or this
-            // write failed: the room goes back.
+        let kept = ix.entries.contains_key(hash);
+        if kept || written.is_err() {
             ix.used -= len;
-            let kept = ix.entries.contains_key(hash);
             drop(ix);
             let _ = std::fs::remove_file(&tmp);
             return match written {
-                Err(e) if !kept => Err(io(e)),
-                _ => Ok(true),
+                Err(source) if !kept => Err(TierError::Io {
+                    tier: self.name.clone(),
+                    path,
+                    source,
+                }),
+                _ => Ok(()),
             };
         }
         ix.clock += 1;
         let c = ix.clock;
         ix.entries
             .insert(hash.to_string(), Entry { len, last_use: c });
-        Ok(true)
+        Ok(())
     }
 
     /// Removes the staged copy of `hash`, if any. Returns whether there was one.
