@@ -12,7 +12,7 @@ use std::sync::mpsc;
 
 use serde::{Deserialize, Serialize};
 
-use crate::checkpoint::Checkpoint;
+use crate::checkpoint::{Checkpoint, TensorLocation};
 use crate::dtype::DType;
 use crate::error::{FormatError, Result};
 use crate::safetensors::write_atomically;
@@ -31,6 +31,14 @@ pub const MANIFEST_VERSION: u32 = 1;
 /// it ([`Manifest::required_version`]), so raw-only stores stay readable by older builds
 /// and an older build refuses a packed store as "unsupported", not as malformed.
 pub const MANIFEST_VERSION_ENCODED: u32 = 2;
+/// The manifest format of manifests with pages that hold part of a tensor (a range of
+/// its rows, [`PageEntry::rows`]): an older build refuses them as "unsupported"
+/// rather than serving one part as the whole tensor.
+pub const MANIFEST_VERSION_PARTS: u32 = 3;
+
+/// The bytes [`Manifest::build`] aims at for each part of a tensor it splits into
+/// row parts (an embedding table whose rows a token reads one at a time).
+pub const PART_BYTES: u64 = 1 << 20;
 
 const WHAT: &str = "page manifest";
 
@@ -69,6 +77,27 @@ pub struct PageEntry {
     /// against `blake3`. Absent from the JSON when empty (format version 1).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub encoded: Vec<EncodedBody>,
+    /// Set when the page holds part of tensor `name`: these rows of its first
+    /// dimension (`shape`, `offset` and `len` are the part's). The parts of a tensor
+    /// tile it in order. Absent from the JSON for a page that is a whole tensor (format
+    /// versions 1 and 2).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rows: Option<Rows>,
+}
+
+/// Rows `start..start + count` of a tensor's first dimension.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[serde(deny_unknown_fields)]
+pub struct Rows {
+    pub start: u64,
+    pub count: u64,
+}
+
+impl Rows {
+    /// One past the last row.
+    pub fn end(&self) -> u64 {
+        self.start.saturating_add(self.count)
+    }
 }
 
 /// Where an encoded copy of a page lives.
@@ -86,6 +115,12 @@ pub struct EncodedBody {
 }
 
 impl PageEntry {
+    /// How errors and listings name the page: the tensor's name, with the rows it
+    /// holds when it is a part (`model.embed_tokens.weight rows 256..512`).
+    pub fn label(&self) -> String {
+        page_label(&self.name, self.rows)
+    }
+
     /// The page's vpack body, if it has one.
     pub fn vpack(&self) -> Option<&EncodedBody> {
         self.encoded.iter().find(|e| e.encoding == Encoding::Vpack)
@@ -98,6 +133,14 @@ impl PageEntry {
             .try_fold(1usize, |a, &d| a.checked_mul(d))
             .and_then(|n| n.checked_mul(self.dtype.size()))
             .map(|d| d as u64)
+    }
+}
+
+/// [`PageEntry::label`] of a page of tensor `name` holding `rows`.
+pub fn page_label(name: &str, rows: Option<Rows>) -> String {
+    match rows {
+        None => name.to_string(),
+        Some(r) => format!("{name} rows {}..{}", r.start, r.end()),
     }
 }
 
@@ -188,27 +231,57 @@ impl PageGroup {
 }
 
 impl Manifest {
-    /// Hashes every tensor of `ckpt` into a manifest: one raw page per tensor, numbered
-    /// in name order. Pages are hashed on all cores; `progress(done_bytes, total_bytes)`
-    /// is called on the calling thread as bytes are hashed. A file truncated while it
-    /// is hashed is a [`FormatError::Fault`] naming the file and the offset (each
-    /// tensor's file is checked after the tensor is hashed), never a signal and never a
-    /// manifest of zeros.
+    /// Hashes every tensor of `ckpt` into a manifest: raw pages numbered in name order,
+    /// one per tensor except for tables split into row parts ([`split_rows`]), whose
+    /// parts follow each other in row order. Pages are hashed on all cores;
+    /// `progress(done_bytes, total_bytes)` is called on the calling thread as bytes are
+    /// hashed. A file truncated while it is hashed is a [`FormatError::Fault`] naming the
+    /// file and the offset (each tensor's file is checked after the tensor is hashed),
+    /// never a signal and never a manifest of zeros.
     pub fn build(ckpt: &Checkpoint, progress: &mut dyn FnMut(u64, u64)) -> Result<Manifest> {
-        let tensors: Vec<_> = ckpt.tensors().collect();
-        let bodies: Vec<&[u8]> = tensors
+        Self::build_parted(ckpt, PART_BYTES, progress)
+    }
+
+    /// [`Manifest::build`] with parts of about `part_bytes` (at least one row each).
+    pub fn build_parted(
+        ckpt: &Checkpoint,
+        part_bytes: u64,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<Manifest> {
+        // Every page: its tensor, and the rows it holds where it is a part.
+        let mut planned: Vec<(&str, &TensorLocation, Option<Rows>)> = Vec::new();
+        for (name, loc) in ckpt.tensors() {
+            match split_rows(ckpt, name, loc, part_bytes) {
+                None => planned.push((name, loc, None)),
+                Some(per) => {
+                    let rows = loc.info.shape[0] as u64;
+                    let mut start = 0;
+                    while start < rows {
+                        let count = per.min(rows - start);
+                        planned.push((name, loc, Some(Rows { start, count })));
+                        start += count;
+                    }
+                }
+            }
+        }
+        let located: Vec<TensorLocation> = planned
             .iter()
-            .map(|(_, loc)| ckpt.files[loc.file].tensor_bytes(&loc.info))
+            .map(|&(_, loc, rows)| narrow(loc, rows))
+            .collect();
+        let bodies: Vec<&[u8]> = located
+            .iter()
+            .map(|loc| ckpt.files[loc.file].tensor_bytes(&loc.info))
             .collect();
         let hashes = hash_all(&bodies, progress, &|i| {
-            ckpt.files[tensors[i].1.file].check_faults()
+            ckpt.files[located[i].file].check_faults()
         })?;
-        let pages = tensors
+        let pages = planned
             .iter()
+            .zip(&located)
             .zip(hashes)
             .enumerate()
-            .map(|(i, ((name, loc), hash))| PageEntry {
-                id: u32::try_from(i).expect("fewer than 2^32 tensors"),
+            .map(|(i, ((&(name, _, rows), loc), hash))| PageEntry {
+                id: u32::try_from(i).expect("fewer than 2^32 pages"),
                 name: name.to_string(),
                 dtype: loc.info.dtype,
                 shape: loc.info.shape.clone(),
@@ -219,12 +292,71 @@ impl Manifest {
                 blake3: hash.to_hex().to_string(),
                 group: PageGroup::of_tensor(name),
                 encoded: Vec::new(),
+                rows,
             })
             .collect();
-        Ok(Manifest {
+        let mut m = Manifest {
             format_version: MANIFEST_VERSION,
             pages,
-        })
+        };
+        m.format_version = m.required_version();
+        Ok(m)
+    }
+
+    /// Splits whole page `name` (a tensor of `ckpt` with at least one dimension) into
+    /// parts of `rows_per_part` rows, each hashed from `ckpt`, and numbers the pages
+    /// again in order. For tables [`Manifest::build`]'s rule keeps whole (a tied
+    /// embedding, read whole as the output head every token, gains nothing from parts,
+    /// but may be stored so); an encoded body of the page is dropped (pack again).
+    pub fn split_table(&mut self, ckpt: &Checkpoint, name: &str, rows_per_part: u64) -> Result<()> {
+        let missing = || FormatError::Missing {
+            path: ckpt.dir.clone(),
+            what: format!("a whole page '{name}' to split"),
+        };
+        let i = self
+            .pages
+            .iter()
+            .position(|p| p.name == name && p.rows.is_none())
+            .ok_or_else(missing)?;
+        let loc = ckpt.get(name).ok_or_else(missing)?;
+        let rows = *loc.info.shape.first().ok_or_else(missing)? as u64;
+        let whole = self.pages.remove(i);
+        let mut start = 0;
+        let mut at = i;
+        while start < rows {
+            let count = rows_per_part.max(1).min(rows - start);
+            let r = Rows { start, count };
+            let part = narrow(loc, Some(r));
+            let bytes = ckpt.files[part.file].tensor_bytes(&part.info);
+            self.pages.insert(
+                at,
+                PageEntry {
+                    shape: part.info.shape.clone(),
+                    offset: part.info.offset,
+                    len: part.info.len,
+                    blake3: blake3::hash(bytes).to_hex().to_string(),
+                    encoded: Vec::new(),
+                    rows: Some(r),
+                    ..whole.clone()
+                },
+            );
+            start += count;
+            at += 1;
+        }
+        ckpt.files[loc.file].check_faults()?;
+        for (k, p) in self.pages.iter_mut().enumerate() {
+            p.id = u32::try_from(k).expect("fewer than 2^32 pages");
+        }
+        self.format_version = self.required_version();
+        Ok(())
+    }
+
+    /// Where page `p`'s bytes are in `ckpt`: its tensor's location, narrowed to the
+    /// page's rows when it is a part. `None` when the checkpoint has no such tensor;
+    /// the narrowing is only meaningful for a manifest [`Manifest::check_matches`]
+    /// accepted.
+    pub fn locate(ckpt: &Checkpoint, p: &PageEntry) -> Option<TensorLocation> {
+        ckpt.get(&p.name).map(|loc| narrow(loc, p.rows))
     }
 
     /// Reads `dir/voom-manifest.json`: `Ok(None)` when there is none; a manifest that
@@ -257,12 +389,12 @@ impl Manifest {
             format_version: u32,
         }
         let v: Version = serde_json::from_slice(bytes).map_err(|e| malformed(e.to_string()))?;
-        if !(MANIFEST_VERSION..=MANIFEST_VERSION_ENCODED).contains(&v.format_version) {
+        if !(MANIFEST_VERSION..=MANIFEST_VERSION_PARTS).contains(&v.format_version) {
             return Err(FormatError::Unsupported {
                 path,
                 what: format!(
                     "manifest format_version {} (this build reads {MANIFEST_VERSION} to \
-                     {MANIFEST_VERSION_ENCODED})",
+                     {MANIFEST_VERSION_PARTS})",
                     v.format_version
                 ),
             });
@@ -275,19 +407,23 @@ impl Manifest {
     /// Checks what the schema cannot: unique names and ids, well-formed hashes and
     /// file names, ranges that do not overflow, lengths that match dtype and shape.
     fn validate(&self) -> std::result::Result<(), String> {
-        if self.format_version < self.required_version() {
+        let need = self.required_version();
+        if self.format_version < need {
+            let what = if need == MANIFEST_VERSION_PARTS {
+                "list pages that hold part of a tensor"
+            } else {
+                "list encoded bodies"
+            };
             return Err(format!(
-                "format_version {} cannot list encoded bodies (they need {MANIFEST_VERSION_ENCODED})",
+                "format_version {} cannot {what} (that needs {need})",
                 self.format_version
             ));
         }
-        let mut names = HashSet::new();
+        check_parts(&self.pages)?;
         let mut ids = HashSet::new();
         for p in &self.pages {
-            let page = &p.name;
-            if !names.insert(p.name.as_str()) {
-                return Err(format!("page '{page}' listed twice"));
-            }
+            let label = p.label();
+            let page = &label;
             if !ids.insert(p.id) {
                 return Err(format!("page '{page}': id {} used twice", p.id));
             }
@@ -354,9 +490,12 @@ impl Manifest {
     }
 
     /// The lowest format version that describes this manifest: [`MANIFEST_VERSION`]
-    /// unless a page lists encoded bodies.
+    /// unless a page lists encoded bodies ([`MANIFEST_VERSION_ENCODED`]) or holds part
+    /// of a tensor ([`MANIFEST_VERSION_PARTS`]).
     pub fn required_version(&self) -> u32 {
-        if self.pages.iter().any(|p| !p.encoded.is_empty()) {
+        if self.pages.iter().any(|p| p.rows.is_some()) {
+            MANIFEST_VERSION_PARTS
+        } else if self.pages.iter().any(|p| !p.encoded.is_empty()) {
             MANIFEST_VERSION_ENCODED
         } else {
             MANIFEST_VERSION
@@ -373,12 +512,28 @@ impl Manifest {
     }
 
     /// The page called `name`.
+    /// The page called `name`: the tensor's first part where it is split
+    /// ([`Manifest::parts`] gives them all).
     pub fn page(&self, name: &str) -> Option<&PageEntry> {
+        self.parts(name).into_iter().next()
+    }
+
+    /// The pages of tensor `name` in row order: one for a whole tensor, its parts for
+    /// a split one, none for a name the manifest lacks.
+    pub fn parts(&self, name: &str) -> Vec<&PageEntry> {
         // Built manifests are sorted by name; fall back to a scan for any other order.
-        match self.pages.binary_search_by(|p| p.name.as_str().cmp(name)) {
-            Ok(i) => Some(&self.pages[i]),
-            Err(_) => self.pages.iter().find(|p| p.name == name),
-        }
+        let sorted = self.pages.windows(2).all(|w| w[0].name <= w[1].name);
+        let mut out: Vec<&PageEntry> = if sorted {
+            let from = self.pages.partition_point(|p| p.name.as_str() < name);
+            self.pages[from..]
+                .iter()
+                .take_while(|p| p.name == name)
+                .collect()
+        } else {
+            self.pages.iter().filter(|p| p.name == name).collect()
+        };
+        out.sort_by_key(|p| p.rows.map(|r| r.start));
+        out
     }
 
     /// Checks that `bytes` hash to `entry.blake3`; otherwise a `ChecksumMismatch` naming
@@ -397,31 +552,51 @@ impl Manifest {
             what: WHAT,
             detail: format!("stale (the checkpoint changed since it was built): {detail}"),
         };
-        let pages: HashMap<&str, &PageEntry> =
-            self.pages.iter().map(|p| (p.name.as_str(), p)).collect();
+        let mut pages: HashMap<&str, Vec<&PageEntry>> = HashMap::new();
+        for p in &self.pages {
+            pages.entry(p.name.as_str()).or_default().push(p);
+        }
         for (name, loc) in ckpt.tensors() {
-            let Some(p) = pages.get(name) else {
+            let Some(parts) = pages.get(name) else {
                 return Err(stale(format!("tensor '{name}' has no page")));
             };
-            let file = ckpt.file_name(loc.file);
-            let t = &loc.info;
-            let diff = if p.encoding != Encoding::Raw {
-                Some(format!("encoding {:?}, checkpoint is raw", p.encoding))
-            } else if p.dtype != t.dtype {
-                Some(format!("dtype {} vs checkpoint {}", p.dtype, t.dtype))
-            } else if p.shape != t.shape {
-                Some(format!("shape {:?} vs checkpoint {:?}", p.shape, t.shape))
-            } else if p.file != file {
-                Some(format!("file '{}' vs checkpoint '{file}'", p.file))
-            } else if p.offset != t.offset {
-                Some(format!("offset {} vs checkpoint {}", p.offset, t.offset))
-            } else if p.len != t.len {
-                Some(format!("len {} vs checkpoint {}", p.len, t.len))
-            } else {
-                None
-            };
-            if let Some(d) = diff {
-                return Err(stale(format!("page '{name}': {d}")));
+            let rows = loc.info.shape.first().map(|&n| n as u64);
+            let covered = parts.iter().filter_map(|p| p.rows).map(|r| r.end()).max();
+            if let (Some(end), Some(rows)) = (covered, rows) {
+                if end != rows {
+                    return Err(stale(format!(
+                        "the parts of '{name}' cover rows 0..{end} of its {rows}"
+                    )));
+                }
+            }
+            for p in parts {
+                if p.rows.is_some() && rows.is_none() {
+                    return Err(stale(format!(
+                        "page '{}': the checkpoint's tensor has no rows to part",
+                        p.label()
+                    )));
+                }
+                let file = ckpt.file_name(loc.file);
+                let narrowed = narrow(loc, p.rows);
+                let t = &narrowed.info;
+                let diff = if p.encoding != Encoding::Raw {
+                    Some(format!("encoding {:?}, checkpoint is raw", p.encoding))
+                } else if p.dtype != t.dtype {
+                    Some(format!("dtype {} vs checkpoint {}", p.dtype, t.dtype))
+                } else if p.shape != t.shape {
+                    Some(format!("shape {:?} vs checkpoint {:?}", p.shape, t.shape))
+                } else if p.file != file {
+                    Some(format!("file '{}' vs checkpoint '{file}'", p.file))
+                } else if p.offset != t.offset {
+                    Some(format!("offset {} vs checkpoint {}", p.offset, t.offset))
+                } else if p.len != t.len {
+                    Some(format!("len {} vs checkpoint {}", p.len, t.len))
+                } else {
+                    None
+                };
+                if let Some(d) = diff {
+                    return Err(stale(format!("page '{}': {d}", p.label())));
+                }
             }
         }
         if let Some(p) = self.pages.iter().find(|p| ckpt.get(&p.name).is_none()) {
@@ -444,10 +619,10 @@ impl Manifest {
     ) -> Result<Vec<FormatError>> {
         self.check_matches(ckpt)?;
         let mut pages: Vec<&PageEntry> = self.pages.iter().collect();
-        pages.sort_by(|a, b| a.name.cmp(&b.name));
+        pages.sort_by_key(|p| (&p.name, p.rows.map(|r| r.start)));
         let locs: Vec<_> = pages
             .iter()
-            .map(|p| ckpt.get(&p.name).expect("check_matches found every page"))
+            .map(|p| Self::locate(ckpt, p).expect("check_matches found every page"))
             .collect();
         let bodies: Vec<&[u8]> = locs
             .iter()
@@ -460,7 +635,7 @@ impl Manifest {
             .iter()
             .zip(locs)
             .zip(hashes)
-            .filter_map(|((p, loc), h)| check_hash(p, &h, ckpt.file_path(loc)).err())
+            .filter_map(|((p, loc), h)| check_hash(p, &h, ckpt.file_path(&loc)).err())
             .collect())
     }
 
@@ -550,6 +725,103 @@ impl Manifest {
     }
 }
 
+/// The rows per part [`Manifest::build`] splits tensor `name` into, or `None` to keep
+/// it one page. Split: an embedding table (2-D, [`PageGroup::Embedding`]) of at
+/// least two [`PART_BYTES`] whose checkpoint has a separate output head of the same
+/// shape, so that the table is only ever read a row per token; parts of about
+/// [`PART_BYTES`] each let a store that loads whole pages read one part per token
+/// instead of the table. A table that is also the output head (tied embeddings) is
+/// read whole every token and stays one page.
+fn split_rows(ckpt: &Checkpoint, name: &str, loc: &TensorLocation, part_bytes: u64) -> Option<u64> {
+    let shape = &loc.info.shape;
+    if PageGroup::of_tensor(name) != PageGroup::Embedding
+        || shape.len() != 2
+        || shape[0] < 2
+        || loc.info.len < part_bytes.saturating_mul(2)
+    {
+        return None;
+    }
+    let untied = ckpt.tensors().any(|(other, o)| {
+        other != name && PageGroup::of_tensor(other) == PageGroup::Final && o.info.shape == *shape
+    });
+    if !untied {
+        return None;
+    }
+    let row = loc.info.len / shape[0] as u64;
+    Some((part_bytes / row.max(1)).max(1))
+}
+
+/// Each tensor is one whole page or parts that follow each other: rows from 0 in
+/// order, one dtype, file and row shape, each part's bytes right after the previous
+/// part's. (That they cover the whole tensor is checked against the checkpoint, by
+/// [`Manifest::check_matches`].)
+fn check_parts(pages: &[PageEntry]) -> std::result::Result<(), String> {
+    let mut by_name: HashMap<&str, Vec<&PageEntry>> = HashMap::new();
+    for p in pages {
+        by_name.entry(p.name.as_str()).or_default().push(p);
+    }
+    for (name, mut ps) in by_name {
+        if ps.len() == 1 && ps[0].rows.is_none() {
+            continue;
+        }
+        if ps.iter().any(|p| p.rows.is_none()) {
+            return Err(format!("page '{name}' listed twice"));
+        }
+        ps.sort_by_key(|p| p.rows.map(|r| r.start));
+        let mut next_row = 0u64;
+        let mut next_byte = None;
+        for p in &ps {
+            let r = p.rows.expect("checked above");
+            let label = p.label();
+            if r.start != next_row {
+                return Err(format!(
+                    "page '{label}': parts of '{name}' must cover rows from 0 in order, \
+                     but the rows before it end at {next_row}"
+                ));
+            }
+            if r.count == 0 || p.shape.first().map(|&n| n as u64) != Some(r.count) {
+                return Err(format!(
+                    "page '{label}': shape {:?} does not hold its {} rows",
+                    p.shape, r.count
+                ));
+            }
+            let first = ps[0];
+            if p.dtype != first.dtype || p.file != first.file || p.shape[1..] != first.shape[1..] {
+                return Err(format!(
+                    "page '{label}': dtype, file or row shape differs from the tensor's first part"
+                ));
+            }
+            if next_byte.is_some_and(|b| b != p.offset) {
+                return Err(format!(
+                    "page '{label}': starts at byte {}, not where the part before it ends",
+                    p.offset
+                ));
+            }
+            next_row = r.end();
+            next_byte = p.offset.checked_add(p.len);
+        }
+    }
+    Ok(())
+}
+
+/// `loc` narrowed to `rows` of its first dimension (all of it for `None`).
+fn narrow(loc: &TensorLocation, rows: Option<Rows>) -> TensorLocation {
+    let Some(r) = rows else {
+        return loc.clone();
+    };
+    let t = &loc.info;
+    let all = t.shape.first().copied().unwrap_or(0).max(1) as u64;
+    let row = t.len / all;
+    let mut info = t.clone();
+    info.offset = t.offset + r.start * row;
+    info.len = r.count * row;
+    info.shape[0] = r.count as usize;
+    TensorLocation {
+        file: loc.file,
+        info,
+    }
+}
+
 /// A page's (or encoded body's) file must be a plain relative path and its range must
 /// not overflow.
 fn check_location(
@@ -587,7 +859,7 @@ fn check_encoded(
     use std::os::unix::fs::FileExt;
     let bad = |detail: String| FormatError::BadTensor {
         path: path.to_path_buf(),
-        tensor: page.name.clone(),
+        tensor: page.label(),
         detail,
     };
     let end = enc.offset + enc.len; // validated not to overflow
@@ -612,7 +884,7 @@ fn check_encoded(
     match enc.encoding {
         Encoding::Raw => Manifest::verify(page, body, path),
         Encoding::Vpack => {
-            let header = vpack::Header::parse(body).map_err(|e| e.in_page(path, &page.name))?;
+            let header = vpack::Header::parse(body).map_err(|e| e.in_page(path, &page.label()))?;
             if header.dtype != page.dtype || Some(header.decoded_len() as u64) != page.decoded_len()
             {
                 return Err(bad(format!(
@@ -625,7 +897,7 @@ fn check_encoded(
             }
             out.clear();
             out.resize(header.decoded_len(), 0);
-            vpack::decode(body, out).map_err(|e| e.in_page(path, &page.name))?;
+            vpack::decode(body, out).map_err(|e| e.in_page(path, &page.label()))?;
             Manifest::verify(page, out, path)
         }
     }
@@ -638,7 +910,7 @@ fn check_hash(entry: &PageEntry, actual: &blake3::Hash, path: &Path) -> Result<(
     } else {
         Err(FormatError::ChecksumMismatch {
             path: path.to_path_buf(),
-            page: entry.name.clone(),
+            page: entry.label(),
             expected: entry.blake3.clone(),
             actual: actual.to_string(),
         })
@@ -889,7 +1161,7 @@ mod tests {
 
         let e = load_err(d.path(), "{not json");
         assert!(matches!(e, FormatError::Malformed { .. }), "{e}");
-        let e = load_err(d.path(), r#"{"format_version":3,"pages":[]}"#);
+        let e = load_err(d.path(), r#"{"format_version":4,"pages":[]}"#);
         assert!(matches!(e, FormatError::Unsupported { .. }), "{e}");
 
         let mutate = |f: &dyn Fn(&mut serde_json::Value)| {
@@ -1155,5 +1427,152 @@ mod tests {
             }
             assert!(e.to_string().contains("model.safetensors"), "{e}");
         }
+    }
+
+    /// A checkpoint with an embedding table of `rows` rows of 4 KiB (BF16, 2048
+    /// columns) and, when `untied`, an output head of the same shape.
+    fn table_model(dir: &Path, rows: usize, untied: bool) -> Checkpoint {
+        let emb: Vec<u8> = (0..rows * 4096)
+            .map(|i| (i as u32).wrapping_mul(2_654_435_761).rotate_left(7) as u8)
+            .collect();
+        let norm = [1u8, 2, 3, 4];
+        let shape = [rows, 2048];
+        let mut tensors: Vec<(&str, DType, &[usize], &[u8])> = vec![
+            ("model.embed_tokens.weight", DType::BF16, &shape, &emb),
+            ("model.norm.weight", DType::BF16, &[2], &norm),
+        ];
+        if untied {
+            tensors.push(("lm_head.weight", DType::BF16, &shape, &emb));
+        }
+        write(&dir.join("model.safetensors"), &tensors, &BTreeMap::new()).unwrap();
+        Checkpoint::open(dir).unwrap()
+    }
+
+    #[test]
+    fn an_untied_embedding_table_is_split_into_row_parts_each_hashed() {
+        let d = tempfile::tempdir().unwrap();
+        let c = table_model(d.path(), 600, true);
+        let m = Manifest::build(&c, &mut |_, _| {}).unwrap();
+        assert_eq!(m.format_version, MANIFEST_VERSION_PARTS);
+        let parts = m.parts("model.embed_tokens.weight");
+        let rows: Vec<_> = parts.iter().map(|p| p.rows.unwrap()).collect();
+        assert_eq!(
+            rows,
+            [(0, 256), (256, 256), (512, 88)].map(|(start, count)| Rows { start, count })
+        );
+        let t = c.get("model.embed_tokens.weight").unwrap().info.clone();
+        let all = c.tensor_bytes("model.embed_tokens.weight").unwrap();
+        for p in &parts {
+            let r = p.rows.unwrap();
+            assert_eq!(p.shape, [r.count as usize, 2048]);
+            assert_eq!(p.offset, t.offset + r.start * 4096);
+            assert_eq!(p.len, r.count * 4096);
+            assert_eq!(p.group, PageGroup::Embedding);
+            let bytes = &all[(r.start * 4096) as usize..(r.end() * 4096) as usize];
+            assert_eq!(p.blake3, blake3::hash(bytes).to_hex().to_string());
+        }
+        assert_eq!(m.page("model.embed_tokens.weight"), Some(parts[0]));
+        assert_eq!(parts[1].label(), "model.embed_tokens.weight rows 256..512");
+        // The head and the norm stay whole; ids run in name order, parts in row order.
+        assert_eq!(m.parts("lm_head.weight").len(), 1);
+        let ids: Vec<u32> = m.pages.iter().map(|p| p.id).collect();
+        assert_eq!(ids, (0..m.pages.len() as u32).collect::<Vec<_>>());
+        assert_eq!(m.pages.len(), 5);
+
+        m.save(d.path()).unwrap();
+        let back = Manifest::load(d.path()).unwrap().unwrap();
+        assert_eq!(back, m);
+        back.check_matches(&c).unwrap();
+        assert!(back
+            .verify_checkpoint(&c, &mut |_, _| {})
+            .unwrap()
+            .is_empty());
+
+        // A flipped bit in the second part is that part's mismatch, named by its rows.
+        drop(c);
+        let path = d.path().join("model.safetensors");
+        let mut f = std::fs::read(&path).unwrap();
+        f[(t.offset + 300 * 4096) as usize] ^= 1;
+        std::fs::write(&path, f).unwrap();
+        let c = Checkpoint::open(d.path()).unwrap();
+        let bad = back.verify_checkpoint(&c, &mut |_, _| {}).unwrap();
+        assert_eq!(bad.len(), 1, "{bad:?}");
+        assert!(bad[0].to_string().contains("rows 256..512"), "{}", bad[0]);
+    }
+
+    #[test]
+    fn a_tied_or_small_table_stays_one_page() {
+        let d = tempfile::tempdir().unwrap();
+        let c = table_model(d.path(), 600, false);
+        let m = Manifest::build(&c, &mut |_, _| {}).unwrap();
+        assert_eq!(m.format_version, MANIFEST_VERSION);
+        assert!(m.pages.iter().all(|p| p.rows.is_none()));
+        let d = tempfile::tempdir().unwrap();
+        let c = table_model(d.path(), 500, true); // under two parts' bytes
+        let m = Manifest::build(&c, &mut |_, _| {}).unwrap();
+        assert!(m.pages.iter().all(|p| p.rows.is_none()));
+    }
+
+    #[test]
+    fn parts_that_do_not_tile_their_tensor_are_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let c = table_model(d.path(), 600, true);
+        let m = Manifest::build(&c, &mut |_, _| {}).unwrap();
+        let good = serde_json::to_value(&m).unwrap();
+        // Pages 0..3 are the table's parts (name order: model.embed... after lm_head).
+        let first = m
+            .pages
+            .iter()
+            .position(|p| p.name == "model.embed_tokens.weight")
+            .unwrap();
+        let mutate = |f: &dyn Fn(&mut serde_json::Value)| {
+            let mut v = good.clone();
+            f(&mut v);
+            load_err(d.path(), &v.to_string()).to_string()
+        };
+        let (a, b) = (first, first + 1);
+        let e = mutate(&|v| v["format_version"] = 2.into());
+        assert!(e.contains("part of a tensor"), "{e}");
+        let e = mutate(&|v| v["pages"][b]["rows"]["start"] = 300.into());
+        assert!(e.contains("cover rows from 0 in order"), "{e}");
+        let e = mutate(&|v| v["pages"][b]["offset"] = (m.pages[b].offset + 2).into());
+        assert!(e.contains("not where the part before it ends"), "{e}");
+        let e = mutate(&|v| v["pages"][a]["rows"]["count"] = 200.into());
+        assert!(e.contains("does not hold its 200 rows"), "{e}");
+        let e = mutate(&|v| {
+            v["pages"][b].as_object_mut().unwrap().remove("rows");
+        });
+        assert!(e.contains("listed twice"), "{e}");
+        // Parts that stop short of the tensor's rows load, and are stale against it.
+        let mut short = m.clone();
+        short.pages.remove(first + 2);
+        for (i, p) in short.pages.iter_mut().enumerate() {
+            p.id = i as u32;
+        }
+        short.save(d.path()).unwrap();
+        let e = Manifest::load(d.path()).unwrap().unwrap().check_matches(&c);
+        let e = e.unwrap_err().to_string();
+        assert!(e.contains("cover rows 0..512 of its 600"), "{e}");
+    }
+
+    #[test]
+    fn row_parts_pack_and_verify_like_whole_pages() {
+        let d = tempfile::tempdir().unwrap();
+        let c = table_model(d.path(), 600, true);
+        let mut m = Manifest::build(&c, &mut |_, _| {}).unwrap();
+        m.save(d.path()).unwrap();
+        drop(c);
+        let report = crate::pack::pack_model(d.path(), &mut m, &mut |_, _| {}).unwrap();
+        assert_eq!(report.pages, 5, "three parts, the head and the norm");
+        assert!(m
+            .parts("model.embed_tokens.weight")
+            .iter()
+            .all(|p| p.vpack().is_some()));
+        let back = Manifest::load(d.path()).unwrap().unwrap();
+        assert_eq!(back.format_version, MANIFEST_VERSION_PARTS);
+        assert!(back
+            .verify_encoded(d.path(), &mut |_, _| {})
+            .unwrap()
+            .is_empty());
     }
 }

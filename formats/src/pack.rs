@@ -74,18 +74,19 @@ pub fn pack_model(
         let mut decoded = Vec::new();
         for &i in &todo {
             let page = &pages[i];
-            let loc = ckpt.get(&page.name).ok_or_else(|| FormatError::Missing {
+            let loc = Manifest::locate(&ckpt, page).ok_or_else(|| FormatError::Missing {
                 path: dir.to_path_buf(),
                 what: format!("tensor '{}' of the manifest", page.name),
             })?;
+            let loc = &loc;
             let raw = ckpt.files[loc.file].tensor_bytes(&loc.info);
             let t = Instant::now();
             let body = vpack::encode(page.dtype, raw)
-                .map_err(|e| e.in_page(ckpt.file_path(loc), &page.name))?;
+                .map_err(|e| e.in_page(ckpt.file_path(loc), &page.label()))?;
             report.encode += t.elapsed();
             decoded.resize(raw.len(), 0);
             let t = Instant::now();
-            vpack::decode(&body, &mut decoded).map_err(|e| e.in_page(&pack_path, &page.name))?;
+            vpack::decode(&body, &mut decoded).map_err(|e| e.in_page(&pack_path, &page.label()))?;
             report.decode += t.elapsed();
             Manifest::verify(page, &decoded, ckpt.file_path(loc))?;
             let offset = w.push(&body)?;

@@ -25,15 +25,7 @@ use std::collections::BTreeMap;
 use vpaged::PageId;
 
 use crate::model::plan::PagePlan;
-
-/// Alignment of every resident page's memory (the arena's slots and direct-read
-/// buffers): 16 KiB.
-pub const SLOT_ALIGN: u64 = 16 << 10;
-
-/// Bytes a page of `len` bytes holds resident.
-pub fn slot_bytes(len: u64) -> u64 {
-    len.next_multiple_of(SLOT_ALIGN)
-}
+pub use crate::model::plan::{slot_bytes, SLOT_ALIGN};
 
 /// What a run needs besides weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -7,7 +7,8 @@
 use libvoom::backend::cpu::matmul::Isa;
 use libvoom::backend::cpu::CpuBackend;
 use libvoom::backend::{
-    Activation, AttentionShape, Backend, BackendKind, KernelError, RopeTable, VecView, WeightView,
+    Activation, AttentionShape, Backend, BackendKind, KernelError, RopeTable, TableView, VecView,
+    WeightView,
 };
 use libvoom::kv::KvCache;
 use rand::{Rng, SeedableRng};
@@ -104,7 +105,7 @@ fn embed_gathers_rows_exactly_and_refuses_an_id_past_the_table() {
     let got = on_every_backend("embed", |b| {
         let view = WeightView::new(DType::BF16, rows, cols, &table).unwrap();
         let mut out = b.zeros(ids.len(), cols);
-        b.embed(view, &ids, &mut out).unwrap();
+        b.embed(&TableView::whole(view), &ids, &mut out).unwrap();
         b.download_owned(out)
     });
     for (t, &id) in ids.iter().enumerate() {
@@ -119,9 +120,65 @@ fn embed_gathers_rows_exactly_and_refuses_an_id_past_the_table() {
         let view = WeightView::new(DType::BF16, rows, cols, &table).unwrap();
         let mut out = b.zeros(1, cols);
         assert_eq!(
-            b.embed(view, &[11], &mut out).unwrap_err(),
+            b.embed(&TableView::whole(view), &[11], &mut out)
+                .unwrap_err(),
             KernelError::RowOutOfRange { id: 11, rows: 11 }
         );
+    }
+}
+
+/// A table in row parts, gathered part by part, gives the bits of the whole table
+/// gathered at once; rows no part given holds are left as they were.
+#[test]
+fn embed_from_row_parts_in_several_calls_equals_the_whole_table() {
+    let mut rng = ChaCha8Rng::seed_from_u64(12);
+    let (rows, cols) = (11, 9);
+    let table = bf16_bytes(&random(&mut rng, rows * cols));
+    let ids = [3u32, 0, 10, 3, 7];
+    let whole = WeightView::new(DType::BF16, rows, cols, &table).unwrap();
+    for b in backends() {
+        let mut want = b.zeros(ids.len(), cols);
+        b.embed(&TableView::whole(whole), &ids, &mut want).unwrap();
+        let mut got = b
+            .upload(ids.len(), cols, &vec![-1.0; ids.len() * cols])
+            .unwrap();
+        let part = |r: std::ops::Range<usize>| (r.start, whole.slice_rows(r));
+        let first = TableView {
+            rows,
+            cols,
+            parts: vec![part(0..4)],
+        };
+        b.embed(&first, &ids, &mut got).unwrap();
+        let half = b.download(&got);
+        for (t, &id) in ids.iter().enumerate() {
+            let untouched = half[t * cols..(t + 1) * cols].iter().all(|&v| v == -1.0);
+            assert_eq!(untouched, id >= 4, "{} row {t}", b.name());
+        }
+        let rest = TableView {
+            rows,
+            cols,
+            parts: vec![part(4..8), part(8..11)],
+        };
+        b.embed(&rest, &ids, &mut got).unwrap();
+        let (got, want) = (b.download_owned(got), b.download_owned(want));
+        assert!(
+            got.iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{}",
+            b.name()
+        );
+        // Rows 4..11 placed from row 5 would run past the table.
+        let shifted = TableView {
+            rows,
+            cols,
+            parts: vec![(5, whole.slice_rows(4..11))],
+        };
+        let mut out = b.zeros(1, cols);
+        assert!(matches!(
+            b.embed(&shifted, &[5], &mut out).unwrap_err(),
+            KernelError::TablePart { first: 5, .. }
+        ));
     }
 }
 

@@ -155,6 +155,101 @@ fn store_core_gives_the_embedded_bits_at_any_budget() {
     }
 }
 
+/// Splits `dir`'s embedding table into parts of `rows` rows in its manifest; returns
+/// how many.
+fn split_embedding(dir: &Path, rows: u64) -> usize {
+    let ckpt = voom_formats::Checkpoint::open(dir).unwrap();
+    let mut m = voom_formats::Manifest::load(dir).unwrap().unwrap();
+    m.split_table(&ckpt, "model.embed_tokens.weight", rows)
+        .unwrap();
+    m.save(dir).unwrap();
+    m.parts("model.embed_tokens.weight").len()
+}
+
+/// An embedding stored in row parts gives the bits of the table stored whole, through
+/// the mapping, the store core at every budget and the daemon, untied and as a tied
+/// output head (computed part by part); a store that loads whole pages requests only
+/// the parts holding the tokens a pass embeds.
+#[test]
+fn a_table_in_row_parts_gives_the_bits_of_the_whole_table() {
+    for (case, tied) in [("llama_gqa_untied", false), ("qwen2_bias_tied", true)] {
+        let (d, dir) = fixture_copy(case);
+        let prompt: Vec<u32> = (0..21).map(|i| (i * 17 + 3) % 200).collect();
+        let reference = run(
+            &Engine::open(&dir, EngineOptions::default()).unwrap(),
+            &prompt,
+        );
+        let vocab = Engine::open(&dir, EngineOptions::default())
+            .unwrap()
+            .config()
+            .vocab_size;
+        let per = 32;
+        assert_eq!(
+            split_embedding(&dir, per as u64),
+            vocab.div_ceil(per),
+            "{case}"
+        );
+        let mapped = Engine::open(&dir, EngineOptions::default()).unwrap();
+        assert_eq!(
+            run(&mapped, &prompt),
+            reference,
+            "{case}: memory-mapped parts"
+        );
+        drop(mapped);
+
+        // Rows the passes embed: the prompt, then each generated id but the last.
+        let mut fed: Vec<u32> = prompt.clone();
+        fed.extend(&reference.1[..reference.1.len() - 1]);
+        let m = voom_formats::Manifest::load(&dir).unwrap().unwrap();
+        let unused: Vec<usize> = m
+            .parts("model.embed_tokens.weight")
+            .iter()
+            .filter(|p| {
+                let r = p.rows.unwrap();
+                !fed.iter()
+                    .any(|&t| (r.start..r.end()).contains(&(t as u64)))
+            })
+            .map(|p| p.id as usize)
+            .collect();
+        assert!(!unused.is_empty(), "{case}: the prompt touches every part");
+
+        let [ample, ..] = budgets(&dir);
+        for budget in budgets(&dir) {
+            for depth in [0, 1] {
+                let (store, e) = over_store(&dir, budget, depth, None);
+                assert_eq!(
+                    run(&e, &prompt),
+                    reference,
+                    "{case}: parts, budget {budget}, prefetch depth {depth}"
+                );
+                let counts = store.models()[0].access_counts();
+                let requested: Vec<usize> =
+                    unused.iter().copied().filter(|&i| counts[i] > 0).collect();
+                if tied {
+                    // The head reads every part each pass.
+                    assert_eq!(requested, unused, "{case}: budget {budget}");
+                } else if budget != ample {
+                    // (An ample budget pins, and so loads, every page.)
+                    assert!(
+                        requested.is_empty(),
+                        "{case}: budget {budget}, depth {depth}: parts {requested:?} \
+                         hold no token embedded, yet were requested"
+                    );
+                }
+            }
+        }
+        let layer = largest_layer_bytes(&dir);
+        through_the_daemon(
+            &d,
+            &dir,
+            &prompt,
+            &reference,
+            (layer * 3 / 2).next_multiple_of(16 << 10) + (512 << 10),
+            0,
+        );
+    }
+}
+
 #[test]
 fn pages_from_the_fast_tier_give_the_same_bits() {
     let (d, dir) = fixture_copy("llama_gqa_untied");

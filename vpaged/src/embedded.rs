@@ -140,18 +140,12 @@ impl EmbeddedStore {
                             ),
                         });
                     }
-                    pages.push(PageMeta {
-                        id: PageId(e.id),
-                        name: e.name.clone(),
-                        dtype: e.dtype,
-                        shape: e.shape.clone(),
-                        len: e.len,
-                    });
-                    let loc = ckpt.get(&e.name).ok_or_else(|| StoreError::Store {
+                    pages.push(PageMeta::from_entry(e));
+                    let loc = Manifest::locate(&ckpt, e).ok_or_else(|| StoreError::Store {
                         store: dir.to_path_buf(),
-                        detail: format!("page '{}' is not in the checkpoint", e.name),
+                        detail: format!("page '{}' is not in the checkpoint", e.label()),
                     })?;
-                    locs.push(loc.clone());
+                    locs.push(loc);
                 }
                 if verify != VerifyMode::Off {
                     entries = Some(m.pages);
@@ -165,6 +159,7 @@ impl EmbeddedStore {
                         dtype: loc.info.dtype,
                         shape: loc.info.shape.clone(),
                         len: loc.info.len,
+                        rows: None,
                     });
                     locs.push(loc.clone());
                 }

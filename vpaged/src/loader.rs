@@ -88,16 +88,16 @@ impl PageLoader<'_> {
                     Ok(()) => return Ok(served),
                     Err(Packed::Corrupt(e)) => {
                         tracing::warn!(
-                            "page '{}': the vpack body on tier '{}' is corrupt ({e});                              falling back to the raw copy",
-                            entry.name,
+                            "page '{}': the vpack body on tier '{}' is corrupt ({e}); falling back to the raw copy",
+                            entry.label(),
                             loc.name()
                         );
                         failed.corrupt(e, loc.name(), "vpack body");
                     }
                     Err(Packed::Unreadable(e)) => {
                         tracing::warn!(
-                            "page '{}': cannot read the vpack body on tier '{}' ({e});                              falling back to the raw copy",
-                            entry.name,
+                            "page '{}': cannot read the vpack body on tier '{}' ({e}); falling back to the raw copy",
+                            entry.label(),
                             loc.name()
                         );
                         failed.unreadable(format!("{e} (vpack)"));
@@ -124,7 +124,7 @@ impl PageLoader<'_> {
         if let Err(e) = fast.unstage(&entry.blake3) {
             tracing::warn!(
                 "page '{}': removing its bad copy from tier '{}': {e}",
-                entry.name,
+                entry.label(),
                 fast.name()
             );
         }
@@ -171,12 +171,12 @@ impl Failures {
         match (self.unreadable, self.corrupt.len(), self.last_integrity) {
             (0, 1, Some(e @ StoreError::Integrity { .. })) => e,
             (0, n, _) if n > 0 => StoreError::Corrupt {
-                page: entry.name.clone(),
+                page: entry.label(),
                 expected: entry.blake3.clone(),
                 copies: self.corrupt,
             },
             _ => StoreError::Unavailable {
-                page: entry.name.clone(),
+                page: entry.label(),
                 reasons: self.reasons,
             },
         }
@@ -303,7 +303,7 @@ impl Location<'_> {
                 detail: format!(
                     "tier '{}': page '{}': vpack body: {e}",
                     self.name(),
-                    entry.name
+                    entry.label()
                 ),
             })
         })

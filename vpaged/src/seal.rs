@@ -136,6 +136,7 @@ mod tests {
             blake3: blake3::hash(bytes).to_hex().to_string(),
             group: PageGroup::Other,
             encoded: Vec::new(),
+            rows: None,
         }
     }
 

@@ -2,6 +2,7 @@
 
 use std::sync::Arc;
 
+use voom_formats::manifest::Rows;
 use voom_formats::DType;
 
 use crate::StoreError;
@@ -20,6 +21,9 @@ pub struct PageMeta {
     pub shape: Vec<usize>,
     /// Decoded length in bytes.
     pub len: u64,
+    /// The rows of tensor `name` the page holds when it is one part of it (`shape` is
+    /// the part's); `None` for a page that is a whole tensor.
+    pub rows: Option<Rows>,
 }
 
 impl PageMeta {
@@ -32,7 +36,13 @@ impl PageMeta {
             dtype: e.dtype,
             shape: e.shape.clone(),
             len: e.decoded_len().unwrap_or(e.len),
+            rows: e.rows,
         }
+    }
+
+    /// How errors and listings name the page (the tensor, and its rows for a part).
+    pub fn label(&self) -> String {
+        voom_formats::manifest::page_label(&self.name, self.rows)
     }
 }
 
@@ -77,7 +87,7 @@ pub trait PageSource: Send + Sync {
     /// Every page of the model store, indexed by `PageId.0`.
     fn pages(&self) -> &[PageMeta];
 
-    /// A page by tensor name.
+    /// A page by tensor name (the first part of a tensor stored in parts).
     fn find(&self, name: &str) -> Option<&PageMeta> {
         self.pages().iter().find(|p| p.name == name)
     }

@@ -230,7 +230,7 @@ impl OpenModel {
             NasCheck::IfDue => nas.check_if_due(),
         };
         down.err().map(|e| StoreError::Unavailable {
-            page: entry.name.clone(),
+            page: entry.label(),
             reasons: vec![e.to_string()],
         })
     }
@@ -802,10 +802,10 @@ impl Store {
             })
             .count();
         if fitting < wanted.len() {
-            let left: Vec<&str> = wanted[fitting..]
+            let left: Vec<String> = wanted[fitting..]
                 .iter()
                 .take(UNPINNED_NAMES_SHOWN)
-                .map(|p| p.name.as_str())
+                .map(|p| p.label())
                 .collect();
             let more = wanted.len() - fitting - left.len();
             tracing::warn!(
@@ -843,7 +843,8 @@ impl Store {
                     "page '{}' of model {} is no longer cached and its files have changed \
                      (the manifest was rewritten since this model was opened): open the \
                      model store again",
-                    entry.name, m.id
+                    entry.label(),
+                    m.id
                 ),
             });
         }
@@ -878,7 +879,7 @@ impl Store {
         if let Err(e) = fast.keep(&entry.blake3, bytes) {
             tracing::warn!(
                 "page '{}': keeping a copy on the fast tier: {e}",
-                entry.name
+                entry.label()
             );
         }
     }
@@ -1385,7 +1386,7 @@ fn cache_error(m: &OpenModel, page: u32, e: CacheError<StoreError>) -> StoreErro
         },
         other => StoreError::Store {
             store: m.dir.clone(),
-            detail: format!("page '{}': {other}", m.pages[page as usize].name),
+            detail: format!("page '{}': {other}", m.pages[page as usize].label()),
         },
     }
 }
@@ -2428,6 +2429,7 @@ mod tests {
                 })
                 .into_iter()
                 .collect(),
+            rows: None,
         };
         let m = Manifest {
             format_version: 2,

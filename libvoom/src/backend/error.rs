@@ -36,6 +36,18 @@ pub enum KernelError {
     /// A row index (a token id into an embedding table) past the table.
     #[error("token id {id} is out of range for a vocabulary of {rows}")]
     RowOutOfRange { id: u32, rows: usize },
+    /// A part of a table (an embedding stored in row parts) that does not fit it.
+    #[error(
+        "a table part of {rows}x{cols} from row {first} does not fit a table of \
+         {table_rows}x{table_cols}"
+    )]
+    TablePart {
+        first: usize,
+        rows: usize,
+        cols: usize,
+        table_rows: usize,
+        table_cols: usize,
+    },
     /// A KV cache that cannot take more positions.
     #[error("context full: {cached} positions cached + {new} new exceed the limit of {limit}")]
     ContextFull {

@@ -11,7 +11,7 @@ pub mod view;
 
 pub use error::KernelError;
 pub use ops::{Activation, AttentionShape, Backend, RopeTable};
-pub use view::{VecView, WeightView};
+pub use view::{TableView, VecView, WeightView};
 
 use cpu::matmul::Isa;
 

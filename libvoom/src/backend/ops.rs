@@ -16,7 +16,7 @@
 use std::ops::Range;
 
 use super::kv::KvCache;
-use super::{KernelError, VecView, WeightView};
+use super::{KernelError, TableView, VecView, WeightView};
 
 /// The activation of a gated MLP: `gate = act(gate) * up`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,10 +83,13 @@ pub trait Backend: Send + Sync {
     fn rows(&self, x: &Self::Act, range: Range<usize>) -> Result<Self::Act, KernelError>;
 
     /// Gathers rows `ids` of `table` (an embedding) into `out` (`ids.len() × cols`),
-    /// widened exactly to f32. An id past the table is an error.
+    /// widened exactly to f32: row `t` of `out` from the part holding row `ids[t]`.
+    /// Rows of `out` whose id no part given holds are left as they are, so a table
+    /// leased part by part is gathered in several calls. An id past the table is an
+    /// error.
     fn embed(
         &self,
-        table: WeightView<'_>,
+        table: &TableView<'_>,
         ids: &[u32],
         out: &mut Self::Act,
     ) -> Result<(), KernelError>;

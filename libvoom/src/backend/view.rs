@@ -93,6 +93,54 @@ impl<'a> WeightView<'a> {
     }
 }
 
+/// A table of `rows` rows (an embedding) as some of the parts it is stored in:
+/// `parts[i] = (first, view)` holds rows `first..first + view.rows`. A table stored
+/// whole is one part from row 0; a table leased part by part passes the parts it
+/// holds. Parts do not overlap; every part has the table's columns.
+#[derive(Clone, Debug)]
+pub struct TableView<'a> {
+    pub rows: usize,
+    pub cols: usize,
+    pub parts: Vec<(usize, WeightView<'a>)>,
+}
+
+impl<'a> TableView<'a> {
+    /// A table stored whole.
+    pub fn whole(w: WeightView<'a>) -> Self {
+        TableView {
+            rows: w.rows,
+            cols: w.cols,
+            parts: vec![(0, w)],
+        }
+    }
+
+    /// Checks every part's view, that each has the table's columns and lies inside
+    /// the table.
+    pub fn check(&self) -> Result<(), KernelError> {
+        for (first, w) in &self.parts {
+            w.check()?;
+            if w.cols != self.cols || first.checked_add(w.rows).is_none_or(|e| e > self.rows) {
+                return Err(KernelError::TablePart {
+                    first: *first,
+                    rows: w.rows,
+                    cols: w.cols,
+                    table_rows: self.rows,
+                    table_cols: self.cols,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Row `r` from the part holding it, `None` when no part given holds it.
+    pub fn row(&self, r: usize) -> Option<VecView<'a>> {
+        self.parts
+            .iter()
+            .find(|(first, w)| (*first..first + w.rows).contains(&r))
+            .map(|(first, w)| w.row(r - first))
+    }
+}
+
 /// The dtypes every backend computes on.
 pub fn check_dtype(d: DType) -> Result<(), KernelError> {
     match d {

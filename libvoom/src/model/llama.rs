@@ -13,10 +13,10 @@ use vpaged::{PageId, PageSource};
 use crate::backend::{Activation, AttentionShape, Backend, RopeTable};
 use crate::config::ModelConfig;
 use crate::kv::KvCache;
-use crate::model::plan::{PagePlan, Stage};
+use crate::model::plan::{self, PagePlan, Stage};
 use crate::model::rope;
 use crate::model::sweep::{LayerLease, Sweep};
-use crate::model::weights::{Dim, Leased, Matrix, Vector, WeightFinder};
+use crate::model::weights::{Dim, Leased, Matrix, Table, Vector, WeightFinder};
 use crate::model::{Logits, Model};
 use crate::VoomError;
 
@@ -80,9 +80,9 @@ const STEP_DOWN: usize = 6;
 pub struct Llama<B: Backend> {
     cfg: ModelConfig,
     backend: B,
-    embed: Matrix,
+    embed: Table,
     final_norm: Vector,
-    lm_head: Matrix,
+    lm_head: Table,
     layers: Vec<Layer>,
     inv_freq: Vec<f32>,
     plan: PagePlan,
@@ -171,11 +171,11 @@ impl<B: Backend> Llama<B> {
                     },
                 })
             };
-        let embed = f.matrix("model.embed_tokens.weight", &d.vocab, &d.hidden)?;
+        let embed = f.table("model.embed_tokens.weight", &d.vocab, &d.hidden)?;
         let lm_head = if cfg.tie_word_embeddings {
-            embed
+            embed.clone()
         } else {
-            f.matrix("lm_head.weight", &d.vocab, &d.hidden)?
+            f.table("lm_head.weight", &d.vocab, &d.hidden)?
         };
         let final_norm = f.vector("model.norm.weight", &d.hidden)?;
         // As many as the checkpoint has (checked above).
@@ -206,13 +206,28 @@ impl<B: Backend> Llama<B> {
                 down: linear(&format!("{m}.down_proj"), &d.hidden, &d.inter, cfg.mlp_bias)?,
             });
         }
-        // A token reads one row of the embedding where the source reads only what is
-        // touched; a source that loads pages whole reads all of it.
-        let row = source
-            .partial_reads()
-            .then_some((embed.cols * embed.dtype.size()) as u64);
+        // A token reads one row of the embedding: where the source reads only what is
+        // touched, that row; where it loads pages whole, the part holding it (all of a
+        // table stored whole). Spread over the parts: each is read by a share of tokens.
+        let n = embed.parts.len() as u64;
+        let row = (embed.cols * embed.dtype.size()) as u64;
+        let partial = source.partial_reads();
+        let head: Vec<(PageId, Option<u64>)> = embed
+            .parts
+            .iter()
+            .map(|p| {
+                let bytes = (p.rows * embed.cols * embed.dtype.size()) as u64;
+                let read = if partial { row } else { bytes };
+                (p.page, Some(read.div_ceil(n)))
+            })
+            .collect();
+        // Steps: the table's parts are leased in batches of at least one; the final
+        // norm with the head's first part.
+        let head: Vec<Vec<_>> = head.into_iter().map(|r| vec![r]).collect();
+        let mut tail: Vec<Vec<_>> = lm_head.parts.iter().map(|p| vec![(p.page, None)]).collect();
+        tail[0].insert(0, (final_norm.page, None));
         let plan = PagePlan {
-            head: Stage::new(source, &[vec![(embed.page, row)]]),
+            head: Stage::new(source, &head),
             layers: layers
                 .iter()
                 .map(|l| {
@@ -224,10 +239,7 @@ impl<B: Backend> Llama<B> {
                     Stage::new(source, &steps)
                 })
                 .collect(),
-            tail: Stage::new(
-                source,
-                &[vec![(final_norm.page, None), (lm_head.page, None)]],
-            ),
+            tail: Stage::new(source, &tail),
         };
         let inv_freq = cfg.rope_inv_freq();
         Ok(Llama {
@@ -313,15 +325,8 @@ impl<B: Backend> Model for Llama<B> {
             .map(|s| s..(s + chunk).min(n))
             .collect();
 
-        let mut xs = Vec::with_capacity(ranges.len());
-        {
-            let w = sweep.head()?;
-            for r in &ranges {
-                let mut x = b.zeros(r.len(), h);
-                b.embed(w.matrix(&self.embed), &tokens[r.clone()], &mut x)?;
-                xs.push(x);
-            }
-        }
+        let mut xs: Vec<B::Act> = ranges.iter().map(|r| b.zeros(r.len(), h)).collect();
+        self.embed_rows(sweep, tokens, &ranges, &mut xs)?;
         let tables: Vec<_> = ranges
             .iter()
             .map(|r| rope::table(&self.inv_freq, pos0 + r.start, r.len()))
@@ -342,10 +347,18 @@ impl<B: Backend> Model for Llama<B> {
             }
         }
 
-        // Final norm and LM head on the rows whose logits are wanted.
-        let w = sweep.tail()?;
-        let mut out = Vec::new();
+        // Final norm and LM head on the rows whose logits are wanted. A head stored in
+        // row parts is leased a bounded batch of parts at a time, the final norm with
+        // the first.
+        let head = &self.lm_head;
+        let norm =
+            plan::slot_bytes(self.final_norm.len as u64 * self.final_norm.dtype.size() as u64);
+        let batches = head.batches(&head.pages(), sweep.lease_bound().saturating_sub(norm));
+        let mut first = vec![self.final_norm.page];
+        first.extend(&batches[0]);
+        let w = sweep.tail(&first)?;
         let last = xs.len() - 1;
+        let mut normed = Vec::new();
         for (i, x) in xs.into_iter().enumerate() {
             let rows = match want {
                 Logits::Last if i < last => continue,
@@ -355,12 +368,48 @@ impl<B: Backend> Model for Llama<B> {
                 }
                 Logits::All => x,
             };
-            let m = b.shape(&rows).0;
-            let mut hn = b.zeros(m, h);
+            let mut hn = b.zeros(b.shape(&rows).0, h);
             b.rms_norm(&rows, w.vector(&self.final_norm), cfg.rms_norm_eps, &mut hn)?;
-            let mut logits = b.zeros(m, cfg.vocab_size);
-            b.matmul(&hn, w.matrix(&self.lm_head), &mut logits)?;
-            out.extend(b.download_owned(logits));
+            normed.push(hn);
+        }
+        if let [(_, whole)] = w.table(head).parts[..] {
+            let mut out = Vec::new();
+            for hn in &normed {
+                let mut logits = b.zeros(b.shape(hn).0, cfg.vocab_size);
+                b.matmul(hn, whole, &mut logits)?;
+                out.extend(b.download_owned(logits));
+            }
+            return Ok(out);
+        }
+        // Each part's logits are the same elements computed the same way (one
+        // accumulation order per output element, whatever rows a call has), put in
+        // place.
+        let v = cfg.vocab_size;
+        let total: usize = normed.iter().map(|hn| b.shape(hn).0).sum();
+        let mut out = vec![0.0f32; total * v];
+        sweep.hint(&head.pages()[batches[0].len()..]);
+        let mut w = Some(w);
+        for batch in &batches {
+            let lease = match w.take() {
+                Some(w) => w,
+                None => sweep.lease(batch)?,
+            };
+            let view = lease.table(head);
+            let mut at = 0;
+            for hn in &normed {
+                let m = b.shape(hn).0;
+                for (first, part) in &view.parts {
+                    let mut logits = b.zeros(m, part.rows);
+                    b.matmul(hn, *part, &mut logits)?;
+                    let got = b.download_owned(logits);
+                    for t in 0..m {
+                        let dst = (at + t) * v + first;
+                        out[dst..dst + part.rows]
+                            .copy_from_slice(&got[t * part.rows..(t + 1) * part.rows]);
+                    }
+                }
+                at += m;
+            }
         }
         Ok(out)
     }
@@ -398,6 +447,44 @@ impl<B: Backend> Scratch<B> {
 }
 
 impl<B: Backend> Llama<B> {
+    /// Gathers the tokens' embedding rows into `xs` (one activation per chunk of
+    /// `ranges`), leasing the table's parts that hold them a bounded batch at a time
+    /// (a long prompt can touch every part of a table larger than the cache) and
+    /// hinting the later batches meanwhile.
+    fn embed_rows(
+        &self,
+        sweep: &Sweep<'_>,
+        tokens: &[u32],
+        ranges: &[std::ops::Range<usize>],
+        xs: &mut [B::Act],
+    ) -> Result<(), VoomError> {
+        let b = &self.backend;
+        let t = &self.embed;
+        let needed = t.pages_for(tokens);
+        if needed.is_empty() {
+            // Every id is past the table: the gather reports it.
+            let w = sweep.lease(&[t.parts[0].page])?;
+            for (x, r) in xs.iter_mut().zip(ranges) {
+                b.embed(&w.table(t), &tokens[r.clone()], x)?;
+            }
+            return Ok(());
+        }
+        // Each part as the cache holds it (a slot), so that many small parts
+        // cannot add up to more room than the bound.
+        let batches = t.batches(&needed, sweep.lease_bound());
+        if batches.len() > 1 {
+            sweep.hint(&needed[batches[0].len()..]);
+        }
+        for batch in &batches {
+            let w = sweep.lease(batch)?;
+            let view = w.table(t);
+            for (x, r) in xs.iter_mut().zip(ranges) {
+                b.embed(&view, &tokens[r.clone()], x)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Decoder layer `li` on one chunk of positions `x` (in place), after the
     /// chunks before it: their keys and values are in `kv` already.
     #[allow(clippy::too_many_arguments)]

@@ -5,6 +5,15 @@
 
 use vpaged::{PageId, PageSource};
 
+/// Alignment of every resident page's memory (the arena's slots and direct-read
+/// buffers): 16 KiB.
+pub const SLOT_ALIGN: u64 = 16 << 10;
+
+/// Bytes a page of `len` bytes holds resident.
+pub fn slot_bytes(len: u64) -> u64 {
+    len.next_multiple_of(SLOT_ALIGN)
+}
+
 /// One page a stage reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PlannedRead {
@@ -113,6 +122,27 @@ impl PagePlan {
     /// Bytes of the largest decoder layer's pages.
     pub fn largest_layer_bytes(&self) -> u64 {
         self.layers.iter().map(Stage::bytes).max().unwrap_or(0)
+    }
+
+    /// The most bytes, as the cache holds them (slots), that one step of any stage
+    /// leases: the least room streaming works in.
+    pub fn largest_step_slot_bytes(&self) -> u64 {
+        self.stages()
+            .flat_map(|s| {
+                s.steps().iter().map(|step| {
+                    let mut ids = step.clone();
+                    ids.sort_unstable();
+                    ids.dedup();
+                    ids.iter()
+                        .map(|id| {
+                            let r = s.reads.iter().find(|r| r.page == *id);
+                            slot_bytes(r.map_or(0, |r| r.bytes))
+                        })
+                        .sum::<u64>()
+                })
+            })
+            .max()
+            .unwrap_or(0)
     }
 
     /// Bytes of weights one decode token reads (a page read by two stages, such as

@@ -90,9 +90,30 @@ impl<'a> Sweep<'a> {
         self.depth
     }
 
-    /// Leases the pages read before the first layer.
-    pub fn head(&self) -> Result<Leased, VoomError> {
-        self.acquire(self.plan.head.ids())
+    /// Leases pages outside a layer: of the head stage (the parts of the embedding
+    /// table the pass's tokens need, which the model knows and the plan does not),
+    /// or a later batch of the tail's.
+    pub fn lease(&self, ids: &[PageId]) -> Result<Leased, VoomError> {
+        self.acquire(ids)
+    }
+
+    /// Hints pages to the source (a pass's later head or tail parts while it
+    /// computes on the first), when the sweep prefetches at all.
+    pub fn hint(&self, ids: &[PageId]) {
+        if self.depth > 0 && !ids.is_empty() {
+            self.source.prefetch(ids);
+        }
+    }
+
+    /// The most bytes of pages (as the cache holds them) to lease at once outside a
+    /// layer, in batches of a table's parts: the largest layer's where the cache
+    /// holds two, else the largest step's, which streaming always has room for.
+    pub fn lease_bound(&self) -> u64 {
+        match self.scope {
+            LeaseScope::Layer => self.plan.largest_layer_bytes(),
+            LeaseScope::Step => self.plan.largest_step_slot_bytes(),
+        }
+        .max(1)
     }
 
     /// Starts layer `li`: sends the hints due (layers `li+1..=li+depth` at the first
@@ -115,12 +136,14 @@ impl<'a> Sweep<'a> {
     /// Leases the pages read after the last layer, first hinting the layers the next
     /// pass starts with (decode sweeps again at once; without this hint a pass's
     /// first layer was read on demand, with nothing computing meanwhile). After the
-    /// last pass of a generation that is one layer read for nothing.
-    pub fn tail(&self) -> Result<Leased, VoomError> {
+    /// last pass of a generation that is one layer read for nothing. `ids` are the
+    /// tail's pages to lease first (all of them, or the first batch of a head stored
+    /// in parts).
+    pub fn tail(&self, ids: &[PageId]) -> Result<Leased, VoomError> {
         for layer in self.plan.layers.iter().take(self.depth) {
             self.source.prefetch(layer.ids());
         }
-        self.acquire(self.plan.tail.ids())
+        self.acquire(ids)
     }
 
     /// Ends the pass (every lease dropped): a remote source delivers the releases it
@@ -260,6 +283,7 @@ mod tests {
                     dtype: DType::BF16,
                     shape: vec![50],
                     len: 100,
+                    rows: None,
                 })
                 .collect(),
             ..Recorder::default()
@@ -271,11 +295,11 @@ mod tests {
         };
         let sweep = Sweep::new(&src, &plan, 1, None);
         assert_eq!(sweep.depth(), 1);
-        drop(sweep.head().unwrap());
+        drop(sweep.lease(plan.head.ids()).unwrap());
         for li in 0..3 {
             drop(sweep.layer(li).unwrap());
         }
-        drop(sweep.tail().unwrap());
+        drop(sweep.tail(plan.tail.ids()).unwrap());
         sweep.finish();
         let log = src.log.lock().unwrap().clone();
         assert_eq!(

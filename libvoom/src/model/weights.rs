@@ -6,23 +6,27 @@ use std::collections::{BTreeSet, HashMap};
 use voom_formats::DType;
 use vpaged::{PageId, PageLease, PageSource};
 
-use crate::backend::{VecView, WeightView};
+use crate::backend::{TableView, VecView, WeightView};
 use crate::VoomError;
 
 /// Looks weights up by name with a path prefix, like `vb.pp("self_attn")`.
 pub struct WeightFinder<'a> {
     source: &'a dyn PageSource,
     model: String,
-    index: HashMap<&'a str, PageId>,
+    /// Each tensor's pages: one, or its row parts in row order.
+    index: HashMap<&'a str, Vec<PageId>>,
 }
 
 impl<'a> WeightFinder<'a> {
     pub fn new(source: &'a dyn PageSource, model: &str) -> Self {
-        let index = source
-            .pages()
-            .iter()
-            .map(|p| (p.name.as_str(), p.id))
-            .collect();
+        let mut index: HashMap<&str, Vec<PageId>> = HashMap::new();
+        for p in source.pages() {
+            index.entry(p.name.as_str()).or_default().push(p.id);
+        }
+        let pages = source.pages();
+        for ids in index.values_mut() {
+            ids.sort_by_key(|id| pages[id.0 as usize].rows.map(|r| r.start));
+        }
         WeightFinder {
             source,
             model: model.to_string(),
@@ -71,12 +75,30 @@ impl<'a> WeightFinder<'a> {
         Ok(seen.len())
     }
 
+    /// The one page of tensor `name`, checked against `dims`; a tensor stored in row
+    /// parts is an error here (only tables are read part by part).
     fn find(&self, name: &str, dims: &[Dim]) -> Result<(PageId, DType), VoomError> {
-        let id = *self
+        let ids = self
             .index
             .get(name)
             .ok_or_else(|| self.err(name, "missing from the checkpoint".into()))?;
-        let meta = &self.source.pages()[id.0 as usize];
+        let meta = &self.source.pages()[ids[0].0 as usize];
+        if ids.len() > 1 || meta.rows.is_some() {
+            return Err(self.err(
+                name,
+                format!(
+                    "stored in {} row parts, but this architecture reads it whole \
+                     (rebuild the manifest: vpagectl hash)",
+                    ids.len()
+                ),
+            ));
+        }
+        self.check(name, meta, dims)?;
+        Ok((meta.id, meta.dtype))
+    }
+
+    /// Checks a page's dtype and shape against `dims` (config.json's).
+    fn check(&self, name: &str, meta: &vpaged::PageMeta, dims: &[Dim]) -> Result<(), VoomError> {
         if !meta.dtype.is_compute_float() {
             return Err(self.err(
                 name,
@@ -106,7 +128,7 @@ impl<'a> WeightFinder<'a> {
                 format!("shape {:?}, expected {expected:?}: {why}", meta.shape),
             ));
         }
-        Ok((id, meta.dtype))
+        Ok(())
     }
 
     /// A `[rows, cols]` matrix.
@@ -114,6 +136,71 @@ impl<'a> WeightFinder<'a> {
         let (page, dtype) = self.find(name, &[rows.clone(), cols.clone()])?;
         Ok(Matrix {
             page,
+            dtype,
+            rows: rows.len,
+            cols: cols.len,
+        })
+    }
+
+    /// A `[rows, cols]` table read by rows (an embedding, an output head): its one
+    /// page, or the row parts it is stored in, which must tile it.
+    pub fn table(&self, name: &str, rows: &Dim, cols: &Dim) -> Result<Table, VoomError> {
+        let ids = self
+            .index
+            .get(name)
+            .ok_or_else(|| self.err(name, "missing from the checkpoint".into()))?;
+        let pages = self.source.pages();
+        if ids.len() == 1 && pages[ids[0].0 as usize].rows.is_none() {
+            let m = self.matrix(name, rows, cols)?;
+            return Ok(Table {
+                parts: vec![TablePart {
+                    page: m.page,
+                    first: 0,
+                    rows: m.rows,
+                }],
+                dtype: m.dtype,
+                rows: m.rows,
+                cols: m.cols,
+            });
+        }
+        let mut parts = Vec::with_capacity(ids.len());
+        let mut next = 0usize;
+        let dtype = pages[ids[0].0 as usize].dtype;
+        for &id in ids {
+            let meta = &pages[id.0 as usize];
+            let label = meta.label();
+            let Some(r) = meta.rows else {
+                return Err(self.err(name, format!("page '{label}' is whole beside row parts")));
+            };
+            if r.start != next as u64 || meta.dtype != dtype {
+                return Err(self.err(
+                    name,
+                    format!("page '{label}' does not follow the part before it"),
+                ));
+            }
+            let count = Dim {
+                len: r.count as usize,
+                key: format!("rows {}..{} of {}", r.start, r.end(), rows.key),
+            };
+            self.check(name, meta, &[count, cols.clone()])?;
+            parts.push(TablePart {
+                page: id,
+                first: next,
+                rows: r.count as usize,
+            });
+            next += r.count as usize;
+        }
+        if next != rows.len {
+            return Err(self.err(
+                name,
+                format!(
+                    "its row parts hold {next} rows, but config.json's {} is {}",
+                    rows.key, rows.len
+                ),
+            ));
+        }
+        Ok(Table {
+            parts,
             dtype,
             rows: rows.len,
             cols: cols.len,
@@ -166,6 +253,77 @@ pub struct Matrix {
     pub cols: usize,
 }
 
+/// A table read by rows, as the pages it is stored in (one, or its row parts).
+#[derive(Debug, Clone)]
+pub struct Table {
+    pub parts: Vec<TablePart>,
+    pub dtype: DType,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// One page of a [`Table`]: rows `first..first + rows`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TablePart {
+    pub page: PageId,
+    pub first: usize,
+    pub rows: usize,
+}
+
+impl Table {
+    /// The part holding row `r`, if any.
+    pub fn part_of(&self, r: usize) -> Option<&TablePart> {
+        let i = self.parts.partition_point(|p| p.first + p.rows <= r);
+        self.parts.get(i).filter(|p| p.first <= r)
+    }
+
+    /// The pages holding rows `ids` (each once, in row order); ids past the table
+    /// hold none (the gather reports them).
+    pub fn pages_for(&self, ids: &[u32]) -> Vec<PageId> {
+        let mut out: Vec<PageId> = ids
+            .iter()
+            .filter_map(|&id| self.part_of(id as usize))
+            .map(|p| p.page)
+            .collect();
+        out.sort_unstable();
+        out.dedup();
+        out
+    }
+
+    /// `ids` (pages of the table, in order) in consecutive batches of at most
+    /// `bound` bytes as the cache holds them (slots), at least one page each; one
+    /// batch at least.
+    pub fn batches(&self, ids: &[PageId], bound: u64) -> Vec<Vec<PageId>> {
+        let mut out: Vec<Vec<PageId>> = Vec::new();
+        let mut held = 0;
+        for &id in ids {
+            let p = self
+                .parts
+                .iter()
+                .find(|p| p.page == id)
+                .expect("a page of the table");
+            let n = super::plan::slot_bytes((p.rows * self.cols * self.dtype.size()) as u64);
+            match out.last_mut() {
+                Some(last) if held + n <= bound => last.push(id),
+                _ => {
+                    out.push(vec![id]);
+                    held = 0;
+                }
+            }
+            held += n;
+        }
+        if out.is_empty() {
+            out.push(Vec::new());
+        }
+        out
+    }
+
+    /// Every page of the table, in row order.
+    pub fn pages(&self) -> Vec<PageId> {
+        self.parts.iter().map(|p| p.page).collect()
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
 pub struct Vector {
     pub page: PageId,
@@ -196,6 +354,30 @@ impl Leased {
             .get(&id)
             .expect("page acquired for this step")
             .bytes()
+    }
+
+    /// The parts of `t` this lease holds (a table leased part by part holds some).
+    pub fn table(&self, t: &Table) -> TableView<'_> {
+        TableView {
+            rows: t.rows,
+            cols: t.cols,
+            parts: t
+                .parts
+                .iter()
+                .filter_map(|p| {
+                    let lease = self.leases.get(&p.page)?;
+                    Some((
+                        p.first,
+                        WeightView {
+                            dtype: t.dtype,
+                            rows: p.rows,
+                            cols: t.cols,
+                            bytes: lease.bytes(),
+                        },
+                    ))
+                })
+                .collect(),
+        }
     }
 
     pub fn matrix(&self, m: &Matrix) -> WeightView<'_> {

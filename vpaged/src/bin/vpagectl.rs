@@ -510,6 +510,8 @@ fn pages(socket: Option<&Path>, dir: &Path, json: bool) -> Result<ExitCode> {
             serde_json::json!({
                 "id": p.id,
                 "name": p.name,
+                "rows": p.rows.map(|r| [r.start, r.end()]),
+                "label": p.label(),
                 "bytes": p.decoded_len(),
                 "file": p.file,
                 "offset": p.offset,
@@ -543,7 +545,7 @@ fn pages(socket: Option<&Path>, dir: &Path, json: bool) -> Result<ExitCode> {
                     "no"
                 },
                 if r["vpack"].is_null() { "no" } else { "yes" },
-                r["name"].as_str().unwrap_or("")
+                r["label"].as_str().unwrap_or("")
             )?;
         }
     }

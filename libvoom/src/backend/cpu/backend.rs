@@ -10,7 +10,7 @@ use super::rows::Rows;
 use super::threads::ThreadPool;
 use crate::backend::kv::KvCache;
 use crate::backend::{
-    Activation, AttentionShape, Backend, KernelError, RopeTable, VecView, WeightView,
+    Activation, AttentionShape, Backend, KernelError, RopeTable, TableView, VecView, WeightView,
 };
 
 /// The CPU backend: a thread pool and the instruction set its kernels use.
@@ -124,7 +124,7 @@ impl Backend for CpuBackend {
         Ok(Rows::from_vec(range.len(), c, data).expect("length is rows × cols"))
     }
 
-    fn embed(&self, table: WeightView<'_>, ids: &[u32], out: &mut Rows) -> Result<(), KernelError> {
+    fn embed(&self, table: &TableView<'_>, ids: &[u32], out: &mut Rows) -> Result<(), KernelError> {
         table.check()?;
         check_shape("embedding output", out, ids.len(), table.cols)?;
         let c = table.cols;
@@ -135,7 +135,9 @@ impl Backend for CpuBackend {
                     rows: table.rows,
                 });
             }
-            let row = table.row(id as usize);
+            let Some(row) = table.row(id as usize) else {
+                continue;
+            };
             for (j, v) in out.as_mut_slice()[t * c..(t + 1) * c]
                 .iter_mut()
                 .enumerate()
