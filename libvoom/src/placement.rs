@@ -273,6 +273,7 @@ mod tests {
                 page: PageId(next),
                 bytes,
                 per_token,
+                per_token_whole: bytes,
             }
         };
         let e = page(embed, row.min(embed));

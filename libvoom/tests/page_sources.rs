@@ -179,10 +179,15 @@ fn a_table_in_row_parts_gives_the_bits_of_the_whole_table() {
             &Engine::open(&dir, EngineOptions::default()).unwrap(),
             &prompt,
         );
-        let vocab = Engine::open(&dir, EngineOptions::default())
-            .unwrap()
-            .config()
-            .vocab_size;
+        let whole = Engine::open(&dir, EngineOptions::default()).unwrap();
+        let (vocab, hidden) = (whole.config().vocab_size, whole.config().hidden_size);
+        let row = 2 * hidden as u64; // BF16
+                                     // A token reads a row of the mapping, and all of a table stored whole from a
+                                     // source that loads pages whole.
+        let plan = whole.model().plan();
+        assert_eq!(plan.head.per_token(), row, "{case}");
+        assert_eq!(plan.whole_pages().head.per_token(), row * vocab as u64);
+        drop(whole);
         let per = 32;
         assert_eq!(
             split_embedding(&dir, per as u64),
@@ -190,6 +195,14 @@ fn a_table_in_row_parts_gives_the_bits_of_the_whole_table() {
             "{case}"
         );
         let mapped = Engine::open(&dir, EngineOptions::default()).unwrap();
+        // In parts: about a row, and about one part (the shares round up).
+        let parts = vocab.div_ceil(per) as u64;
+        let plan = mapped.model().plan();
+        let head = plan.head.per_token();
+        assert!((row..row + parts).contains(&head), "{case}: {head}");
+        let head = plan.whole_pages().head.per_token();
+        let part = row * per as u64;
+        assert!((part..part + parts).contains(&head), "{case}: {head}");
         assert_eq!(
             run(&mapped, &prompt),
             reference,

@@ -13,7 +13,7 @@ use vpaged::{PageId, PageSource};
 use crate::backend::{Activation, AttentionShape, Backend, RopeTable};
 use crate::config::ModelConfig;
 use crate::kv::KvCache;
-use crate::model::plan::{self, PagePlan, Stage};
+use crate::model::plan::{self, PagePlan, PerToken, Stage};
 use crate::model::rope;
 use crate::model::sweep::{LayerLease, Sweep};
 use crate::model::weights::{Dim, Leased, Matrix, Table, Vector, WeightFinder};
@@ -211,14 +211,16 @@ impl<B: Backend> Llama<B> {
         // table stored whole). Spread over the parts: each is read by a share of tokens.
         let n = embed.parts.len() as u64;
         let row = (embed.cols * embed.dtype.size()) as u64;
-        let partial = source.partial_reads();
-        let head: Vec<(PageId, Option<u64>)> = embed
+        let head: Vec<(PageId, Option<PerToken>)> = embed
             .parts
             .iter()
             .map(|p| {
                 let bytes = (p.rows * embed.cols * embed.dtype.size()) as u64;
-                let read = if partial { row } else { bytes };
-                (p.page, Some(read.div_ceil(n)))
+                let per = PerToken {
+                    partial: row.div_ceil(n),
+                    whole: bytes.div_ceil(n),
+                };
+                (p.page, Some(per))
             })
             .collect();
         // Steps: the table's parts are leased in batches of at least one; the final

@@ -20,9 +20,23 @@ pub struct PlannedRead {
     pub page: PageId,
     /// Bytes of the page (as leased).
     pub bytes: u64,
-    /// Bytes of it one decode token reads: the whole page for a layer's matrices and
-    /// the LM head, one row for an embedding table.
+    /// Bytes of it one decode token reads from the source the model was opened on:
+    /// the whole page for a layer's matrices and the LM head; for an embedding table,
+    /// where the source reads only what is touched, one row (spread over the table's
+    /// parts), else the part holding it.
     pub per_token: u64,
+    /// What `per_token` is from a source that loads pages whole (a page cache).
+    pub per_token_whole: u64,
+}
+
+/// What one decode token reads of a page that it does not read whole (an embedding
+/// table's part), from either kind of source.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PerToken {
+    /// From a source that reads only what is touched (memory-mapped files).
+    pub partial: u64,
+    /// From a source that loads pages whole (a page cache).
+    pub whole: u64,
 }
 
 /// The pages of one stage (the embedding, a decoder layer, the head), in steps: the
@@ -38,20 +52,24 @@ pub struct Stage {
 }
 
 impl Stage {
-    /// A stage whose steps read `steps`, in order: each page with the bytes of it one
-    /// decode token reads (`None`: the whole page), its size from `source`. A page
-    /// listed twice is one read.
-    pub fn new(source: &dyn PageSource, steps: &[Vec<(PageId, Option<u64>)>]) -> Self {
+    /// A stage whose steps read `steps`, in order: each page with what one decode
+    /// token reads of it (`None`: the whole page), its size from `source`, its
+    /// `per_token` for the kind of source `source` is. A page listed twice is one
+    /// read.
+    pub fn new(source: &dyn PageSource, steps: &[Vec<(PageId, Option<PerToken>)>]) -> Self {
         let pages = source.pages();
+        let partial = source.partial_reads();
         let reads = steps
             .iter()
             .flatten()
-            .map(|&(page, per_token)| {
+            .map(|&(page, per)| {
                 let bytes = pages[page.0 as usize].len;
+                let (part, whole) = per.map_or((bytes, bytes), |p| (p.partial, p.whole));
                 PlannedRead {
                     page,
                     bytes,
-                    per_token: per_token.unwrap_or(bytes).min(bytes),
+                    per_token: if partial { part } else { whole }.min(bytes),
+                    per_token_whole: whole.min(bytes),
                 }
             })
             .collect();
@@ -60,6 +78,15 @@ impl Stage {
             .map(|s| s.iter().map(|&(p, _)| p).collect())
             .collect();
         Self::from_reads(reads, steps)
+    }
+
+    /// This stage as a source that loads pages whole reads it.
+    pub fn whole_pages(&self) -> Stage {
+        let mut s = self.clone();
+        for r in &mut s.reads {
+            r.per_token = r.per_token_whole;
+        }
+        s
     }
 
     /// A stage of these reads in these steps (a page read twice is one read: the
@@ -149,6 +176,16 @@ impl PagePlan {
     /// tied embeddings, counts for each).
     pub fn weight_bytes_per_token(&self) -> u64 {
         self.stages().map(Stage::per_token).sum()
+    }
+
+    /// The plan as a source that loads pages whole (a page cache) reads it: what a
+    /// memory planner sizes a cache by, whatever source the model was opened on.
+    pub fn whole_pages(&self) -> PagePlan {
+        PagePlan {
+            head: self.head.whole_pages(),
+            layers: self.layers.iter().map(Stage::whole_pages).collect(),
+            tail: self.tail.whole_pages(),
+        }
     }
 
     /// Every stage in sweep order.

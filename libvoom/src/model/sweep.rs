@@ -266,6 +266,7 @@ mod tests {
                 page: PageId(id),
                 bytes: 100,
                 per_token: 100,
+                per_token_whole: 100,
             }],
             vec![vec![PageId(id)]],
         )

@@ -501,7 +501,8 @@ fn plan_store(
         manifest.as_ref(),
         crate::memory::resident_bytes(),
     );
-    let choice = budget::choose(probe.model().plan(), &needs, b.bytes);
+    // Planned as a page cache would read it (whole pages), should it stream.
+    let choice = budget::choose(&probe.model().plan().whole_pages(), &needs, b.bytes);
     let mapped = |probe: Engine| Planned::Mapped(reuse.then(|| Box::new(probe)));
     let store = match choice {
         Ok(store) => store,

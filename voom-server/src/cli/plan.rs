@@ -97,7 +97,15 @@ pub fn run(a: PlanArgs) -> Result<()> {
             (m.bytes, m.source)
         }
     };
-    let p = placement::place(model.plan(), &needs, budget)?;
+    // A model that streams runs through a page cache, which loads pages whole (an
+    // embedding table a part at a time): planned as that reads it.
+    let whole = model.plan().whole_pages();
+    let p = placement::place(&whole, &needs, budget)?;
+    let plan = if p.streamed_per_token == 0 {
+        model.plan().clone()
+    } else {
+        whole
+    };
 
     let measured = if a.no_measure {
         None
@@ -105,11 +113,11 @@ pub fn run(a: PlanArgs) -> Result<()> {
         Some(measure(
             &dir,
             a.measure_bytes,
-            model.plan().weight_bytes_per_token(),
+            plan.weight_bytes_per_token(),
             engine.threads(),
         )?)
     };
-    let stages = stage_summary(model.plan().stages(), &p);
+    let stages = stage_summary(plan.stages(), &p);
     if a.json {
         let m = measured.as_ref();
         let storage = m.map(|m| m.best_storage());
@@ -132,7 +140,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
                 "pinned_bytes": p.pinned_bytes,
                 "window_bytes": p.window_bytes,
                 "total_bytes": p.total(),
-                "weight_bytes_per_token": model.plan().weight_bytes_per_token(),
+                "weight_bytes_per_token": plan.weight_bytes_per_token(),
                 "streamed_bytes_per_token": p.streamed_per_token,
                 "pinned_bytes_per_token": p.pinned_per_token,
                 "stages": stages,
@@ -144,7 +152,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
                     "chosen": storage.map(|s| s.mode.name()),
                 })),
                 "memory_bytes_per_sec": m.map(|m| m.memory),
-                "predicted": m.map(|m| predict(&p, m, model.plan().weight_bytes_per_token())),
+                "predicted": m.map(|m| predict(&p, m, plan.weight_bytes_per_token())),
             })
         )?;
         return Ok(());
@@ -185,7 +193,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
     }
     vpaged::outln!(
         "  per token: {} of weights, {} from storage, {} from pinned memory",
-        human(model.plan().weight_bytes_per_token()),
+        human(plan.weight_bytes_per_token()),
         human(p.streamed_per_token),
         human(p.pinned_per_token)
     )?;
@@ -201,7 +209,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
             human(m.buffered.bytes),
             m.memory / 1e9
         )?;
-        let pr = predict(&p, m, model.plan().weight_bytes_per_token());
+        let pr = predict(&p, m, plan.weight_bytes_per_token());
         vpaged::outln!(
             "  predicted decode: at most {:.2} tok/s (storage bound {}, memory bound {:.2})",
             pr["tokens_per_sec"].as_f64().unwrap_or(0.0),
