@@ -255,12 +255,7 @@ impl Manifest {
                 None => planned.push((name, loc, None)),
                 Some(per) => {
                     let rows = loc.info.shape[0] as u64;
-                    let mut start = 0;
-                    while start < rows {
-                        let count = per.min(rows - start);
-                        planned.push((name, loc, Some(Rows { start, count })));
-                        start += count;
-                    }
+                    planned.extend(row_parts(rows, per).map(|r| (name, loc, Some(r))));
                 }
             }
         }
@@ -321,15 +316,10 @@ impl Manifest {
         let loc = ckpt.get(name).ok_or_else(missing)?;
         let rows = *loc.info.shape.first().ok_or_else(missing)? as u64;
         let whole = self.pages.remove(i);
-        let mut start = 0;
-        let mut at = i;
-        while start < rows {
-            let count = rows_per_part.max(1).min(rows - start);
-            let r = Rows { start, count };
-            let part = narrow(loc, Some(r));
-            let bytes = ckpt.files[part.file].tensor_bytes(&part.info);
-            self.pages.insert(
-                at,
+        let parts: Vec<PageEntry> = row_parts(rows, rows_per_part)
+            .map(|r| {
+                let part = narrow(loc, Some(r));
+                let bytes = ckpt.files[part.file].tensor_bytes(&part.info);
                 PageEntry {
                     shape: part.info.shape.clone(),
                     offset: part.info.offset,
@@ -338,12 +328,11 @@ impl Manifest {
                     encoded: Vec::new(),
                     rows: Some(r),
                     ..whole.clone()
-                },
-            );
-            start += count;
-            at += 1;
-        }
+                }
+            })
+            .collect();
         ckpt.files[loc.file].check_faults()?;
+        self.pages.splice(i..i, parts);
         for (k, p) in self.pages.iter_mut().enumerate() {
             p.id = u32::try_from(k).expect("fewer than 2^32 pages");
         }
@@ -511,7 +500,6 @@ impl Manifest {
         })
     }
 
-    /// The page called `name`.
     /// The page called `name`: the tensor's first part where it is split
     /// ([`Manifest::parts`] gives them all).
     pub fn page(&self, name: &str) -> Option<&PageEntry> {
@@ -521,17 +509,7 @@ impl Manifest {
     /// The pages of tensor `name` in row order: one for a whole tensor, its parts for
     /// a split one, none for a name the manifest lacks.
     pub fn parts(&self, name: &str) -> Vec<&PageEntry> {
-        // Built manifests are sorted by name; fall back to a scan for any other order.
-        let sorted = self.pages.windows(2).all(|w| w[0].name <= w[1].name);
-        let mut out: Vec<&PageEntry> = if sorted {
-            let from = self.pages.partition_point(|p| p.name.as_str() < name);
-            self.pages[from..]
-                .iter()
-                .take_while(|p| p.name == name)
-                .collect()
-        } else {
-            self.pages.iter().filter(|p| p.name == name).collect()
-        };
+        let mut out: Vec<&PageEntry> = self.pages.iter().filter(|p| p.name == name).collect();
         out.sort_by_key(|p| p.rows.map(|r| r.start));
         out
     }
@@ -802,6 +780,19 @@ fn check_parts(pages: &[PageEntry]) -> std::result::Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// Rows `0..rows` in consecutive parts of `per` rows (at least one), the last one
+/// shorter where they do not divide.
+fn row_parts(rows: u64, per: u64) -> impl Iterator<Item = Rows> {
+    let per = per.max(1);
+    (0..rows.div_ceil(per)).map(move |k| {
+        let start = k * per;
+        Rows {
+            start,
+            count: per.min(rows - start),
+        }
+    })
 }
 
 /// `loc` narrowed to `rows` of its first dimension (all of it for `None`).

@@ -180,22 +180,7 @@ pub fn fast_tier_order(plan: &PagePlan, placement: &Placement) -> Vec<PageId> {
 /// Places `plan`'s pages under `budget` bytes, with `needs` set aside first.
 pub fn place(plan: &PagePlan, needs: &Needs, budget: u64) -> Result<Placement, PlacementError> {
     let pages = weigh(plan);
-    let min_window = plan
-        .stages()
-        .map(|s| {
-            s.steps()
-                .iter()
-                .map(|step| {
-                    let mut ids = step.clone();
-                    ids.sort_unstable();
-                    ids.dedup();
-                    ids.iter().map(|id| pages[id].slot).sum::<u64>()
-                })
-                .max()
-                .unwrap_or(0)
-        })
-        .max()
-        .unwrap_or(0);
+    let min_window = plan.largest_step_slot_bytes();
     let refuse = || PlacementError::BelowMinimum {
         budget,
         minimum: min_window + needs.total(),

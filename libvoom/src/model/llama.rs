@@ -10,7 +10,7 @@ use std::path::Path;
 
 use vpaged::{PageId, PageSource};
 
-use crate::backend::{Activation, AttentionShape, Backend, RopeTable};
+use crate::backend::{Activation, AttentionShape, Backend, KernelError, RopeTable};
 use crate::config::ModelConfig;
 use crate::kv::KvCache;
 use crate::model::plan::{self, PagePlan, PerToken, Stage};
@@ -462,15 +462,10 @@ impl<B: Backend> Llama<B> {
     ) -> Result<(), VoomError> {
         let b = &self.backend;
         let t = &self.embed;
-        let needed = t.pages_for(tokens);
-        if needed.is_empty() {
-            // Every id is past the table: the gather reports it.
-            let w = sweep.lease(&[t.parts[0].page])?;
-            for (x, r) in xs.iter_mut().zip(ranges) {
-                b.embed(&w.table(t), &tokens[r.clone()], x)?;
-            }
-            return Ok(());
+        if let Some(&id) = tokens.iter().find(|&&id| id as usize >= t.rows) {
+            return Err(KernelError::RowOutOfRange { id, rows: t.rows }.into());
         }
+        let needed = t.pages_for(tokens);
         // Each part as the cache holds it (a slot), so that many small parts
         // cannot add up to more room than the bound.
         let batches = t.batches(&needed, sweep.lease_bound());
