@@ -123,6 +123,8 @@ pub struct PageTraffic {
     /// Pages loaded on a hint, and hints dropped for want of room.
     pub prefetch_loads: u64,
     pub prefetch_skipped: u64,
+    /// Prefetched pages evicted before their request (each read twice).
+    pub unused_evictions: u64,
     /// Bytes read from each tier: the fast tier, the model's local directory, a NAS.
     pub fast_tier_bytes: u64,
     pub primary_bytes: u64,
@@ -582,6 +584,7 @@ impl Engine {
                 inflight_waits: b.inflight_waits.saturating_sub(a.inflight_waits),
                 prefetch_loads: b.prefetch_loads.saturating_sub(a.prefetch_loads),
                 prefetch_skipped: b.prefetch_skipped.saturating_sub(a.prefetch_skipped),
+                unused_evictions: b.unused_evictions.saturating_sub(a.unused_evictions),
                 fast_tier_bytes: b.fast_tier_bytes.saturating_sub(a.fast_tier_bytes),
                 primary_bytes: b.primary_bytes.saturating_sub(a.primary_bytes),
                 nas_bytes: b.nas_bytes.saturating_sub(a.nas_bytes),

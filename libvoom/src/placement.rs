@@ -7,7 +7,10 @@
 //!
 //! 1. If every page fits, every page is pinned: nothing streams.
 //! 2. Otherwise the window gets room for two of the largest layers (the layer
-//!    computing and the next one being read), or all there is when that is less,
+//!    computing and the next one being read) and one more of the largest page a
+//!    layer has (the page cache places each page in one run of slots, and room for
+//!    exactly two layers fragments: see `vpaged::store::streaming_window_bytes`,
+//!    which the store keeps out of planner pins), or all there is when that is less,
 //!    but never less than the largest step a pass leases at once (one matrix and
 //!    the vectors beside it, or a head stage): below that the model cannot run, and
 //!    the budget is refused with [`PlacementError::BelowMinimum`] saying how much it
@@ -214,7 +217,15 @@ pub fn place(plan: &PagePlan, needs: &Needs, budget: u64) -> Result<Placement, P
         .map(|s| s.ids().iter().map(|id| pages[id].slot).sum::<u64>())
         .max()
         .unwrap_or(0);
-    let window = (2 * largest_layer).max(min_window).min(avail);
+    let largest_page = plan
+        .layers
+        .iter()
+        .flat_map(|s| s.ids().iter().map(|id| pages[id].slot))
+        .max()
+        .unwrap_or(0);
+    let window = (2 * largest_layer + largest_page)
+        .max(min_window)
+        .min(avail);
     let mut room = avail - window;
     let mut order: Vec<Weighed> = pages.values().copied().collect();
     by_value(&mut order, |w| w.slot);
@@ -302,6 +313,18 @@ mod tests {
         assert!(p.pinned.is_empty());
         assert_eq!(p.streamed_per_token, plan.weight_bytes_per_token());
         assert!(place(&plan, &needs, 5 * MIB).is_err());
+    }
+
+    /// The window holds two of the largest layers and one more of the largest page a
+    /// layer has (room for exactly two layers fragments: see
+    /// `vpaged::store::streaming_window_bytes`); the rest pins.
+    #[test]
+    fn the_window_is_two_layers_and_the_largest_page() {
+        let plan = plan_of(MIB, 4096, &vec![vec![2 * MIB, 6 * MIB, MIB]; 10], 4 * MIB);
+        let p = place(&plan, &Needs::default(), 60 * MIB).unwrap();
+        assert_eq!(p.window_bytes, 2 * 9 * MIB + 6 * MIB);
+        assert!(p.pinned_bytes <= 60 * MIB - p.window_bytes);
+        assert!(p.pinned_bytes > 60 * MIB - p.window_bytes - 6 * MIB);
     }
 
     #[test]

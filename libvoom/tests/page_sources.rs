@@ -339,20 +339,20 @@ fn two_engines_through_the_daemon_give_the_embedded_bits() {
         &Engine::open(&dir, EngineOptions::default()).unwrap(),
         &prompt,
     );
-    // Below two layers (the engines stream step by step); and room for two layers
-    // and part of the rest, which the engines' planners pin through the daemon
-    // (`Pin`) while the other pages stream.
+    // Below two layers (the engines stream step by step); and room for the
+    // streaming window (two layers and a page) and part of the rest, which the
+    // engines' planners pin through the daemon (`Pin`) while the other pages stream.
     let layer = largest_layer_bytes(&dir);
-    let model_bytes: usize = voom_formats::Manifest::load(&dir)
-        .unwrap()
-        .unwrap()
+    let manifest = voom_formats::Manifest::load(&dir).unwrap().unwrap();
+    let model_bytes: usize = manifest
         .pages
         .iter()
         .map(|p| (p.len as usize).next_multiple_of(16 << 10))
         .sum();
+    let window = vpaged::store::streaming_window_bytes(&manifest);
     for (i, cache_bytes) in [
         (layer * 3 / 2).next_multiple_of(16 << 10) + (512 << 10),
-        (2 * layer + model_bytes / 2).next_multiple_of(16 << 10),
+        (window + model_bytes / 2).next_multiple_of(16 << 10),
     ]
     .into_iter()
     .enumerate()

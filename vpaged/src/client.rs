@@ -666,6 +666,7 @@ impl PageSource for DaemonSource {
             inflight_waits: n("inflight_dedups"),
             prefetch_loads: n("prefetch_loads"),
             prefetch_skipped: n("prefetch_skipped"),
+            unused_evictions: n("unused_evictions"),
             fast_tier_bytes: v["fast_tier"]["stats"]["bytes"].as_u64().unwrap_or(0),
             primary_bytes: if local { tier("primary") } else { 0 },
             nas_bytes: tier("nas"),

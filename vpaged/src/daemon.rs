@@ -544,6 +544,7 @@ impl Daemon {
                 "evictions": c.evictions, "bytes_loaded": c.bytes_loaded,
                 "loads": c.loads, "prefetch_loads": c.prefetch_loads,
                 "prefetch_skipped": c.prefetch_skipped,
+                "unused_evictions": c.unused_evictions,
                 "load_failures": c.load_failures, "full_refusals": c.full_refusals,
                 "hit_ratio": if c.hits + c.misses == 0 { 0.0 } else { c.hits as f64 / (c.hits + c.misses) as f64 },
             },

@@ -62,6 +62,9 @@ pub struct SourceCacheStats {
     pub prefetch_loads: u64,
     /// Hints dropped because making room would have cost more valuable pages.
     pub prefetch_skipped: u64,
+    /// Pages loaded on a hint and evicted before any request: reads wasted (each is
+    /// read again when its request comes).
+    pub unused_evictions: u64,
     /// Bytes read from each tier so far: the fast tier (all models'), the model's
     /// own local directory, and its NAS (where it lives, or a copy of it).
     pub fast_tier_bytes: u64,

@@ -672,6 +672,7 @@ pub fn result_json(
             "inflight_waits": p.inflight_waits,
             "prefetch_loads": p.prefetch_loads,
             "prefetch_skipped": p.prefetch_skipped,
+            "unused_evictions": p.unused_evictions,
             // Bytes read from each tier in this generation.
             "bytes_read": {
                 "fast_tier": p.fast_tier_bytes,

@@ -252,6 +252,11 @@ async fn metrics_text(State(app): State<Arc<App>>) -> Response {
                 "Prefetch hints dropped for want of room.",
             ),
             (
+                "voom_page_cache_unused_evictions".to_string(),
+                c.unused_evictions as f64,
+                "Prefetched pages evicted before their request (each one read twice).",
+            ),
+            (
                 "voom_tier_fast_read_bytes".to_string(),
                 c.fast_tier_bytes as f64,
                 "Bytes read from the fast tier.",

@@ -242,6 +242,11 @@ impl Policy {
         }
     }
 
+    /// Whether `key` was loaded by a prefetch and not requested since.
+    pub fn is_awaiting(&self, key: PageKey) -> bool {
+        self.entries.get(&key).is_some_and(|m| m.awaiting)
+    }
+
     pub fn region(&self, key: PageKey) -> Option<Region> {
         self.entries.get(&key).map(|m| m.region)
     }

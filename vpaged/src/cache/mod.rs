@@ -116,6 +116,9 @@ pub struct CacheStats {
     /// Demand requests refused with [`CacheError::Full`].
     pub full_refusals: u64,
     pub evictions: u64,
+    /// Pages loaded by a prefetch and evicted before any request: each such read was
+    /// wasted, and is read again when its request comes.
+    pub unused_evictions: u64,
     /// Page bytes written by successful loads (demand and prefetch).
     pub bytes_loaded: u64,
     pub loads: u64,
@@ -554,6 +557,9 @@ impl Inner {
     fn evict(st: &mut State, key: PageKey) {
         match st.pages.remove(&key) {
             Some(Entry::Ready { slot, refs: 0, .. }) => {
+                if st.policy.is_awaiting(key) {
+                    st.stats.unused_evictions += 1;
+                }
                 st.policy.remove(key);
                 st.slots.free(slot.unit, slot.units);
                 st.stats.evictions += 1;
