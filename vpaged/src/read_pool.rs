@@ -14,6 +14,14 @@
 //! it is issued from a thread marked with [`mark_hint_thread`] (the store's prefetch
 //! loaders).
 //!
+//! Pages that lie next to each other in a file are read as one run
+//! ([`ReadPool::submit_run`]): the run is cut into pieces on piece boundaries of the
+//! file, whatever the pages' own boundaries, and a piece that holds the end of one
+//! page and the start of the next is one read whose bytes are copied to both. Each
+//! page still completes on its own, when the last piece holding any of it lands. So a
+//! layer streams in requests of a whole piece, not one short request at the end of
+//! each page (measured before: 1.7 MiB per request for 2 MiB pieces).
+//!
 //! The order pieces land in never matters: the caller sees the extent only once all of
 //! it is there, and a failed piece fails the whole read (the first error is returned,
 //! after every piece still in flight has finished, so nothing writes into the
@@ -67,16 +75,25 @@ struct Queues {
     closed: bool,
 }
 
-/// One piece of a read: `len` bytes of `file` at `offset`, into `dst`.
+/// One piece of a run: `len` bytes of `file` at `offset`, its ranges each going to
+/// one read's buffer.
 struct Piece {
     file: Arc<DirectFile>,
     offset: u64,
-    dst: Dst,
     len: usize,
+    targets: Vec<Target>,
+}
+
+/// A range of a piece (`at..at + len` of it) and where it goes: `dst`, in the buffer of
+/// the read `read`.
+struct Target {
+    at: usize,
+    len: usize,
+    dst: Dst,
     read: Arc<Group>,
 }
 
-/// The destination of a piece: a range of the reader's buffer.
+/// Where a range of a piece goes: a range of its reader's buffer.
 struct Dst(*mut u8);
 
 // SAFETY: a `Dst` points into the buffer of a read whose issuer keeps it valid and
@@ -86,10 +103,10 @@ struct Dst(*mut u8);
 unsafe impl Send for Dst {}
 
 /// What runs when a read's last piece has finished, with the read's result.
-type Then = Box<dyn FnOnce(io::Result<()>) + Send>;
+pub type Then = Box<dyn FnOnce(io::Result<()>) + Send>;
 
-/// The pieces of one read: how many are left, the first error, and what runs once
-/// none is left.
+/// One read (a page of a run): how many of the pieces holding its bytes are left, the
+/// first error, and what runs once none is left.
 struct Group {
     state: Mutex<GroupState>,
 }
@@ -218,37 +235,125 @@ impl ReadPool {
         demand: bool,
         then: impl FnOnce(io::Result<()>) + Send + 'static,
     ) {
-        let pieces = split(offset, len, self.piece);
-        if self.threads == 0 || pieces.is_empty() {
-            // SAFETY: the caller's contract: `dst` is valid and exclusive for `len`.
-            let buf = unsafe { std::slice::from_raw_parts_mut(dst, len) };
-            run_then(Box::new(then), read_piece(file, offset, buf, self.piece));
+        // SAFETY: the caller's contract, passed on.
+        unsafe {
+            self.submit_run(
+                file,
+                offset,
+                vec![RunPart {
+                    dst,
+                    len,
+                    then: Box::new(then),
+                }],
+                demand,
+            )
+        };
+    }
+
+    /// Queues reads of pages that lie one after another in `file` from `offset`
+    /// (`parts[0]` there, each next one where the one before ends), as one run cut on
+    /// the pool's piece boundaries (see the module docs), and returns at once. Each
+    /// part's `then` runs with its own result on the thread that finished the last
+    /// piece holding any of its bytes; a failed piece fails every part it holds.
+    ///
+    /// # Safety
+    /// Each part's `dst..dst + len` must be valid for writes, and neither read nor
+    /// written by anything else, until its `then` starts.
+    pub unsafe fn submit_run(
+        &self,
+        file: &Arc<DirectFile>,
+        offset: u64,
+        parts: Vec<RunPart>,
+        demand: bool,
+    ) {
+        let total: usize = parts.iter().map(|p| p.len).sum();
+        if self.threads == 0 || total == 0 {
+            let mut at = offset;
+            for p in parts {
+                // SAFETY: the caller's contract: `dst` is valid and exclusive for `len`.
+                let buf = unsafe { std::slice::from_raw_parts_mut(p.dst, p.len) };
+                run_then(p.then, read_piece(file, at, buf, self.piece));
+                at += p.len as u64;
+            }
             return;
         }
-        let group = Arc::new(Group {
-            state: Mutex::new(GroupState {
-                left: pieces.len(),
-                error: None,
-                then: Some(Box::new(then)),
-            }),
-        });
+        let pieces = split(offset, total, self.piece);
+        // Each part's extent within the run, and how many pieces hold some of it.
+        let mut starts = Vec::with_capacity(parts.len());
+        let mut at = 0usize;
+        for p in &parts {
+            starts.push(at);
+            at += p.len;
+        }
+        let count = |s: usize, n: usize| {
+            pieces
+                .iter()
+                .filter(|&&(ps, pn)| n > 0 && ps < s + n && s < ps + pn)
+                .count()
+        };
+        let mut groups = Vec::with_capacity(parts.len());
+        let mut dsts = Vec::with_capacity(parts.len());
+        for (p, &s) in parts.into_iter().zip(&starts) {
+            let left = count(s, p.len);
+            if left == 0 {
+                // An empty part: nothing to read.
+                run_then(p.then, Ok(()));
+                groups.push(None);
+            } else {
+                groups.push(Some(Arc::new(Group {
+                    state: Mutex::new(GroupState {
+                        left,
+                        error: None,
+                        then: Some(p.then),
+                    }),
+                })));
+            }
+            dsts.push((s, p.len, p.dst));
+        }
         {
             let mut q = self.shared.lock();
             let queue = if demand { &mut q.demand } else { &mut q.hint };
-            for (at, n) in pieces {
+            // Parts and pieces both run in file order: walk them together.
+            let mut first = 0usize;
+            for (ps, pn) in pieces {
+                let mut targets = Vec::with_capacity(1);
+                while first < dsts.len() && dsts[first].0 + dsts[first].1 <= ps {
+                    first += 1;
+                }
+                for (k, &(s, n, dst)) in dsts.iter().enumerate().skip(first) {
+                    if s >= ps + pn {
+                        break;
+                    }
+                    let Some(read) = &groups[k] else { continue };
+                    let lo = s.max(ps);
+                    let hi = (s + n).min(ps + pn);
+                    targets.push(Target {
+                        at: lo - ps,
+                        len: hi - lo,
+                        // SAFETY: `lo - s + (hi - lo) <= n`: the pointer stays inside
+                        // the part's range.
+                        dst: Dst(unsafe { dst.add(lo - s) }),
+                        read: Arc::clone(read),
+                    });
+                }
                 queue.push_back(Piece {
                     file: Arc::clone(file),
-                    offset: offset + at as u64,
-                    // SAFETY: `at + n <= len` (see `split`), so the pointer stays
-                    // inside the caller's range.
-                    dst: Dst(unsafe { dst.add(at) }),
-                    len: n,
-                    read: Arc::clone(&group),
+                    offset: offset + ps as u64,
+                    len: pn,
+                    targets,
                 });
             }
         }
         self.shared.ready.notify_all();
     }
+}
+
+/// One page of a run ([`ReadPool::submit_run`]): where its bytes go, how many, and
+/// what runs once they are there.
+pub struct RunPart {
+    pub dst: *mut u8,
+    pub len: usize,
+    pub then: Then,
 }
 
 impl Drop for ReadPool {
@@ -278,19 +383,21 @@ impl Shared {
                     q = self.ready.wait(q).unwrap_or_else(|e| e.into_inner());
                 }
             };
-            // A read that already failed has nothing to gain from its other pieces.
-            let r = if piece.read.failed() {
+            // Reads that already failed have nothing to gain from their other pieces.
+            let r = if piece.targets.iter().all(|t| t.read.failed()) {
                 Ok(())
             } else {
-                // SAFETY: see `Dst`: this range of the issuer's buffer is this
-                // piece's alone until the read's completion runs, after this piece.
-                let dst = unsafe { std::slice::from_raw_parts_mut(piece.dst.0, piece.len) };
                 std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    read_piece(&piece.file, piece.offset, dst, piece_bytes)
+                    read_targets(&piece, piece_bytes)
                 }))
                 .unwrap_or_else(|_| Err(io::Error::other("a reader thread panicked")))
             };
-            piece.read.finish(r);
+            for t in &piece.targets {
+                t.read.finish(match &r {
+                    Ok(()) => Ok(()),
+                    Err(e) => Err(io::Error::new(e.kind(), e.to_string())),
+                });
+            }
         }
     }
 }
@@ -311,6 +418,49 @@ fn split(offset: u64, len: usize, piece: usize) -> Vec<(usize, usize)> {
     out
 }
 
+/// Reads a piece into its targets on this thread: one target of the whole piece as
+/// [`read_piece`] does; several (a piece holding the end of one page and the start of
+/// the next) as one read of the piece whose bytes are copied to each (buffered: each
+/// straight into its target; the page cache reads the piece once).
+fn read_targets(piece: &Piece, piece_bytes: usize) -> io::Result<()> {
+    let dst = |t: &Target| {
+        // SAFETY: see `Dst`: this range of its read's buffer is this piece's alone
+        // until that read's completion runs, after this piece.
+        unsafe { std::slice::from_raw_parts_mut(t.dst.0, t.len) }
+    };
+    match piece.targets.as_slice() {
+        [t] if t.at == 0 && t.len == piece.len => {
+            read_piece(&piece.file, piece.offset, dst(t), piece_bytes)
+        }
+        targets => match piece.file.mode() {
+            ReadMode::Buffered => targets.iter().try_for_each(|t| {
+                piece
+                    .file
+                    .file()
+                    .read_exact_at(dst(t), piece.offset + t.at as u64)
+            }),
+            ReadMode::Direct => BOUNCE.with(|b| {
+                let mut b = b.borrow_mut();
+                let bounce = bounce_of(&mut b, piece_bytes);
+                let got = piece.file.read_at(piece.offset, piece.len, bounce)?;
+                for t in targets {
+                    dst(t).copy_from_slice(&got[t.at..t.at + t.len]);
+                }
+                Ok(())
+            }),
+        },
+    }
+}
+
+/// This thread's bounce buffer, of at least a piece and its alignment margins.
+fn bounce_of(b: &mut Option<AlignedBuf>, piece: usize) -> &mut AlignedBuf {
+    let cap = piece + 2 * DIRECT_ALIGN;
+    if b.as_ref().is_none_or(|b| b.capacity() < cap) {
+        *b = Some(AlignedBuf::new(cap));
+    }
+    b.as_mut().expect("allocated above")
+}
+
 /// Reads `dst.len()` bytes of `file` at `offset` on this thread: buffered straight
 /// into `dst`, direct in pieces of at most `piece` bytes, each straight into `dst`
 /// where `dst` is aligned as the file is ([`DirectFile::read_into`]), else through
@@ -320,11 +470,7 @@ fn read_piece(file: &DirectFile, offset: u64, dst: &mut [u8], piece: usize) -> i
         ReadMode::Buffered => file.file().read_exact_at(dst, offset),
         ReadMode::Direct => BOUNCE.with(|b| {
             let mut b = b.borrow_mut();
-            let cap = piece + 2 * DIRECT_ALIGN;
-            if b.as_ref().is_none_or(|b| b.capacity() < cap) {
-                *b = Some(AlignedBuf::new(cap));
-            }
-            let bounce = b.as_mut().expect("allocated above");
+            let bounce = bounce_of(&mut b, piece);
             let mut done = 0usize;
             while done < dst.len() {
                 let pos = offset + done as u64;
@@ -414,6 +560,94 @@ mod tests {
                 pool.read(&file, offset as u64, &mut buf).unwrap();
                 assert!(buf == data[offset..offset + n], "{mode:?} {threads}");
             }
+        }
+    }
+
+    /// Submits `lens` as one run at `offset` and waits: each part's buffer and result.
+    fn run_of(
+        pool: &ReadPool,
+        file: &Arc<DirectFile>,
+        offset: u64,
+        lens: &[usize],
+    ) -> Vec<(Vec<u8>, io::Result<()>)> {
+        let mut bufs: Vec<Vec<u8>> = lens.iter().map(|&n| vec![0u8; n]).collect();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let parts = bufs
+            .iter_mut()
+            .enumerate()
+            .map(|(i, b)| {
+                let tx = tx.clone();
+                RunPart {
+                    dst: b.as_mut_ptr(),
+                    len: b.len(),
+                    then: Box::new(move |r| {
+                        let _ = tx.send((i, r));
+                    }),
+                }
+            })
+            .collect();
+        // SAFETY: every buffer outlives its completion (all are received below) and
+        // nothing else touches it meanwhile.
+        unsafe { pool.submit_run(file, offset, parts, true) };
+        let mut results: Vec<Option<io::Result<()>>> = lens.iter().map(|_| None).collect();
+        for _ in lens {
+            let (i, r) = rx.recv().unwrap();
+            assert!(results[i].replace(r).is_none(), "part {i} completed twice");
+        }
+        bufs.into_iter()
+            .zip(results)
+            .map(|(b, r)| (b, r.unwrap()))
+            .collect()
+    }
+
+    /// Pages one after another read as one run: each gets its own bytes, whatever the
+    /// mode, the pool's width, and where the pages' ends fall in the pieces (within
+    /// one, across several, on a boundary, an empty page).
+    #[test]
+    fn a_run_gives_each_part_its_bytes() {
+        let piece = 2 * DIRECT_ALIGN;
+        let lens = [1, piece - 3, 5, 3 * piece + 7, 0, piece, 11, 2 * piece];
+        let total: usize = lens.iter().sum();
+        let (_d, path, data) = data_file(total + 3 * piece);
+        for mode in [ReadMode::Buffered, ReadMode::Direct] {
+            let file = Arc::new(DirectFile::open(&path, mode).unwrap());
+            for threads in [0, 1, 3, 8] {
+                let pool = ReadPool::new(threads, piece).unwrap();
+                for offset in [0usize, 4097, piece] {
+                    let mut at = offset;
+                    for (i, (buf, r)) in run_of(&pool, &file, offset as u64, &lens)
+                        .into_iter()
+                        .enumerate()
+                    {
+                        r.unwrap();
+                        assert!(
+                            buf == data[at..at + lens[i]],
+                            "{mode:?} {threads} threads, run at {offset}, part {i}"
+                        );
+                        at += lens[i];
+                    }
+                }
+            }
+        }
+    }
+
+    /// A run that passes the end of the file fails the parts whose pieces reach it,
+    /// with `UnexpectedEof`; parts wholly in earlier pieces get their bytes.
+    #[test]
+    fn a_run_past_the_end_fails_only_the_parts_it_reaches() {
+        let piece = DIRECT_ALIGN;
+        let (_d, path, data) = data_file(5 * piece);
+        for mode in [ReadMode::Buffered, ReadMode::Direct] {
+            let file = Arc::new(DirectFile::open(&path, mode).unwrap());
+            let pool = ReadPool::new(4, piece).unwrap();
+            let got = run_of(&pool, &file, 0, &[2 * piece, piece, 3 * piece]);
+            for (i, (buf, r)) in got.iter().take(2).enumerate() {
+                assert!(r.is_ok(), "{mode:?} part {i}");
+                let at = 2 * piece * i;
+                assert!(*buf == data[at..at + buf.len()], "{mode:?} part {i}");
+            }
+            let e = got[2].1.as_ref().unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof, "{mode:?}: {e}");
         }
     }
 

@@ -36,7 +36,7 @@ use crate::arena::{Arena, SLOT_ALIGN};
 use crate::cache::{CacheError, CacheStats, Lease, PageCache, PageKey, Reservation, Reserve};
 use crate::direct::{DirectFile, ReadMode};
 use crate::loader::{PageLoader, Served};
-use crate::read_pool::ReadPool;
+use crate::read_pool::{ReadPool, RunPart};
 use crate::seal::Seals;
 use crate::source::{PageId, PageLease, PageMeta, PageSource};
 use crate::tier::{FastTier, FileTier, Health, ModelTier, NasConfig, NasTier, TierStats};
@@ -1049,10 +1049,36 @@ impl Store {
             .map(|&(page, len, _)| (PageKey { model, page }, len))
             .collect();
         if let Ok(reserved) = self.cache.reserve_group::<StoreError>(&keys) {
-            for ((page, _, file), r) in streamed.into_iter().zip(reserved) {
-                if let Reserve::Reserved(r) = r {
-                    self.read_ahead(Arc::clone(&m), page, file, r);
+            let mut reads: Vec<(Arc<DirectFile>, u32, Reservation)> = streamed
+                .into_iter()
+                .zip(reserved)
+                .filter_map(|((page, _, file), r)| match r {
+                    Reserve::Reserved(r) => Some((file, page, r)),
+                    _ => None,
+                })
+                .collect();
+            // In file order, pages that lie one after another read as one run.
+            reads.sort_by_key(|(f, page, _)| {
+                (f.path().to_owned(), m.manifest.pages[*page as usize].offset)
+            });
+            let mut run: Vec<(u32, Reservation)> = Vec::new();
+            let mut run_file: Option<Arc<DirectFile>> = None;
+            for (file, page, r) in reads {
+                let entry = &m.manifest.pages[page as usize];
+                let follows = run_file.as_ref().is_some_and(|f| Arc::ptr_eq(f, &file))
+                    && run.last().is_some_and(|(p, r)| {
+                        m.manifest.pages[*p as usize].offset + r.len() as u64 == entry.offset
+                    });
+                if !follows {
+                    if let Some(f) = run_file.take() {
+                        self.read_ahead(Arc::clone(&m), f, std::mem::take(&mut run));
+                    }
+                    run_file = Some(file);
                 }
+                run.push((page, r));
+            }
+            if let Some(f) = run_file {
+                self.read_ahead(Arc::clone(&m), f, run);
             }
         }
         // Loads that hold a thread (a vpack body is read, then decoded) are shared
@@ -1104,20 +1130,38 @@ impl Store {
         tier.open(&entry.file).ok()
     }
 
-    /// Reads a reserved page in flight and publishes it once verified, from the
-    /// reader that lands its last piece. A read that fails, or bytes that fail
-    /// verification, are loaded again through [`PageLoader`] on a thread of their own
-    /// (rare: a bad copy, a truncated file), which tries every copy and reports the
-    /// error that names page and tier; so a prefetch ends as a demand load would.
+    /// Reads reserved pages that lie one after another in `file` in flight, as one run
+    /// ([`ReadPool::submit_run`]: requests of whole pieces across the pages' ends),
+    /// and publishes each once verified, from the reader that lands the last piece
+    /// holding any of it. A read that fails, or bytes that fail verification, are
+    /// loaded again through [`PageLoader`] on a thread of their own (rare: a bad copy,
+    /// a truncated file), which tries every copy and reports the error that names page
+    /// and tier; so a prefetch ends as a demand load would.
     fn read_ahead(
         self: &Arc<Self>,
         m: Arc<OpenModel>,
-        page: u32,
         file: Arc<DirectFile>,
-        mut r: Reservation,
+        pages: Vec<(u32, Reservation)>,
     ) {
-        let entry = &m.manifest.pages[page as usize];
-        let (offset, len) = (entry.offset, r.len());
+        let Some(offset) = pages
+            .first()
+            .map(|(page, _)| m.manifest.pages[*page as usize].offset)
+        else {
+            return;
+        };
+        let parts = pages
+            .into_iter()
+            .map(|(page, r)| self.completion(Arc::clone(&m), page, r))
+            .collect();
+        // SAFETY: each part's `dst..dst + len` is its reserved slot, written by nothing
+        // else until its completion finishes the reservation (see `completion`).
+        unsafe { self.readers.submit_run(&file, offset, parts, false) };
+    }
+
+    /// The read of reserved `page` into its slot, and what publishes it once every
+    /// piece holding it has landed (see [`Store::read_ahead`]).
+    fn completion(self: &Arc<Self>, m: Arc<OpenModel>, page: u32, mut r: Reservation) -> RunPart {
+        let len = r.len();
         // SAFETY: the slot is the reservation's alone until it is finished, which
         // only the completion below does, after every piece has landed; the
         // reservation moves into the completion, so the slot outlives the reads.
@@ -1158,9 +1202,11 @@ impl Store {
             // demand request loads the page itself.
             drop(retry);
         };
-        // SAFETY: `dst..dst + len` is the reserved slot, written by nothing else until
-        // the completion finishes the reservation (see above).
-        unsafe { self.readers.submit(&file, offset, dst, len, false, then) };
+        RunPart {
+            dst,
+            len,
+            then: Box::new(then),
+        }
     }
 
     /// Pins the pages an engine's memory planner chose (the daemon's `Pin`), in the
