@@ -180,6 +180,38 @@ pub fn fast_tier_order(plan: &PagePlan, placement: &Placement) -> Vec<PageId> {
     order.into_iter().map(|w| w.page).collect()
 }
 
+/// The static set a fast tier of `room` bytes keeps beside `placement`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FastTierSet {
+    /// Its pages, most valuable first.
+    pub pages: Vec<PageId>,
+    /// Bytes of their copies.
+    pub bytes: u64,
+    /// Bytes per token read from the fast tier instead of the slow one.
+    pub per_token: u64,
+}
+
+/// The pages a fast tier of `room` bytes keeps of `plan` beside `placement`, as the
+/// store chooses them (`vpaged::store::Store::keep_on_fast_tier`): the candidates of
+/// [`fast_tier_order`] in order, each whose bytes fit what is left, skipping one that
+/// does not for smaller ones after it.
+pub fn fast_tier_set(plan: &PagePlan, placement: &Placement, room: u64) -> FastTierSet {
+    let pages = weigh(plan);
+    let mut set = FastTierSet::default();
+    let mut left = room;
+    for id in fast_tier_order(plan, placement) {
+        let w = &pages[&id];
+        if w.bytes > left {
+            continue;
+        }
+        left -= w.bytes;
+        set.pages.push(id);
+        set.bytes += w.bytes;
+        set.per_token += w.per_token;
+    }
+    set
+}
+
 /// Places `plan`'s pages under `budget` bytes, with `needs` set aside first.
 pub fn place(plan: &PagePlan, needs: &Needs, budget: u64) -> Result<Placement, PlacementError> {
     let pages = weigh(plan);
@@ -325,6 +357,27 @@ mod tests {
         assert_eq!(p.window_bytes, 2 * 9 * MIB + 6 * MIB);
         assert!(p.pinned_bytes <= 60 * MIB - p.window_bytes);
         assert!(p.pinned_bytes > 60 * MIB - p.window_bytes - 6 * MIB);
+    }
+
+    /// A fast tier keeps the most valuable streamed pages that fit its room, as the
+    /// store does, and what it keeps comes off the slow tier's bytes per token.
+    #[test]
+    fn a_fast_tier_keeps_what_fits_of_the_streamed_pages_most_valuable_first() {
+        let plan = plan_of(64 * MIB, 4096, &vec![vec![4 * MIB, 2 * MIB]; 8], 16 * MIB);
+        let p = place(&plan, &Needs::default(), 64 * MIB + 40 * MIB).unwrap();
+        assert!(p.streamed_per_token > 0);
+        let order = fast_tier_order(&plan, &p);
+        let none = fast_tier_set(&plan, &p, MIB);
+        assert_eq!(none, FastTierSet::default());
+        // 7 MiB: a 4 MiB page, then a 2 MiB one (the next 4 MiB pages do not fit).
+        let set = fast_tier_set(&plan, &p, 7 * MIB);
+        assert_eq!(set.bytes, 6 * MIB);
+        assert_eq!(set.per_token, 6 * MIB);
+        assert_eq!(set.pages[0], order[0]);
+        assert!(set.pages.iter().all(|id| !p.is_pinned(*id)));
+        let all = fast_tier_set(&plan, &p, u64::MAX);
+        assert_eq!(all.pages, order);
+        assert_eq!(all.per_token, p.streamed_per_token);
     }
 
     #[test]

@@ -790,6 +790,85 @@ fn walk(dir: &Path) -> Vec<PathBuf> {
     out
 }
 
+/// `voom plan --fast-tier`: the static set the planner gives a fast tier of the pages
+/// that stream (within its size, most valuable first), the bytes per token it takes
+/// off the model's storage, and, measured, the speed that predicts; the probe file it
+/// reads is gone after.
+#[test]
+fn plan_shows_what_a_fast_tier_takes_off_the_models_storage() {
+    let dir = tiny("llama_sharded");
+    let tier = tempfile::tempdir().unwrap();
+    let plan = |extra: &[&str]| {
+        let o = voom()
+            .arg("plan")
+            .arg(&dir)
+            .args(["--context", "64", "--json", "--process-bytes", "8MiB"])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        last_json(&o)
+    };
+    let minimum = plan(&["--memory-budget", "1GiB", "--no-measure"])["minimum_budget"]
+        .as_u64()
+        .unwrap()
+        .to_string();
+    let base = ["--memory-budget", minimum.as_str()];
+    let plain = plan(&[&base[..], &["--no-measure"]].concat());
+    assert!(plain["fast_tier"].is_null());
+    let streamed = plain["streamed_bytes_per_token"].as_u64().unwrap();
+    assert!(streamed > 0);
+    let t = tier.path().to_str().unwrap();
+    let half = (streamed / 2).to_string();
+    let some = plan(
+        &[
+            &base[..],
+            &["--no-measure", "--fast-tier", t, "--fast-tier-size", &half],
+        ]
+        .concat(),
+    );
+    let f = &some["fast_tier"];
+    assert!(f["bytes"].as_u64().unwrap() <= streamed / 2, "{f}");
+    let taken = f["bytes_per_token"].as_u64().unwrap();
+    assert!(taken > 0 && taken < streamed, "{f}");
+    let all = plan(
+        &[
+            &base[..],
+            &["--no-measure", "--fast-tier", t, "--fast-tier-size", "1GiB"],
+        ]
+        .concat(),
+    );
+    assert_eq!(
+        all["fast_tier"]["bytes_per_token"].as_u64().unwrap(),
+        streamed
+    );
+    let measured = plan(
+        &[
+            &base[..],
+            &[
+                "--measure-bytes",
+                "4MiB",
+                "--fast-tier",
+                t,
+                "--fast-tier-size",
+                &half,
+            ],
+        ]
+        .concat(),
+    );
+    assert!(measured["fast_tier"]["bytes_per_sec"].as_f64().unwrap() > 0.0);
+    assert!(measured["fast_tier"]["same_device_as_model"].is_boolean());
+    let with = measured["predicted"]["with_fast_tier_tokens_per_sec"]
+        .as_f64()
+        .unwrap();
+    assert!(with > 0.0, "{}", measured["predicted"]);
+    assert_eq!(
+        std::fs::read_dir(tier.path()).unwrap().count(),
+        0,
+        "the probe file is left"
+    );
+}
+
 /// Regression: a model streamed through the planner's window reads each streamed
 /// page once per pass. With a window of exactly two of the largest layers, the
 /// page cache's free room fragmented (pages of mixed sizes, layers made unequal by

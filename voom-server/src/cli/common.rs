@@ -410,14 +410,19 @@ fn fast_tier(s: &Settings) -> Result<Option<(PathBuf, u64)>> {
     };
     std::fs::create_dir_all(dir)
         .with_context(|| format!("creating the fast tier {}", dir.display()))?;
-    let size = match s.fast_tier_size {
-        Some(b) => b,
-        // Nine tenths of what it could hold: the free space and its own copies.
+    let size = fast_tier_size(dir, s.fast_tier_size)?;
+    Ok(Some((dir.clone(), size)))
+}
+
+/// The bytes a fast tier in `dir` may hold: `size` where given, else nine tenths of
+/// what it could hold (the free space of its file system and its own copies).
+pub fn fast_tier_size(dir: &Path, size: Option<u64>) -> Result<u64> {
+    match size {
+        Some(b) => Ok(b),
         None => free_bytes(dir)
             .map(|b| (b + dir_bytes(dir)) / 10 * 9)
-            .with_context(|| format!("the free space of the fast tier {}", dir.display()))?,
-    };
-    Ok(Some((dir.clone(), size)))
+            .with_context(|| format!("the free space of the fast tier {}", dir.display())),
+    }
 }
 
 /// Bytes of the files under `dir` (a fast tier: its copies), as far as it can be read.

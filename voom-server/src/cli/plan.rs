@@ -45,6 +45,16 @@ pub struct PlanArgs {
     /// A margin for its growth is added either way, as `voom generate` does.
     #[arg(long, value_parser = crate::profile::parse_size)]
     pub process_bytes: Option<u64>,
+    /// A fast tier (a directory on faster storage than the model's): show the static
+    /// set the planner gives it of the pages that stream, the bytes per token it takes
+    /// off the model's storage, and (measured) the speed that predicts. Measuring
+    /// writes a probe file of `--measure-bytes` there, reads it cold, and removes it.
+    #[arg(long)]
+    pub fast_tier: Option<PathBuf>,
+    /// Bytes the fast tier may hold. Default: nine tenths of what it could hold (its
+    /// file system's free space and its own copies), as `voom run` takes it.
+    #[arg(long, value_parser = crate::profile::parse_size, requires = "fast_tier")]
+    pub fast_tier_size: Option<u64>,
     /// Skip the bandwidth measurements (no predicted speed).
     #[arg(long)]
     pub no_measure: bool,
@@ -118,6 +128,25 @@ pub fn run(a: PlanArgs) -> Result<()> {
         )?)
     };
     let stages = stage_summary(plan.stages(), &p);
+    let fast = match &a.fast_tier {
+        Some(d) => Some(fast_tier(
+            d,
+            a.fast_tier_size,
+            &plan,
+            &p,
+            (!a.no_measure).then_some(a.measure_bytes),
+            &dir,
+        )?),
+        None => None,
+    };
+    let predicted = measured.as_ref().map(|m| {
+        let mut pr = predict(&p, m, plan.weight_bytes_per_token());
+        if let Some(f) = &fast {
+            pr["with_fast_tier_tokens_per_sec"] =
+                json!(f.tokens_per_sec(&p, m, plan.weight_bytes_per_token()));
+        }
+        pr
+    });
     if a.json {
         let m = measured.as_ref();
         let storage = m.map(|m| m.best_storage());
@@ -152,7 +181,8 @@ pub fn run(a: PlanArgs) -> Result<()> {
                     "chosen": storage.map(|s| s.mode.name()),
                 })),
                 "memory_bytes_per_sec": m.map(|m| m.memory),
-                "predicted": m.map(|m| predict(&p, m, plan.weight_bytes_per_token())),
+                "fast_tier": fast.as_ref().map(FastTier::json),
+                "predicted": predicted,
             })
         )?;
         return Ok(());
@@ -209,7 +239,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
             human(m.buffered.bytes),
             m.memory / 1e9
         )?;
-        let pr = predict(&p, m, plan.weight_bytes_per_token());
+        let pr = predicted.clone().unwrap_or_default();
         vpaged::outln!(
             "  predicted decode: at most {:.2} tok/s (storage bound {}, memory bound {:.2})",
             pr["tokens_per_sec"].as_f64().unwrap_or(0.0),
@@ -219,7 +249,149 @@ pub fn run(a: PlanArgs) -> Result<()> {
             pr["memory_bound_tokens_per_sec"].as_f64().unwrap_or(0.0),
         )?;
     }
+    if let Some(f) = &fast {
+        vpaged::outln!(
+            "  fast tier {} ({} to hold): {} pages, {}; per token {} from it, {} from the model's storage",
+            f.dir.display(),
+            human(f.size),
+            f.set.pages.len(),
+            human(f.set.bytes),
+            human(f.set.per_token),
+            human(p.streamed_per_token - f.set.per_token),
+        )?;
+        if let (Some(bw), Some(m)) = (&f.bandwidth, &measured) {
+            vpaged::outln!(
+                "    it reads {:.2} GB/s cold ({}); predicted decode with it: at most {:.2} tok/s",
+                bw.bytes_per_sec() / 1e9,
+                if f.same_device {
+                    "the model's own device: the two are read one after the other"
+                } else {
+                    "another device than the model's: both are read at once"
+                },
+                f.tokens_per_sec(&p, m, plan.weight_bytes_per_token()),
+            )?;
+        }
+    }
     Ok(())
+}
+
+/// What a fast tier would hold and how fast it reads (`--fast-tier`).
+struct FastTier {
+    dir: PathBuf,
+    size: u64,
+    set: placement::FastTierSet,
+    /// Its cold read bandwidth, when measured.
+    bandwidth: Option<Bandwidth>,
+    /// Whether it lies on the same device as the model (then its reads and the
+    /// model's share the device, one after the other).
+    same_device: bool,
+}
+
+impl FastTier {
+    /// The decode bound with the set on the fast tier: the seconds per token of the
+    /// bytes left on the model's storage and of those on the tier (added where they
+    /// share a device, else the longer of the two), and the memory bound.
+    fn tokens_per_sec(&self, p: &Placement, m: &Measured, weight_bytes: u64) -> f64 {
+        let memory_bound = m.memory / weight_bytes.max(1) as f64;
+        let slow =
+            (p.streamed_per_token - self.set.per_token) as f64 / m.best_storage().bytes_per_sec();
+        let fast = match &self.bandwidth {
+            Some(b) => self.set.per_token as f64 / b.bytes_per_sec(),
+            None => return memory_bound,
+        };
+        let secs = if self.same_device {
+            slow + fast
+        } else {
+            slow.max(fast)
+        };
+        if secs <= 0.0 {
+            memory_bound
+        } else {
+            (1.0 / secs).min(memory_bound)
+        }
+    }
+
+    fn json(&self) -> serde_json::Value {
+        json!({
+            "dir": self.dir,
+            "size": self.size,
+            "pages": self.set.pages.len(),
+            "bytes": self.set.bytes,
+            "bytes_per_token": self.set.per_token,
+            "bytes_per_sec": self.bandwidth.map(|b| b.bytes_per_sec()),
+            "same_device_as_model": self.same_device,
+        })
+    }
+}
+
+/// The static set a fast tier in `dir` gives `plan` beside `p`, and (with
+/// `measure`) its cold read bandwidth: a probe file of that many bytes is written
+/// there, synced, read around the page cache (buffered after dropping it where
+/// direct reads are refused), and removed.
+fn fast_tier(
+    dir: &Path,
+    size: Option<u64>,
+    plan: &libvoom::model::plan::PagePlan,
+    p: &Placement,
+    measure: Option<u64>,
+    model_dir: &Path,
+) -> Result<FastTier> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("creating the fast tier {}", dir.display()))?;
+    let size = crate::cli::common::fast_tier_size(dir, size)?;
+    let set = placement::fast_tier_set(plan, p, size);
+    let dev = |d: &Path| std::fs::metadata(d).map(|m| m.dev()).ok();
+    let same_device = dev(dir).is_some() && dev(dir) == dev(model_dir);
+    let bandwidth = match measure {
+        Some(bytes) => Some(probe_bandwidth(dir, bytes)?),
+        None => None,
+    };
+    Ok(FastTier {
+        dir: dir.to_path_buf(),
+        size,
+        set,
+        bandwidth,
+        same_device,
+    })
+}
+
+/// Cold read bandwidth of `dir`'s storage: a file of `bytes` written and synced there,
+/// read as the checkpoint is measured, then removed.
+fn probe_bandwidth(dir: &Path, bytes: u64) -> Result<Bandwidth> {
+    use std::io::Write;
+    let path = dir.join(format!(".voom-plan-probe-{}", std::process::id()));
+    let result = (|| -> Result<Bandwidth> {
+        let mut f = std::fs::File::create(&path)
+            .with_context(|| format!("writing a probe file in {}", dir.display()))?;
+        // Bytes that do not compress (a file system may): xorshift words.
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let block: Vec<u8> = (0..1 << 20)
+            .flat_map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x.to_le_bytes()
+            })
+            .take(1 << 20)
+            .collect();
+        let mut left = bytes.max(1 << 20);
+        while left > 0 {
+            let n = left.min(block.len() as u64) as usize;
+            f.write_all(&block[..n])
+                .with_context(|| format!("writing {}", path.display()))?;
+            left -= n as u64;
+        }
+        f.sync_all()
+            .with_context(|| format!("syncing {}", path.display()))?;
+        drop(f);
+        let files = [path.clone()];
+        direct::read_bandwidth(&files, bytes, 8 << 20, ReadMode::Direct, 4)
+            .or_else(|_| direct::read_bandwidth(&files, bytes, 8 << 20, ReadMode::Buffered, 4))
+            .with_context(|| format!("reading {}", path.display()))
+    })();
+    let _ = std::fs::remove_file(&path);
+    result
 }
 
 /// Bandwidths measured for a prediction.
