@@ -278,71 +278,61 @@ impl ReadPool {
             return;
         }
         let pieces = split(offset, total, self.piece);
-        // Each part's extent within the run, and how many pieces hold some of it.
-        let mut starts = Vec::with_capacity(parts.len());
+        // Each part's extent within the run and its read (an empty part has nothing to
+        // read: it completes now).
+        let mut reads: Vec<(usize, usize, *mut u8, Arc<Group>)> = Vec::with_capacity(parts.len());
         let mut at = 0usize;
-        for p in &parts {
-            starts.push(at);
+        for p in parts {
+            if p.len == 0 {
+                run_then(p.then, Ok(()));
+                continue;
+            }
+            let group = Group {
+                state: Mutex::new(GroupState {
+                    left: 0,
+                    error: None,
+                    then: Some(p.then),
+                }),
+            };
+            reads.push((at, p.len, p.dst, Arc::new(group)));
             at += p.len;
         }
-        let count = |s: usize, n: usize| {
-            pieces
-                .iter()
-                .filter(|&&(ps, pn)| n > 0 && ps < s + n && s < ps + pn)
-                .count()
-        };
-        let mut groups = Vec::with_capacity(parts.len());
-        let mut dsts = Vec::with_capacity(parts.len());
-        for (p, &s) in parts.into_iter().zip(&starts) {
-            let left = count(s, p.len);
-            if left == 0 {
-                // An empty part: nothing to read.
-                run_then(p.then, Ok(()));
-                groups.push(None);
-            } else {
-                groups.push(Some(Arc::new(Group {
-                    state: Mutex::new(GroupState {
-                        left,
-                        error: None,
-                        then: Some(p.then),
-                    }),
-                })));
+        // Parts and pieces both run in file order: walk them together, counting for
+        // each read the pieces that hold some of it. The counts are final before any
+        // piece is queued, so no read completes early.
+        let mut queued = Vec::with_capacity(pieces.len());
+        let mut first = 0usize;
+        for (ps, pn) in pieces {
+            while first < reads.len() && reads[first].0 + reads[first].1 <= ps {
+                first += 1;
             }
-            dsts.push((s, p.len, p.dst));
+            let mut targets = Vec::with_capacity(1);
+            for (s, n, dst, read) in &reads[first..] {
+                if *s >= ps + pn {
+                    break;
+                }
+                let (lo, hi) = ((*s).max(ps), (s + n).min(ps + pn));
+                read.lock().left += 1;
+                targets.push(Target {
+                    at: lo - ps,
+                    len: hi - lo,
+                    // SAFETY: `lo - s + (hi - lo) <= n`: the pointer stays inside the
+                    // part's range.
+                    dst: Dst(unsafe { dst.add(lo - s) }),
+                    read: Arc::clone(read),
+                });
+            }
+            queued.push(Piece {
+                file: Arc::clone(file),
+                offset: offset + ps as u64,
+                len: pn,
+                targets,
+            });
         }
         {
             let mut q = self.shared.lock();
             let queue = if demand { &mut q.demand } else { &mut q.hint };
-            // Parts and pieces both run in file order: walk them together.
-            let mut first = 0usize;
-            for (ps, pn) in pieces {
-                let mut targets = Vec::with_capacity(1);
-                while first < dsts.len() && dsts[first].0 + dsts[first].1 <= ps {
-                    first += 1;
-                }
-                for (k, &(s, n, dst)) in dsts.iter().enumerate().skip(first) {
-                    if s >= ps + pn {
-                        break;
-                    }
-                    let Some(read) = &groups[k] else { continue };
-                    let lo = s.max(ps);
-                    let hi = (s + n).min(ps + pn);
-                    targets.push(Target {
-                        at: lo - ps,
-                        len: hi - lo,
-                        // SAFETY: `lo - s + (hi - lo) <= n`: the pointer stays inside
-                        // the part's range.
-                        dst: Dst(unsafe { dst.add(lo - s) }),
-                        read: Arc::clone(read),
-                    });
-                }
-                queue.push_back(Piece {
-                    file: Arc::clone(file),
-                    offset: offset + ps as u64,
-                    len: pn,
-                    targets,
-                });
-            }
+            queue.extend(queued);
         }
         self.shared.ready.notify_all();
     }

@@ -1058,9 +1058,8 @@ impl Store {
                 })
                 .collect();
             // In file order, pages that lie one after another read as one run.
-            reads.sort_by_key(|(f, page, _)| {
-                (f.path().to_owned(), m.manifest.pages[*page as usize].offset)
-            });
+            let at = |page: &u32| m.manifest.pages[*page as usize].offset;
+            reads.sort_by(|(f, p, _), (g, q, _)| f.path().cmp(g.path()).then(at(p).cmp(&at(q))));
             let mut run: Vec<(u32, Reservation)> = Vec::new();
             let mut run_file: Option<Arc<DirectFile>> = None;
             for (file, page, r) in reads {

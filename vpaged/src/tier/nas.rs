@@ -46,6 +46,10 @@ struct State {
     healthy: bool,
     reason: String,
     last_check: Option<Instant>,
+    /// When the probe of the last check that [`NasTier::check`] completed began: its
+    /// answer is as fresh as that, not as its end (a probe that began before the
+    /// mount came back, and ended after, still says it is down).
+    last_probe: Option<Instant>,
     /// The model directory's (device, inode) at the last successful probe.
     identity: Option<(u64, u64)>,
 }
@@ -167,6 +171,7 @@ impl NasTier {
                 healthy: true,
                 reason: String::new(),
                 last_check: None,
+                last_probe: None,
                 identity: None,
             }),
             checking: Mutex::new(()),
@@ -281,9 +286,13 @@ impl NasTier {
         let started = Instant::now();
         let _one = self.checking.lock().unwrap_or_else(|e| e.into_inner());
         {
-            // Another caller checked while this one waited: its answer is fresh.
+            // Another caller checked while this one waited, with a probe that began
+            // after this call did: its answer is fresh. (One that began before may
+            // have probed before the mount came back: seen as a flake where a
+            // prefetch's check, begun during an outage, answered a demand request
+            // made just after the remount.)
             let s = self.state.lock().unwrap_or_else(|e| e.into_inner());
-            if s.last_check.is_some_and(|t| t >= started) {
+            if s.last_probe.is_some_and(|t| t >= started) {
                 return if s.healthy {
                     Health::Ok
                 } else {
@@ -291,6 +300,7 @@ impl NasTier {
                 };
             }
         }
+        let probe_started = Instant::now();
         // `down`: the first probe failed (even if the remount command then fixed it).
         let (down, result) = match self.probe() {
             Ok(id) => (false, Ok(id)),
@@ -304,6 +314,7 @@ impl NasTier {
         };
         let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
         s.last_check = Some(Instant::now());
+        s.last_probe = Some(probe_started);
         if down && s.healthy {
             self.outages.fetch_add(1, Ordering::Relaxed);
         }
@@ -631,6 +642,34 @@ mod tests {
             }
             Health::Ok => panic!("should be unavailable"),
         }
+    }
+
+    /// Regression: a check waiting behind another one takes its answer only if that
+    /// one probed after the wait began. A check that probed during an outage and
+    /// ended after the mount came back (its remount command slow) once answered a
+    /// request made after the remount with "down" (a flake of the `nas_midrun` test:
+    /// a prefetch's check, then a demand request's).
+    #[test]
+    fn a_check_begun_before_the_mount_came_back_does_not_answer_a_later_one() {
+        let s = setup();
+        let nas = Arc::new(NasTier::new(
+            "nas",
+            NasConfig {
+                remount_command: Some("sleep 0.6; exit 1".into()),
+                ..cfg(&s, false)
+            },
+        ));
+        std::fs::rename(&s.mnt, &s.gone).unwrap();
+        let early = {
+            let nas = Arc::clone(&nas);
+            std::thread::spawn(move || nas.check())
+        };
+        // The early check has probed (and found nothing) and runs its remount command.
+        std::thread::sleep(Duration::from_millis(200));
+        std::fs::rename(&s.gone, &s.mnt).unwrap();
+        let later = nas.check();
+        assert!(matches!(early.join().unwrap(), Health::Unavailable(_)));
+        assert_eq!(later, Health::Ok, "a check after the mount came back");
     }
 
     /// A FIFO with no writer: opening it blocks, like I/O on a dead network mount.
