@@ -65,6 +65,17 @@ impl Rng {
     }
 }
 
+/// `n` bytes from the generator seeded with `seed`: data no file system compresses.
+pub fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
+    let mut rng = Rng(seed | 1);
+    let mut out = Vec::with_capacity(n.next_multiple_of(8));
+    while out.len() < n {
+        out.extend_from_slice(&rng.next().to_le_bytes());
+    }
+    out.truncate(n);
+    out
+}
+
 fn random_bf16(rng: &mut Rng, n: usize, scale: f32, offset: f32) -> Vec<u8> {
     let mut out = Vec::with_capacity(n * 2);
     for _ in 0..n {

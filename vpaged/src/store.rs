@@ -1063,11 +1063,10 @@ impl Store {
             let mut run: Vec<(u32, Reservation)> = Vec::new();
             let mut run_file: Option<Arc<DirectFile>> = None;
             for (file, page, r) in reads {
-                let entry = &m.manifest.pages[page as usize];
                 let follows = run_file.as_ref().is_some_and(|f| Arc::ptr_eq(f, &file))
-                    && run.last().is_some_and(|(p, r)| {
-                        m.manifest.pages[*p as usize].offset + r.len() as u64 == entry.offset
-                    });
+                    && run
+                        .last()
+                        .is_some_and(|(p, r)| at(p) + r.len() as u64 == at(&page));
                 if !follows {
                     if let Some(f) = run_file.take() {
                         self.read_ahead(Arc::clone(&m), f, std::mem::take(&mut run));

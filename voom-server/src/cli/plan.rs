@@ -259,7 +259,10 @@ pub fn run(a: PlanArgs) -> Result<()> {
             human(f.set.per_token),
             human(p.streamed_per_token - f.set.per_token),
         )?;
-        if let (Some(bw), Some(m)) = (&f.bandwidth, &measured) {
+        let with = measured
+            .as_ref()
+            .and_then(|m| f.tokens_per_sec(&p, m, plan.weight_bytes_per_token()));
+        if let (Some(bw), Some(tps)) = (&f.bandwidth, with) {
             vpaged::outln!(
                 "    it reads {:.2} GB/s cold ({}); predicted decode with it: at most {:.2} tok/s",
                 bw.bytes_per_sec() / 1e9,
@@ -268,7 +271,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
                 } else {
                     "another device than the model's: both are read at once"
                 },
-                f.tokens_per_sec(&p, m, plan.weight_bytes_per_token()),
+                tps,
             )?;
         }
     }
@@ -288,27 +291,25 @@ struct FastTier {
 }
 
 impl FastTier {
-    /// The decode bound with the set on the fast tier: the seconds per token of the
-    /// bytes left on the model's storage and of those on the tier (added where they
-    /// share a device, else the longer of the two), and the memory bound.
-    fn tokens_per_sec(&self, p: &Placement, m: &Measured, weight_bytes: u64) -> f64 {
+    /// The decode bound with the set on the fast tier (none before the tier is
+    /// measured): the seconds per token of the bytes left on the model's storage and
+    /// of those on the tier (added where they share a device, else the longer of the
+    /// two), and the memory bound.
+    fn tokens_per_sec(&self, p: &Placement, m: &Measured, weight_bytes: u64) -> Option<f64> {
         let memory_bound = m.memory / weight_bytes.max(1) as f64;
         let slow =
             (p.streamed_per_token - self.set.per_token) as f64 / m.best_storage().bytes_per_sec();
-        let fast = match &self.bandwidth {
-            Some(b) => self.set.per_token as f64 / b.bytes_per_sec(),
-            None => return memory_bound,
-        };
+        let fast = self.set.per_token as f64 / self.bandwidth?.bytes_per_sec();
         let secs = if self.same_device {
             slow + fast
         } else {
             slow.max(fast)
         };
-        if secs <= 0.0 {
+        Some(if secs <= 0.0 {
             memory_bound
         } else {
             (1.0 / secs).min(memory_bound)
-        }
+        })
     }
 
     fn json(&self) -> serde_json::Value {
@@ -364,17 +365,8 @@ fn probe_bandwidth(dir: &Path, bytes: u64) -> Result<Bandwidth> {
     let result = (|| -> Result<Bandwidth> {
         let mut f = std::fs::File::create(&path)
             .with_context(|| format!("writing a probe file in {}", dir.display()))?;
-        // Bytes that do not compress (a file system may): xorshift words.
-        let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        let block: Vec<u8> = (0..1 << 20)
-            .flat_map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                x.to_le_bytes()
-            })
-            .take(1 << 20)
-            .collect();
+        // Bytes that do not compress (a file system may).
+        let block = crate::synth::random_bytes(1 << 20, 7);
         let mut left = bytes.max(1 << 20);
         while left > 0 {
             let n = left.min(block.len() as u64) as usize;
@@ -386,8 +378,16 @@ fn probe_bandwidth(dir: &Path, bytes: u64) -> Result<Bandwidth> {
             .with_context(|| format!("syncing {}", path.display()))?;
         drop(f);
         let files = [path.clone()];
-        direct::read_bandwidth(&files, bytes, 8 << 20, ReadMode::Direct, 4)
-            .or_else(|_| direct::read_bandwidth(&files, bytes, 8 << 20, ReadMode::Buffered, 4))
+        direct::read_bandwidth(&files, bytes, PROBE_CHUNK, ReadMode::Direct, PROBE_READERS)
+            .or_else(|_| {
+                direct::read_bandwidth(
+                    &files,
+                    bytes,
+                    PROBE_CHUNK,
+                    ReadMode::Buffered,
+                    PROBE_READERS,
+                )
+            })
             .with_context(|| format!("reading {}", path.display()))
     })();
     let _ = std::fs::remove_file(&path);
@@ -413,18 +413,26 @@ impl Measured {
     }
 }
 
+/// Bytes of one read when measuring storage (the checkpoint's, a fast tier's).
+const PROBE_CHUNK: usize = 8 << 20;
+/// Reads in flight when measuring: devices reward it, and the engine's readers do it.
+const PROBE_READERS: usize = 4;
+
 fn measure(dir: &Path, bytes: u64, weight_bytes: u64, threads: usize) -> Result<Measured> {
     let files = checkpoint_files(dir)?;
-    const CHUNK: usize = 8 << 20;
-    // Several reads in flight: devices reward it, and the engine's readers do it.
-    const READERS: usize = 4;
     let (direct, direct_error) =
-        match direct::read_bandwidth(&files, bytes, CHUNK, ReadMode::Direct, READERS) {
+        match direct::read_bandwidth(&files, bytes, PROBE_CHUNK, ReadMode::Direct, PROBE_READERS) {
             Ok(b) => (Some(b), None),
             Err(e) => (None, Some(e.to_string())),
         };
-    let buffered = direct::read_bandwidth(&files, bytes, CHUNK, ReadMode::Buffered, READERS)
-        .with_context(|| format!("reading the checkpoint in {}", dir.display()))?;
+    let buffered = direct::read_bandwidth(
+        &files,
+        bytes,
+        PROBE_CHUNK,
+        ReadMode::Buffered,
+        PROBE_READERS,
+    )
+    .with_context(|| format!("reading the checkpoint in {}", dir.display()))?;
     let probe = (weight_bytes as usize).clamp(64 << 20, 1 << 30);
     let memory = membw::read_bandwidth(probe, threads.max(1), 2) * 1e9;
     Ok(Measured {

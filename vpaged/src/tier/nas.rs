@@ -288,9 +288,8 @@ impl NasTier {
         {
             // Another caller checked while this one waited, with a probe that began
             // after this call did: its answer is fresh. (One that began before may
-            // have probed before the mount came back: seen as a flake where a
-            // prefetch's check, begun during an outage, answered a demand request
-            // made just after the remount.)
+            // have probed before the mount came back, and would answer a request
+            // made after the remount with "down".)
             let s = self.state.lock().unwrap_or_else(|e| e.into_inner());
             if s.last_probe.is_some_and(|t| t >= started) {
                 return if s.healthy {
@@ -646,9 +645,9 @@ mod tests {
 
     /// Regression: a check waiting behind another one takes its answer only if that
     /// one probed after the wait began. A check that probed during an outage and
-    /// ended after the mount came back (its remount command slow) once answered a
-    /// request made after the remount with "down" (a flake of the `nas_midrun` test:
-    /// a prefetch's check, then a demand request's).
+    /// ended after the mount came back (its remount command slow) answered a request
+    /// made after the remount with "down": the likely cause of a `nas_midrun` flake
+    /// seen once (a prefetch's check, then the demand request's after the remount).
     #[test]
     fn a_check_begun_before_the_mount_came_back_does_not_answer_a_later_one() {
         let s = setup();
