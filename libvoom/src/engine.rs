@@ -125,6 +125,8 @@ pub struct PageTraffic {
     pub prefetch_skipped: u64,
     /// Prefetched pages evicted before their request (each read twice).
     pub unused_evictions: u64,
+    /// Pages decoded from a vpack body read ahead of their load.
+    pub bodies_read_ahead: u64,
     /// Bytes read from each tier: the fast tier, the model's local directory, a NAS.
     pub fast_tier_bytes: u64,
     pub primary_bytes: u64,
@@ -585,6 +587,7 @@ impl Engine {
                 prefetch_loads: b.prefetch_loads.saturating_sub(a.prefetch_loads),
                 prefetch_skipped: b.prefetch_skipped.saturating_sub(a.prefetch_skipped),
                 unused_evictions: b.unused_evictions.saturating_sub(a.unused_evictions),
+                bodies_read_ahead: b.bodies_read_ahead.saturating_sub(a.bodies_read_ahead),
                 fast_tier_bytes: b.fast_tier_bytes.saturating_sub(a.fast_tier_bytes),
                 primary_bytes: b.primary_bytes.saturating_sub(a.primary_bytes),
                 nas_bytes: b.nas_bytes.saturating_sub(a.nas_bytes),

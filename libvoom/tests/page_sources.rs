@@ -481,15 +481,23 @@ fn vpack_pages_give_the_raw_bits_at_any_budget() {
                 f.write_all_at(&[b[0] ^ 0x20], p.offset + 1).unwrap();
             }
         }
+        let mut read_ahead = 0;
         for budget in budgets(&dir) {
             for prefetch_depth in [0, 1] {
-                let (_store, e) = over_store(&dir, budget, prefetch_depth, None);
+                let (store, e) = over_store(&dir, budget, prefetch_depth, None);
                 assert_eq!(
                     run(&e, &prompt),
                     reference,
                     "{case}: vpack pages, budget {budget}, prefetch depth {prefetch_depth}"
                 );
+                let taken = store.read_ahead_stats().map_or(0, |s| s.taken);
+                if prefetch_depth == 0 {
+                    assert_eq!(taken, 0, "{case}: no hints, nothing read ahead");
+                }
+                read_ahead += taken;
             }
         }
+        // Bodies read ahead of their slots (the default) decoded some of those pages.
+        assert!(read_ahead > 0, "{case}: no body was read ahead");
     }
 }

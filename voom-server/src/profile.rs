@@ -44,6 +44,7 @@ pub const KEYS: &[&str] = &[
     "prefetch_depth",
     "read_threads",
     "read_piece",
+    "read_ahead_layers",
     "kv_budget",
     "max_context",
     "threads",
@@ -251,6 +252,9 @@ pub struct Settings {
     pub read_threads: usize,
     /// Bytes of one of those reads (a page is read as pieces of it at once).
     pub read_piece: u64,
+    /// Decoder layers of vpack bodies read ahead of their pages' cache slots (the
+    /// largest layer's bodies each; 0: none, a body is read when its page loads).
+    pub read_ahead_layers: usize,
     /// Bytes of KV cache; bounds the context (see [`Settings::max_context_for`]).
     pub kv_budget: Option<u64>,
     pub max_context: Option<usize>,
@@ -275,6 +279,7 @@ impl Default for Settings {
             prefetch_depth: 1,
             read_threads: vpaged::read_pool::DEFAULT_THREADS,
             read_piece: vpaged::read_pool::DEFAULT_PIECE as u64,
+            read_ahead_layers: vpaged::store::DEFAULT_READ_AHEAD_LAYERS,
             kv_budget: None,
             max_context: None,
             threads: 0,
@@ -369,6 +374,7 @@ pub struct Overrides {
     pub prefetch_depth: Option<usize>,
     pub read_threads: Option<usize>,
     pub read_piece: Option<u64>,
+    pub read_ahead_layers: Option<usize>,
     pub kv_budget: Option<u64>,
     pub max_context: Option<usize>,
     pub threads: Option<usize>,
@@ -395,6 +401,11 @@ const NAMES: &[(&str, &str, &str)] = &[
     ("prefetch_depth", "--prefetch-depth", "VOOM_PREFETCH_DEPTH"),
     ("read_threads", "--read-threads", "VOOM_READ_THREADS"),
     ("read_piece", "--read-piece", "VOOM_READ_PIECE"),
+    (
+        "read_ahead_layers",
+        "--read-ahead-layers",
+        "VOOM_READ_AHEAD_LAYERS",
+    ),
     ("kv_budget", "--kv-budget", "VOOM_KV_BUDGET"),
     ("max_context", "--max-context", "VOOM_MAX_CONTEXT"),
     ("threads", "--threads", "VOOM_THREADS"),
@@ -445,6 +456,7 @@ impl Overrides {
             prefetch_depth: read(get, "prefetch_depth", num)?,
             read_threads: read(get, "read_threads", num)?,
             read_piece: read(get, "read_piece", parse_size)?,
+            read_ahead_layers: read(get, "read_ahead_layers", num)?,
             kv_budget: read(get, "kv_budget", parse_size)?,
             max_context: read(get, "max_context", num)?,
             threads: read(get, "threads", num)?,
@@ -471,6 +483,7 @@ struct ProfileFile {
     prefetch_depth: Option<usize>,
     read_threads: Option<usize>,
     read_piece: Option<vpaged::config::ByteSize>,
+    read_ahead_layers: Option<usize>,
     kv_budget: Option<vpaged::config::ByteSize>,
     max_context: Option<usize>,
     threads: Option<usize>,
@@ -905,6 +918,7 @@ pub fn resolve(
     pick!(prefetch_depth, id, id);
     pick!(read_threads, id, id);
     pick!(read_piece, bytes, id);
+    pick!(read_ahead_layers, id, id);
     pick!(kv_budget, bytes, Some);
     pick!(max_context, id, Some);
     pick!(threads, id, id);

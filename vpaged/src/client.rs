@@ -586,6 +586,17 @@ impl PageSource for DaemonSource {
         }
     }
 
+    /// Sends `ReadAhead` (since 1.5) to a daemon that knows it; an older one reads
+    /// each body when its page loads, as before.
+    fn read_ahead(&self, ids: &[PageId]) {
+        if !ids.is_empty() && self.client.version().minor >= 5 {
+            self.client.send(&Message::ReadAhead {
+                model: self.model,
+                pages: ids.to_vec(),
+            });
+        }
+    }
+
     fn budget(&self) -> Option<u64> {
         Some(self.client.arena.len() as u64)
     }
@@ -667,6 +678,7 @@ impl PageSource for DaemonSource {
             prefetch_loads: n("prefetch_loads"),
             prefetch_skipped: n("prefetch_skipped"),
             unused_evictions: n("unused_evictions"),
+            bodies_read_ahead: v["read_ahead"]["taken"].as_u64().unwrap_or(0),
             fast_tier_bytes: v["fast_tier"]["stats"]["bytes"].as_u64().unwrap_or(0),
             primary_bytes: if local { tier("primary") } else { 0 },
             nas_bytes: tier("nas"),

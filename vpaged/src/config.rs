@@ -12,6 +12,7 @@
 //! read_mode = "auto"    # or "direct" (around the OS page cache) or "buffered"
 //! read_threads = 16     # pieces of model files read at once
 //! prefetch_threads = 4  # threads taking prefetch hints
+//! read_ahead_layers = 2 # decoder layers of vpack bodies read ahead of their slots
 //! hash_on_open = true   # hash a checkpoint without a manifest when it is opened
 //! state_dir = "/var/lib/vpaged"  # manifests of read-only checkpoints it hashed
 //!
@@ -159,6 +160,7 @@ pub struct FileConfig {
     pub read_mode: Option<String>,
     pub read_threads: Option<usize>,
     pub prefetch_threads: Option<usize>,
+    pub read_ahead_layers: Option<usize>,
     pub hash_on_open: Option<bool>,
     pub state_dir: Option<PathBuf>,
     #[serde(default)]
@@ -212,6 +214,11 @@ pub struct DaemonArgs {
     /// of the primary copy (vpack, staged, NAS) load on them, one each at a time.
     #[arg(long, env = "VPAGED_PREFETCH_THREADS")]
     pub prefetch_threads: Option<usize>,
+    /// Decoder layers of vpack bodies read ahead of their pages' cache slots while
+    /// earlier ones decode, sized by the first model with bodies (default 2; 0:
+    /// none). Held beside the cache, not in it.
+    #[arg(long, env = "VPAGED_READ_AHEAD_LAYERS")]
+    pub read_ahead_layers: Option<usize>,
     /// Refuse a checkpoint that has no page manifest (`vpagectl hash` writes one)
     /// instead of hashing it when it is first opened (the default).
     #[arg(long, env = "VPAGED_NO_HASH_ON_OPEN")]
@@ -308,6 +315,9 @@ impl DaemonConfig {
                 return Err("prefetch_threads must be at least 1".into());
             }
             io.prefetch_threads = n;
+        }
+        if let Some(n) = args.read_ahead_layers.or(file.read_ahead_layers) {
+            io.read_ahead_layers = n;
         }
         Ok(DaemonConfig {
             socket: args

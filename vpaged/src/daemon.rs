@@ -258,6 +258,7 @@ fn model_of(m: &Message) -> Option<ModelId> {
     match m {
         Message::Acquire { model, .. }
         | Message::Prefetch { model, .. }
+        | Message::ReadAhead { model, .. }
         | Message::Stage { model, .. }
         | Message::Unstage { model }
         | Message::ManifestPath { model }
@@ -548,6 +549,9 @@ impl Daemon {
                 "load_failures": c.load_failures, "full_refusals": c.full_refusals,
                 "hit_ratio": if c.hits + c.misses == 0 { 0.0 } else { c.hits as f64 / (c.hits + c.misses) as f64 },
             },
+            // Bodies read ahead of their pages' slots (absent until a model with
+            // vpack bodies opens).
+            "read_ahead": self.store.read_ahead_stats(),
             "fast_tier": self.store.fast_tier().map(|f| serde_json::json!({
                 "dir": f.dir(), "capacity": f.capacity(), "used": f.used(), "stats": f.stats(),
             })),
@@ -707,6 +711,11 @@ impl Daemon {
             Message::Prefetch { model, pages } => {
                 let pages: Vec<u32> = pages.iter().map(|p| p.0).collect();
                 self.store.prefetch_group(model.0, &pages);
+                return Some(Message::Ack);
+            }
+            Message::ReadAhead { model, pages } => {
+                let pages: Vec<u32> = pages.iter().map(|p| p.0).collect();
+                self.store.read_ahead(model.0, &pages);
                 return Some(Message::Ack);
             }
             Message::Stats => {

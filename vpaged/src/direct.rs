@@ -123,6 +123,13 @@ impl AlignedBuf {
         self.cap
     }
 
+    /// The buffer's first byte, for writers that share it by disjoint ranges: a
+    /// write through it needs the range to be the writer's alone (nothing reads or
+    /// writes it meanwhile).
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
     pub fn as_slice(&self) -> &[u8] {
         // SAFETY: `ptr` is valid for `cap` initialized (zeroed, then written) bytes
         // for the buffer's lifetime.

@@ -10,6 +10,7 @@
 //! checkpoint files in the engine's own process, verified against the page manifest
 //! when there is one). The daemon and its shared page cache plug into the same seam.
 
+pub mod ahead;
 pub mod arena;
 pub mod cache;
 pub mod client;

@@ -36,6 +36,10 @@ pub struct PageLoader<'a> {
     /// The model's seals: a copy is checked against its page's seal once one copy
     /// has matched the blake3 ([`Seals`]).
     pub seals: &'a Seals,
+    /// The page's vpack body on the model's own tier, already read (ahead of the
+    /// load: [`crate::ahead`]): decoded and verified like a body read now, in its
+    /// place; if it fails, the load goes on as if it were not there.
+    pub body: Option<&'a [u8]>,
 }
 
 impl PageLoader<'_> {
@@ -82,9 +86,14 @@ impl PageLoader<'_> {
             ModelTier::Nas(t) => (Served::Nas, Location::Nas(t)),
         };
         let copy = self.nas.map(|t| (Served::Nas, Location::Nas(t)));
-        for (served, loc) in std::iter::once(own).chain(copy) {
+        for (k, (served, loc)) in std::iter::once(own).chain(copy).enumerate() {
             if let Some(p) = &packed {
-                match loc.load_packed(entry, p, buf, self.seals) {
+                let read_ahead = self.body.filter(|_| k == 0);
+                let loaded = match read_ahead {
+                    Some(body) => loc.unpack(entry, p, body, buf, self.seals),
+                    None => loc.load_packed(entry, p, buf, self.seals),
+                };
+                match loaded {
                     Ok(()) => return Ok(served),
                     Err(Packed::Corrupt(e)) => {
                         tracing::warn!(
@@ -274,17 +283,30 @@ impl Location<'_> {
         })?;
         with_body_buffer(len, |body| {
             self.read(ext, body).map_err(unreadable)?;
-            let sealed = seals.body_is_sealed(entry.id, body);
-            self.decode(entry, ext, body, buf)?;
-            if !sealed {
-                seals.verify(entry, buf, self.name()).map_err(|e| {
-                    self.record_integrity_failure();
-                    Packed::Corrupt(e)
-                })?;
-                seals.seal_body(entry.id, body);
-            }
-            Ok(())
+            self.unpack(entry, ext, body, buf, seals)
         })
+    }
+
+    /// Decodes the vpack `body` read from `ext` into `buf` and verifies the page (see
+    /// [`load_packed`](Self::load_packed)).
+    fn unpack(
+        &self,
+        entry: &PageEntry,
+        ext: &Extent,
+        body: &[u8],
+        buf: &mut [u8],
+        seals: &Seals,
+    ) -> Result<(), Packed> {
+        let sealed = seals.body_is_sealed(entry.id, body);
+        self.decode(entry, ext, body, buf)?;
+        if !sealed {
+            seals.verify(entry, buf, self.name()).map_err(|e| {
+                self.record_integrity_failure();
+                Packed::Corrupt(e)
+            })?;
+            seals.seal_body(entry.id, body);
+        }
+        Ok(())
     }
 
     /// Decodes the vpack `body` read from `ext` into `buf`.
@@ -396,6 +418,7 @@ mod tests {
             primary: &primary,
             nas: None,
             seals: &Seals::new(2),
+            body: None,
         };
         let a = f.manifest.page("a").unwrap();
         let mut buf = vec![0u8; a.len as usize];
@@ -429,6 +452,7 @@ mod tests {
             primary: &primary,
             nas: Some(&nas),
             seals: &Seals::new(2),
+            body: None,
         };
         let a = f.manifest.page("a").unwrap();
         let mut buf = vec![0u8; a.len as usize];
@@ -503,6 +527,7 @@ mod tests {
             primary: &primary,
             nas: Some(&copy),
             seals: &Seals::new(2),
+            body: None,
         };
         let b = f.manifest.page("b").unwrap();
         flip(&f.primary_dir.join("model.safetensors"), b.offset);
@@ -529,6 +554,7 @@ mod tests {
             primary: &primary,
             nas: Some(&fresh),
             seals: &Seals::new(2),
+            body: None,
         };
         let e = loader.load(b, &mut buf).unwrap_err();
         assert!(matches!(e, StoreError::Unavailable { .. }), "{e}");
@@ -547,6 +573,7 @@ mod tests {
                 primary: &primary,
                 nas: None,
                 seals: &seals,
+                body: None,
             };
             let b = f.manifest.page("b").unwrap();
             let mut buf = vec![0u8; b.len as usize];
@@ -592,6 +619,7 @@ mod tests {
                 primary: tier,
                 nas: None,
                 seals: &Seals::new(2),
+                body: None,
             };
             let mut buf = vec![0u8; a.len as usize];
             loader.load(&a, &mut buf).unwrap();
@@ -606,6 +634,7 @@ mod tests {
             primary: &fresh,
             nas: None,
             seals: &Seals::new(2),
+            body: None,
         };
         let mut buf = vec![0u8; a.len as usize];
         let e = loader.load(&a, &mut buf).unwrap_err().to_string();
@@ -629,6 +658,7 @@ mod tests {
             primary: &primary,
             nas: None,
             seals: &Seals::new(2),
+            body: None,
         };
         let b = f.manifest.page("b").unwrap();
         let mut buf = vec![0u8; b.len as usize];

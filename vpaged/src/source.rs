@@ -65,6 +65,9 @@ pub struct SourceCacheStats {
     /// Pages loaded on a hint and evicted before any request: reads wasted (each is
     /// read again when its request comes).
     pub unused_evictions: u64,
+    /// Pages whose vpack body was read ahead of their load
+    /// ([`PageSource::read_ahead`]) and decoded from there.
+    pub bodies_read_ahead: u64,
     /// Bytes read from each tier so far: the fast tier (all models'), the model's
     /// own local directory, and its NAS (where it lives, or a copy of it).
     pub fast_tier_bytes: u64,
@@ -121,6 +124,15 @@ pub trait PageSource: Send + Sync {
 
     /// Hint that these pages will be acquired soon. Never blocks for I/O.
     fn prefetch(&self, _ids: &[PageId]) {}
+
+    /// Hint that these pages will be acquired after the ones hinted by
+    /// [`prefetch`](Self::prefetch), in this order: a source whose pages load in two
+    /// stages (a vpack body read, then decoded into a cache slot) may read their
+    /// bodies now, into read buffers of its own, as far as those have room, before
+    /// the pages have slots. Sent again as the engine moves on; pages already
+    /// resident, hinted or read are skipped. Never blocks for I/O, never changes a
+    /// result.
+    fn read_ahead(&self, _ids: &[PageId]) {}
 
     /// Keep these pages resident once they are loaded, whatever else streams (the
     /// memory planner's choice of what saves the most reads per token). A source

@@ -27,11 +27,12 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
 use voom_formats::manifest::{Encoding, Manifest, PageEntry, PageGroup, MANIFEST_FILE};
 use voom_formats::{Checkpoint, FormatError};
 
+use crate::ahead::{Landing, ReadAhead, Refused};
 use crate::arena::{Arena, SLOT_ALIGN};
 use crate::cache::{CacheError, CacheStats, Lease, PageCache, PageKey, Reservation, Reserve};
 use crate::direct::{DirectFile, ReadMode};
@@ -88,6 +89,11 @@ pub struct IoConfig {
     /// only queued on the readers (they verify and publish it); other pages (a vpack
     /// body, a staged copy, a NAS) load on these threads, one page each at a time.
     pub prefetch_threads: usize,
+    /// Room for vpack bodies read ahead of their pages' slots ([`crate::ahead`]), in
+    /// decoder layers of the first model with bodies that opens (its largest
+    /// layer's bodies): bodies are read there while earlier ones decode (0: none;
+    /// then, and without reader threads, a body is read when its page loads).
+    pub read_ahead_layers: usize,
 }
 
 impl Default for IoConfig {
@@ -96,6 +102,7 @@ impl Default for IoConfig {
             read_threads: crate::read_pool::DEFAULT_THREADS,
             read_piece: crate::read_pool::DEFAULT_PIECE,
             prefetch_threads: DEFAULT_PREFETCH_THREADS,
+            read_ahead_layers: DEFAULT_READ_AHEAD_LAYERS,
         }
     }
 }
@@ -106,7 +113,8 @@ impl IoConfig {
     /// reads; one reader when reads run on the requesting thread), and for a model
     /// with vpack bodies (its `manifest`), a body on each prefetch thread and on the
     /// requesting thread as it is read and decoded: the largest bodies, one each (a
-    /// page loads on one thread at a time).
+    /// page loads on one thread at a time), and the pool of bodies read ahead
+    /// ([`IoConfig::read_ahead_bytes`]).
     pub fn buffer_bytes(&self, manifest: Option<&Manifest>) -> u64 {
         let align = crate::direct::DIRECT_ALIGN as u64;
         let bounce = self.read_piece as u64 + 2 * align;
@@ -120,9 +128,46 @@ impl IoConfig {
             .unwrap_or_default();
         bodies.sort_unstable_by(|a, b| b.cmp(a));
         let decoding: u64 = bodies.iter().take(self.prefetch_threads + 1).sum();
-        self.read_threads.max(1) as u64 * bounce + decoding
+        let ahead = manifest.map_or(0, |m| self.read_ahead_bytes(m)) as u64;
+        self.read_threads.max(1) as u64 * bounce + decoding + ahead
+    }
+
+    /// Bytes of the pool of bodies read ahead for a store whose first model with
+    /// vpack bodies is `manifest`'s: [`read_ahead_layers`](Self::read_ahead_layers)
+    /// of its largest decoder layer's bodies, and one more of the largest body in a
+    /// layer (what the pool's holes can waste, as for the cache's streaming window:
+    /// [`streaming_window_bytes`]), in whole pool units. 0 when no layer has bodies,
+    /// or the store reads on the requesting thread (no reader threads to read ahead
+    /// with).
+    pub fn read_ahead_bytes(&self, manifest: &Manifest) -> usize {
+        if self.read_threads == 0 || self.read_ahead_layers == 0 {
+            return 0;
+        }
+        let unit = crate::ahead::UNIT as u64;
+        let mut per_layer: HashMap<u32, u64> = HashMap::new();
+        let mut largest = 0;
+        for p in &manifest.pages {
+            if let (PageGroup::Layer(l), Some(b)) = (p.group, p.vpack()) {
+                let room = b.len.next_multiple_of(unit);
+                *per_layer.entry(l).or_default() += room;
+                largest = largest.max(room);
+            }
+        }
+        let layer = per_layer.into_values().max().unwrap_or(0);
+        if layer == 0 {
+            return 0;
+        }
+        usize::try_from(layer.saturating_mul(self.read_ahead_layers as u64) + largest)
+            .unwrap_or(usize::MAX)
     }
 }
+
+/// Default room for bodies read ahead, in decoder layers. Measured on the out-of-core
+/// bench's 42-layer model with a 1 GiB budget (`voom generate --read-ahead-layers`,
+/// 10 tokens): none, 0.48 tok/s with the device busy 72% of the run; 1 layer, 0.51;
+/// 2 layers, 0.58-0.59 with it busy 90%; 4 and 6 layers, 0.60 and 0.58 (the room
+/// they take from the planner's pins costs what the reads gain).
+pub const DEFAULT_READ_AHEAD_LAYERS: usize = 2;
 
 /// Default threads loading prefetched pages.
 pub const DEFAULT_PREFETCH_THREADS: usize = 4;
@@ -144,6 +189,8 @@ pub struct OpenModel {
     /// Set when a later open found another manifest in `dir` and opened it as a new
     /// model; this one still serves the sessions that opened it.
     superseded: AtomicBool,
+    /// The pages an engine last named to read ahead ([`Store::read_ahead`]), in order.
+    read_ahead: Mutex<Vec<u32>>,
     /// The pages pinned for this model and their slot bytes (part of the pin budget).
     pins: Vec<PageKey>,
     pinned_slot_bytes: usize,
@@ -336,6 +383,9 @@ pub struct Store {
     hashing: Mutex<()>,
     /// Pins engines' memory planners asked for ([`Store::pin_planned`]).
     planned: Mutex<PlannedState>,
+    /// Bodies read ahead ([`Store::read_ahead`]), sized when the first model with
+    /// vpack bodies opens.
+    ahead: OnceLock<Arc<ReadAhead>>,
 }
 
 /// Pins asked for by engines' planners: how many holders each page has, the slot
@@ -420,6 +470,7 @@ impl Store {
             readers,
             hashing: Mutex::new(()),
             planned: Mutex::new(PlannedState::default()),
+            ahead: OnceLock::new(),
         });
         // Prefetch hints are loaded on background threads, so a hint never blocks the
         // engine, several pages at once, in the order hinted; their reads queue behind
@@ -737,6 +788,10 @@ impl Store {
             stamp,
         } = loaded;
         let pages: Vec<PageMeta> = manifest.pages.iter().map(PageMeta::from_entry).collect();
+        let ahead = self.cfg.io.read_ahead_bytes(&manifest);
+        if ahead > 0 {
+            self.ahead.get_or_init(|| Arc::new(ReadAhead::new(ahead)));
+        }
         let mut models = self.models.write().unwrap_or_else(|e| e.into_inner());
         if let Some(old) = models.iter().find(|m| m.dir == dir && !m.is_superseded()) {
             if old.manifest_digest == digest {
@@ -768,6 +823,7 @@ impl Store {
             manifest_path,
             manifest_stamp: Mutex::new(stamp),
             superseded: AtomicBool::new(false),
+            read_ahead: Mutex::new(Vec::new()),
             pins,
             pinned_slot_bytes,
         });
@@ -848,13 +904,25 @@ impl Store {
                 ),
             });
         }
+        let staged = self
+            .ahead
+            .get()
+            .and_then(|a| a.take(PageKey { model: m.id, page }));
         let loader = PageLoader {
             fast: self.fast.as_ref(),
             primary: &m.primary,
             nas: m.nas.as_ref(),
             seals: &m.seals,
+            body: staged.as_deref(),
         };
-        let served = loader.load(entry, buf)?;
+        let served = loader.load(entry, buf);
+        if staged.is_some() {
+            drop(staged);
+            if let Ok(m) = self.model(m.id) {
+                self.read_on(&m);
+            }
+        }
+        let served = served?;
         let i = match served {
             Served::Fast => 0,
             Served::Primary => 1,
@@ -1069,14 +1137,14 @@ impl Store {
                         .is_some_and(|(p, r)| at(p) + r.len() as u64 == at(&page));
                 if !follows {
                     if let Some(f) = run_file.take() {
-                        self.read_ahead(Arc::clone(&m), f, std::mem::take(&mut run));
+                        self.read_slots(Arc::clone(&m), f, std::mem::take(&mut run));
                     }
                     run_file = Some(file);
                 }
                 run.push((page, r));
             }
             if let Some(f) = run_file {
-                self.read_ahead(Arc::clone(&m), f, run);
+                self.read_slots(Arc::clone(&m), f, run);
             }
         }
         // Loads that hold a thread (a vpack body is read, then decoded) are shared
@@ -1095,6 +1163,157 @@ impl Store {
                 .cache
                 .prefetch(key, len, |buf| self.load_into(&m, page, buf));
         }
+    }
+
+    /// Reads the vpack bodies of `pages` (those the engine will need after its hints,
+    /// in order) into the pool of bodies read ahead ([`crate::ahead`]), as far as it
+    /// has room: pages resident or loading, already held there, not read from the
+    /// model's own files as a body (no body, a copy staged on the fast tier, a model
+    /// on a NAS or superseded) are skipped; the first that finds no room ends the
+    /// call, so bodies are read in the order they will be decoded. Bodies that lie one
+    /// after another in the pack file are read as one run. The list is kept: each
+    /// time a load has taken a body and freed its room, reading goes on down it
+    /// ([`Store::read_on`]). Never blocks for I/O.
+    pub fn read_ahead(&self, model: u32, pages: &[u32]) {
+        let Some(ahead) = self.ahead.get() else {
+            return;
+        };
+        let Ok(m) = self.model(model) else { return };
+        ahead.next_round();
+        pages.clone_into(&mut m.read_ahead.lock().unwrap_or_else(|e| e.into_inner()));
+        self.read_bodies_ahead(ahead, &m, pages);
+    }
+
+    /// Goes on down `m`'s last read-ahead list, after a load took a body from the
+    /// pool and freed its room: the device reads the next body while others decode,
+    /// not only when the engine next names its pages.
+    fn read_on(&self, m: &Arc<OpenModel>) {
+        let Some(ahead) = self.ahead.get() else {
+            return;
+        };
+        let pages = m
+            .read_ahead
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        self.read_bodies_ahead(ahead, m, &pages);
+    }
+
+    fn read_bodies_ahead(&self, ahead: &Arc<ReadAhead>, m: &Arc<OpenModel>, pages: &[u32]) {
+        let ModelTier::File(tier) = &m.primary else {
+            return;
+        };
+        if m.is_superseded() {
+            return;
+        }
+        let model = m.id;
+        let mut reads: Vec<(Arc<DirectFile>, u64, Landing)> = Vec::new();
+        for &page in pages {
+            let Some(entry) = m.manifest.pages.get(page as usize) else {
+                continue;
+            };
+            let Some(body) = entry.vpack() else { continue };
+            let key = PageKey { model, page };
+            if self.cache.present(key)
+                || ahead.holds(key)
+                || self
+                    .fast
+                    .as_ref()
+                    .is_some_and(|f| f.contains(&entry.blake3))
+            {
+                continue;
+            }
+            let Ok(len) = usize::try_from(body.len) else {
+                continue;
+            };
+            let Ok(file) = tier.open(&body.file) else {
+                continue;
+            };
+            // A body past its file's end is left to the load, which names the error.
+            if body
+                .offset
+                .checked_add(body.len)
+                .is_none_or(|end| end > file.len())
+            {
+                continue;
+            }
+            match ahead.reserve(key, len) {
+                Ok(landing) => reads.push((file, body.offset, landing)),
+                Err(Refused::Held) => continue,
+                Err(Refused::NoRoom) => break,
+            }
+        }
+        // In file order, bodies that follow one another (the gap between them is the
+        // pack file's alignment padding) read as one run.
+        reads.sort_by(|(f, a, _), (g, b, _)| f.path().cmp(g.path()).then(a.cmp(b)));
+        let mut run: Vec<(u64, Landing)> = Vec::new();
+        let mut run_file: Option<Arc<DirectFile>> = None;
+        for (file, offset, landing) in reads {
+            let follows = run_file.as_ref().is_some_and(|f| Arc::ptr_eq(f, &file))
+                && run.last().is_some_and(|(at, l)| {
+                    let room = l.len().next_multiple_of(crate::ahead::UNIT) as u64;
+                    offset > *at && offset - *at <= room
+                });
+            if !follows {
+                if let Some(f) = run_file.take() {
+                    self.read_bodies(m, f, std::mem::take(&mut run));
+                }
+                run_file = Some(file);
+            }
+            run.push((offset, landing));
+        }
+        if let Some(f) = run_file {
+            self.read_bodies(m, f, run);
+        }
+    }
+
+    /// Reads bodies of one file, each at its offset in order, as one run: a body's
+    /// part stretches to the next body's offset (within its room in the pool), so the
+    /// padding between them is read too and the run has no holes.
+    fn read_bodies(&self, m: &Arc<OpenModel>, file: Arc<DirectFile>, bodies: Vec<(u64, Landing)>) {
+        let Some(&(first, _)) = bodies.first() else {
+            return;
+        };
+        let next: Vec<Option<u64>> = bodies
+            .iter()
+            .skip(1)
+            .map(|(at, _)| Some(*at))
+            .chain(std::iter::once(None))
+            .collect();
+        let start = std::time::Instant::now();
+        let parts = bodies
+            .into_iter()
+            .zip(next)
+            .map(|((at, landing), next)| {
+                let len = next.map_or(landing.len(), |n| (n - at) as usize);
+                let body = landing.len() as u64;
+                let dst = landing.ptr();
+                let m = Arc::clone(m);
+                let then = move |read: std::io::Result<()>| {
+                    if read.is_ok() {
+                        if let ModelTier::File(tier) = &m.primary {
+                            tier.counters().record_read(body, start.elapsed());
+                        }
+                    }
+                    landing.land(read.is_ok());
+                };
+                RunPart {
+                    dst,
+                    len,
+                    then: Box::new(then),
+                }
+            })
+            .collect();
+        // SAFETY: each part's `dst..dst + len` lies in its landing's room in the pool
+        // (a part is at most its body's length rounded up to whole pool units, which
+        // is the room reserved), which nothing else reads or writes until the landing
+        // lands, in the part's completion.
+        unsafe { self.readers.submit_run(&file, first, parts, false) };
+    }
+
+    /// Counters of the pool of bodies read ahead, once a model with bodies opened.
+    pub fn read_ahead_stats(&self) -> Option<crate::ahead::ReadAheadStats> {
+        self.ahead.get().map(|a| a.stats())
     }
 
     /// Queues `page` as a hint of its own; false when the queue is full or closed.
@@ -1135,7 +1354,7 @@ impl Store {
     /// loaded again through [`PageLoader`] on a thread of their own (rare: a bad copy,
     /// a truncated file), which tries every copy and reports the error that names page
     /// and tier; so a prefetch ends as a demand load would.
-    fn read_ahead(
+    fn read_slots(
         self: &Arc<Self>,
         m: Arc<OpenModel>,
         file: Arc<DirectFile>,
@@ -1157,7 +1376,7 @@ impl Store {
     }
 
     /// The read of reserved `page` into its slot, and what publishes it once every
-    /// piece holding it has landed (see [`Store::read_ahead`]).
+    /// piece holding it has landed (see [`Store::read_slots`]).
     fn completion(self: &Arc<Self>, m: Arc<OpenModel>, page: u32, mut r: Reservation) -> RunPart {
         let len = r.len();
         // SAFETY: the slot is the reservation's alone until it is finished, which
@@ -1734,6 +1953,11 @@ impl PageSource for StoreSource {
         self.store.prefetch_group(self.model.id, &pages);
     }
 
+    fn read_ahead(&self, ids: &[PageId]) {
+        let pages: Vec<u32> = ids.iter().map(|id| id.0).collect();
+        self.store.read_ahead(self.model.id, &pages);
+    }
+
     /// Pins the planner's pages as the daemon does ([`Store::pin_planned`]): as far
     /// as they fit beside the configured pins, other planners' and a window of two
     /// layers, marking the model as streaming the rest ([`PageCache::set_streaming`]:
@@ -1785,6 +2009,7 @@ impl PageSource for StoreSource {
             prefetch_loads: c.prefetch_loads,
             prefetch_skipped: c.prefetch_skipped,
             unused_evictions: c.unused_evictions,
+            bodies_read_ahead: self.store.read_ahead_stats().map_or(0, |s| s.taken),
             fast_tier_bytes: self.store.fast_tier().map_or(0, |f| f.stats().bytes),
             primary_bytes: match self.model.location() {
                 ModelTier::File(t) => t.stats().bytes,
@@ -2407,6 +2632,7 @@ mod tests {
                     read_threads: 3,
                     read_piece: 16 << 10,
                     prefetch_threads: 2,
+                    ..IoConfig::default()
                 },
                 ..Default::default()
             })
@@ -2455,14 +2681,16 @@ mod tests {
         }
     }
 
-    /// The read buffers: a bounce buffer per reader, and the largest vpack bodies,
-    /// one for each thread that may decode one at once.
+    /// The read buffers: a bounce buffer per reader, the largest vpack bodies, one
+    /// for each thread that may decode one at once, and the pool of bodies read
+    /// ahead: two of the largest layer's bodies and its largest body.
     #[test]
-    fn read_buffers_count_readers_and_the_largest_bodies() {
+    fn read_buffers_count_readers_the_largest_bodies_and_the_read_ahead() {
         let io = IoConfig {
             read_threads: 4,
             read_piece: 1 << 20,
             prefetch_threads: 1,
+            read_ahead_layers: 2,
         };
         let bounce = (1 << 20) + 2 * crate::direct::DIRECT_ALIGN as u64;
         assert_eq!(io.buffer_bytes(None), 4 * bounce);
@@ -2502,12 +2730,33 @@ mod tests {
         // its 16 KiB.
         assert_eq!(
             io.buffer_bytes(Some(&m)),
-            4 * bounce + (320 << 10) + (208 << 10)
+            4 * bounce + (320 << 10) + (208 << 10),
+            "no layers: nothing to read ahead"
         );
+        let mut layered = m.clone();
+        for (p, l) in layered.pages.iter_mut().zip([0, 0, 0, 1, 1]) {
+            p.group = PageGroup::Layer(l);
+        }
+        // Layer 0's bodies take 112 + 320 KiB (page 1 has none), layer 1's 16 + 208.
+        assert_eq!(io.read_ahead_bytes(&layered), (2 * 432 + 320) << 10);
+        assert_eq!(
+            io.buffer_bytes(Some(&layered)),
+            4 * bounce + (320 << 10) + (208 << 10) + ((2 * 432 + 320) << 10)
+        );
+        let off = IoConfig {
+            read_ahead_layers: 0,
+            ..io
+        };
+        assert_eq!(off.read_ahead_bytes(&layered), 0);
         let none = IoConfig {
             read_threads: 0,
             ..io
         };
+        assert_eq!(
+            none.read_ahead_bytes(&layered),
+            0,
+            "no readers to read ahead"
+        );
         assert_eq!(
             none.buffer_bytes(None),
             bounce,

@@ -1,5 +1,6 @@
-//! Corrupt pages through the real daemon: a `vpaged` process, a packed model store
-//! (`vpagectl pack`) whose bytes are damaged on disk, an engine on the socket.
+//! Packed pages through the real daemon: a `vpaged` process, a packed model store
+//! (`vpagectl pack`) whose bytes are damaged on disk, an engine on the socket; and
+//! bodies the engine names for reading ahead.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -128,4 +129,29 @@ fn falling_back_from_a_corrupt_vpack_body_logs_a_warning() {
         line.contains("WARN") && line.contains("page 'c'") && line.contains("tier 'primary'"),
         "{line}"
     );
+}
+
+/// `ReadAhead` over the socket (protocol 1.5): the daemon reads the named pages'
+/// vpack bodies into its pool ahead of their slots (its room holds five of the six,
+/// and each body a load takes makes room for the next), and the pages' loads decode
+/// those bodies; the engine gets the pages' bytes, and the daemon's stats count
+/// every body as taken from the pool.
+#[test]
+fn bodies_named_over_the_socket_are_read_ahead_by_the_daemon() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path().join("layered");
+    let (manifest, bytes) = common::layered_packed_model(&dir, 3, 64);
+    let daemon = Binary::start(d.path());
+    let c = DaemonClient::connect(&daemon.socket, "test").unwrap();
+    let s = DaemonSource::open(Arc::clone(&c), &dir).unwrap();
+    let ids: Vec<PageId> = manifest.pages.iter().map(|p| PageId(p.id)).collect();
+    s.read_ahead(&ids);
+    for &id in &ids {
+        assert_eq!(
+            s.acquire(id).unwrap().bytes(),
+            bytes[id.0 as usize].as_slice()
+        );
+    }
+    let taken = s.cache_stats().unwrap().bodies_read_ahead;
+    assert_eq!(taken, ids.len() as u64);
 }

@@ -50,6 +50,10 @@ fn message() -> impl Strategy<Value = Message> {
             model: ModelId(m),
             pages
         }),
+        (any::<u32>(), pages()).prop_map(|(m, pages)| Message::ReadAhead {
+            model: ModelId(m),
+            pages
+        }),
         Just(Message::Stats),
         Just(Message::Close),
         (any::<u32>(), any::<u64>()).prop_map(|(m, max_bytes)| Message::Stage {
@@ -236,6 +240,10 @@ fn a_no_reply_frame_decodes_and_the_flag_is_the_frames_not_the_messages() {
             pages: pages.clone(),
         },
         Message::Release {
+            model: ModelId(2),
+            pages: pages.clone(),
+        },
+        Message::ReadAhead {
             model: ModelId(2),
             pages: pages.clone(),
         },

@@ -9,6 +9,9 @@ use std::process::Command;
 use voom_formats::{DType, Manifest};
 use vpaged::store::{Store, StoreConfig};
 
+mod common;
+use common::{layered_packed_model, weights};
+
 fn vpagectl(args: &[&str], dir: &Path) {
     let o = Command::new(env!("CARGO_BIN_EXE_vpagectl"))
         .args(args)
@@ -20,20 +23,6 @@ fn vpagectl(args: &[&str], dir: &Path) {
         "vpagectl {args:?}: {}",
         String::from_utf8_lossy(&o.stderr)
     );
-}
-
-fn weights(n: usize, seed: u32) -> Vec<u8> {
-    // Weight-like BF16: small magnitudes, so the high plane compresses.
-    let mut s = seed.wrapping_mul(2654435761) | 1;
-    (0..n)
-        .flat_map(|_| {
-            s ^= s << 13;
-            s ^= s >> 17;
-            s ^= s << 5;
-            let v = ((s % 2001) as f32 - 1000.0) * 1e-4;
-            voom_formats::dtype::f32_to_bf16(v).to_le_bytes()
-        })
-        .collect()
 }
 
 #[test]
@@ -179,6 +168,7 @@ fn a_hinted_group_of_packed_pages_is_loaded_ahead_whole() {
             read_threads: 4,
             read_piece: 16 << 10,
             prefetch_threads: 3,
+            read_ahead_layers: 0,
         },
         ..Default::default()
     })
@@ -207,4 +197,156 @@ fn a_hinted_group_of_packed_pages_is_loaded_ahead_whole() {
     }
     let s = store.cache_stats();
     assert_eq!((s.misses, s.prefetch_loads), (0, ids.len() as u64), "{s:?}");
+}
+
+fn reading_store(read_ahead_layers: usize) -> std::sync::Arc<Store> {
+    Store::new(StoreConfig {
+        cache_bytes: 8 << 20,
+        io: vpaged::store::IoConfig {
+            read_threads: 4,
+            read_piece: 16 << 10,
+            prefetch_threads: 2,
+            read_ahead_layers,
+        },
+        ..Default::default()
+    })
+    .unwrap()
+}
+
+/// Bodies named to `read_ahead` are read into the pool as far as its room goes, in
+/// the order named; each page's load then decodes the body read ahead instead of
+/// reading it again, and each body it takes frees room for the next one named, so
+/// reading goes on down the list: every body is read from storage exactly once, every
+/// page is the manifest's bytes, and every body was read ahead.
+#[test]
+fn bodies_read_ahead_serve_their_pages_and_are_read_once() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path().join("m");
+    let (manifest, bytes) = layered_packed_model(&dir, 5, 128);
+    let store = reading_store(2);
+    let id = store.open_model(&dir).unwrap();
+    let m = store.model(id).unwrap();
+    let pool = store
+        .read_ahead_stats()
+        .expect("a model with bodies sizes the pool");
+    let rooms: Vec<u64> = manifest
+        .pages
+        .iter()
+        .map(|p| p.vpack().unwrap().len.next_multiple_of(16 << 10))
+        .collect();
+    // Pages are in manifest order, two to a layer.
+    let layer = rooms
+        .chunks(2)
+        .map(|l| l.iter().sum::<u64>())
+        .max()
+        .unwrap();
+    assert_eq!(
+        pool.capacity_bytes,
+        2 * layer + rooms.iter().max().unwrap(),
+        "two layers of bodies and the largest body"
+    );
+    // In the order the engine would lease them: layer by layer.
+    let order: Vec<u32> = (0..5)
+        .flat_map(|l| {
+            ["up", "down"].map(|w| {
+                manifest
+                    .page(&format!("model.layers.{l}.mlp.{w}_proj.weight"))
+                    .unwrap()
+                    .id
+            })
+        })
+        .collect();
+    store.read_ahead(id, &order);
+    // Room for the first bodies (two layers and one more); the rest wait for room.
+    let fit = rooms
+        .iter()
+        .scan(0, |used, r| {
+            *used += r;
+            Some(*used <= pool.capacity_bytes)
+        })
+        .take_while(|&f| f)
+        .count();
+    assert!((5..order.len()).contains(&fit), "{fit}");
+    assert_eq!(store.read_ahead_stats().unwrap().held, fit as u64);
+    // Naming them again reads nothing twice.
+    store.read_ahead(id, &order);
+    assert_eq!(store.read_ahead_stats().unwrap().held, fit as u64);
+    for &p in &order {
+        assert_eq!(
+            store.acquire(id, p).unwrap().bytes(),
+            bytes[p as usize].as_slice()
+        );
+    }
+    let s = store.read_ahead_stats().unwrap();
+    assert_eq!(
+        (s.taken, s.dropped, s.held),
+        (order.len() as u64, 0, 0),
+        "{s:?}"
+    );
+    let bodies: u64 = manifest.pages.iter().map(|p| p.vpack().unwrap().len).sum();
+    let t = m.primary_stats();
+    assert_eq!(t.bytes, bodies, "each body read once: {t:?}");
+    assert_eq!(t.integrity_failures, 0);
+}
+
+/// A body read ahead is verified like any copy: one changed on disk before it was
+/// read ahead decodes to the wrong bytes (or not at all) and is refused, the raw
+/// bytes serve the page, and the failure is counted on the tier.
+#[test]
+fn a_damaged_body_read_ahead_is_refused_and_the_raw_bytes_serve() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path().join("m");
+    let (manifest, bytes) = layered_packed_model(&dir, 2, 64);
+    let hurt = manifest.page("model.layers.0.mlp.up_proj.weight").unwrap();
+    let body = hurt.vpack().unwrap();
+    let pack = dir.join(&body.file);
+    let mut all = std::fs::read(&pack).unwrap();
+    all[(body.offset + body.len - 5) as usize] ^= 0x10;
+    std::fs::write(&pack, all).unwrap();
+    let store = reading_store(2);
+    let id = store.open_model(&dir).unwrap();
+    let ids: Vec<u32> = manifest.pages.iter().map(|p| p.id).collect();
+    store.read_ahead(id, &ids);
+    for &p in &ids {
+        assert_eq!(
+            store.acquire(id, p).unwrap().bytes(),
+            bytes[p as usize].as_slice()
+        );
+    }
+    assert_eq!(store.read_ahead_stats().unwrap().taken, ids.len() as u64);
+    assert_eq!(
+        store.model(id).unwrap().primary_stats().integrity_failures,
+        1
+    );
+}
+
+/// With no room configured, or no reader threads to read with, there is no pool and
+/// `read_ahead` reads nothing: each body is read when its page loads.
+#[test]
+fn no_room_or_no_readers_reads_nothing_ahead() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path().join("m");
+    let (manifest, bytes) = layered_packed_model(&dir, 2, 64);
+    let ids: Vec<u32> = manifest.pages.iter().map(|p| p.id).collect();
+    let no_readers = Store::new(StoreConfig {
+        cache_bytes: 8 << 20,
+        io: vpaged::store::IoConfig {
+            read_threads: 0,
+            ..Default::default()
+        },
+        ..Default::default()
+    })
+    .unwrap();
+    for store in [reading_store(0), no_readers] {
+        let id = store.open_model(&dir).unwrap();
+        store.read_ahead(id, &ids);
+        assert!(store.read_ahead_stats().is_none());
+        assert_eq!(store.model(id).unwrap().primary_stats().bytes, 0);
+        for &p in &ids {
+            assert_eq!(
+                store.acquire(id, p).unwrap().bytes(),
+                bytes[p as usize].as_slice()
+            );
+        }
+    }
 }

@@ -18,6 +18,11 @@ use super::plan::PagePlan;
 use super::weights::Leased;
 use crate::VoomError;
 
+/// Layers past the hinted ones whose pages the sweep names to the source's read-ahead
+/// ([`PageSource::read_ahead`]): the source reads as many of their bodies as its room
+/// holds, so this only needs to name more than any room holds.
+pub const READ_AHEAD_LAYERS: usize = 4;
+
 /// How much of a layer is leased at a time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LeaseScope {
@@ -120,6 +125,7 @@ impl<'a> Sweep<'a> {
     /// layer, then the one newly inside the window; past the last layer, the tail's
     /// pages) and leases the layer whole when the scope is [`LeaseScope::Layer`].
     pub fn layer(&self, li: usize) -> Result<LayerLease<'_>, VoomError> {
+        self.read_ahead(li + 1);
         self.hint_ahead(li);
         let whole = match self.scope {
             LeaseScope::Layer => Some(self.acquire(self.plan.layers[li].ids())?),
@@ -140,6 +146,7 @@ impl<'a> Sweep<'a> {
     /// tail's pages to lease first (all of them, or the first batch of a head stored
     /// in parts).
     pub fn tail(&self, ids: &[PageId]) -> Result<Leased, VoomError> {
+        self.read_ahead(self.plan.layers.len() + 1);
         for layer in self.plan.layers.iter().take(self.depth) {
             self.source.prefetch(layer.ids());
         }
@@ -150,6 +157,35 @@ impl<'a> Sweep<'a> {
     /// batched.
     pub fn finish(self) {
         self.source.flush();
+    }
+
+    /// Names to the source the pages of the stages from `from` on, through
+    /// [`READ_AHEAD_LAYERS`] past the hinted ones, in the order they will be leased
+    /// (stage `n` is the tail, past it the next pass's layers): a source that reads
+    /// encoded bodies ahead of their slots reads what its room allows
+    /// ([`PageSource::read_ahead`]). Those the hints name are included, first, so that
+    /// their bodies are read before later ones.
+    fn read_ahead(&self, from: usize) {
+        if self.depth == 0 {
+            return;
+        }
+        let layers = &self.plan.layers;
+        let n = layers.len();
+        let last = from + self.depth + READ_AHEAD_LAYERS;
+        let mut ids = Vec::new();
+        for t in from..last {
+            match t.cmp(&n) {
+                std::cmp::Ordering::Less => ids.extend_from_slice(layers[t].ids()),
+                std::cmp::Ordering::Equal => ids.extend_from_slice(self.plan.tail.ids()),
+                std::cmp::Ordering::Greater => match layers.get(t - n - 1) {
+                    Some(l) => ids.extend_from_slice(l.ids()),
+                    None => break,
+                },
+            }
+        }
+        if !ids.is_empty() {
+            self.source.read_ahead(&ids);
+        }
     }
 
     fn hint_ahead(&self, li: usize) {

@@ -121,6 +121,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
                     prefetch_depth: None,
                     read_threads: None,
                     read_piece: None,
+                    read_ahead_layers: None,
                     memory_budget: None,
                     memory_mapped: false,
                     cache_budget: None,

@@ -60,6 +60,11 @@ pub struct EngineArgs {
     /// [env: VOOM_READ_PIECE] [default: 2MiB].
     #[arg(long, value_parser = profile::parse_size)]
     pub read_piece: Option<u64>,
+    /// Decoder layers of vpack bodies an in-process page cache reads ahead of their
+    /// pages' slots, while earlier ones decode (the largest layer's bodies each, set
+    /// aside from the budget; 0: none) [env: VOOM_READ_AHEAD_LAYERS] [default: 2].
+    #[arg(long)]
+    pub read_ahead_layers: Option<usize>,
     /// Memory for the whole process, e.g. 4GiB: the memory planner sets aside KV,
     /// scratch, read buffers and the process, and memory-maps the model if it fits,
     /// else pins what saves the most reads in a page cache of the rest and streams
@@ -134,6 +139,7 @@ fn read_io(s: &Settings) -> Result<vpaged::store::IoConfig> {
     Ok(vpaged::store::IoConfig {
         read_threads: s.read_threads,
         read_piece: s.read_piece as usize,
+        read_ahead_layers: s.read_ahead_layers,
         ..vpaged::store::IoConfig::default()
     })
 }
@@ -157,6 +163,7 @@ impl EngineArgs {
             prefetch_depth: self.prefetch_depth,
             read_threads: self.read_threads,
             read_piece: self.read_piece,
+            read_ahead_layers: self.read_ahead_layers,
             kv_budget: self.kv_budget,
             max_context: self.max_context,
             threads: self.threads,
@@ -678,6 +685,7 @@ pub fn result_json(
             "prefetch_loads": p.prefetch_loads,
             "prefetch_skipped": p.prefetch_skipped,
             "unused_evictions": p.unused_evictions,
+            "bodies_read_ahead": p.bodies_read_ahead,
             // Bytes read from each tier in this generation.
             "bytes_read": {
                 "fast_tier": p.fast_tier_bytes,

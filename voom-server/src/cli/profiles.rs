@@ -128,6 +128,7 @@ fn print_text(r: &Resolved) -> std::io::Result<()> {
         ("prefetch_depth", s.prefetch_depth.to_string()),
         ("read_threads", s.read_threads.to_string()),
         ("read_piece", profile::format_size(s.read_piece)),
+        ("read_ahead_layers", s.read_ahead_layers.to_string()),
         ("kv_budget", size(s.kv_budget)),
         ("max_context", opt(s.max_context.map(|v| v.to_string()))),
         ("threads", s.threads.to_string()),

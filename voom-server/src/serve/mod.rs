@@ -257,6 +257,11 @@ async fn metrics_text(State(app): State<Arc<App>>) -> Response {
                 "Prefetched pages evicted before their request (each one read twice).",
             ),
             (
+                "voom_page_cache_bodies_read_ahead".to_string(),
+                c.bodies_read_ahead as f64,
+                "Pages decoded from a vpack body read ahead of their load.",
+            ),
+            (
                 "voom_tier_fast_read_bytes".to_string(),
                 c.fast_tier_bytes as f64,
                 "Bytes read from the fast tier.",

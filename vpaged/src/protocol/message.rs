@@ -16,14 +16,14 @@ use crate::PageId;
 pub const PROTOCOL_MAJOR: u16 = 1;
 /// Protocol minor version: additions that older peers of the same major can ignore
 /// (new messages are only sent to a peer that announced a minor that knows them).
-pub const PROTOCOL_MINOR: u16 = 4;
+pub const PROTOCOL_MINOR: u16 = 5;
 /// The version this build speaks.
 pub const PROTOCOL_VERSION: Version = Version {
     major: PROTOCOL_MAJOR,
     minor: PROTOCOL_MINOR,
 };
 
-/// Frame flag (since 1.2), allowed on `Prefetch` and `Release` only: the sender wants
+/// Frame flag (since 1.2), allowed on `Prefetch`, `Release` and `ReadAhead` only: the sender wants
 /// no `Ack`. The server still answers a failure with an `Error` frame carrying the
 /// request id.
 pub const FLAG_NO_REPLY: u16 = 0x0001;
@@ -61,6 +61,7 @@ pub mod msg_type {
     pub const MANIFEST_PATH: u16 = 0x000A;
     pub const PIN: u16 = 0x000B;
     pub const KEEP_FAST: u16 = 0x000C;
+    pub const READ_AHEAD: u16 = 0x000D;
     pub const ERROR: u16 = 0x8000;
     pub const WELCOME: u16 = 0x8001;
     pub const MODEL_OPENED: u16 = 0x8002;
@@ -187,6 +188,13 @@ pub enum Message {
         model: ModelId,
         pages: Vec<PageId>,
     },
+    /// Hint (since 1.5): these pages follow the prefetched ones, in this order; read
+    /// their encoded bodies ahead of their cache slots as far as there is room.
+    /// Reply: `Ack` once queued.
+    ReadAhead {
+        model: ModelId,
+        pages: Vec<PageId>,
+    },
     /// Drop one lease on each of these pages. Reply: `Ack` or `Error`.
     Release {
         model: ModelId,
@@ -276,6 +284,7 @@ impl Message {
             Message::OpenModel { .. } => OPEN_MODEL,
             Message::Acquire { .. } => ACQUIRE,
             Message::Prefetch { .. } => PREFETCH,
+            Message::ReadAhead { .. } => READ_AHEAD,
             Message::Release { .. } => RELEASE,
             Message::Stats => STATS,
             Message::Close => CLOSE,
@@ -319,6 +328,7 @@ impl Message {
             }
             Message::Acquire { model, pages }
             | Message::Prefetch { model, pages }
+            | Message::ReadAhead { model, pages }
             | Message::Release { model, pages }
             | Message::Pin { model, pages } => {
                 w.u32(model.0);
@@ -425,7 +435,7 @@ impl Message {
             });
         };
         let allowed = match frame.msg_type {
-            PREFETCH | RELEASE => FLAG_NO_REPLY,
+            PREFETCH | RELEASE | READ_AHEAD => FLAG_NO_REPLY,
             _ => 0,
         };
         if frame.flags & !allowed != 0 {
@@ -453,7 +463,7 @@ impl Message {
                 check_path(name, &path)?;
                 Message::OpenModel { path }
             }
-            ACQUIRE | PREFETCH | RELEASE | PIN => {
+            ACQUIRE | PREFETCH | RELEASE | PIN | READ_AHEAD => {
                 let model = ModelId(r.u32("model")?);
                 let n = r.count("pages", 4)?;
                 let mut pages = Vec::with_capacity(n);
@@ -463,6 +473,7 @@ impl Message {
                 match frame.msg_type {
                     ACQUIRE => Message::Acquire { model, pages },
                     PREFETCH => Message::Prefetch { model, pages },
+                    READ_AHEAD => Message::ReadAhead { model, pages },
                     PIN => Message::Pin { model, pages },
                     _ => Message::Release { model, pages },
                 }
@@ -573,6 +584,7 @@ pub fn type_name(t: u16) -> Option<&'static str> {
         MANIFEST_PATH => "ManifestPath",
         PIN => "Pin",
         KEEP_FAST => "KeepFast",
+        READ_AHEAD => "ReadAhead",
         MANIFEST_AT => "ManifestAt",
         ERROR => "Error",
         WELCOME => "Welcome",
