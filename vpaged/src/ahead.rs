@@ -40,7 +40,8 @@ pub const STALE_ROUNDS: u64 = 64;
 pub struct ReadAhead {
     buf: AlignedBuf,
     state: Mutex<State>,
-    landed: Condvar,
+    /// Signalled when a body lands or its room is freed.
+    changed: Condvar,
 }
 
 struct State {
@@ -48,6 +49,8 @@ struct State {
     bodies: HashMap<PageKey, Body>,
     /// Read-ahead calls so far.
     round: u64,
+    /// Bodies reserved so far: a later one lies further ahead in the engine's order.
+    seq: u64,
     /// Bodies taken by a load (read ahead and used).
     taken: u64,
     /// Bodies dropped unused (stale, or failed reads).
@@ -60,6 +63,7 @@ struct Body {
     len: usize,
     state: BodyState,
     round: u64,
+    seq: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -106,11 +110,12 @@ impl ReadAhead {
                 alloc: SlotAllocator::new(units as u32),
                 bodies: HashMap::new(),
                 round: 0,
+                seq: 0,
                 taken: 0,
                 dropped: 0,
             }),
             buf,
-            landed: Condvar::new(),
+            changed: Condvar::new(),
         }
     }
 
@@ -167,7 +172,57 @@ impl ReadAhead {
                 st.alloc.alloc(units).ok_or(Refused::NoRoom)?
             }
         };
-        let round = st.round;
+        Ok(self.insert(&mut st, key, unit, units, len))
+    }
+
+    /// Room for the body of `key` that a load is about to read itself (it was not
+    /// read ahead): made by dropping bodies read ahead but not taken, those furthest
+    /// ahead first (they are read again when named again), and otherwise waiting
+    /// for bodies being read or decoded to land or be freed, which needs nothing
+    /// from the caller, so it always comes. `None` when the body is larger than the
+    /// pool, or the pool holds `key` after all (read ahead meanwhile: take it). The
+    /// caller must hold no body of this pool while it waits here.
+    pub fn reserve_for_load(self: &Arc<Self>, key: PageKey, len: usize) -> Option<Landing> {
+        if len == 0 || len > self.buf.capacity() {
+            return None;
+        }
+        let units = len.div_ceil(UNIT) as u32;
+        let mut st = self.lock();
+        loop {
+            if st.bodies.contains_key(&key) {
+                return None;
+            }
+            if let Some(unit) = st.alloc.alloc(units) {
+                return Some(self.insert(&mut st, key, unit, units, len));
+            }
+            let furthest = st
+                .bodies
+                .iter()
+                .filter(|(_, b)| matches!(b.state, BodyState::Ready | BodyState::Failed))
+                .max_by_key(|(_, b)| b.seq)
+                .map(|(k, _)| *k);
+            match furthest {
+                Some(k) => {
+                    let b = st.bodies.remove(&k).expect("present");
+                    st.alloc.free(b.unit, b.units);
+                    st.dropped += 1;
+                }
+                None => st = self.changed.wait(st).unwrap_or_else(|e| e.into_inner()),
+            }
+        }
+    }
+
+    /// Holds `key`'s body, being read, in `units` units from `unit`.
+    fn insert(
+        self: &Arc<Self>,
+        st: &mut State,
+        key: PageKey,
+        unit: u32,
+        units: u32,
+        len: usize,
+    ) -> Landing {
+        st.seq += 1;
+        let (round, seq) = (st.round, st.seq);
         st.bodies.insert(
             key,
             Body {
@@ -176,18 +231,19 @@ impl ReadAhead {
                 len,
                 state: BodyState::Reading,
                 round,
+                seq,
             },
         );
         // SAFETY: `unit * UNIT + len` lies inside the buffer (the allocator hands out
         // units below `units`, and the buffer holds all of them).
         let ptr = unsafe { self.buf.as_ptr().add(unit as usize * UNIT) };
-        Ok(Landing {
+        Landing {
             ahead: Arc::clone(self),
             key,
             ptr,
             len,
             done: false,
-        })
+        }
     }
 
     /// Drops bodies that are ready, untaken and older than [`STALE_ROUNDS`] rounds.
@@ -220,20 +276,20 @@ impl ReadAhead {
             };
         }
         drop(st);
-        self.landed.notify_all();
+        self.changed.notify_all();
     }
 
     /// The body of `key`, if one was read ahead: waits while its read is in flight.
     /// `None` when none is held, or its read failed (it is dropped then: the caller
     /// reads the body itself). The body's room is freed when the returned guard
     /// drops.
-    pub fn take(&self, key: PageKey) -> Option<TakenBody<'_>> {
+    pub fn take(self: &Arc<Self>, key: PageKey) -> Option<TakenBody> {
         let mut st = self.lock();
         loop {
             let state = st.bodies.get(&key)?.state;
             match state {
                 BodyState::Reading => {
-                    st = self.landed.wait(st).unwrap_or_else(|e| e.into_inner());
+                    st = self.changed.wait(st).unwrap_or_else(|e| e.into_inner());
                 }
                 BodyState::Taken => return None,
                 BodyState::Failed => {
@@ -247,20 +303,38 @@ impl ReadAhead {
                     b.state = BodyState::Taken;
                     let (unit, len) = (b.unit, b.len);
                     st.taken += 1;
-                    // SAFETY: the body's bytes were written by its read, which has
-                    // landed; while it is `Taken` nothing writes them or hands them
-                    // out again, until the guard frees them.
-                    let bytes = unsafe {
-                        std::slice::from_raw_parts(self.buf.as_ptr().add(unit as usize * UNIT), len)
-                    };
-                    return Some(TakenBody {
-                        ahead: self,
-                        key,
-                        bytes,
-                    });
+                    return Some(self.taken_body(key, unit, len));
                 }
             }
         }
+    }
+
+    fn taken_body(self: &Arc<Self>, key: PageKey, unit: u32, len: usize) -> TakenBody {
+        // SAFETY: `unit * UNIT + len` lies inside the buffer (as in `insert`).
+        let ptr = unsafe { self.buf.as_ptr().add(unit as usize * UNIT) };
+        TakenBody {
+            ahead: Arc::clone(self),
+            key,
+            ptr,
+            len,
+        }
+    }
+
+    /// A load's own read of `key`'s body landed: taken by it at once (no other
+    /// load may drop it first), or, if the read failed, freed.
+    fn land_taken(self: &Arc<Self>, key: PageKey, ok: bool) -> Option<TakenBody> {
+        let mut st = self.lock();
+        let b = st.bodies.get_mut(&key)?;
+        if !ok {
+            let b = st.bodies.remove(&key).expect("present");
+            st.alloc.free(b.unit, b.units);
+            drop(st);
+            self.changed.notify_all();
+            return None;
+        }
+        b.state = BodyState::Taken;
+        let (unit, len) = (b.unit, b.len);
+        Some(self.taken_body(key, unit, len))
     }
 
     fn free(&self, key: PageKey) {
@@ -268,6 +342,8 @@ impl ReadAhead {
         if let Some(b) = st.bodies.remove(&key) {
             st.alloc.free(b.unit, b.units);
         }
+        drop(st);
+        self.changed.notify_all();
     }
 }
 
@@ -306,6 +382,13 @@ impl Landing {
         self.done = true;
         self.ahead.land(self.key, ok);
     }
+
+    /// The caller's own read finished (room from [`ReadAhead::reserve_for_load`]):
+    /// the body, taken by the caller; `None` (its room freed) if the read failed.
+    pub fn land_taken(mut self, ok: bool) -> Option<TakenBody> {
+        self.done = true;
+        self.ahead.land_taken(self.key, ok)
+    }
 }
 
 impl Drop for Landing {
@@ -317,20 +400,30 @@ impl Drop for Landing {
 }
 
 /// A body taken from the pool; its room is freed when this drops.
-pub struct TakenBody<'a> {
-    ahead: &'a ReadAhead,
+pub struct TakenBody {
+    ahead: Arc<ReadAhead>,
     key: PageKey,
-    bytes: &'a [u8],
+    ptr: *const u8,
+    len: usize,
 }
 
-impl std::ops::Deref for TakenBody<'_> {
+// SAFETY: the body's bytes are only read, and stay unchanged while it is `Taken`
+// (nothing writes or hands out its room until this drops); the `Arc` keeps the
+// pool alive.
+unsafe impl Send for TakenBody {}
+// SAFETY: as above: `&TakenBody` only yields `&[u8]`.
+unsafe impl Sync for TakenBody {}
+
+impl std::ops::Deref for TakenBody {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        self.bytes
+        // SAFETY: `ptr..ptr + len` is the body's room, written by its read (which
+        // landed before this was made) and unchanged while this lives.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
 }
 
-impl Drop for TakenBody<'_> {
+impl Drop for TakenBody {
     fn drop(&mut self) {
         self.ahead.free(self.key);
     }
@@ -419,5 +512,46 @@ mod tests {
             "stale: dropped for room"
         );
         assert!(!pool.holds(key(1)));
+    }
+
+    #[test]
+    fn room_for_a_load_drops_the_bodies_furthest_ahead_first() {
+        let pool = Arc::new(ReadAhead::new(4 * UNIT));
+        for k in 1..=3 {
+            pool.reserve(key(k), UNIT).unwrap().land(true);
+        }
+        let mine = pool.reserve_for_load(key(9), 2 * UNIT).expect("room made");
+        assert!(pool.holds(key(1)) && pool.holds(key(2)));
+        assert!(!pool.holds(key(3)), "the furthest ahead goes first");
+        let body = mine.land_taken(true).expect("taken at once");
+        assert_eq!(body.len(), 2 * UNIT);
+        assert!(pool.take(key(9)).is_none(), "the load's own");
+        drop(body);
+        assert!(!pool.holds(key(9)));
+        assert!(
+            pool.reserve_for_load(key(8), 5 * UNIT).is_none(),
+            "larger than the pool"
+        );
+        let failed = pool.reserve_for_load(key(7), UNIT).unwrap();
+        assert!(failed.land_taken(false).is_none());
+        assert!(!pool.holds(key(7)), "a failed read frees its room");
+    }
+
+    #[test]
+    fn room_for_a_load_waits_for_reads_in_flight_and_bodies_decoding() {
+        let pool = Arc::new(ReadAhead::new(2 * UNIT));
+        let reading = pool.reserve(key(1), UNIT).unwrap();
+        pool.reserve(key(2), UNIT).unwrap().land(true);
+        let decoding = pool.take(key(2)).unwrap();
+        let p = Arc::clone(&pool);
+        let load = std::thread::spawn(move || p.reserve_for_load(key(5), 2 * UNIT).is_some());
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(!load.is_finished(), "nothing can be dropped yet");
+        reading.land(true);
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(!load.is_finished(), "one body is still decoding");
+        drop(decoding);
+        assert!(load.join().unwrap());
+        assert!(!pool.holds(key(1)), "dropped once it landed");
     }
 }

@@ -40,6 +40,11 @@ pub struct PageLoader<'a> {
     /// load: [`crate::ahead`]): decoded and verified like a body read now, in its
     /// place; if it fails, the load goes on as if it were not there.
     pub body: Option<&'a [u8]>,
+    /// Whether a body not given in `body` may be read into this thread's own
+    /// buffer. A store whose bodies all go through its pool of bodies read ahead
+    /// sets none aside for threads: a packed copy it has not read there is skipped,
+    /// and the raw bytes are read instead.
+    pub own_body_buffers: bool,
 }
 
 impl PageLoader<'_> {
@@ -87,8 +92,11 @@ impl PageLoader<'_> {
         };
         let copy = self.nas.map(|t| (Served::Nas, Location::Nas(t)));
         for (k, (served, loc)) in std::iter::once(own).chain(copy).enumerate() {
-            if let Some(p) = &packed {
-                let read_ahead = self.body.filter(|_| k == 0);
+            let read_ahead = self.body.filter(|_| k == 0);
+            let packed = packed
+                .as_ref()
+                .filter(|_| read_ahead.is_some() || self.own_body_buffers);
+            if let Some(p) = packed {
                 let loaded = match read_ahead {
                     Some(body) => loc.unpack(entry, p, body, buf, self.seals),
                     None => loc.load_packed(entry, p, buf, self.seals),
@@ -419,6 +427,7 @@ mod tests {
             nas: None,
             seals: &Seals::new(2),
             body: None,
+            own_body_buffers: true,
         };
         let a = f.manifest.page("a").unwrap();
         let mut buf = vec![0u8; a.len as usize];
@@ -453,6 +462,7 @@ mod tests {
             nas: Some(&nas),
             seals: &Seals::new(2),
             body: None,
+            own_body_buffers: true,
         };
         let a = f.manifest.page("a").unwrap();
         let mut buf = vec![0u8; a.len as usize];
@@ -528,6 +538,7 @@ mod tests {
             nas: Some(&copy),
             seals: &Seals::new(2),
             body: None,
+            own_body_buffers: true,
         };
         let b = f.manifest.page("b").unwrap();
         flip(&f.primary_dir.join("model.safetensors"), b.offset);
@@ -555,6 +566,7 @@ mod tests {
             nas: Some(&fresh),
             seals: &Seals::new(2),
             body: None,
+            own_body_buffers: true,
         };
         let e = loader.load(b, &mut buf).unwrap_err();
         assert!(matches!(e, StoreError::Unavailable { .. }), "{e}");
@@ -574,6 +586,7 @@ mod tests {
                 nas: None,
                 seals: &seals,
                 body: None,
+                own_body_buffers: true,
             };
             let b = f.manifest.page("b").unwrap();
             let mut buf = vec![0u8; b.len as usize];
@@ -620,6 +633,7 @@ mod tests {
                 nas: None,
                 seals: &Seals::new(2),
                 body: None,
+                own_body_buffers: true,
             };
             let mut buf = vec![0u8; a.len as usize];
             loader.load(&a, &mut buf).unwrap();
@@ -635,6 +649,7 @@ mod tests {
             nas: None,
             seals: &Seals::new(2),
             body: None,
+            own_body_buffers: true,
         };
         let mut buf = vec![0u8; a.len as usize];
         let e = loader.load(&a, &mut buf).unwrap_err().to_string();
@@ -659,6 +674,7 @@ mod tests {
             nas: None,
             seals: &Seals::new(2),
             body: None,
+            own_body_buffers: true,
         };
         let b = f.manifest.page("b").unwrap();
         let mut buf = vec![0u8; b.len as usize];

@@ -111,10 +111,11 @@ impl IoConfig {
     /// The most memory the store's own read buffers hold at once, besides the cache:
     /// a bounce buffer per reader (one piece and its alignment margins, for direct
     /// reads; one reader when reads run on the requesting thread), and for a model
-    /// with vpack bodies (its `manifest`), a body on each prefetch thread and on the
-    /// requesting thread as it is read and decoded: the largest bodies, one each (a
-    /// page loads on one thread at a time), and the pool of bodies read ahead
-    /// ([`IoConfig::read_ahead_bytes`]).
+    /// with vpack bodies (its `manifest`) the pool of bodies read ahead
+    /// ([`IoConfig::read_ahead_bytes`]), through which every body is then read (a
+    /// load makes room there for one not read ahead); without a pool, a body on each
+    /// prefetch thread and on the requesting thread as it is read and decoded: the
+    /// largest bodies, one each (a page loads on one thread at a time).
     pub fn buffer_bytes(&self, manifest: Option<&Manifest>) -> u64 {
         let align = crate::direct::DIRECT_ALIGN as u64;
         let bounce = self.read_piece as u64 + 2 * align;
@@ -127,8 +128,12 @@ impl IoConfig {
             })
             .unwrap_or_default();
         bodies.sort_unstable_by(|a, b| b.cmp(a));
-        let decoding: u64 = bodies.iter().take(self.prefetch_threads + 1).sum();
         let ahead = manifest.map_or(0, |m| self.read_ahead_bytes(m)) as u64;
+        let decoding: u64 = if ahead > 0 {
+            0
+        } else {
+            bodies.iter().take(self.prefetch_threads + 1).sum()
+        };
         self.read_threads.max(1) as u64 * bounce + decoding + ahead
     }
 
@@ -904,16 +909,18 @@ impl Store {
                 ),
             });
         }
-        let staged = self
-            .ahead
-            .get()
-            .and_then(|a| a.take(PageKey { model: m.id, page }));
+        let ahead = self.ahead.get();
+        let (staged, own_body_buffers) = match ahead {
+            Some(a) => self.body_in_pool(a, m, page),
+            None => (None, true),
+        };
         let loader = PageLoader {
             fast: self.fast.as_ref(),
             primary: &m.primary,
             nas: m.nas.as_ref(),
             seals: &m.seals,
             body: staged.as_deref(),
+            own_body_buffers,
         };
         let served = loader.load(entry, buf);
         if staged.is_some() {
@@ -933,6 +940,57 @@ impl Store {
             self.keep_fast(m, page, buf);
         }
         Ok(())
+    }
+
+    /// The vpack body of `page` in the pool `a`, for a store whose bodies all go
+    /// through it: the body read ahead (waiting while it is read), else read now,
+    /// on this thread, into room the pool makes for it
+    /// ([`ReadAhead::reserve_for_load`]). Also whether the loader may read a body
+    /// into a buffer of its own after all: only when this read failed, so the
+    /// loader's own read reports what is wrong (an error path: its buffer is
+    /// freed after). A page with no body on the model's own files (none, a model
+    /// on a NAS), one staged on the fast tier, or a body larger than the pool gets
+    /// none: the loader reads the raw bytes.
+    fn body_in_pool(
+        &self,
+        a: &Arc<ReadAhead>,
+        m: &OpenModel,
+        page: u32,
+    ) -> (Option<crate::ahead::TakenBody>, bool) {
+        let key = PageKey { model: m.id, page };
+        if let Some(body) = a.take(key) {
+            return (Some(body), false);
+        }
+        let entry = &m.manifest.pages[page as usize];
+        let (Some(body), ModelTier::File(tier)) = (entry.vpack(), &m.primary) else {
+            return (None, false);
+        };
+        if self
+            .fast
+            .as_ref()
+            .is_some_and(|f| f.contains(&entry.blake3))
+        {
+            return (None, false);
+        }
+        let Ok(len) = usize::try_from(body.len) else {
+            return (None, false);
+        };
+        let Some(landing) = a.reserve_for_load(key, len) else {
+            // Read ahead meanwhile (take it), or larger than the pool (none).
+            return (a.take(key), false);
+        };
+        let ext = crate::tier::Extent {
+            file: body.file.clone(),
+            offset: body.offset,
+            len: body.len,
+        };
+        // SAFETY: the landing's room is this thread's alone until it lands, below.
+        let room = unsafe { std::slice::from_raw_parts_mut(landing.ptr(), landing.len()) };
+        let ok = tier.read_extent(&ext, room).is_ok();
+        match landing.land_taken(ok) {
+            Some(body) => (Some(body), false),
+            None => (None, true),
+        }
     }
 
     /// Keeps a copy of a verified page on the fast tier when it is in the model's
@@ -2683,7 +2741,8 @@ mod tests {
 
     /// The read buffers: a bounce buffer per reader, the largest vpack bodies, one
     /// for each thread that may decode one at once, and the pool of bodies read
-    /// ahead: two of the largest layer's bodies and its largest body.
+    /// ahead (two of the largest layer's bodies and its largest body), in place of
+    /// the largest bodies.
     #[test]
     fn read_buffers_count_readers_the_largest_bodies_and_the_read_ahead() {
         let io = IoConfig {
@@ -2741,7 +2800,8 @@ mod tests {
         assert_eq!(io.read_ahead_bytes(&layered), (2 * 432 + 320) << 10);
         assert_eq!(
             io.buffer_bytes(Some(&layered)),
-            4 * bounce + (320 << 10) + (208 << 10) + ((2 * 432 + 320) << 10)
+            4 * bounce + ((2 * 432 + 320) << 10),
+            "with a pool, bodies are read nowhere else"
         );
         let off = IoConfig {
             read_ahead_layers: 0,

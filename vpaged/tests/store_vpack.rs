@@ -350,3 +350,51 @@ fn no_room_or_no_readers_reads_nothing_ahead() {
         }
     }
 }
+
+/// A store with a pool reads every body there: a load of a page not read ahead makes
+/// room for its body in the pool (dropping nothing it needs) and reads it once, and a
+/// page whose body is larger than the pool is read raw, with no buffer for the body
+/// anywhere: the bytes are the manifest's either way.
+#[test]
+fn loads_not_read_ahead_read_their_body_into_the_pool_or_else_the_raw_bytes() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path().join("m");
+    std::fs::create_dir_all(&dir).unwrap();
+    let (small, big) = (weights(64 * 256, 7), weights(1024 * 256, 8));
+    voom_formats::safetensors::write(
+        &dir.join("model.safetensors"),
+        &[
+            (
+                "model.layers.0.mlp.up_proj.weight",
+                DType::BF16,
+                &[64, 256],
+                &small,
+            ),
+            ("lm_head.weight", DType::BF16, &[1024, 256], &big),
+        ],
+        &BTreeMap::new(),
+    )
+    .unwrap();
+    vpagectl(&["hash"], &dir);
+    vpagectl(&["pack"], &dir);
+    let manifest = Manifest::load(&dir).unwrap().unwrap();
+    let (up, head) = (
+        manifest.page("model.layers.0.mlp.up_proj.weight").unwrap(),
+        manifest.page("lm_head.weight").unwrap(),
+    );
+    let store = reading_store(1);
+    let id = store.open_model(&dir).unwrap();
+    let pool = store.read_ahead_stats().unwrap();
+    assert!(head.vpack().unwrap().len > pool.capacity_bytes, "{pool:?}");
+    let m = store.model(id).unwrap();
+    assert_eq!(store.acquire(id, up.id).unwrap().bytes(), small.as_slice());
+    assert_eq!(m.primary_stats().bytes, up.vpack().unwrap().len, "its body");
+    assert_eq!(store.acquire(id, head.id).unwrap().bytes(), big.as_slice());
+    assert_eq!(
+        m.primary_stats().bytes,
+        up.vpack().unwrap().len + head.len,
+        "the raw bytes of a page whose body the pool cannot hold"
+    );
+    let s = store.read_ahead_stats().unwrap();
+    assert_eq!((s.taken, s.held), (0, 0), "{s:?}");
+}
