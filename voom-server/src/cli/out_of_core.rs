@@ -242,7 +242,7 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
             .zip(dev_before)
             .map(|(after, before)| after.since(&before));
         // And just after it: the device's bandwidth drifts over minutes on shared
-        // storage (measured here: the same reads at 1.0 and 3.0 GB/s an hour apart),
+        // storage (measured here: the same reads at 1.0 and 3.0 GB/s within half an hour),
         // so the run is held to the mean of the bandwidths around it.
         let _ = cgroup::drop_page_cache();
         let after = direct::read_bandwidth(&files, 1 << 30, bw.chunk, bw.mode, bw.readers)
