@@ -948,9 +948,9 @@ impl Store {
     /// ([`ReadAhead::reserve_for_load`]). Also whether the loader may read a body
     /// into a buffer of its own after all: only when this read failed, so the
     /// loader's own read reports what is wrong (an error path: its buffer is
-    /// freed after). A page with no body on the model's own files (none, a model
-    /// on a NAS), one staged on the fast tier, or a body larger than the pool gets
-    /// none: the loader reads the raw bytes.
+    /// freed after). The body is read from the model's own tier (its directory, local
+    /// or on a NAS). A page with no body, one staged on the fast tier, or a body
+    /// larger than the pool gets none: the loader reads the raw bytes.
     fn body_in_pool(
         &self,
         a: &Arc<ReadAhead>,
@@ -962,7 +962,7 @@ impl Store {
             return (Some(body), false);
         }
         let entry = &m.manifest.pages[page as usize];
-        let (Some(body), ModelTier::File(tier)) = (entry.vpack(), &m.primary) else {
+        let Some(body) = entry.vpack() else {
             return (None, false);
         };
         if self
@@ -986,7 +986,10 @@ impl Store {
         };
         // SAFETY: the landing's room is this thread's alone until it lands, below.
         let room = unsafe { std::slice::from_raw_parts_mut(landing.ptr(), landing.len()) };
-        let ok = tier.read_extent(&ext, room).is_ok();
+        let ok = match &m.primary {
+            ModelTier::File(t) => t.read_extent(&ext, room).is_ok(),
+            ModelTier::Nas(t) => t.read_extent(&ext, room).is_ok(),
+        };
         match landing.land_taken(ok) {
             Some(body) => (Some(body), false),
             None => (None, true),

@@ -398,3 +398,41 @@ fn loads_not_read_ahead_read_their_body_into_the_pool_or_else_the_raw_bytes() {
     let s = store.read_ahead_stats().unwrap();
     assert_eq!((s.taken, s.held), (0, 0), "{s:?}");
 }
+
+/// A packed model on a NAS mount, in a store with a pool: its bodies are read from
+/// the NAS into the pool (the body's bytes, not the raw page's, cross the network),
+/// and the pages are the manifest's bytes.
+#[test]
+fn a_packed_model_on_a_nas_reads_its_bodies_into_the_pool() {
+    let d = tempfile::tempdir().unwrap();
+    let mount = d.path().join("nas");
+    let dir = mount.join("models/m");
+    let (manifest, bytes) = layered_packed_model(&dir, 2, 64);
+    let store = Store::new(StoreConfig {
+        cache_bytes: 8 << 20,
+        nas: vec![vpaged::tier::NasConfig {
+            mount: mount.clone(),
+            model: std::path::PathBuf::new(),
+            timeout: std::time::Duration::from_secs(5),
+            recheck: std::time::Duration::ZERO,
+            remount_command: None,
+        }],
+        ..Default::default()
+    })
+    .unwrap();
+    let id = store.open_model(&dir).unwrap();
+    assert!(store.read_ahead_stats().is_some(), "the pool");
+    let m = store.model(id).unwrap();
+    for p in &manifest.pages {
+        assert_eq!(
+            store.acquire(id, p.id).unwrap().bytes(),
+            bytes[p.id as usize].as_slice()
+        );
+    }
+    let bodies: u64 = manifest.pages.iter().map(|p| p.vpack().unwrap().len).sum();
+    assert_eq!(
+        m.nas_stats().unwrap().bytes,
+        bodies,
+        "bodies, not raw pages"
+    );
+}
