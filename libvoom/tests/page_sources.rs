@@ -357,7 +357,7 @@ fn two_engines_through_the_daemon_give_the_embedded_bits() {
     .into_iter()
     .enumerate()
     {
-        let pinned = through_the_daemon(&d, &dir, &prompt, &reference, cache_bytes, i);
+        let (pinned, _) = through_the_daemon(&d, &dir, &prompt, &reference, cache_bytes, i);
         if i == 1 {
             assert!(pinned > 0, "the planners pinned nothing through the daemon");
             assert!(
@@ -369,7 +369,8 @@ fn two_engines_through_the_daemon_give_the_embedded_bits() {
 }
 
 /// Two engines over a daemon with a cache of `cache_bytes` give `reference`; returns
-/// the bytes the daemon had pinned while they ran.
+/// the bytes the daemon had pinned while they ran, and the vpack bodies its loads
+/// took from its pool of bodies read ahead.
 fn through_the_daemon(
     d: &tempfile::TempDir,
     dir: &Path,
@@ -377,7 +378,7 @@ fn through_the_daemon(
     reference: &(Vec<u32>, Vec<u32>),
     cache_bytes: usize,
     round: usize,
-) -> usize {
+) -> (usize, u64) {
     let store = Store::new(StoreConfig {
         cache_bytes,
         ..Default::default()
@@ -405,7 +406,55 @@ fn through_the_daemon(
     drop(engines);
     let _ = stop.send(());
     h.join().unwrap();
-    pinned
+    (pinned, store.read_ahead_stats().map_or(0, |s| s.taken))
+}
+
+/// vpack pages through the daemon give the raw pages' bits: two engines at once over
+/// a packed copy (every packed page's raw bytes then damaged, so only the bodies can
+/// give those bits), below two layers and with room for the planners' pins, each
+/// engine naming the pages it will need (`ReadAhead`) so the daemon reads their
+/// bodies ahead.
+#[test]
+fn packed_pages_through_the_daemon_give_the_raw_bits() {
+    let (d, dir) = fixture_copy("llama_gqa_untied");
+    let prompt: Vec<u32> = (0..19).map(|i| (i * 13 + 7) % 200).collect();
+    let reference = run(
+        &Engine::open(&dir, EngineOptions::default()).unwrap(),
+        &prompt,
+    );
+    let layer = largest_layer_bytes(&dir);
+    let mut manifest = voom_formats::Manifest::load(&dir).unwrap().unwrap();
+    voom_formats::pack::pack_model(&dir, &mut manifest, &mut |_, _| {}).unwrap();
+    {
+        use std::os::unix::fs::FileExt;
+        for p in manifest.pages.iter().filter(|p| p.vpack().is_some()) {
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(dir.join(&p.file))
+                .unwrap();
+            let mut b = [0u8];
+            f.read_exact_at(&mut b, p.offset + 1).unwrap();
+            f.write_all_at(&[b[0] ^ 0x20], p.offset + 1).unwrap();
+        }
+    }
+    let model_bytes: usize = manifest
+        .pages
+        .iter()
+        .map(|p| (p.len as usize).next_multiple_of(16 << 10))
+        .sum();
+    let window = vpaged::store::streaming_window_bytes(&manifest);
+    let mut read_ahead = 0;
+    for (i, cache_bytes) in [
+        (layer * 3 / 2).next_multiple_of(16 << 10) + (512 << 10),
+        (window + model_bytes / 2).next_multiple_of(16 << 10),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        read_ahead += through_the_daemon(&d, &dir, &prompt, &reference, cache_bytes, i).1;
+    }
+    assert!(read_ahead > 0, "the daemon read no body ahead");
 }
 
 /// A prompt is one sweep of the weights, however many chunks its layers compute it
