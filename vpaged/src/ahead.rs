@@ -84,6 +84,8 @@ pub enum Refused {
     Held,
     /// No run of room is free for it.
     NoRoom,
+    /// It is empty, or larger than the whole pool: it is never held.
+    TooLarge,
 }
 
 /// Counters of a [`ReadAhead`] pool.
@@ -158,7 +160,7 @@ impl ReadAhead {
     /// (or drops): nothing else is handed those bytes while the body is held.
     pub fn reserve(self: &Arc<Self>, key: PageKey, len: usize) -> Result<Landing, Refused> {
         if len == 0 || len > self.buf.capacity() {
-            return Err(Refused::NoRoom);
+            return Err(Refused::TooLarge);
         }
         let units = len.div_ceil(UNIT) as u32;
         let mut st = self.lock();
@@ -334,6 +336,8 @@ impl ReadAhead {
         }
         b.state = BodyState::Taken;
         let (unit, len) = (b.unit, b.len);
+        drop(st);
+        self.changed.notify_all();
         Some(self.taken_body(key, unit, len))
     }
 

@@ -926,7 +926,7 @@ impl Store {
         if staged.is_some() {
             drop(staged);
             if let Ok(m) = self.model(m.id) {
-                self.read_on(&m);
+                self.read_on(&m, page);
             }
         }
         let served = served?;
@@ -947,8 +947,9 @@ impl Store {
     /// on this thread, into room the pool makes for it
     /// ([`ReadAhead::reserve_for_load`]). Also whether the loader may read a body
     /// into a buffer of its own after all: only when this read failed, so the
-    /// loader's own read reports what is wrong (an error path: its buffer is
-    /// freed after). The body is read from the model's own tier (its directory, local
+    /// loader's own read reports what is wrong (an error path; that thread keeps
+    /// its buffer for a later body, up to 64 MiB, as a store without a pool does).
+    /// The body is read from the model's own tier (its directory, local
     /// or on a NAS). A page with no body, one staged on the fast tier, or a body
     /// larger than the pool gets none: the loader reads the raw bytes.
     fn body_in_pool(
@@ -1245,18 +1246,22 @@ impl Store {
         self.read_bodies_ahead(ahead, &m, pages);
     }
 
-    /// Goes on down `m`'s last read-ahead list, after a load took a body from the
-    /// pool and freed its room: the device reads the next body while others decode,
-    /// not only when the engine next names its pages.
-    fn read_on(&self, m: &Arc<OpenModel>) {
+    /// Goes on down `m`'s last read-ahead list, after a load took the body of
+    /// `page` from the pool and freed its room: the device reads the next body while
+    /// others decode, not only when the engine next names its pages. The list is cut
+    /// after `page` first: the pages before it are loaded or loading, and one already
+    /// used and evicted must not be read again.
+    fn read_on(&self, m: &Arc<OpenModel>, page: u32) {
         let Some(ahead) = self.ahead.get() else {
             return;
         };
-        let pages = m
-            .read_ahead
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
+        let pages = {
+            let mut list = m.read_ahead.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(i) = list.iter().position(|&p| p == page) {
+                list.drain(..=i);
+            }
+            list.clone()
+        };
         self.read_bodies_ahead(ahead, m, &pages);
     }
 
@@ -1300,7 +1305,9 @@ impl Store {
             }
             match ahead.reserve(key, len) {
                 Ok(landing) => reads.push((file, body.offset, landing)),
-                Err(Refused::Held) => continue,
+                // A body the pool can never hold is read raw when its page loads;
+                // the bodies after it may still fit.
+                Err(Refused::Held | Refused::TooLarge) => continue,
                 Err(Refused::NoRoom) => break,
             }
         }
@@ -1312,8 +1319,11 @@ impl Store {
         for (file, offset, landing) in reads {
             let follows = run_file.as_ref().is_some_and(|f| Arc::ptr_eq(f, &file))
                 && run.last().is_some_and(|(at, l)| {
+                    // The next body starts past this one's end (bodies of a corrupt
+                    // manifest may overlap: each is then read on its own) and within
+                    // its room.
                     let room = l.len().next_multiple_of(crate::ahead::UNIT) as u64;
-                    offset > *at && offset - *at <= room
+                    offset >= *at + l.len() as u64 && offset - *at <= room
                 });
             if !follows {
                 if let Some(f) = run_file.take() {

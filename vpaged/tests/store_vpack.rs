@@ -351,10 +351,11 @@ fn no_room_or_no_readers_reads_nothing_ahead() {
     }
 }
 
-/// A store with a pool reads every body there: a load of a page not read ahead makes
-/// room for its body in the pool (dropping nothing it needs) and reads it once, and a
-/// page whose body is larger than the pool is read raw, with no buffer for the body
-/// anywhere: the bytes are the manifest's either way.
+/// A store with a pool reads every body there: a page whose body is larger than the
+/// pool is read raw, with no buffer for the body anywhere, and named to read ahead it
+/// is skipped without stopping the bodies after it; a load of a page not read ahead
+/// makes room for its body in the pool and reads it once. The bytes are the
+/// manifest's either way.
 #[test]
 fn loads_not_read_ahead_read_their_body_into_the_pool_or_else_the_raw_bytes() {
     let d = tempfile::tempdir().unwrap();
@@ -387,6 +388,12 @@ fn loads_not_read_ahead_read_their_body_into_the_pool_or_else_the_raw_bytes() {
     let pool = store.read_ahead_stats().unwrap();
     assert!(head.vpack().unwrap().len > pool.capacity_bytes, "{pool:?}");
     let m = store.model(id).unwrap();
+    store.read_ahead(id, &[head.id, up.id]);
+    assert_eq!(
+        store.read_ahead_stats().unwrap().held,
+        1,
+        "the body after it"
+    );
     assert_eq!(store.acquire(id, up.id).unwrap().bytes(), small.as_slice());
     assert_eq!(m.primary_stats().bytes, up.vpack().unwrap().len, "its body");
     assert_eq!(store.acquire(id, head.id).unwrap().bytes(), big.as_slice());
@@ -395,6 +402,15 @@ fn loads_not_read_ahead_read_their_body_into_the_pool_or_else_the_raw_bytes() {
         up.vpack().unwrap().len + head.len,
         "the raw bytes of a page whose body the pool cannot hold"
     );
+    let s = store.read_ahead_stats().unwrap();
+    assert_eq!((s.taken, s.held), (1, 0), "{s:?}");
+
+    // Not read ahead: the load reads the body into room it makes in the pool.
+    let store = reading_store(1);
+    let id = store.open_model(&dir).unwrap();
+    assert_eq!(store.acquire(id, up.id).unwrap().bytes(), small.as_slice());
+    let m = store.model(id).unwrap();
+    assert_eq!(m.primary_stats().bytes, up.vpack().unwrap().len, "its body");
     let s = store.read_ahead_stats().unwrap();
     assert_eq!((s.taken, s.held), (0, 0), "{s:?}");
 }
