@@ -339,24 +339,8 @@ fn two_engines_through_the_daemon_give_the_embedded_bits() {
         &Engine::open(&dir, EngineOptions::default()).unwrap(),
         &prompt,
     );
-    // Below two layers (the engines stream step by step); and room for the
-    // streaming window (two layers and a page) and part of the rest, which the
-    // engines' planners pin through the daemon (`Pin`) while the other pages stream.
-    let layer = largest_layer_bytes(&dir);
-    let manifest = voom_formats::Manifest::load(&dir).unwrap().unwrap();
-    let model_bytes: usize = manifest
-        .pages
-        .iter()
-        .map(|p| (p.len as usize).next_multiple_of(16 << 10))
-        .sum();
-    let window = vpaged::store::streaming_window_bytes(&manifest);
-    for (i, cache_bytes) in [
-        (layer * 3 / 2).next_multiple_of(16 << 10) + (512 << 10),
-        (window + model_bytes / 2).next_multiple_of(16 << 10),
-    ]
-    .into_iter()
-    .enumerate()
-    {
+    let model_bytes = slot_bytes(&dir);
+    for (i, cache_bytes) in daemon_caches(&dir).into_iter().enumerate() {
         let (pinned, _) = through_the_daemon(&d, &dir, &prompt, &reference, cache_bytes, i);
         if i == 1 {
             assert!(pinned > 0, "the planners pinned nothing through the daemon");
@@ -365,6 +349,51 @@ fn two_engines_through_the_daemon_give_the_embedded_bits() {
                 "everything was pinned: nothing streamed"
             );
         }
+    }
+}
+
+/// Bytes of the cache slots of every page of the model in `dir`.
+fn slot_bytes(dir: &Path) -> usize {
+    voom_formats::Manifest::load(dir)
+        .unwrap()
+        .unwrap()
+        .pages
+        .iter()
+        .map(|p| (p.len as usize).next_multiple_of(16 << 10))
+        .sum()
+}
+
+/// The daemon's caches the two-engine tests run with: below two layers (the engines
+/// stream step by step); and room for the streaming window (two layers and a page)
+/// and part of the rest, which the engines' planners pin through the daemon (`Pin`)
+/// while the other pages stream.
+fn daemon_caches(dir: &Path) -> [usize; 2] {
+    let layer = largest_layer_bytes(dir);
+    let manifest = voom_formats::Manifest::load(dir).unwrap().unwrap();
+    let window = vpaged::store::streaming_window_bytes(&manifest);
+    [
+        (layer * 3 / 2).next_multiple_of(16 << 10) + (512 << 10),
+        (window + slot_bytes(dir) / 2).next_multiple_of(16 << 10),
+    ]
+}
+
+/// Packs the model in `dir` (`voom_formats::pack`, what `vpagectl pack` writes), then
+/// flips a byte of every packed page's raw copy, so only the vpack bodies can give
+/// the model's bits.
+fn pack_and_damage_raw(dir: &Path) {
+    use std::os::unix::fs::FileExt;
+    let mut manifest = voom_formats::Manifest::load(dir).unwrap().unwrap();
+    let report = voom_formats::pack::pack_model(dir, &mut manifest, &mut |_, _| {}).unwrap();
+    assert!(report.pages > 0, "{}: nothing packed", dir.display());
+    for p in manifest.pages.iter().filter(|p| p.vpack().is_some()) {
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(dir.join(&p.file))
+            .unwrap();
+        let mut b = [0u8];
+        f.read_exact_at(&mut b, p.offset + 1).unwrap();
+        f.write_all_at(&[b[0] ^ 0x20], p.offset + 1).unwrap();
     }
 }
 
@@ -422,36 +451,9 @@ fn packed_pages_through_the_daemon_give_the_raw_bits() {
         &Engine::open(&dir, EngineOptions::default()).unwrap(),
         &prompt,
     );
-    let layer = largest_layer_bytes(&dir);
-    let mut manifest = voom_formats::Manifest::load(&dir).unwrap().unwrap();
-    voom_formats::pack::pack_model(&dir, &mut manifest, &mut |_, _| {}).unwrap();
-    {
-        use std::os::unix::fs::FileExt;
-        for p in manifest.pages.iter().filter(|p| p.vpack().is_some()) {
-            let f = std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open(dir.join(&p.file))
-                .unwrap();
-            let mut b = [0u8];
-            f.read_exact_at(&mut b, p.offset + 1).unwrap();
-            f.write_all_at(&[b[0] ^ 0x20], p.offset + 1).unwrap();
-        }
-    }
-    let model_bytes: usize = manifest
-        .pages
-        .iter()
-        .map(|p| (p.len as usize).next_multiple_of(16 << 10))
-        .sum();
-    let window = vpaged::store::streaming_window_bytes(&manifest);
+    pack_and_damage_raw(&dir);
     let mut read_ahead = 0;
-    for (i, cache_bytes) in [
-        (layer * 3 / 2).next_multiple_of(16 << 10) + (512 << 10),
-        (window + model_bytes / 2).next_multiple_of(16 << 10),
-    ]
-    .into_iter()
-    .enumerate()
-    {
+    for (i, cache_bytes) in daemon_caches(&dir).into_iter().enumerate() {
         read_ahead += through_the_daemon(&d, &dir, &prompt, &reference, cache_bytes, i).1;
     }
     assert!(read_ahead > 0, "the daemon read no body ahead");
@@ -514,22 +516,7 @@ fn vpack_pages_give_the_raw_bits_at_any_budget() {
             &Engine::open(&dir, EngineOptions::default()).unwrap(),
             &prompt,
         );
-        let mut manifest = voom_formats::Manifest::load(&dir).unwrap().unwrap();
-        let report = voom_formats::pack::pack_model(&dir, &mut manifest, &mut |_, _| {}).unwrap();
-        assert!(report.pages > 0, "{case}: nothing packed");
-        {
-            use std::os::unix::fs::FileExt;
-            for p in manifest.pages.iter().filter(|p| p.vpack().is_some()) {
-                let f = std::fs::OpenOptions::new()
-                    .read(true)
-                    .write(true)
-                    .open(dir.join(&p.file))
-                    .unwrap();
-                let mut b = [0u8];
-                f.read_exact_at(&mut b, p.offset + 1).unwrap();
-                f.write_all_at(&[b[0] ^ 0x20], p.offset + 1).unwrap();
-            }
-        }
+        pack_and_damage_raw(&dir);
         let mut read_ahead = 0;
         for budget in budgets(&dir) {
             for prefetch_depth in [0, 1] {

@@ -1179,34 +1179,21 @@ impl Store {
             .map(|&(page, len, _)| (PageKey { model, page }, len))
             .collect();
         if let Ok(reserved) = self.cache.reserve_group::<StoreError>(&keys) {
-            let mut reads: Vec<(Arc<DirectFile>, u32, Reservation)> = streamed
+            let reads: Vec<(Arc<DirectFile>, u64, (u32, Reservation))> = streamed
                 .into_iter()
                 .zip(reserved)
                 .filter_map(|((page, _, file), r)| match r {
-                    Reserve::Reserved(r) => Some((file, page, r)),
+                    Reserve::Reserved(r) => {
+                        Some((file, m.manifest.pages[page as usize].offset, (page, r)))
+                    }
                     _ => None,
                 })
                 .collect();
-            // In file order, pages that lie one after another read as one run.
-            let at = |page: &u32| m.manifest.pages[*page as usize].offset;
-            reads.sort_by(|(f, p, _), (g, q, _)| f.path().cmp(g.path()).then(at(p).cmp(&at(q))));
-            let mut run: Vec<(u32, Reservation)> = Vec::new();
-            let mut run_file: Option<Arc<DirectFile>> = None;
-            for (file, page, r) in reads {
-                let follows = run_file.as_ref().is_some_and(|f| Arc::ptr_eq(f, &file))
-                    && run
-                        .last()
-                        .is_some_and(|(p, r)| at(p) + r.len() as u64 == at(&page));
-                if !follows {
-                    if let Some(f) = run_file.take() {
-                        self.read_slots(Arc::clone(&m), f, std::mem::take(&mut run));
-                    }
-                    run_file = Some(file);
-                }
-                run.push((page, r));
-            }
-            if let Some(f) = run_file {
-                self.read_slots(Arc::clone(&m), f, run);
+            // Pages that lie one after another read as one run.
+            let runs = file_runs(reads, |at, (_, r), next| at + r.len() as u64 == next);
+            for (file, offset, run) in runs {
+                let pages = run.into_iter().map(|(_, page)| page).collect();
+                self.read_slots(Arc::clone(&m), file, offset, pages);
             }
         }
         // Loads that hold a thread (a vpack body is read, then decoded) are shared
@@ -1311,30 +1298,16 @@ impl Store {
                 Err(Refused::NoRoom) => break,
             }
         }
-        // In file order, bodies that follow one another (the gap between them is the
-        // pack file's alignment padding) read as one run.
-        reads.sort_by(|(f, a, _), (g, b, _)| f.path().cmp(g.path()).then(a.cmp(b)));
-        let mut run: Vec<(u64, Landing)> = Vec::new();
-        let mut run_file: Option<Arc<DirectFile>> = None;
-        for (file, offset, landing) in reads {
-            let follows = run_file.as_ref().is_some_and(|f| Arc::ptr_eq(f, &file))
-                && run.last().is_some_and(|(at, l)| {
-                    // The next body starts past this one's end (bodies of a corrupt
-                    // manifest may overlap: each is then read on its own) and within
-                    // its room.
-                    let room = l.len().next_multiple_of(crate::ahead::UNIT) as u64;
-                    offset >= *at + l.len() as u64 && offset - *at <= room
-                });
-            if !follows {
-                if let Some(f) = run_file.take() {
-                    self.read_bodies(m, f, std::mem::take(&mut run));
-                }
-                run_file = Some(file);
-            }
-            run.push((offset, landing));
-        }
-        if let Some(f) = run_file {
-            self.read_bodies(m, f, run);
+        // Bodies that follow one another (the gap between them is the pack file's
+        // alignment padding) read as one run: the next body starts past this one's
+        // end (bodies of a corrupt manifest may overlap: each is then read on its
+        // own) and within its room.
+        let runs = file_runs(reads, |at, l, next| {
+            let room = l.len().next_multiple_of(crate::ahead::UNIT) as u64;
+            next >= at + l.len() as u64 && next - at <= room
+        });
+        for (file, _, run) in runs {
+            self.read_bodies(m, file, run);
         }
     }
 
@@ -1429,14 +1402,9 @@ impl Store {
         self: &Arc<Self>,
         m: Arc<OpenModel>,
         file: Arc<DirectFile>,
+        offset: u64,
         pages: Vec<(u32, Reservation)>,
     ) {
-        let Some(offset) = pages
-            .first()
-            .map(|(page, _)| m.manifest.pages[*page as usize].offset)
-        else {
-            return;
-        };
         let parts = pages
             .into_iter()
             .map(|(page, r)| self.completion(Arc::clone(&m), page, r))
@@ -1780,6 +1748,36 @@ pub fn streaming_window_bytes(manifest: &Manifest) -> usize {
         }
     }
     2 * per_layer.into_values().max().unwrap_or(0) + largest_page
+}
+
+/// A run of reads in one file: the file, the run's first offset, and its items with
+/// their offsets.
+type FileRun<T> = (Arc<DirectFile>, u64, Vec<(u64, T)>);
+
+/// Reads of (file, offset, item), in file order, grouped into runs: an item joins the
+/// run before it when it is in the same file and `follows(offset, item, next)` says
+/// the item at `next` follows the one at `offset`. Each run comes with its file and
+/// first offset, and its items with their offsets.
+fn file_runs<T>(
+    mut reads: Vec<(Arc<DirectFile>, u64, T)>,
+    follows: impl Fn(u64, &T, u64) -> bool,
+) -> Vec<FileRun<T>> {
+    reads.sort_by(|(f, a, _), (g, b, _)| f.path().cmp(g.path()).then(a.cmp(b)));
+    let mut runs: Vec<FileRun<T>> = Vec::new();
+    for (file, offset, item) in reads {
+        match runs.last_mut() {
+            Some((f, _, run))
+                if Arc::ptr_eq(f, &file)
+                    && run
+                        .last()
+                        .is_some_and(|(at, prev)| follows(*at, prev, offset)) =>
+            {
+                run.push((offset, item));
+            }
+            _ => runs.push((file, offset, vec![(offset, item)])),
+        }
+    }
+    runs
 }
 
 /// Bytes of the cache slot a page takes (whole 16 KiB units, at least one).

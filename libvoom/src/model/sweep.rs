@@ -169,18 +169,12 @@ impl<'a> Sweep<'a> {
         if self.depth == 0 {
             return;
         }
-        let layers = &self.plan.layers;
-        let n = layers.len();
         let last = from + self.depth + READ_AHEAD_LAYERS;
         let mut ids = Vec::new();
         for t in from..last {
-            match t.cmp(&n) {
-                std::cmp::Ordering::Less => ids.extend_from_slice(layers[t].ids()),
-                std::cmp::Ordering::Equal => ids.extend_from_slice(self.plan.tail.ids()),
-                std::cmp::Ordering::Greater => match layers.get(t - n - 1) {
-                    Some(l) => ids.extend_from_slice(l.ids()),
-                    None => break,
-                },
+            match self.stage(t) {
+                Some(stage) => ids.extend_from_slice(stage),
+                None => break,
             }
         }
         if !ids.is_empty() {
@@ -192,14 +186,25 @@ impl<'a> Sweep<'a> {
         if self.depth == 0 {
             return;
         }
-        let layers = &self.plan.layers;
         let first = if li == 0 { 1 } else { li + self.depth };
-        for t in first..=li + self.depth {
-            match t.cmp(&layers.len()) {
-                std::cmp::Ordering::Less => self.source.prefetch(layers[t].ids()),
-                std::cmp::Ordering::Equal => self.source.prefetch(self.plan.tail.ids()),
-                std::cmp::Ordering::Greater => break,
+        // This pass's stages only: the next pass's first layers are hinted at the tail.
+        for t in first..=(li + self.depth).min(self.plan.layers.len()) {
+            if let Some(stage) = self.stage(t) {
+                self.source.prefetch(stage);
             }
+        }
+    }
+
+    /// The pages of stage `t` in the order a sweep leases them: the layers, then
+    /// (at `t` = the number of layers) the tail, then the next pass's layers; `None`
+    /// past those.
+    fn stage(&self, t: usize) -> Option<&[PageId]> {
+        let layers = &self.plan.layers;
+        let n = layers.len();
+        match t.cmp(&n) {
+            std::cmp::Ordering::Less => Some(layers[t].ids()),
+            std::cmp::Ordering::Equal => Some(self.plan.tail.ids()),
+            std::cmp::Ordering::Greater => layers.get(t - n - 1).map(|l| l.ids()),
         }
     }
 }
