@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use vpaged::{EmbeddedStore, PageSource, VerifyMode};
+use vpaged::{EmbeddedStore, PageId, PageSource, VerifyMode};
 
 use crate::backend::BackendKind;
 use crate::config::ModelConfig;
@@ -172,20 +172,28 @@ pub struct Engine {
     /// Bytes of the source's cache that unpinned pages stream through, when the
     /// memory planner pinned part of the model in it.
     stream_room: Option<u64>,
+    /// The pages the planner pinned, sorted (they take none of that room).
+    pinned: Vec<PageId>,
 }
 
 /// Pins in `source`'s cache (when it has one) the pages the memory planner chooses
 /// for its budget, has its fast tier (if any) keep copies of the pages that stream
 /// and save the most, and returns the room left for streaming; `None` when the source
 /// has no budget, everything fits, or the budget is below the planner's minimum
-/// (the sweep then streams step by step, as without a plan).
-fn place_in(source: &dyn PageSource, model: &dyn Model) -> Option<u64> {
-    let budget = source.budget()?;
-    let p =
-        crate::placement::place(model.plan(), &crate::placement::Needs::default(), budget).ok()?;
+/// (the sweep then streams step by step, as without a plan); and the pages pinned,
+/// sorted.
+fn place_in(source: &dyn PageSource, model: &dyn Model) -> (Option<u64>, Vec<PageId>) {
+    let Some(budget) = source.budget() else {
+        return (None, Vec::new());
+    };
+    let Ok(p) = crate::placement::place(model.plan(), &crate::placement::Needs::default(), budget)
+    else {
+        return (None, Vec::new());
+    };
     source.pin(&p.pinned);
     source.keep_on_fast_tier(&crate::placement::fast_tier_order(model.plan(), &p));
-    (p.streamed_per_token > 0).then(|| budget - p.pinned_bytes)
+    let room = (p.streamed_per_token > 0).then(|| budget - p.pinned_bytes);
+    (room, p.pinned)
 }
 
 /// The end-of-sequence ids an engine on `dir` stops on, as transformers' generate()
@@ -237,7 +245,7 @@ impl Engine {
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_else(|| dir.display().to_string());
         let model = model::load(cfg, source.as_ref(), &name, opts.backend, opts.threads)?;
-        let stream_room = place_in(source.as_ref(), model.as_ref());
+        let (stream_room, pinned) = place_in(source.as_ref(), model.as_ref());
         let tokenizer = if dir.join("tokenizer.json").exists() {
             Some(Tokenizer::from_dir(dir)?)
         } else {
@@ -253,6 +261,7 @@ impl Engine {
             eos,
             opts,
             stream_room,
+            pinned,
         })
     }
 
@@ -351,13 +360,15 @@ impl Engine {
     ) -> Result<Vec<f32>, VoomError> {
         self.check_pass(kv, tokens)?;
         let start = kv.len();
+        let chunk = self.opts.prefill_chunk.max(1);
         let sweep = Sweep::new(
             self.source.as_ref(),
             self.model.plan(),
             self.opts.prefetch_depth,
             self.stream_room,
+            &self.pinned,
+            tokens.len().div_ceil(chunk),
         );
-        let chunk = self.opts.prefill_chunk.max(1);
         let pass = self.model.forward(&sweep, tokens, chunk, kv, want);
         *waited += sweep.waited();
         // Every lease of the pass is dropped by now.

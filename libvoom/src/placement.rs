@@ -6,11 +6,13 @@
 //! ([`Needs`]), then:
 //!
 //! 1. If every page fits, every page is pinned: nothing streams.
-//! 2. Otherwise the window gets room for two of the largest layers (the layer
-//!    computing and the next one being read) and one more of the largest page a
-//!    layer has (the page cache places each page in one run of slots, and room for
-//!    exactly two layers fragments: see `vpaged::store::streaming_window_bytes`,
-//!    which the store keeps out of planner pins), or all there is when that is less,
+//! 2. Otherwise the window gets room for the largest layer and three more of the
+//!    largest page a layer has (`vpaged::store::streaming_window_bytes`, which the
+//!    store keeps out of planner pins): a decode step leases one matrix at a time and
+//!    reads a layer's worth ahead of it; a pass of several chunks leases a layer
+//!    whole (it is read once per pass) and reads a page ahead; and two pages of
+//!    margin keep the page cache's placement of each page in one run of slots from
+//!    finding no run (see `libvoom::model::sweep`), or all there is when that is less,
 //!    but never less than the largest step a pass leases at once (one matrix and
 //!    the vectors beside it, or a head stage): below that the model cannot run, and
 //!    the budget is refused with [`PlacementError::BelowMinimum`] saying how much it
@@ -255,7 +257,7 @@ pub fn place(plan: &PagePlan, needs: &Needs, budget: u64) -> Result<Placement, P
         .flat_map(|s| s.ids().iter().map(|id| pages[id].slot))
         .max()
         .unwrap_or(0);
-    let window = (2 * largest_layer + largest_page)
+    let window = (largest_layer + 3 * largest_page)
         .max(min_window)
         .min(avail);
     let mut room = avail - window;
@@ -347,14 +349,13 @@ mod tests {
         assert!(place(&plan, &needs, 5 * MIB).is_err());
     }
 
-    /// The window holds two of the largest layers and one more of the largest page a
-    /// layer has (room for exactly two layers fragments: see
-    /// `vpaged::store::streaming_window_bytes`); the rest pins.
+    /// The window holds the largest layer and three more of the largest page a
+    /// layer has (`vpaged::store::streaming_window_bytes`); the rest pins.
     #[test]
-    fn the_window_is_two_layers_and_the_largest_page() {
+    fn the_window_is_a_layer_and_three_of_the_largest_page() {
         let plan = plan_of(MIB, 4096, &vec![vec![2 * MIB, 6 * MIB, MIB]; 10], 4 * MIB);
         let p = place(&plan, &Needs::default(), 60 * MIB).unwrap();
-        assert_eq!(p.window_bytes, 2 * 9 * MIB + 6 * MIB);
+        assert_eq!(p.window_bytes, 9 * MIB + 3 * 6 * MIB);
         assert!(p.pinned_bytes <= 60 * MIB - p.window_bytes);
         assert!(p.pinned_bytes > 60 * MIB - p.window_bytes - 6 * MIB);
     }
@@ -384,7 +385,7 @@ mod tests {
     fn pins_go_to_what_every_token_reads_and_the_embedding_stays_on_disk() {
         let plan = plan_of(64 * MIB, 4096, &vec![vec![4 * MIB, 4 * MIB]; 8], 16 * MIB);
         let needs = Needs::default();
-        // Window: two layers (16 MiB) but at least the embedding (64 MiB).
+        // Window: a layer and three pages (20 MiB) but at least the embedding (64 MiB).
         let p = place(&plan, &needs, 64 * MIB + 40 * MIB).unwrap();
         assert_eq!(p.window_bytes, 64 * MIB);
         // 40 MiB of pins: the head (16) and six 4 MiB matrices; never the embedding.

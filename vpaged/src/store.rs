@@ -1728,16 +1728,16 @@ fn pin_candidates(manifest: &Manifest, first: u32, last: u32) -> Vec<&PageEntry>
 }
 
 /// The room a model's unpinned pages stream through, which planner pins never take:
-/// two of its largest layers (the one computing and the next one being read) and
-/// one more of its largest page. The page cache places each page in one run of
-/// slots; with room for exactly two layers, any hole the layers before left that
-/// is not where the next page fits makes that page's hint find no room, and its
-/// demand load then evicts prefetched pages of the next layer that are still to
-/// be used, which are read twice (measured on a 42-layer sweep: 7% more bytes read
-/// per token than streamed). Room for one more page beside the two layers is what
-/// a ring of the two layers would waste at its wrap, at most, and took those
-/// re-reads to none. The memory planner sizes its window the same way
-/// (`libvoom::placement`).
+/// its largest layer and three more of its largest page. An engine's sweep
+/// (`libvoom::model::sweep`) leases a decode step one matrix at a time and hints a
+/// layer's worth of the pages after it; a pass of several chunks of positions leases
+/// a layer whole, so that the layer is read once per pass, and hints a page's worth
+/// after it. Either way the lease and the pages hinted take all but two pages of the
+/// room: the page cache places each page in one run of slots, and that margin is
+/// what the holes the pages before it left may waste (with too little, a page's hint
+/// found no run, its demand load evicted prefetched pages still to be used, and a
+/// pass read more than it streams: 7% on a 42-layer sweep with two layers and no
+/// margin). The memory planner sizes its window the same way (`libvoom::placement`).
 pub fn streaming_window_bytes(manifest: &Manifest) -> usize {
     let mut per_layer: HashMap<u32, usize> = HashMap::new();
     let mut largest_page = 0;
@@ -1747,7 +1747,7 @@ pub fn streaming_window_bytes(manifest: &Manifest) -> usize {
             largest_page = largest_page.max(slot_bytes(p));
         }
     }
-    2 * per_layer.into_values().max().unwrap_or(0) + largest_page
+    per_layer.into_values().max().unwrap_or(0) + 3 * largest_page
 }
 
 /// A run of reads in one file: the file, the run's first offset, and its items with

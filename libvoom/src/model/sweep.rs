@@ -1,20 +1,36 @@
 //! The sweep: one forward pass's walk over the weights, following the model's
 //! [`PagePlan`]. It leases each stage's pages while the model computes on them,
-//! hints the next layers to the page source meanwhile, and releases them after; an
-//! architecture supplies its plan and its math and never leases by itself.
+//! hints the pages that come next to the page source meanwhile, and releases them
+//! after; an architecture supplies its plan and its math and never leases by itself.
 //!
-//! When the source's cache holds two layers (the one computing and the one
-//! prefetched), a layer is leased whole; otherwise one step (a matrix and the small
-//! vectors beside it) at a time, so that a cache smaller than a layer still streams.
-//! The walk is cyclic: past the last layer, the next pass's first layers are hinted.
-//! Neither the lease scope nor the prefetch depth changes a result.
+//! A pass is leased a whole layer at a time when the room pages stream through holds
+//! two layers, or when the pass computes its positions in several chunks (each chunk
+//! runs every step of a layer, so the layer stays leased until the last chunk is
+//! done: the weights are read once per pass, however many chunks there are) and the
+//! room holds one layer; otherwise one step (a matrix and the small vectors beside
+//! it) at a time, so that a cache smaller than a layer still streams, and a decode
+//! step holds one matrix while the rest of the room reads ahead.
+//!
+//! Hints run ahead by bytes, not by layers: the steps after the one leased are
+//! hinted in order, as far as the room allows once the lease and the pages hinted
+//! and not yet leased are counted, less two of the largest page, and no further
+//! than `depth` layers ahead. The page cache places each page in one run of slots;
+//! the free room is what the pages before left, and a page finds no run in it when
+//! that room is in pieces (with a margin of one page, a 24-layer sweep skipped a
+//! few hints a pass, and the demand loads that followed evicted pages hinted and
+//! not yet used, which were read twice; with two, none). Its demand loads (the
+//! embedding's parts, a hint skipped) also take their room from that margin. Each lease moves the window on, and the steps that
+//! now fit are hinted together. Pinned pages take no room. The walk is cyclic: past
+//! the last layer and the tail come the next pass's first layers. Neither the lease
+//! scope nor the hints change a result.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use vpaged::{PageId, PageSource};
 
-use super::plan::PagePlan;
+use super::plan::{slot_bytes, PagePlan};
 use super::weights::Leased;
 use crate::VoomError;
 
@@ -32,47 +48,83 @@ pub enum LeaseScope {
     Step,
 }
 
+/// One unit of the walk that hints count by: a step of a layer, or the tail.
+#[derive(Debug, Clone)]
+struct Unit {
+    /// Its pages that stream (not pinned), not named by an earlier unit of its stage.
+    pages: Vec<PageId>,
+    /// Their slot bytes.
+    bytes: u64,
+}
+
+/// Where the hints stand: what is hinted and not yet leased, and how far.
+#[derive(Debug, Default)]
+struct Ahead {
+    /// The next unit to hint (an index into the walk, see [`Sweep::unit`]).
+    next: usize,
+    /// Units hinted and not yet leased, in order, with their bytes.
+    hinted: VecDeque<(usize, u64)>,
+    /// Bytes of the lease held now.
+    held: u64,
+}
+
 /// One forward pass's walk over the weights.
 pub struct Sweep<'a> {
     source: &'a dyn PageSource,
     plan: &'a PagePlan,
     scope: LeaseScope,
     depth: usize,
+    /// Bytes the lease held and the pages hinted ahead may take together.
+    limit: u64,
+    /// The walk's units: each layer's steps, then the tail.
+    units: Vec<Unit>,
+    /// Index of each layer's first unit, and of the tail's (last).
+    starts: Vec<usize>,
+    ahead: RefCell<Ahead>,
     /// Time spent waiting for leases (loads, or other requests' loads of the page).
     waited: Cell<Duration>,
 }
 
 impl<'a> Sweep<'a> {
-    /// A sweep of `plan` over `source`, hinting up to `prefetch_depth` layers ahead
-    /// (bounded so that the layer computing and those hinted fit the room streaming
-    /// has, at least one ahead; 0 sends no hints). `room` is the bytes of the
-    /// source's cache that unpinned pages stream through (the memory planner's
-    /// window); `None`: the source's whole budget, or no bound.
+    /// A sweep of `plan` over `source` for a pass of `chunks` chunks of positions,
+    /// hinting up to `prefetch_depth` layers ahead (0 sends no hints), as far as
+    /// `room` holds. `room` is the bytes of the source's cache that unpinned pages
+    /// stream through (the memory planner's window); `None`: the source's whole
+    /// budget, or no bound. `pinned`: the pages the planner pinned, sorted (they take
+    /// none of the room).
     pub fn new(
         source: &'a dyn PageSource,
         plan: &'a PagePlan,
         prefetch_depth: usize,
         room: Option<u64>,
+        pinned: &[PageId],
+        chunks: usize,
     ) -> Self {
         let largest = plan.largest_layer_bytes();
         let room = room.or(source.budget());
         let scope = match room {
-            Some(b) if b < 2 * largest => LeaseScope::Step,
-            _ => LeaseScope::Layer,
+            Some(b) if b >= 2 * largest => LeaseScope::Layer,
+            Some(b) if chunks > 1 && b >= largest => LeaseScope::Layer,
+            Some(_) => LeaseScope::Step,
+            None => LeaseScope::Layer,
         };
-        let depth = match (prefetch_depth, room) {
-            (0, _) => 0,
-            (d, Some(b)) if largest > 0 => {
-                let fit = (b / largest).saturating_sub(1) as usize;
-                d.min(fit.max(1))
-            }
-            (d, _) => d,
+        let (units, starts) = walk_units(plan, pinned);
+        let largest_page = units.iter().map(|u| u.largest).max().unwrap_or(0);
+        let limit = match room {
+            Some(b) => b
+                .saturating_sub(2 * largest_page)
+                .max(plan.largest_step_slot_bytes()),
+            None => u64::MAX,
         };
         Sweep {
             source,
             plan,
             scope,
-            depth,
+            depth: prefetch_depth,
+            limit,
+            units: units.into_iter().map(|u| u.unit).collect(),
+            starts,
+            ahead: RefCell::new(Ahead::default()),
             waited: Cell::new(Duration::ZERO),
         }
     }
@@ -90,7 +142,7 @@ impl<'a> Sweep<'a> {
         self.scope
     }
 
-    /// Layers actually hinted ahead.
+    /// Layers hinted ahead at most (0: no hints).
     pub fn depth(&self) -> usize {
         self.depth
     }
@@ -121,35 +173,42 @@ impl<'a> Sweep<'a> {
         .max(1)
     }
 
-    /// Starts layer `li`: sends the hints due (layers `li+1..=li+depth` at the first
-    /// layer, then the one newly inside the window; past the last layer, the tail's
-    /// pages) and leases the layer whole when the scope is [`LeaseScope::Layer`].
+    /// Starts layer `li`: leases it whole when the scope is [`LeaseScope::Layer`],
+    /// first hinting what then fits ahead of it (see the module docs).
     pub fn layer(&self, li: usize) -> Result<LayerLease<'_>, VoomError> {
         self.read_ahead(li + 1);
-        self.hint_ahead(li);
         let whole = match self.scope {
-            LeaseScope::Layer => Some(self.acquire(self.plan.layers[li].ids())?),
-            LeaseScope::Step => None,
+            LeaseScope::Layer => {
+                let (from, to) = (self.starts[li], self.starts[li + 1]);
+                let held = self.units[from..to].iter().map(|u| u.bytes).sum();
+                self.move_on(to, held);
+                self.top_up(self.stage_end(li + self.depth));
+                Some(self.acquire(self.plan.layers[li].ids())?)
+            }
+            LeaseScope::Step => {
+                self.top_up(self.stage_end(li + self.depth));
+                None
+            }
         };
         Ok(LayerLease {
-            source: self.source,
-            steps: self.plan.layers[li].steps(),
+            sweep: self,
+            li,
             whole,
-            waited: &self.waited,
         })
     }
 
-    /// Leases the pages read after the last layer, first hinting the layers the next
-    /// pass starts with (decode sweeps again at once; without this hint a pass's
-    /// first layer was read on demand, with nothing computing meanwhile). After the
-    /// last pass of a generation that is one layer read for nothing. `ids` are the
-    /// tail's pages to lease first (all of them, or the first batch of a head stored
-    /// in parts).
+    /// Leases the pages read after the last layer, first hinting what fits of the
+    /// layers the next pass starts with (decode sweeps again at once; without these
+    /// hints a pass's first layer was read on demand, with nothing computing
+    /// meanwhile). After the last pass of a generation that is one layer read for
+    /// nothing. `ids` are the tail's pages to lease first (all of them, or the first
+    /// batch of a head stored in parts).
     pub fn tail(&self, ids: &[PageId]) -> Result<Leased, VoomError> {
-        self.read_ahead(self.plan.layers.len() + 1);
-        for layer in self.plan.layers.iter().take(self.depth) {
-            self.source.prefetch(layer.ids());
-        }
+        let n = self.plan.layers.len();
+        self.read_ahead(n + 1);
+        let held = self.units[self.starts[n]].bytes.min(self.lease_bound());
+        self.move_on(self.units.len(), held);
+        self.top_up(self.stage_end(n + self.depth));
         self.acquire(ids)
     }
 
@@ -157,6 +216,66 @@ impl<'a> Sweep<'a> {
     /// batched.
     pub fn finish(self) {
         self.source.flush();
+    }
+
+    /// The walk's unit `i`: the layers' steps, the tail, then the next pass's layers'
+    /// steps; `None` past those.
+    fn unit(&self, i: usize) -> Option<&Unit> {
+        let n = self.plan.layers.len();
+        match i.checked_sub(self.units.len()) {
+            None => self.units.get(i),
+            Some(j) if j < self.starts[n] => self.units.get(j),
+            Some(_) => None,
+        }
+    }
+
+    /// The index in the walk just past stage `t` (see [`Sweep::stage`]).
+    fn stage_end(&self, t: usize) -> usize {
+        let n = self.plan.layers.len();
+        match t.cmp(&n) {
+            std::cmp::Ordering::Less => self.starts[t + 1],
+            std::cmp::Ordering::Equal => self.units.len(),
+            std::cmp::Ordering::Greater => self.units.len() + self.starts[(t - n).min(n)],
+        }
+    }
+
+    /// The walk has reached unit `to` (exclusive): what it leased is no longer ahead,
+    /// and the lease held now is `held` bytes.
+    fn move_on(&self, to: usize, held: u64) {
+        let mut a = self.ahead.borrow_mut();
+        while a.hinted.front().is_some_and(|&(i, _)| i < to) {
+            a.hinted.pop_front();
+        }
+        a.next = a.next.max(to);
+        a.held = held;
+    }
+
+    /// Hints the units from the next one not hinted, up to `reach` (exclusive), as
+    /// far as they fit the limit beside the lease held and the units hinted and not
+    /// yet leased, in one call (so that the source can read them as runs).
+    fn top_up(&self, reach: usize) {
+        if self.depth == 0 {
+            return;
+        }
+        let mut pages = Vec::new();
+        {
+            let mut a = self.ahead.borrow_mut();
+            let mut used = a.held + a.hinted.iter().map(|&(_, b)| b).sum::<u64>();
+            while a.next < reach {
+                let Some(u) = self.unit(a.next) else { break };
+                if used + u.bytes > self.limit {
+                    break;
+                }
+                used += u.bytes;
+                pages.extend_from_slice(&u.pages);
+                let next = a.next;
+                a.hinted.push_back((next, u.bytes));
+                a.next += 1;
+            }
+        }
+        if !pages.is_empty() {
+            self.source.prefetch(&pages);
+        }
     }
 
     /// Names to the source the pages of the stages from `from` on, through
@@ -182,19 +301,6 @@ impl<'a> Sweep<'a> {
         }
     }
 
-    fn hint_ahead(&self, li: usize) {
-        if self.depth == 0 {
-            return;
-        }
-        let first = if li == 0 { 1 } else { li + self.depth };
-        // This pass's stages only: the next pass's first layers are hinted at the tail.
-        for t in first..=(li + self.depth).min(self.plan.layers.len()) {
-            if let Some(stage) = self.stage(t) {
-                self.source.prefetch(stage);
-            }
-        }
-    }
-
     /// The pages of stage `t` in the order a sweep leases them: the layers, then
     /// (at `t` = the number of layers) the tail, then the next pass's layers; `None`
     /// past those.
@@ -207,6 +313,56 @@ impl<'a> Sweep<'a> {
             std::cmp::Ordering::Greater => layers.get(t - n - 1).map(|l| l.ids()),
         }
     }
+}
+
+/// A walk unit being built, with the slot bytes of its largest page.
+struct Counted {
+    unit: Unit,
+    largest: u64,
+}
+
+/// The walk's units of `plan` (each layer's steps, then the tail as one unit) and
+/// the index of each layer's first unit, with the tail's last. A unit holds the pages
+/// of its step that are not `pinned` (sorted) and not in an earlier step of its stage.
+fn walk_units(plan: &PagePlan, pinned: &[PageId]) -> (Vec<Counted>, Vec<usize>) {
+    let count = |stage: &super::plan::Stage, steps: &mut dyn Iterator<Item = Vec<PageId>>| {
+        let mut seen: Vec<PageId> = Vec::new();
+        let mut out = Vec::new();
+        for step in steps {
+            let mut unit = Unit {
+                pages: Vec::new(),
+                bytes: 0,
+            };
+            let mut largest = 0;
+            for id in step {
+                if seen.contains(&id) || pinned.binary_search(&id).is_ok() {
+                    continue;
+                }
+                seen.push(id);
+                let bytes = stage
+                    .reads()
+                    .iter()
+                    .find(|r| r.page == id)
+                    .map_or(0, |r| slot_bytes(r.bytes));
+                unit.pages.push(id);
+                unit.bytes += bytes;
+                largest = largest.max(bytes);
+            }
+            out.push(Counted { unit, largest });
+        }
+        out
+    };
+    let mut units = Vec::new();
+    let mut starts = Vec::with_capacity(plan.layers.len() + 1);
+    for layer in &plan.layers {
+        starts.push(units.len());
+        units.extend(count(layer, &mut layer.steps().iter().cloned()));
+    }
+    starts.push(units.len());
+    let tail = &plan.tail;
+    let mut all = std::iter::once(tail.steps().iter().flatten().copied().collect());
+    units.extend(count(tail, &mut all));
+    (units, starts)
 }
 
 /// Leases `ids`, adding the time it took to `waited`.
@@ -223,25 +379,29 @@ fn acquire_timed(
 
 /// A layer being computed: its pages, leased whole or step by step.
 pub struct LayerLease<'a> {
-    source: &'a dyn PageSource,
-    steps: &'a [Vec<PageId>],
+    sweep: &'a Sweep<'a>,
+    li: usize,
     whole: Option<Leased>,
-    waited: &'a Cell<Duration>,
 }
 
 impl LayerLease<'_> {
-    /// The leases of step `i` of the layer's plan ([`super::plan::Stage::steps`]).
+    /// The leases of step `i` of the layer's plan ([`super::plan::Stage::steps`]);
+    /// leased step by step, the hints first move on past it.
     ///
     /// # Panics
     /// If the plan has no step `i` (an architecture bug).
     pub fn step(&self, i: usize) -> Result<StepLease<'_>, VoomError> {
         match &self.whole {
             Some(l) => Ok(StepLease::Shared(l)),
-            None => Ok(StepLease::Own(acquire_timed(
-                self.source,
-                &self.steps[i],
-                self.waited,
-            )?)),
+            None => {
+                let s = self.sweep;
+                let unit = s.starts[self.li] + i;
+                s.move_on(unit + 1, s.units[unit].bytes);
+                s.top_up(s.stage_end(self.li + s.depth));
+                Ok(StepLease::Own(
+                    s.acquire(&s.plan.layers[self.li].steps()[i])?,
+                ))
+            }
         }
     }
 }
@@ -313,6 +473,182 @@ mod tests {
         )
     }
 
+    const K: u64 = 16 << 10;
+
+    /// A recorder of pages `0..n` of `len` bytes each.
+    fn recorder(lens: &[u64]) -> Recorder {
+        Recorder {
+            pages: lens
+                .iter()
+                .enumerate()
+                .map(|(i, &len)| PageMeta {
+                    id: PageId(i as u32),
+                    name: format!("p{i}"),
+                    dtype: DType::BF16,
+                    shape: vec![len as usize / 2],
+                    len,
+                    rows: None,
+                })
+                .collect(),
+            ..Recorder::default()
+        }
+    }
+
+    /// A stage of one page per step, the pages `ids` of the sizes in `lens`.
+    fn steps(ids: &[u32], lens: &[u64]) -> Stage {
+        Stage::from_reads(
+            ids.iter()
+                .map(|&i| PlannedRead {
+                    page: PageId(i),
+                    bytes: lens[i as usize],
+                    per_token: lens[i as usize],
+                    per_token_whole: lens[i as usize],
+                })
+                .collect(),
+            ids.iter().map(|&i| vec![PageId(i)]).collect(),
+        )
+    }
+
+    /// Three layers of four pages (16, 32, 32 and 32 KiB), a tail of one 16 KiB page
+    /// (page 13); page 0 is the head.
+    fn three_layers() -> (Recorder, PagePlan) {
+        let mut lens = vec![K];
+        for _ in 0..3 {
+            lens.extend([K, 2 * K, 2 * K, 2 * K]);
+        }
+        lens.push(K);
+        let src = recorder(&lens);
+        let plan = PagePlan {
+            head: steps(&[0], &lens),
+            layers: (0..3)
+                .map(|l| steps(&[1 + 4 * l, 2 + 4 * l, 3 + 4 * l, 4 + 4 * l], &lens))
+                .collect(),
+            tail: steps(&[13], &lens),
+        };
+        (src, plan)
+    }
+
+    fn log(src: &Recorder) -> Vec<String> {
+        src.log.lock().unwrap().clone()
+    }
+
+    /// The planner's window for [`three_layers`], in units of 16 KiB: a layer (7)
+    /// and three of its largest page (2).
+    const ROOM: u64 = 13 * K;
+
+    /// Leased a step at a time (the room holds less than two layers), hints go as
+    /// far ahead as the room less two pages holds beside the step leased (9 units),
+    /// and each step leased hints what then fits, never past the next layer with
+    /// depth 1; at the tail, the next pass's first layer.
+    #[test]
+    fn step_leases_hint_ahead_by_bytes() {
+        let (src, plan) = three_layers();
+        let sweep = Sweep::new(&src, &plan, 1, Some(ROOM), &[], 1);
+        assert_eq!(sweep.scope(), LeaseScope::Step);
+        for li in 0..3 {
+            let lw = sweep.layer(li).unwrap();
+            for i in 0..4 {
+                drop(lw.step(i).unwrap());
+            }
+        }
+        drop(sweep.tail(&[PageId(13)]).unwrap());
+        sweep.finish();
+        assert_eq!(
+            log(&src),
+            [
+                // Layer 0: its pages and the next layer's first (8 units; the next
+                // page would make 10).
+                "hint 1,2,3,4,5",
+                "lease 1",
+                "hint 6",
+                "lease 2",
+                "hint 7",
+                "lease 3",
+                "hint 8",
+                "lease 4",
+                // Layer 1: layer 2 comes into reach.
+                "hint 9",
+                "lease 5",
+                "hint 10",
+                "lease 6",
+                "hint 11",
+                "lease 7",
+                "hint 12",
+                "lease 8",
+                "hint 13",
+                "lease 9",
+                "lease 10",
+                "lease 11",
+                "lease 12",
+                // The tail: the next pass's first layer.
+                "hint 1,2,3,4",
+                "lease 13",
+            ]
+        );
+    }
+
+    /// A pass of several chunks leases a layer whole when the room holds one (so the
+    /// layer is read once), and hints what fits beside it; pinned pages take no
+    /// room and are not hinted.
+    #[test]
+    fn chunked_passes_lease_layers_whole_and_pins_take_no_room() {
+        let (src, plan) = three_layers();
+        let sweep = Sweep::new(&src, &plan, 1, Some(ROOM), &[], 2);
+        assert_eq!(sweep.scope(), LeaseScope::Layer);
+        for li in 0..3 {
+            drop(sweep.layer(li).unwrap());
+        }
+        sweep.finish();
+        // Each layer (7 units) leaves 2 of the 9: the next layer's first page.
+        assert_eq!(
+            log(&src),
+            [
+                "hint 5", "lease 1", "lease 2", "lease 3", "lease 4", "hint 9", "lease 5",
+                "lease 6", "lease 7", "lease 8", "hint 13", "lease 9", "lease 10", "lease 11",
+                "lease 12"
+            ]
+        );
+
+        // Pages 2 and 6 pinned: layer 0 leased whole holds 5 units, and the hints
+        // take 3 more of layer 1 (its pinned page is not hinted); layer 1 leaves room
+        // for 3 of layer 2.
+        let (src, plan) = three_layers();
+        let sweep = Sweep::new(&src, &plan, 1, Some(ROOM), &[PageId(2), PageId(6)], 2);
+        drop(sweep.layer(0).unwrap());
+        drop(sweep.layer(1).unwrap());
+        sweep.finish();
+        assert_eq!(
+            log(&src),
+            [
+                "hint 5,7",
+                "lease 1",
+                "lease 2",
+                "lease 3",
+                "lease 4",
+                "hint 9,10",
+                "lease 5",
+                "lease 6",
+                "lease 7",
+                "lease 8"
+            ]
+        );
+    }
+
+    /// Without hints (depth 0) nothing is hinted, whatever the room.
+    #[test]
+    fn depth_zero_hints_nothing() {
+        let (src, plan) = three_layers();
+        let sweep = Sweep::new(&src, &plan, 0, Some(ROOM), &[], 1);
+        for li in 0..3 {
+            let lw = sweep.layer(li).unwrap();
+            for i in 0..4 {
+                drop(lw.step(i).unwrap());
+            }
+        }
+        sweep.finish();
+        assert!(log(&src).iter().all(|l| l.starts_with("lease")));
+    }
+
     /// Each layer hints the one after it, the last one the tail, and the tail the
     /// next pass's first layer (decode sweeps again at once).
     #[test]
@@ -335,7 +671,7 @@ mod tests {
             layers: vec![stage(1), stage(2), stage(3)],
             tail: stage(4),
         };
-        let sweep = Sweep::new(&src, &plan, 1, None);
+        let sweep = Sweep::new(&src, &plan, 1, None, &[], 1);
         assert_eq!(sweep.depth(), 1);
         drop(sweep.lease(plan.head.ids()).unwrap());
         for li in 0..3 {
