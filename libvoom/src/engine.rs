@@ -12,7 +12,7 @@ use crate::backend::BackendKind;
 use crate::config::ModelConfig;
 use crate::constrain::{ConstrainError, TokenConstraint, TokenMask};
 use crate::kv::KvCache;
-use crate::model::{self, Logits, Model, Sweep};
+use crate::model::{self, Logits, Model, Sweep, Walk};
 use crate::sampler::{Sampler, SamplingParams};
 use crate::text::Tokenizer;
 use crate::VoomError;
@@ -172,8 +172,9 @@ pub struct Engine {
     /// Bytes of the source's cache that unpinned pages stream through, when the
     /// memory planner pinned part of the model in it.
     stream_room: Option<u64>,
-    /// The pages the planner pinned, sorted (they take none of that room).
-    pinned: Vec<PageId>,
+    /// The plan's walk with the planner's pins left out (they take none of that
+    /// room), which every pass's sweep follows.
+    walk: Walk,
 }
 
 /// Pins in `source`'s cache (when it has one) the pages the memory planner chooses
@@ -246,6 +247,7 @@ impl Engine {
             .unwrap_or_else(|| dir.display().to_string());
         let model = model::load(cfg, source.as_ref(), &name, opts.backend, opts.threads)?;
         let (stream_room, pinned) = place_in(source.as_ref(), model.as_ref());
+        let walk = Walk::new(model.plan(), &pinned);
         let tokenizer = if dir.join("tokenizer.json").exists() {
             Some(Tokenizer::from_dir(dir)?)
         } else {
@@ -261,7 +263,7 @@ impl Engine {
             eos,
             opts,
             stream_room,
-            pinned,
+            walk,
         })
     }
 
@@ -366,7 +368,7 @@ impl Engine {
             self.model.plan(),
             self.opts.prefetch_depth,
             self.stream_room,
-            &self.pinned,
+            &self.walk,
             tokens.len().div_ceil(chunk),
         );
         let pass = self.model.forward(&sweep, tokens, chunk, kv, want);

@@ -20,7 +20,7 @@ use crate::config::{Arch, ModelConfig};
 use crate::kv::KvCache;
 use crate::VoomError;
 pub use plan::PagePlan;
-pub use sweep::Sweep;
+pub use sweep::{Sweep, Walk};
 
 /// Which positions' logits a forward pass returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -19,10 +19,11 @@
 //! that room is in pieces (with a margin of one page, a 24-layer sweep skipped a
 //! few hints a pass, and the demand loads that followed evicted pages hinted and
 //! not yet used, which were read twice; with two, none). Its demand loads (the
-//! embedding's parts, a hint skipped) also take their room from that margin. Each lease moves the window on, and the steps that
-//! now fit are hinted together. Pinned pages take no room. The walk is cyclic: past
-//! the last layer and the tail come the next pass's first layers. Neither the lease
-//! scope nor the hints change a result.
+//! embedding's parts, a hint skipped) also take their room from that margin. Each
+//! lease moves the window on, and the steps that now fit are hinted together.
+//! Pinned pages take no room. The walk is cyclic: past the last layer and the tail
+//! come the next pass's first layers ([`Walk`], built once per placement). Neither
+//! the lease scope nor the hints change a result.
 
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
@@ -30,7 +31,7 @@ use std::time::{Duration, Instant};
 
 use vpaged::{PageId, PageSource};
 
-use super::plan::{slot_bytes, PagePlan};
+use super::plan::{slot_bytes, PagePlan, Stage};
 use super::weights::Leased;
 use crate::VoomError;
 
@@ -68,6 +69,63 @@ struct Ahead {
     held: u64,
 }
 
+/// The units hints count by, in the order a pass leases them (each layer's steps,
+/// then the tail), for one placement: a unit holds the pages of its step that stream
+/// (not pinned) and that no earlier step of its stage names, with their slot bytes.
+/// Built once when a model is placed; every pass's [`Sweep`] walks it.
+#[derive(Debug, Clone, Default)]
+pub struct Walk {
+    units: Vec<Unit>,
+    /// Index of each layer's first unit, and of the tail's (last).
+    starts: Vec<usize>,
+    /// Slot bytes of the largest page of any unit.
+    largest_page: u64,
+}
+
+impl Walk {
+    /// The walk of `plan` with `pinned` (sorted) left out.
+    pub fn new(plan: &PagePlan, pinned: &[PageId]) -> Walk {
+        let mut walk = Walk::default();
+        for layer in &plan.layers {
+            walk.starts.push(walk.units.len());
+            for step in layer.steps() {
+                walk.push_stage_step(layer, step, pinned);
+            }
+        }
+        walk.starts.push(walk.units.len());
+        let tail: Vec<PageId> = plan.tail.steps().iter().flatten().copied().collect();
+        walk.push_stage_step(&plan.tail, &tail, pinned);
+        walk
+    }
+
+    /// Adds the unit of `step` of `stage`: its pages not pinned and not named by the
+    /// stage's units added before (those since the stage's start).
+    fn push_stage_step(&mut self, stage: &Stage, step: &[PageId], pinned: &[PageId]) {
+        let stage_start = self.starts.last().copied().unwrap_or(0);
+        let mut unit = Unit {
+            pages: Vec::new(),
+            bytes: 0,
+        };
+        for &id in step {
+            let seen = self.units[stage_start..]
+                .iter()
+                .any(|u| u.pages.contains(&id));
+            if seen || unit.pages.contains(&id) || pinned.binary_search(&id).is_ok() {
+                continue;
+            }
+            let bytes = stage
+                .reads()
+                .iter()
+                .find(|r| r.page == id)
+                .map_or(0, |r| slot_bytes(r.bytes));
+            unit.pages.push(id);
+            unit.bytes += bytes;
+            self.largest_page = self.largest_page.max(bytes);
+        }
+        self.units.push(unit);
+    }
+}
+
 /// One forward pass's walk over the weights.
 pub struct Sweep<'a> {
     source: &'a dyn PageSource,
@@ -76,10 +134,7 @@ pub struct Sweep<'a> {
     depth: usize,
     /// Bytes the lease held and the pages hinted ahead may take together.
     limit: u64,
-    /// The walk's units: each layer's steps, then the tail.
-    units: Vec<Unit>,
-    /// Index of each layer's first unit, and of the tail's (last).
-    starts: Vec<usize>,
+    walk: &'a Walk,
     ahead: RefCell<Ahead>,
     /// Time spent waiting for leases (loads, or other requests' loads of the page).
     waited: Cell<Duration>,
@@ -90,14 +145,14 @@ impl<'a> Sweep<'a> {
     /// hinting up to `prefetch_depth` layers ahead (0 sends no hints), as far as
     /// `room` holds. `room` is the bytes of the source's cache that unpinned pages
     /// stream through (the memory planner's window); `None`: the source's whole
-    /// budget, or no bound. `pinned`: the pages the planner pinned, sorted (they take
-    /// none of the room).
+    /// budget, or no bound. `walk`: the plan's [`Walk`] with the planner's pins left
+    /// out (they take none of the room).
     pub fn new(
         source: &'a dyn PageSource,
         plan: &'a PagePlan,
         prefetch_depth: usize,
         room: Option<u64>,
-        pinned: &[PageId],
+        walk: &'a Walk,
         chunks: usize,
     ) -> Self {
         let largest = plan.largest_layer_bytes();
@@ -108,11 +163,9 @@ impl<'a> Sweep<'a> {
             Some(_) => LeaseScope::Step,
             None => LeaseScope::Layer,
         };
-        let (units, starts) = walk_units(plan, pinned);
-        let largest_page = units.iter().map(|u| u.largest).max().unwrap_or(0);
         let limit = match room {
             Some(b) => b
-                .saturating_sub(2 * largest_page)
+                .saturating_sub(2 * walk.largest_page)
                 .max(plan.largest_step_slot_bytes()),
             None => u64::MAX,
         };
@@ -122,8 +175,7 @@ impl<'a> Sweep<'a> {
             scope,
             depth: prefetch_depth,
             limit,
-            units: units.into_iter().map(|u| u.unit).collect(),
-            starts,
+            walk,
             ahead: RefCell::new(Ahead::default()),
             waited: Cell::new(Duration::ZERO),
         }
@@ -179,8 +231,8 @@ impl<'a> Sweep<'a> {
         self.read_ahead(li + 1);
         let whole = match self.scope {
             LeaseScope::Layer => {
-                let (from, to) = (self.starts[li], self.starts[li + 1]);
-                let held = self.units[from..to].iter().map(|u| u.bytes).sum();
+                let (from, to) = (self.walk.starts[li], self.walk.starts[li + 1]);
+                let held = self.walk.units[from..to].iter().map(|u| u.bytes).sum();
                 self.move_on(to, held);
                 self.top_up(self.stage_end(li + self.depth));
                 Some(self.acquire(self.plan.layers[li].ids())?)
@@ -206,8 +258,10 @@ impl<'a> Sweep<'a> {
     pub fn tail(&self, ids: &[PageId]) -> Result<Leased, VoomError> {
         let n = self.plan.layers.len();
         self.read_ahead(n + 1);
-        let held = self.units[self.starts[n]].bytes.min(self.lease_bound());
-        self.move_on(self.units.len(), held);
+        let held = self.walk.units[self.walk.starts[n]]
+            .bytes
+            .min(self.lease_bound());
+        self.move_on(self.walk.units.len(), held);
         self.top_up(self.stage_end(n + self.depth));
         self.acquire(ids)
     }
@@ -222,9 +276,9 @@ impl<'a> Sweep<'a> {
     /// steps; `None` past those.
     fn unit(&self, i: usize) -> Option<&Unit> {
         let n = self.plan.layers.len();
-        match i.checked_sub(self.units.len()) {
-            None => self.units.get(i),
-            Some(j) if j < self.starts[n] => self.units.get(j),
+        match i.checked_sub(self.walk.units.len()) {
+            None => self.walk.units.get(i),
+            Some(j) if j < self.walk.starts[n] => self.walk.units.get(j),
             Some(_) => None,
         }
     }
@@ -233,9 +287,9 @@ impl<'a> Sweep<'a> {
     fn stage_end(&self, t: usize) -> usize {
         let n = self.plan.layers.len();
         match t.cmp(&n) {
-            std::cmp::Ordering::Less => self.starts[t + 1],
-            std::cmp::Ordering::Equal => self.units.len(),
-            std::cmp::Ordering::Greater => self.units.len() + self.starts[(t - n).min(n)],
+            std::cmp::Ordering::Less => self.walk.starts[t + 1],
+            std::cmp::Ordering::Equal => self.walk.units.len(),
+            std::cmp::Ordering::Greater => self.walk.units.len() + self.walk.starts[(t - n).min(n)],
         }
     }
 
@@ -315,56 +369,6 @@ impl<'a> Sweep<'a> {
     }
 }
 
-/// A walk unit being built, with the slot bytes of its largest page.
-struct Counted {
-    unit: Unit,
-    largest: u64,
-}
-
-/// The walk's units of `plan` (each layer's steps, then the tail as one unit) and
-/// the index of each layer's first unit, with the tail's last. A unit holds the pages
-/// of its step that are not `pinned` (sorted) and not in an earlier step of its stage.
-fn walk_units(plan: &PagePlan, pinned: &[PageId]) -> (Vec<Counted>, Vec<usize>) {
-    let count = |stage: &super::plan::Stage, steps: &mut dyn Iterator<Item = Vec<PageId>>| {
-        let mut seen: Vec<PageId> = Vec::new();
-        let mut out = Vec::new();
-        for step in steps {
-            let mut unit = Unit {
-                pages: Vec::new(),
-                bytes: 0,
-            };
-            let mut largest = 0;
-            for id in step {
-                if seen.contains(&id) || pinned.binary_search(&id).is_ok() {
-                    continue;
-                }
-                seen.push(id);
-                let bytes = stage
-                    .reads()
-                    .iter()
-                    .find(|r| r.page == id)
-                    .map_or(0, |r| slot_bytes(r.bytes));
-                unit.pages.push(id);
-                unit.bytes += bytes;
-                largest = largest.max(bytes);
-            }
-            out.push(Counted { unit, largest });
-        }
-        out
-    };
-    let mut units = Vec::new();
-    let mut starts = Vec::with_capacity(plan.layers.len() + 1);
-    for layer in &plan.layers {
-        starts.push(units.len());
-        units.extend(count(layer, &mut layer.steps().iter().cloned()));
-    }
-    starts.push(units.len());
-    let tail = &plan.tail;
-    let mut all = std::iter::once(tail.steps().iter().flatten().copied().collect());
-    units.extend(count(tail, &mut all));
-    (units, starts)
-}
-
 /// Leases `ids`, adding the time it took to `waited`.
 fn acquire_timed(
     source: &dyn PageSource,
@@ -395,8 +399,8 @@ impl LayerLease<'_> {
             Some(l) => Ok(StepLease::Shared(l)),
             None => {
                 let s = self.sweep;
-                let unit = s.starts[self.li] + i;
-                s.move_on(unit + 1, s.units[unit].bytes);
+                let unit = s.walk.starts[self.li] + i;
+                s.move_on(unit + 1, s.walk.units[unit].bytes);
                 s.top_up(s.stage_end(self.li + s.depth));
                 Ok(StepLease::Own(
                     s.acquire(&s.plan.layers[self.li].steps()[i])?,
@@ -543,7 +547,8 @@ mod tests {
     #[test]
     fn step_leases_hint_ahead_by_bytes() {
         let (src, plan) = three_layers();
-        let sweep = Sweep::new(&src, &plan, 1, Some(ROOM), &[], 1);
+        let walk = Walk::new(&plan, &[]);
+        let sweep = Sweep::new(&src, &plan, 1, Some(ROOM), &walk, 1);
         assert_eq!(sweep.scope(), LeaseScope::Step);
         for li in 0..3 {
             let lw = sweep.layer(li).unwrap();
@@ -593,7 +598,8 @@ mod tests {
     #[test]
     fn chunked_passes_lease_layers_whole_and_pins_take_no_room() {
         let (src, plan) = three_layers();
-        let sweep = Sweep::new(&src, &plan, 1, Some(ROOM), &[], 2);
+        let walk = Walk::new(&plan, &[]);
+        let sweep = Sweep::new(&src, &plan, 1, Some(ROOM), &walk, 2);
         assert_eq!(sweep.scope(), LeaseScope::Layer);
         for li in 0..3 {
             drop(sweep.layer(li).unwrap());
@@ -613,7 +619,8 @@ mod tests {
         // take 3 more of layer 1 (its pinned page is not hinted); layer 1 leaves room
         // for 3 of layer 2.
         let (src, plan) = three_layers();
-        let sweep = Sweep::new(&src, &plan, 1, Some(ROOM), &[PageId(2), PageId(6)], 2);
+        let walk = Walk::new(&plan, &[PageId(2), PageId(6)]);
+        let sweep = Sweep::new(&src, &plan, 1, Some(ROOM), &walk, 2);
         drop(sweep.layer(0).unwrap());
         drop(sweep.layer(1).unwrap());
         sweep.finish();
@@ -638,7 +645,8 @@ mod tests {
     #[test]
     fn depth_zero_hints_nothing() {
         let (src, plan) = three_layers();
-        let sweep = Sweep::new(&src, &plan, 0, Some(ROOM), &[], 1);
+        let walk = Walk::new(&plan, &[]);
+        let sweep = Sweep::new(&src, &plan, 0, Some(ROOM), &walk, 1);
         for li in 0..3 {
             let lw = sweep.layer(li).unwrap();
             for i in 0..4 {
@@ -671,7 +679,8 @@ mod tests {
             layers: vec![stage(1), stage(2), stage(3)],
             tail: stage(4),
         };
-        let sweep = Sweep::new(&src, &plan, 1, None, &[], 1);
+        let walk = Walk::new(&plan, &[]);
+        let sweep = Sweep::new(&src, &plan, 1, None, &walk, 1);
         assert_eq!(sweep.depth(), 1);
         drop(sweep.lease(plan.head.ids()).unwrap());
         for li in 0..3 {
