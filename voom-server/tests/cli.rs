@@ -98,6 +98,19 @@ fn generate_json_gives_transformers_ids() {
     assert_eq!(j["profile"], "default");
     assert_eq!(j["exact"], true);
     assert!(j["timing"]["decode_tokens_per_sec"].as_f64().unwrap() >= 0.0);
+    // The block device's counters over decode, where the model's directory has a
+    // device whose counters can be read (not on overlayfs or tmpfs, not off Linux).
+    let dev = &j["decode_device"];
+    match voom_server::blockdev::Device::of(&tiny("qwen3_qk_norm_eos_list")) {
+        Some(d) => {
+            assert_eq!(dev["name"], d.name(), "{dev}");
+            for k in ["bytes_read", "read_requests"] {
+                assert!(dev[k].is_u64(), "{k}: {dev}");
+            }
+            assert!(dev["busy_secs"].as_f64().unwrap() >= 0.0, "{dev}");
+        }
+        None => assert!(dev.is_null(), "{dev}"),
+    }
 }
 
 #[test]

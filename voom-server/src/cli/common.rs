@@ -585,12 +585,14 @@ pub fn text_ids(engine: &Engine, text: &str) -> Result<Vec<u32>> {
 /// Generates, streaming text to stdout as it completes (when `stream`), and returns
 /// the generation and its full text. A write to stdout that fails stops generation
 /// and is the error (a closed pipe, `voom run ... | head -c 10`, ends the command
-/// quietly: see `vpaged::stdout::exit_code`).
+/// quietly: see `vpaged::stdout::exit_code`). `on_token` runs as each id is sampled,
+/// before it is shown (the first call marks the end of prefill).
 pub fn generate_streaming(
     engine: &Engine,
     ids: &[u32],
     params: &GenerateParams,
     stream: bool,
+    on_token: &mut dyn FnMut(),
 ) -> Result<(Generation, String)> {
     let mut text = String::new();
     let show = |piece: &str| -> std::io::Result<()> {
@@ -606,6 +608,7 @@ pub fn generate_streaming(
             let mut dec = StreamDecoder::new(tok, true);
             let mut err: Option<anyhow::Error> = None;
             let g = engine.generate(ids, params, &mut |id| {
+                on_token();
                 if eos.contains(&id) && !params.ignore_eos {
                     return ControlFlow::Continue(());
                 }
@@ -630,7 +633,10 @@ pub fn generate_streaming(
             text.push_str(&rest);
             g
         }
-        None => engine.generate(ids, params, &mut |_| ControlFlow::Continue(()))?,
+        None => engine.generate(ids, params, &mut |_| {
+            on_token();
+            ControlFlow::Continue(())
+        })?,
     };
     show("\n")?;
     Ok((g, text))

@@ -63,9 +63,32 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         bail!("the prompt is empty");
     }
     let params = a.sampling.params();
-    let (g, text) = common::generate_streaming(&engine, &ids, &params, !a.json)?;
+    // With --json, what the block device holding the model did over decode (from the
+    // first id sampled to the last, as `decode_secs` counts), where it can be read:
+    // bytes, requests and the time it was busy, other processes' I/O included.
+    let device = a.json.then(|| crate::blockdev::Device::of(&dir)).flatten();
+    let mut at_decode = None;
+    let mut mark = || {
+        if at_decode.is_none() {
+            at_decode = device.as_ref().and_then(|d| d.read());
+        }
+    };
+    let (g, text) = common::generate_streaming(&engine, &ids, &params, !a.json, &mut mark)?;
     if a.json {
-        vpaged::outln!("{}", common::result_json(&engine, &ids, &g, &text))?;
+        let mut out = common::result_json(&engine, &ids, &g, &text);
+        let decode = device
+            .as_ref()
+            .and_then(|d| Some((d, d.read()?.since(&at_decode?))));
+        out["decode_device"] = match decode {
+            Some((d, act)) => serde_json::json!({
+                "name": d.name(),
+                "bytes_read": act.bytes,
+                "read_requests": act.reads,
+                "busy_secs": act.busy.as_secs_f64(),
+            }),
+            None => serde_json::Value::Null,
+        };
+        vpaged::outln!("{out}")?;
     } else {
         eprintln!(
             "[{} prompt tokens, {:.1} tok/s prefill; {} generated, {:.1} tok/s decode; {}]",

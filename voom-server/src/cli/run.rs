@@ -43,7 +43,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         } else {
             common::text_ids(&engine, p)?
         };
-        let (g, text) = common::generate_streaming(&engine, &ids, &params, !a.json)?;
+        let (g, text) = common::generate_streaming(&engine, &ids, &params, !a.json, &mut || {})?;
         if a.json {
             vpaged::outln!("{}", common::result_json(&engine, &ids, &g, &text))?;
         }
@@ -74,7 +74,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         } else {
             common::text_ids(&engine, &line)?
         };
-        match common::generate_streaming(&engine, &ids, &params, true) {
+        match common::generate_streaming(&engine, &ids, &params, true, &mut || {}) {
             Ok((_, text)) => {
                 messages.push(serde_json::json!({"role": "assistant", "content": text}))
             }
