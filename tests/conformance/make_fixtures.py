@@ -23,6 +23,7 @@ import copy
 import json
 import os
 import platform
+import re
 import shutil
 import sys
 from dataclasses import dataclass
@@ -38,8 +39,11 @@ from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
+    OlmoeConfig,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 SCHEMA_VERSION = 1
@@ -62,7 +66,14 @@ CONFIG_CLASSES = {
     "mistral": MistralConfig,
     "qwen2": Qwen2Config,
     "qwen3": Qwen3Config,
+    "qwen3_moe": Qwen3MoeConfig,
+    "olmoe": OlmoeConfig,
+    "mixtral": MixtralConfig,
 }
+# Mixtures of experts: a prompt is also redrawn when a router's k-th and (k+1)-th
+# probabilities are this close at any position and layer (another summation order of
+# the router logits could then route the token to another expert).
+MIN_ROUTER_GAP = 1e-4
 
 
 @dataclass
@@ -97,6 +108,12 @@ class CaseSpec:
     # Extra checks that a config feature changes the output (see run_case).
     check_sliding_window_matters: bool = False
     check_llama3_scaling_matters: bool = False
+    check_clip_qkv_matters: bool = False
+    # Save the experts fused (`mlp.experts.gate_up_proj` [E, 2I, H] and
+    # `mlp.experts.down_proj` [E, H, I]: `save_pretrained(save_original_format=False)`,
+    # the format transformers 5 re-saves a fused checkpoint in) instead of one tensor
+    # per expert and projection.
+    fused_experts: bool = False
 
 
 def case_specs() -> list[CaseSpec]:
@@ -311,6 +328,136 @@ def case_specs() -> list[CaseSpec]:
             },
             max_shard_size="200KB",
         ),
+        CaseSpec(
+            name="qwen3_moe_dense_layer",
+            arch="qwen3_moe",
+            seed=1008,
+            covers=[
+                "qwen3_moe",
+                "8 experts, 2 per token, norm_topk_prob true (top-k weights renormalised)",
+                "experts stored one tensor per expert and projection (mlp.experts.N.gate_proj)",
+                "mlp_only_layers [1]: a dense MLP (intermediate_size 96) between two MoE layers",
+                "q_norm/k_norm per head, head_dim 32 != hidden/heads 16",
+                "gqa (4 heads / 2 kv heads), untied lm_head",
+            ],
+            config={
+                "vocab_size": 384,
+                "hidden_size": 64,
+                "intermediate_size": 96,
+                "moe_intermediate_size": 32,
+                "num_experts": 8,
+                "num_experts_per_tok": 2,
+                "norm_topk_prob": True,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [1],
+                "num_hidden_layers": 3,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 32,
+                "max_position_embeddings": 512,
+                "rms_norm_eps": 1e-6,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+                "tie_word_embeddings": False,
+                "use_sliding_window": False,
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+            },
+        ),
+        CaseSpec(
+            name="qwen3_moe_fused_sparse_step",
+            arch="qwen3_moe",
+            seed=1009,
+            covers=[
+                "qwen3_moe",
+                "experts stored fused: mlp.experts.gate_up_proj [E, 2I, H], mlp.experts.down_proj [E, H, I]",
+                "decoder_sparse_step 2: layer 0 dense, layer 1 MoE",
+                "8 experts, 3 per token, norm_topk_prob false (softmax weights as they are)",
+                "tied embeddings",
+            ],
+            config={
+                "vocab_size": 384,
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "moe_intermediate_size": 48,
+                "num_experts": 8,
+                "num_experts_per_tok": 3,
+                "norm_topk_prob": False,
+                "decoder_sparse_step": 2,
+                "mlp_only_layers": [],
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "max_position_embeddings": 512,
+                "rms_norm_eps": 1e-6,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+                "tie_word_embeddings": True,
+                "use_sliding_window": False,
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+            },
+            final_norm_range=TIED_FINAL_NORM,
+            fused_experts=True,
+        ),
+        CaseSpec(
+            name="olmoe_clip_qkv",
+            arch="olmoe",
+            seed=1010,
+            covers=[
+                "olmoe",
+                "q_norm/k_norm over the whole q and k projections (not per head)",
+                "clip_qkv 2.0 after the norms (q, k and v clamped)",
+                "8 experts, 2 per token, norm_topk_prob false",
+                "gqa (4 heads / 2 kv heads), untied lm_head",
+            ],
+            config={
+                "vocab_size": 384,
+                "hidden_size": 64,
+                "intermediate_size": 32,
+                "num_experts": 8,
+                "num_experts_per_tok": 2,
+                "norm_topk_prob": False,
+                "clip_qkv": 2.0,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "max_position_embeddings": 512,
+                "rms_norm_eps": 1e-5,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+                "tie_word_embeddings": False,
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+                "pad_token_id": 0,
+            },
+            check_clip_qkv_matters=True,
+        ),
+        CaseSpec(
+            name="mixtral_block_sparse",
+            arch="mixtral",
+            seed=1011,
+            covers=[
+                "mixtral",
+                "block_sparse_moe naming (experts.N.w1/w2/w3, block_sparse_moe.gate)",
+                "4 experts, 2 per token, always renormalised",
+                "gqa (4 heads / 2 kv heads), untied lm_head",
+            ],
+            config={
+                "vocab_size": 384,
+                "hidden_size": 64,
+                "intermediate_size": 48,
+                "num_local_experts": 4,
+                "num_experts_per_tok": 2,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "max_position_embeddings": 512,
+                "rms_norm_eps": 1e-5,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+                "sliding_window": None,
+                "tie_word_embeddings": False,
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+            },
+        ),
     ]
 
 
@@ -318,9 +465,17 @@ def case_specs() -> list[CaseSpec]:
 # Model construction
 
 
+def is_moe(config) -> bool:
+    return bool(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None))
+
+
 def build_model(spec: CaseSpec) -> torch.nn.Module:
     config = CONFIG_CLASSES[spec.arch](**copy.deepcopy(spec.config))
     config._attn_implementation = "eager"
+    if is_moe(config):
+        # The experts' loop in the model file (a fixed order of the sums), not a
+        # grouped matmul kernel.
+        config._experts_implementation = "eager"
     torch.manual_seed(spec.seed)  # transformers' own init; fully overwritten below.
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     gen = torch.Generator().manual_seed(spec.seed)
@@ -347,10 +502,38 @@ def build_model(spec: CaseSpec) -> torch.nn.Module:
     return model.to(torch.bfloat16)
 
 
-def load_f32(path: Path) -> torch.nn.Module:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+def load_f32(path: Path, config=None) -> torch.nn.Module:
+    kwargs = {"dtype": torch.float32, "attn_implementation": "eager"}
+    if config is not None:
+        kwargs["config"] = config
+    if is_moe(config if config is not None else AutoConfig.from_pretrained(path)):
+        kwargs["experts_implementation"] = "eager"
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     model.eval()
     return model
+
+
+# One expert's projection stored on its own, as transformers 5 saves experts by default.
+EXPERT_TENSOR = re.compile(
+    r"^(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
+)
+
+
+def stored_value_in_model(state: dict, name: str):
+    """The model's value for stored tensor `name`: the same name, mixtral's
+    block_sparse_moe renamed to mlp, or one expert's slice of the fused experts."""
+    for n in (name, name.replace(".block_sparse_moe.", ".mlp.")):
+        if n in state:
+            return state[n]
+    m = EXPERT_TENSOR.match(name)
+    if not m:
+        return None
+    layer, e, proj = m.group(1), int(m.group(2)), m.group(3)
+    if proj in ("down_proj", "w2"):
+        return state[f"{layer}.mlp.experts.down_proj"][e]
+    gate_up = state[f"{layer}.mlp.experts.gate_up_proj"]
+    inter = gate_up.shape[1] // 2
+    return gate_up[e, :inter] if proj in ("gate_proj", "w1") else gate_up[e, inter:]
 
 
 def read_json(path: Path) -> dict:
@@ -376,16 +559,21 @@ def verify_bf16_exact(path: Path, model: torch.nn.Module) -> int:
     """Every stored tensor is BF16 and the float32 model holds exactly its values."""
     stored = checkpoint_tensors(path)
     state = model.state_dict()
+    covered = {name: torch.zeros(t.shape, dtype=torch.bool) for name, t in state.items()}
     for name, t in stored.items():
         if t.dtype != torch.bfloat16:
             raise SystemExit(f"{path}: tensor {name} stored as {t.dtype}, expected bfloat16")
-        if name not in state:
+        v = stored_value_in_model(state, name)
+        if v is None:
             raise SystemExit(f"{path}: stored tensor {name} not in the reloaded model")
-        if not torch.equal(state[name], t.float()):
+        if not torch.equal(v, t.float()):
             raise SystemExit(f"{path}: reloaded {name} differs from the stored BF16 values")
+        # Mark what it covers: the same view of a zero mask of the model's tensor.
+        mask = stored_value_in_model(covered, name)
+        mask.fill_(True)
     # Every model weight must come from the file (tied lm_head from embed_tokens).
     for name, t in state.items():
-        if name not in stored:
+        if not bool(covered[name].all()):
             tied = name == "lm_head.weight" and model.config.tie_word_embeddings
             if not (tied and torch.equal(t, state["model.embed_tokens.weight"])):
                 raise SystemExit(f"{path}: model weight {name} not loaded from the checkpoint")
@@ -403,18 +591,40 @@ def eos_ids_of(model: torch.nn.Module) -> list[int]:
     return [eos] if isinstance(eos, int) else list(eos)
 
 
+def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """A mixture of experts' routers (`mlp.gate`, `block_sparse_moe.gate`)."""
+    return [m for n, m in model.named_modules() if type(m).__name__.endswith("TopKRouter")]
+
+
 def greedy(model: torch.nn.Module, prompt: list[int]) -> dict:
     ids = torch.tensor([prompt], dtype=torch.long)
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=MAX_NEW_TOKENS,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=eos_ids_of(model)[0],
-        )
+    # The smallest gap between a router's k-th and (k+1)-th probabilities over every
+    # position and layer of the run (inf without routers, or with k = every expert).
+    gap = [float("inf")]
+    k = getattr(model.config, "num_experts_per_tok", None)
+
+    def watch(_module, _inputs, output):
+        logits = output[0] if isinstance(output, tuple) else output
+        probs = torch.softmax(logits.float(), dim=-1)
+        if k is not None and probs.shape[-1] > k:
+            top = torch.topk(probs, k + 1, dim=-1).values
+            gap[0] = min(gap[0], float((top[..., k - 1] - top[..., k]).min()))
+
+    hooks = [r.register_forward_hook(watch) for r in routers(model)]
+    try:
+        with torch.no_grad():
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=MAX_NEW_TOKENS,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=eos_ids_of(model)[0],
+            )
+    finally:
+        for h in hooks:
+            h.remove()
     new = out.sequences[0, len(prompt) :].tolist()
     # output_logits are the raw (unprocessed) float32 logits of each generated step.
     logits = [step[0].float() for step in out.logits]
@@ -425,7 +635,7 @@ def greedy(model: torch.nn.Module, prompt: list[int]) -> dict:
         if int(top.indices[0]) != tok:
             raise SystemExit(f"greedy token {tok} is not the argmax {int(top.indices[0])}")
         margins.append(float(top.values[0] - top.values[1]))
-    return {"generated": new, "logits": logits, "margins": margins}
+    return {"generated": new, "logits": logits, "margins": margins, "router_gap": gap[0]}
 
 
 def uncached_check(model: torch.nn.Module, prompt: list[int], gen: dict) -> tuple[float, bool]:
@@ -476,10 +686,13 @@ def draw_prompts(spec: CaseSpec, model: torch.nn.Module, exclude: set[int]) -> t
         for attempt in range(MAX_RESEEDS):
             prompt = [int(x) for x in rng.choice(allowed, size=length)]
             g = greedy(model, prompt)
-            if min(g["margins"]) >= MIN_MARGIN:
+            if min(g["margins"]) >= MIN_MARGIN and g["router_gap"] >= MIN_ROUTER_GAP:
                 chosen.append({"length": length, "prompt": prompt, "reseeds": attempt})
                 break
-            rejected.append({"length": length, "min_margin": min(g["margins"])})
+            rejected.append(
+                {"length": length, "min_margin": min(g["margins"])}
+                | ({"min_router_gap": g["router_gap"]} if routers(model) else {})
+            )
         else:
             raise SystemExit(f"{spec.name}: no prompt of length {length} without a near-tie")
     return chosen, rejected
@@ -548,6 +761,8 @@ def run_case(spec: CaseSpec, out: Path) -> dict:
     save_kwargs = {"safe_serialization": True}
     if spec.max_shard_size:
         save_kwargs["max_shard_size"] = spec.max_shard_size
+    if spec.fused_experts:
+        save_kwargs["save_original_format"] = False
     model.save_pretrained(path, **save_kwargs)
     del model
     checks: dict = {}
@@ -619,6 +834,20 @@ def run_case(spec: CaseSpec, out: Path) -> dict:
             raise SystemExit(f"{spec.name}: llama3 scaling has no effect: {per_len}")
         checks["llama3_scaling_effect_max_abs_logit_diff_by_prompt_length"] = per_len
 
+    if spec.check_clip_qkv_matters:
+        noclip_cfg = AutoConfig.from_pretrained(path)
+        noclip_cfg.clip_qkv = None
+        noclip = load_f32(path, noclip_cfg)
+        per_len = {
+            str(p["length"]): float(
+                (last_prompt_logits(model, p["prompt"]) - last_prompt_logits(noclip, p["prompt"])).abs().max()
+            )
+            for p in prompts
+        }
+        if not all(d > 1e-2 for d in per_len.values()):
+            raise SystemExit(f"{spec.name}: clip_qkv has no effect: {per_len}")
+        checks["clip_qkv_effect_max_abs_logit_diff_by_prompt_length"] = per_len
+
     records = []
     max_uncached = 0.0
     for p in prompts:
@@ -647,6 +876,7 @@ def run_case(spec: CaseSpec, out: Path) -> dict:
                 "distinct_generated": len(set(gen)),
                 "reseeds": p["reseeds"],
             }
+            | ({"min_router_gap": g["router_gap"]} if routers(model) else {})
         )
     checks["uncached_vs_generate_max_abs_logit_diff"] = max_uncached
 
@@ -669,6 +899,7 @@ def run_case(spec: CaseSpec, out: Path) -> dict:
         "weights_dtype": "bfloat16",
         "compute_dtype": "float32",
         "attn_implementation": "eager",
+        "experts_implementation": "eager" if routers(model) else None,
         "init": {
             "embed_std": spec.embed_std,
             "linear_std": spec.linear_std,
@@ -712,7 +943,7 @@ def run_case(spec: CaseSpec, out: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "tests" / "fixtures" / "tiny")
-    ap.add_argument("--only", nargs="*", help="generate only these case names (index.json lists only them)")
+    ap.add_argument("--only", nargs="*", help="generate only these case names (index.json keeps the others' entries)")
     args = ap.parse_args()
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)  # one summation order for the references
@@ -724,6 +955,13 @@ def main() -> None:
     specs = [s for s in case_specs() if not args.only or s.name in args.only]
     results = [run_case(s, args.out) for s in specs]
 
+    cases = [{k: v for k, v in r.items() if not k.startswith("_")} for r in results]
+    if args.only and (args.out / "index.json").exists():
+        # The other cases keep their entries, in the order the specs list them.
+        old = {c["name"]: c for c in read_json(args.out / "index.json")["cases"]}
+        old.update({c["name"]: c for c in cases})
+        order = [s.name for s in case_specs()]
+        cases = sorted(old.values(), key=lambda c: order.index(c["name"]) if c["name"] in order else len(order))
     index = {
         "schema_version": SCHEMA_VERSION,
         "generator": {
@@ -731,7 +969,7 @@ def main() -> None:
             "torch": torch.__version__,
             "transformers": transformers.__version__,
         },
-        "cases": [{k: v for k, v in r.items() if not k.startswith("_")} for r in results],
+        "cases": cases,
     }
     write_json_like_transformers(args.out / "index.json", index)
 
