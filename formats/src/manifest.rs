@@ -35,6 +35,10 @@ pub const MANIFEST_VERSION_ENCODED: u32 = 2;
 /// its rows, [`PageEntry::rows`]): an older build refuses them as "unsupported"
 /// rather than serving one part as the whole tensor.
 pub const MANIFEST_VERSION_PARTS: u32 = 3;
+/// The manifest format of manifests that name routed experts' pages
+/// ([`PageGroup::Expert`]): an older build refuses them as "unsupported" rather than
+/// failing on the group it does not know.
+pub const MANIFEST_VERSION_EXPERTS: u32 = 4;
 
 /// The bytes [`Manifest::build`] aims at for each part of a tensor it splits into
 /// row parts (an embedding table whose rows a token reads one at a time).
@@ -172,6 +176,11 @@ pub enum PageGroup {
     Embedding,
     /// Transformer block N.
     Layer(u32),
+    /// One routed expert of block `layer`: its own tensors
+    /// (`model.layers.L.mlp.experts.E.*`), or its part of the experts fused in one
+    /// tensor (`mlp.experts.gate_up_proj`, split one expert per page). A token reads
+    /// only the experts its router picks.
+    Expert { layer: u32, expert: u32 },
     /// After the last block: final norm, LM head.
     Final,
     /// Anything else (vision towers, projectors, ...).
@@ -207,10 +216,21 @@ impl PageGroup {
     /// `Final`; the common spellings of other families (see the segment lists) too.
     pub fn of_tensor(name: &str) -> PageGroup {
         let segs: Vec<&str> = name.split('.').collect();
-        for w in segs.windows(2) {
+        for (i, w) in segs.windows(2).enumerate() {
             if LAYER_SEGMENTS.contains(&w[0]) {
                 if let Ok(n) = w[1].parse::<u32>() {
-                    return PageGroup::Layer(n);
+                    // `...experts.E...` inside the block: one routed expert's tensor.
+                    let expert = segs[i + 2..]
+                        .windows(2)
+                        .find(|x| x[0] == "experts")
+                        .and_then(|x| x[1].parse::<u32>().ok());
+                    return match expert {
+                        Some(e) => PageGroup::Expert {
+                            layer: n,
+                            expert: e,
+                        },
+                        None => PageGroup::Layer(n),
+                    };
                 }
             }
         }
@@ -228,6 +248,37 @@ impl PageGroup {
         }
         PageGroup::Other
     }
+
+    /// The block a page belongs to: its layer's, or its expert's layer's.
+    pub fn layer(self) -> Option<u32> {
+        match self {
+            PageGroup::Layer(l) | PageGroup::Expert { layer: l, .. } => Some(l),
+            _ => None,
+        }
+    }
+
+    /// The group of a page of tensor `name` holding `rows` of it: a part of routed
+    /// experts fused in one tensor ([`split_experts`]) is its expert's.
+    fn of_page(name: &str, rows: Option<Rows>) -> PageGroup {
+        match (PageGroup::of_tensor(name), rows) {
+            (PageGroup::Layer(l), Some(r)) if is_fused_experts(name) && r.count == 1 => {
+                PageGroup::Expert {
+                    layer: l,
+                    expert: u32::try_from(r.start).unwrap_or(u32::MAX),
+                }
+            }
+            (g, _) => g,
+        }
+    }
+}
+
+/// Whether tensor `name` holds a block's routed experts fused along its first
+/// dimension (`model.layers.L.mlp.experts.gate_up_proj`, `...experts.down_proj`).
+fn is_fused_experts(name: &str) -> bool {
+    let segs: Vec<&str> = name.split('.').collect();
+    segs.windows(2)
+        .any(|w| w[0] == "experts" && w[1].parse::<u32>().is_err())
+        && matches!(PageGroup::of_tensor(name), PageGroup::Layer(_))
 }
 
 impl Manifest {
@@ -251,7 +302,7 @@ impl Manifest {
         // Every page: its tensor, and the rows it holds where it is a part.
         let mut planned: Vec<(&str, &TensorLocation, Option<Rows>)> = Vec::new();
         for (name, loc) in ckpt.tensors() {
-            match split_rows(ckpt, name, loc, part_bytes) {
+            match split_rows(ckpt, name, loc, part_bytes).or_else(|| split_experts(name, loc)) {
                 None => planned.push((name, loc, None)),
                 Some(per) => {
                     let rows = loc.info.shape[0] as u64;
@@ -285,7 +336,7 @@ impl Manifest {
                 len: loc.info.len,
                 encoding: Encoding::Raw,
                 blake3: hash.to_hex().to_string(),
-                group: PageGroup::of_tensor(name),
+                group: PageGroup::of_page(name, rows),
                 encoded: Vec::new(),
                 rows,
             })
@@ -378,12 +429,12 @@ impl Manifest {
             format_version: u32,
         }
         let v: Version = serde_json::from_slice(bytes).map_err(|e| malformed(e.to_string()))?;
-        if !(MANIFEST_VERSION..=MANIFEST_VERSION_PARTS).contains(&v.format_version) {
+        if !(MANIFEST_VERSION..=MANIFEST_VERSION_EXPERTS).contains(&v.format_version) {
             return Err(FormatError::Unsupported {
                 path,
                 what: format!(
                     "manifest format_version {} (this build reads {MANIFEST_VERSION} to \
-                     {MANIFEST_VERSION_PARTS})",
+                     {MANIFEST_VERSION_EXPERTS})",
                     v.format_version
                 ),
             });
@@ -398,7 +449,9 @@ impl Manifest {
     fn validate(&self) -> std::result::Result<(), String> {
         let need = self.required_version();
         if self.format_version < need {
-            let what = if need == MANIFEST_VERSION_PARTS {
+            let what = if need == MANIFEST_VERSION_EXPERTS {
+                "name routed experts' pages"
+            } else if need == MANIFEST_VERSION_PARTS {
                 "list pages that hold part of a tensor"
             } else {
                 "list encoded bodies"
@@ -482,7 +535,13 @@ impl Manifest {
     /// unless a page lists encoded bodies ([`MANIFEST_VERSION_ENCODED`]) or holds part
     /// of a tensor ([`MANIFEST_VERSION_PARTS`]).
     pub fn required_version(&self) -> u32 {
-        if self.pages.iter().any(|p| p.rows.is_some()) {
+        if self
+            .pages
+            .iter()
+            .any(|p| matches!(p.group, PageGroup::Expert { .. }))
+        {
+            MANIFEST_VERSION_EXPERTS
+        } else if self.pages.iter().any(|p| p.rows.is_some()) {
             MANIFEST_VERSION_PARTS
         } else if self.pages.iter().any(|p| !p.encoded.is_empty()) {
             MANIFEST_VERSION_ENCODED
@@ -727,6 +786,15 @@ fn split_rows(ckpt: &Checkpoint, name: &str, loc: &TensorLocation, part_bytes: u
     }
     let row = loc.info.len / shape[0] as u64;
     Some((part_bytes / row.max(1)).max(1))
+}
+
+/// One row per part for a block's routed experts fused in one tensor
+/// ([`is_fused_experts`], at least two experts along its first dimension), so that each
+/// expert is a page of its own and a token reads only those its router picks; `None`
+/// for any other tensor.
+fn split_experts(name: &str, loc: &TensorLocation) -> Option<u64> {
+    let shape = &loc.info.shape;
+    (is_fused_experts(name) && shape.len() >= 2 && shape[0] >= 2).then_some(1)
 }
 
 /// Each tensor is one whole page or parts that follow each other: rows from 0 in
@@ -1019,7 +1087,26 @@ mod tests {
             ("model.language_model.embed_tokens.weight", Embedding),
             ("transformer.wte.weight", Embedding),
             ("model.layers.0.self_attn.q_proj.weight", Layer(0)),
-            ("model.layers.61.mlp.experts.3.down_proj.weight", Layer(61)),
+            (
+                "model.layers.61.mlp.experts.3.down_proj.weight",
+                Expert {
+                    layer: 61,
+                    expert: 3,
+                },
+            ),
+            (
+                "model.layers.2.block_sparse_moe.experts.0.w1.weight",
+                Expert {
+                    layer: 2,
+                    expert: 0,
+                },
+            ),
+            ("model.layers.5.mlp.experts.gate_up_proj", Layer(5)),
+            (
+                "model.layers.5.mlp.shared_experts.gate_proj.weight",
+                Layer(5),
+            ),
+            ("model.layers.5.mlp.gate.weight", Layer(5)),
             ("transformer.h.11.ln_1.weight", Layer(11)),
             ("blk.7.attn_q.weight", Layer(7)),
             ("lm_head.weight", Final),
@@ -1138,6 +1225,67 @@ mod tests {
         assert!(errors[0].to_string().contains("FIFO"), "{}", errors[0]);
     }
 
+    /// Routed experts fused in one tensor (as transformers 5 can save them) are paged
+    /// one expert per page, each named by its expert's group; experts stored one
+    /// tensor each are named so too; the manifest needs the experts' format version
+    /// and one that claims an older one is refused.
+    #[test]
+    fn routed_experts_are_pages_of_their_own() {
+        let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny");
+        let fused = Checkpoint::open(&fixtures.join("qwen3_moe_fused_sparse_step")).unwrap();
+        let m = Manifest::build(&fused, &mut |_, _| {}).unwrap();
+        assert_eq!(m.format_version, MANIFEST_VERSION_EXPERTS);
+        for name in [
+            "model.layers.1.mlp.experts.gate_up_proj",
+            "model.layers.1.mlp.experts.down_proj",
+        ] {
+            let parts = m.parts(name);
+            assert_eq!(parts.len(), 8, "{name}");
+            let whole = fused.get(name).unwrap().info.clone();
+            for (e, p) in parts.iter().enumerate() {
+                assert_eq!(
+                    p.group,
+                    PageGroup::Expert {
+                        layer: 1,
+                        expert: e as u32
+                    }
+                );
+                assert_eq!(p.rows.unwrap().start, e as u64);
+                assert_eq!(p.shape[0], 1);
+                assert_eq!(p.len, whole.len / 8);
+                assert_eq!(p.offset, whole.offset + e as u64 * whole.len / 8);
+            }
+        }
+        assert_eq!(
+            m.page("model.layers.1.mlp.gate.weight").unwrap().group,
+            PageGroup::Layer(1)
+        );
+        m.check_matches(&fused).unwrap();
+
+        let separate = Checkpoint::open(&fixtures.join("qwen3_moe_dense_layer")).unwrap();
+        let m = Manifest::build(&separate, &mut |_, _| {}).unwrap();
+        let p = m
+            .page("model.layers.2.mlp.experts.5.up_proj.weight")
+            .unwrap();
+        assert_eq!(
+            (p.group, p.rows),
+            (
+                PageGroup::Expert {
+                    layer: 2,
+                    expert: 5
+                },
+                None
+            )
+        );
+        assert_eq!(m.format_version, MANIFEST_VERSION_EXPERTS);
+
+        let d = tempfile::tempdir().unwrap();
+        let mut v = serde_json::to_value(&m).unwrap();
+        v["format_version"] = MANIFEST_VERSION_PARTS.into();
+        let e = load_err(d.path(), &v.to_string()).to_string();
+        assert!(e.contains("cannot name routed experts' pages"), "{e}");
+    }
+
     fn load_err(dir: &Path, json: &str) -> FormatError {
         std::fs::write(dir.join(MANIFEST_FILE), json).unwrap();
         Manifest::load(dir).unwrap_err()
@@ -1152,7 +1300,7 @@ mod tests {
 
         let e = load_err(d.path(), "{not json");
         assert!(matches!(e, FormatError::Malformed { .. }), "{e}");
-        let e = load_err(d.path(), r#"{"format_version":4,"pages":[]}"#);
+        let e = load_err(d.path(), r#"{"format_version":5,"pages":[]}"#);
         assert!(matches!(e, FormatError::Unsupported { .. }), "{e}");
 
         let mutate = |f: &dyn Fn(&mut serde_json::Value)| {

@@ -39,6 +39,8 @@ pub mod limits {
     /// `max_position_embeddings` and llama3's `original_max_position_embeddings`:
     /// rotary angles are computed from positions in float32, exact integers up to 2^24.
     pub const POSITIONS: usize = 1 << 24;
+    /// Routed experts of a layer (`num_experts`; published models have up to 384).
+    pub const EXPERTS: usize = 1 << 16;
 }
 
 /// The architectures vOOM computes. All are Llama-family decoders that differ in
@@ -51,6 +53,14 @@ pub enum Arch {
     Qwen2,
     /// RMSNorm on each head's q and k before rotary embedding.
     Qwen3,
+    /// Qwen3 attention; routed experts in every layer but those `mlp_only_layers` or
+    /// `decoder_sparse_step` leave dense.
+    Qwen3Moe,
+    /// RMSNorm over the whole q and k projections, `clip_qkv`; routed experts.
+    Olmoe,
+    /// Mistral attention; routed experts (`block_sparse_moe`), top-k weights always
+    /// renormalised.
+    Mixtral,
 }
 
 impl Arch {
@@ -60,8 +70,37 @@ impl Arch {
             Arch::Mistral => "mistral",
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
+            Arch::Qwen3Moe => "qwen3_moe",
+            Arch::Olmoe => "olmoe",
+            Arch::Mixtral => "mixtral",
         }
     }
+}
+
+/// How q and k are normalised before rotary embedding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QkNorm {
+    None,
+    /// RMSNorm over each head's `head_dim` values (weights of `head_dim`): qwen3.
+    PerHead,
+    /// RMSNorm over the whole projection (weights of all heads' width): olmoe.
+    Whole,
+}
+
+/// A mixture of experts in place of the MLP: a router picks `top_k` of `num_experts`
+/// SwiGLU experts per position (softmax over every expert, then the `top_k` largest
+/// probabilities, renormalised to sum to one when `norm_topk_prob`), and the
+/// position's output is their outputs weighted by those probabilities.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Moe {
+    pub num_experts: usize,
+    pub top_k: usize,
+    /// Rows of each expert's gate and up projections.
+    pub expert_intermediate_size: usize,
+    pub norm_topk_prob: bool,
+    /// Per layer: whether its MLP is the mixture (else a dense MLP of
+    /// `intermediate_size`).
+    pub sparse: Vec<bool>,
 }
 
 /// Rotary embedding frequencies.
@@ -101,8 +140,12 @@ pub struct ModelConfig {
     /// Bias on the output projection.
     pub o_bias: bool,
     pub mlp_bias: bool,
-    /// Per-head RMSNorm on q and k (Qwen3).
-    pub qk_norm: bool,
+    /// RMSNorm on q and k before rotary embedding.
+    pub qk_norm: QkNorm,
+    /// q, k and v clamped to `[-c, c]` after the norms (olmoe's `clip_qkv`).
+    pub clip_qkv: Option<f32>,
+    /// Routed experts in place of the MLP (in the layers `Moe::sparse` names).
+    pub moe: Option<Moe>,
     /// Per layer: `Some(w)` when the layer attends only to the last `w` positions
     /// (the query's own included), `None` for full causal attention.
     pub sliding_window: Vec<Option<usize>>,
@@ -144,6 +187,15 @@ pub struct HfConfig {
     pub bos_token_id: Option<Value>,
     pub eos_token_id: Option<Value>,
     pub pretraining_tp: Option<usize>,
+    pub num_experts: Option<usize>,
+    pub num_local_experts: Option<usize>,
+    pub num_experts_per_tok: Option<usize>,
+    pub moe_intermediate_size: Option<usize>,
+    pub norm_topk_prob: Option<bool>,
+    pub decoder_sparse_step: Option<usize>,
+    pub mlp_only_layers: Option<Vec<usize>>,
+    pub clip_qkv: Option<f64>,
+    pub shared_expert_intermediate_size: Option<usize>,
 }
 
 impl HfConfig {
@@ -183,6 +235,15 @@ impl HfConfig {
             bos_token_id: f.any("bos_token_id"),
             eos_token_id: f.any("eos_token_id"),
             pretraining_tp: f.count("pretraining_tp")?,
+            num_experts: f.count("num_experts")?,
+            num_local_experts: f.count("num_local_experts")?,
+            num_experts_per_tok: f.count("num_experts_per_tok")?,
+            moe_intermediate_size: f.count("moe_intermediate_size")?,
+            norm_topk_prob: f.boolean("norm_topk_prob")?,
+            decoder_sparse_step: f.count("decoder_sparse_step")?,
+            mlp_only_layers: f.counts("mlp_only_layers")?,
+            clip_qkv: f.number("clip_qkv")?,
+            shared_expert_intermediate_size: f.count("shared_expert_intermediate_size")?,
         })
     }
 }
@@ -223,6 +284,12 @@ impl Keys<'_> {
 
     fn string(&self, key: &str) -> Result<Option<String>, String> {
         self.typed(key, "a string", |v| v.as_str().map(str::to_string))
+    }
+
+    fn counts(&self, key: &str) -> Result<Option<Vec<usize>>, String> {
+        self.typed(key, "a list of non-negative integers", |v| {
+            v.as_array()?.iter().map(as_count).collect()
+        })
     }
 
     fn strings(&self, key: &str) -> Result<Option<Vec<String>>, String> {
@@ -360,9 +427,13 @@ impl ModelConfig {
             "mistral" => Arch::Mistral,
             "qwen2" => Arch::Qwen2,
             "qwen3" => Arch::Qwen3,
+            "qwen3_moe" => Arch::Qwen3Moe,
+            "olmoe" => Arch::Olmoe,
+            "mixtral" => Arch::Mixtral,
             other => {
                 return Err(err(format!(
-                    "unsupported model_type '{other}' (supported: llama, mistral, qwen2, qwen3)"
+                    "unsupported model_type '{other}' (supported: llama, mistral, qwen2, \
+                     qwen3, qwen3_moe, olmoe, mixtral)"
                 )))
             }
         };
@@ -449,8 +520,10 @@ impl ModelConfig {
         let (qkv_bias, o_bias) = match arch {
             // Qwen2 always has q/k/v bias and never an output bias.
             Arch::Qwen2 => (true, false),
-            Arch::Mistral => (false, false),
-            Arch::Llama | Arch::Qwen3 => (attention_bias, attention_bias),
+            Arch::Mistral | Arch::Mixtral => (false, false),
+            Arch::Llama | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Olmoe => {
+                (attention_bias, attention_bias)
+            }
         };
         let mlp_bias = match arch {
             Arch::Llama => hf.mlp_bias.unwrap_or(false),
@@ -474,7 +547,16 @@ impl ModelConfig {
             qkv_bias,
             o_bias,
             mlp_bias,
-            qk_norm: arch == Arch::Qwen3,
+            qk_norm: match arch {
+                Arch::Qwen3 | Arch::Qwen3Moe => QkNorm::PerHead,
+                Arch::Olmoe => QkNorm::Whole,
+                _ => QkNorm::None,
+            },
+            clip_qkv: match (arch, hf.clip_qkv) {
+                (Arch::Olmoe, Some(c)) => Some(c as f32),
+                _ => None,
+            },
+            moe: None,
             sliding_window: Vec::new(),
             bos_token_id: None,
             eos_token_ids: Vec::new(),
@@ -482,6 +564,7 @@ impl ModelConfig {
         // The per-layer lists are sized by num_layers: only once it is in range.
         cfg.check_scalars().map_err(err)?;
         cfg.sliding_window = sliding_windows(hf, arch, num_layers).map_err(err)?;
+        cfg.moe = moe(hf, arch, num_layers, intermediate_size).map_err(err)?;
         cfg.bos_token_id = token_ids(hf.bos_token_id.as_ref(), "bos_token_id", vocab_size, path)
             .first()
             .copied();
@@ -648,6 +731,26 @@ impl ModelConfig {
         if let Some(i) = self.sliding_window.iter().position(|w| *w == Some(0)) {
             return Err(format!("the sliding window of layer {i} is 0"));
         }
+        if let Some(m) = &self.moe {
+            within("num_experts", m.num_experts, 1, limits::EXPERTS)?;
+            within("num_experts_per_tok", m.top_k, 1, m.num_experts)?;
+            within(
+                "moe_intermediate_size",
+                m.expert_intermediate_size,
+                1,
+                limits::WIDTH,
+            )?;
+            if m.sparse.len() != self.num_layers {
+                return Err(format!(
+                    "{} expert-layer flags for {} layers ('num_hidden_layers')",
+                    m.sparse.len(),
+                    self.num_layers
+                ));
+            }
+        }
+        if let Some(c) = self.clip_qkv {
+            positive_finite("clip_qkv", c)?;
+        }
         for (key, id) in self
             .bos_token_id
             .iter()
@@ -714,6 +817,76 @@ fn parse_rope_scaling(s: &Value) -> Result<RopeScaling, String> {
     }
 }
 
+/// The mixture of experts of an `arch` config, checked: `None` for a dense one.
+fn moe(
+    hf: &HfConfig,
+    arch: Arch,
+    num_layers: usize,
+    intermediate_size: usize,
+) -> Result<Option<Moe>, String> {
+    if !matches!(arch, Arch::Qwen3Moe | Arch::Olmoe | Arch::Mixtral) {
+        return Ok(None);
+    }
+    if hf.shared_expert_intermediate_size.is_some_and(|n| n > 0) {
+        return Err("shared experts ('shared_expert_intermediate_size') are not supported".into());
+    }
+    // transformers maps `num_local_experts` and `num_experts` to one attribute.
+    let num_experts = match (hf.num_experts, hf.num_local_experts) {
+        (Some(a), Some(b)) if a != b => {
+            return Err(format!(
+                "'num_experts' {a} and 'num_local_experts' {b} disagree"
+            ))
+        }
+        (Some(n), _) | (None, Some(n)) => n,
+        (None, None) => match arch {
+            Arch::Qwen3Moe => 128,
+            Arch::Olmoe => 64,
+            _ => 8,
+        },
+    };
+    within("num_experts", num_experts, 1, limits::EXPERTS)?;
+    let top_k = hf.num_experts_per_tok.unwrap_or(match arch {
+        Arch::Mixtral => 2,
+        _ => 8,
+    });
+    within("num_experts_per_tok", top_k, 1, num_experts)?;
+    let expert_intermediate_size = match arch {
+        Arch::Qwen3Moe => hf.moe_intermediate_size.unwrap_or(768),
+        _ => intermediate_size,
+    };
+    within(
+        "moe_intermediate_size",
+        expert_intermediate_size,
+        1,
+        limits::WIDTH,
+    )?;
+    let norm_topk_prob = match arch {
+        Arch::Mixtral => true,
+        _ => hf.norm_topk_prob.unwrap_or(false),
+    };
+    let sparse = match arch {
+        Arch::Qwen3Moe => {
+            let step = hf.decoder_sparse_step.unwrap_or(1);
+            within("decoder_sparse_step", step, 1, limits::LAYERS)?;
+            let dense = hf.mlp_only_layers.clone().unwrap_or_default();
+            if let Some(&l) = dense.iter().find(|&&l| l >= num_layers) {
+                return Err(format!("'mlp_only_layers' names layer {l} of {num_layers}"));
+            }
+            (0..num_layers)
+                .map(|i| !dense.contains(&i) && (i + 1) % step == 0)
+                .collect()
+        }
+        _ => vec![true; num_layers],
+    };
+    Ok(Some(Moe {
+        num_experts,
+        top_k,
+        expert_intermediate_size,
+        norm_topk_prob,
+        sparse,
+    }))
+}
+
 fn sliding_windows(
     hf: &HfConfig,
     arch: Arch,
@@ -748,8 +921,18 @@ fn sliding_windows(
             .collect();
     }
     match arch {
-        // Mistral applies its window on every layer.
-        Arch::Mistral => Ok(vec![window; num_layers]),
+        // Mistral and Mixtral apply their window on every layer.
+        Arch::Mistral | Arch::Mixtral => Ok(vec![window; num_layers]),
+        // Qwen3-MoE keeps the window only with use_sliding_window, on every layer; no
+        // released checkpoint sets it, and transformers' own handling of it is not one
+        // vOOM has reference outputs for.
+        Arch::Qwen3Moe => match (hf.use_sliding_window.unwrap_or(false), window) {
+            (true, Some(_)) => {
+                Err("'use_sliding_window' true is not supported for qwen3_moe".into())
+            }
+            _ => Ok(vec![None; num_layers]),
+        },
+        Arch::Olmoe => Ok(vec![None; num_layers]),
         // Qwen2/3 apply a window only with use_sliding_window, from max_window_layers on.
         Arch::Qwen2 | Arch::Qwen3 => {
             if hf.use_sliding_window.unwrap_or(false) {
@@ -799,7 +982,7 @@ mod tests {
         assert_eq!(c.head_dim, 16);
         assert_eq!(c.rope_theta, 10000.0);
         assert_eq!(c.rope_scaling, RopeScaling::Default);
-        assert!(!c.tie_word_embeddings && !c.qkv_bias && !c.qk_norm);
+        assert!(!c.tie_word_embeddings && !c.qkv_bias && c.qk_norm == QkNorm::None);
     }
 
     #[test]
@@ -825,18 +1008,117 @@ mod tests {
     }
 
     #[test]
+    fn experts_from_each_family_and_their_defaults() {
+        let q = parse(&format!(
+            r#"{{"model_type": "qwen3_moe", {BASE}, "num_experts": 8, "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32, "norm_topk_prob": true, "mlp_only_layers": [0]}}"#
+        ))
+        .unwrap();
+        let m = q.moe.as_ref().unwrap();
+        assert_eq!(
+            (m.num_experts, m.top_k, m.expert_intermediate_size),
+            (8, 2, 32)
+        );
+        assert!(m.norm_topk_prob);
+        assert_eq!(m.sparse, vec![false, true]);
+        assert_eq!(q.qk_norm, QkNorm::PerHead);
+        // decoder_sparse_step 2: only every second layer is sparse.
+        let q = parse(&format!(
+            r#"{{"model_type": "qwen3_moe", {BASE}, "decoder_sparse_step": 2}}"#
+        ))
+        .unwrap();
+        let m = q.moe.unwrap();
+        assert_eq!(
+            (m.num_experts, m.top_k, m.expert_intermediate_size),
+            (128, 8, 768)
+        );
+        assert!(!m.norm_topk_prob);
+        assert_eq!(m.sparse, vec![false, true]);
+        // olmoe: experts as wide as intermediate_size, norms over the whole projection,
+        // clip_qkv kept.
+        let o = parse(&format!(
+            r#"{{"model_type": "olmoe", {BASE}, "num_experts": 4, "num_experts_per_tok": 2, "clip_qkv": 8.0}}"#
+        ))
+        .unwrap();
+        assert_eq!(o.qk_norm, QkNorm::Whole);
+        assert_eq!(o.clip_qkv, Some(8.0));
+        assert_eq!(o.moe.unwrap().expert_intermediate_size, 128);
+        // mixtral: num_local_experts, always renormalised, a window on every layer.
+        let x = parse(&format!(
+            r#"{{"model_type": "mixtral", {BASE}, "num_local_experts": 4, "sliding_window": 8}}"#
+        ))
+        .unwrap();
+        let m = x.moe.unwrap();
+        assert_eq!((m.num_experts, m.top_k), (4, 2));
+        assert!(m.norm_topk_prob);
+        assert_eq!(x.sliding_window, vec![Some(8); 2]);
+        assert_eq!(x.qk_norm, QkNorm::None);
+        // A dense model has none.
+        assert!(parse(&format!(r#"{{"model_type": "qwen3", {BASE}}}"#))
+            .unwrap()
+            .moe
+            .is_none());
+    }
+
+    #[test]
+    fn expert_options_not_understood_are_errors_naming_them() {
+        for (arch, fields, says) in [
+            (
+                "qwen3_moe",
+                r#""num_experts": 8, "num_local_experts": 4"#,
+                "disagree",
+            ),
+            (
+                "qwen3_moe",
+                r#""num_experts": 4, "num_experts_per_tok": 5"#,
+                "'num_experts_per_tok' is 5",
+            ),
+            (
+                "qwen3_moe",
+                r#""mlp_only_layers": [2]"#,
+                "'mlp_only_layers' names layer 2 of 2",
+            ),
+            (
+                "qwen3_moe",
+                r#""decoder_sparse_step": 0"#,
+                "'decoder_sparse_step' is 0",
+            ),
+            (
+                "qwen3_moe",
+                r#""shared_expert_intermediate_size": 64"#,
+                "shared experts",
+            ),
+            (
+                "qwen3_moe",
+                r#""use_sliding_window": true, "sliding_window": 8"#,
+                "use_sliding_window",
+            ),
+            ("olmoe", r#""clip_qkv": -1.0"#, "'clip_qkv'"),
+            ("mixtral", r#""num_experts": 0"#, "'num_experts' is 0"),
+            (
+                "olmoe",
+                r#""mlp_only_layers": [0, "x"]"#,
+                "'mlp_only_layers' must be a list",
+            ),
+        ] {
+            let e = problem(arch, &format!("{BASE}, {fields}"));
+            assert!(e.contains(says), "{arch} {fields}: {e}");
+        }
+    }
+
+    #[test]
     fn qwen_flags() {
         let c = parse(&format!(
             r#"{{"model_type": "qwen2", {BASE}, "num_key_value_heads": 1}}"#
         ))
         .unwrap();
-        assert!(c.qkv_bias && !c.o_bias && !c.qk_norm);
+        assert!(c.qkv_bias && !c.o_bias && c.qk_norm == QkNorm::None);
         assert_eq!(c.num_kv_heads, 1);
         let c = parse(&format!(
             r#"{{"model_type": "qwen3", {BASE}, "head_dim": 32}}"#
         ))
         .unwrap();
-        assert!(c.qk_norm && !c.qkv_bias);
+        assert!(c.qk_norm == QkNorm::PerHead && !c.qkv_bias);
         assert_eq!(c.head_dim, 32);
     }
 

@@ -7,7 +7,8 @@
 //!
 //! 1. If every page fits, every page is pinned: nothing streams.
 //! 2. Otherwise the window gets room for the largest layer and three more of the
-//!    largest page a layer has (`vpaged::store::streaming_window_bytes`, which the
+//!    largest page a layer has, and for its largest routed expert, leased beside
+//!    them once a router picks it (`vpaged::store::streaming_window_bytes`, which the
 //!    store keeps out of planner pins): a decode step leases one matrix at a time and
 //!    reads a layer's worth ahead of it; a pass of several chunks leases a layer
 //!    whole (it is read once per pass) and reads a page ahead; and two pages of
@@ -257,7 +258,8 @@ pub fn place(plan: &PagePlan, needs: &Needs, budget: u64) -> Result<Placement, P
         .flat_map(|s| s.ids().iter().map(|id| pages[id].slot))
         .max()
         .unwrap_or(0);
-    let window = (largest_layer + 3 * largest_page)
+    // And one routed expert beside them (vpaged's window counts the same).
+    let window = (largest_layer + 3 * largest_page + plan.largest_expert_slot_bytes())
         .max(min_window)
         .min(avail);
     let mut room = avail - window;

@@ -47,16 +47,21 @@ fn run(engine: &Engine, prompt: &[u32]) -> (Vec<u32>, Vec<u32>) {
     (logits.iter().map(|v| v.to_bits()).collect(), g.ids)
 }
 
-/// Cache bytes one layer's pages occupy (16 KiB slots).
+/// Cache bytes the largest layer's pages occupy (16 KiB slots), its routed experts'
+/// included.
 fn layer_slot_bytes(dir: &Path) -> usize {
     let m = voom_formats::Manifest::load(dir).unwrap().unwrap();
-    m.pages
-        .iter()
-        .filter(|p| p.group == voom_formats::manifest::PageGroup::Layer(0))
-        .map(|p| (p.len as usize).next_multiple_of(16 << 10))
-        .sum()
+    let mut per_layer = std::collections::HashMap::new();
+    for p in &m.pages {
+        if let Some(l) = p.group.layer() {
+            *per_layer.entry(l).or_insert(0usize) += (p.len as usize).next_multiple_of(16 << 10);
+        }
+    }
+    per_layer.into_values().max().unwrap()
 }
 
+/// Bytes of the largest layer's pages that a whole-layer lease holds (not its routed
+/// experts), and of its largest routed expert.
 fn largest_layer_bytes(dir: &Path) -> usize {
     let m = voom_formats::Manifest::load(dir).unwrap().unwrap();
     let mut per_layer = std::collections::HashMap::new();
@@ -65,7 +70,7 @@ fn largest_layer_bytes(dir: &Path) -> usize {
             *per_layer.entry(l).or_insert(0usize) += p.len as usize;
         }
     }
-    per_layer.into_values().max().unwrap()
+    per_layer.into_values().max().unwrap() + largest_expert_slots(dir)
 }
 
 /// Cache budgets: ample; about one decoder layer (the engine leases a layer at a
@@ -83,8 +88,21 @@ fn budgets(dir: &Path) -> [usize; 3] {
         .unwrap();
     let slots = |b: usize| b.next_multiple_of(16 << 10);
     let one_layer = slots((layer + 8 * (16 << 10)).max(largest_page * 2));
-    let below = slots(largest_page) + (64 << 10);
+    let below = slots(largest_page).max(largest_expert_slots(dir)) + (64 << 10);
     [64 << 20, one_layer, below]
+}
+
+/// Slot bytes of the largest routed expert's pages (0 without experts): its own
+/// tensors, or its parts of the fused ones (the manifest pages each expert).
+fn largest_expert_slots(dir: &Path) -> usize {
+    let m = voom_formats::Manifest::load(dir).unwrap().unwrap();
+    let mut per = std::collections::HashMap::<(u32, u32), usize>::new();
+    for p in &m.pages {
+        if let voom_formats::manifest::PageGroup::Expert { layer, expert } = p.group {
+            *per.entry((layer, expert)).or_default() += (p.len as usize).next_multiple_of(16 << 10);
+        }
+    }
+    per.into_values().max().unwrap_or(0)
 }
 
 /// An engine over a fresh store core of `budget` bytes (`read_mode` `None`: the
@@ -112,7 +130,14 @@ fn over_store(
 
 #[test]
 fn store_core_gives_the_embedded_bits_at_any_budget() {
-    for case in ["llama_gqa_untied", "qwen2_bias_tied", "llama_sharded"] {
+    for case in [
+        "llama_gqa_untied",
+        "qwen2_bias_tied",
+        "llama_sharded",
+        "qwen3_moe_dense_layer",
+        "qwen3_moe_fused_sparse_step",
+        "mixtral_block_sparse",
+    ] {
         let (_d, dir) = fixture_copy(case);
         let prompt: Vec<u32> = (0..21).map(|i| (i * 17 + 3) % 200).collect();
         let reference = run(
@@ -333,21 +358,26 @@ fn serve(
 
 #[test]
 fn two_engines_through_the_daemon_give_the_embedded_bits() {
-    let (d, dir) = fixture_copy("qwen3_qk_norm_eos_list");
-    let prompt: Vec<u32> = (0..19).map(|i| (i * 13 + 7) % 250).collect();
-    let reference = run(
-        &Engine::open(&dir, EngineOptions::default()).unwrap(),
-        &prompt,
-    );
-    let model_bytes = slot_bytes(&dir);
-    for (i, cache_bytes) in daemon_caches(&dir).into_iter().enumerate() {
-        let (pinned, _) = through_the_daemon(&d, &dir, &prompt, &reference, cache_bytes, i);
-        if i == 1 {
-            assert!(pinned > 0, "the planners pinned nothing through the daemon");
-            assert!(
-                pinned < model_bytes,
-                "everything was pinned: nothing streamed"
-            );
+    for case in ["qwen3_qk_norm_eos_list", "qwen3_moe_dense_layer"] {
+        let (d, dir) = fixture_copy(case);
+        let prompt: Vec<u32> = (0..19).map(|i| (i * 13 + 7) % 250).collect();
+        let reference = run(
+            &Engine::open(&dir, EngineOptions::default()).unwrap(),
+            &prompt,
+        );
+        let model_bytes = slot_bytes(&dir);
+        for (i, cache_bytes) in daemon_caches(&dir).into_iter().enumerate() {
+            let (pinned, _) = through_the_daemon(&d, &dir, &prompt, &reference, cache_bytes, i);
+            if i == 1 {
+                assert!(
+                    pinned > 0,
+                    "{case}: the planners pinned nothing through the daemon"
+                );
+                assert!(
+                    pinned < model_bytes,
+                    "{case}: everything was pinned: nothing streamed"
+                );
+            }
         }
     }
 }
@@ -509,7 +539,11 @@ fn a_chunked_prompt_reads_the_weights_once() {
 /// flipped, so only the vpack bodies can give those bits.
 #[test]
 fn vpack_pages_give_the_raw_bits_at_any_budget() {
-    for case in ["llama_gqa_untied", "qwen3_qk_norm_eos_list"] {
+    for case in [
+        "llama_gqa_untied",
+        "qwen3_qk_norm_eos_list",
+        "olmoe_clip_qkv",
+    ] {
         let (_d, dir) = fixture_copy(case);
         let prompt: Vec<u32> = (0..17).map(|i| (i * 11 + 5) % 200).collect();
         let reference = run(
@@ -535,5 +569,68 @@ fn vpack_pages_give_the_raw_bits_at_any_budget() {
         }
         // Bodies read ahead of their slots (the default) decoded some of those pages.
         assert!(read_ahead > 0, "{case}: no body was read ahead");
+    }
+}
+
+/// A pass reads the routed experts its router picks and no others: through a store
+/// core too small to keep a layer (prefetch off), one position's pass loads every
+/// page but the experts' (a tied table twice: it is evicted between the embedding and
+/// the head), and `top_k` experts of each layer of experts, less what the planner
+/// pinned; far less than the model.
+#[test]
+fn a_pass_reads_only_the_experts_its_router_picks() {
+    use voom_formats::manifest::PageGroup;
+    for case in [
+        "qwen3_moe_dense_layer",
+        "qwen3_moe_fused_sparse_step",
+        "mixtral_block_sparse",
+        "olmoe_clip_qkv",
+    ] {
+        let (_d, dir) = fixture_copy(case);
+        let m = voom_formats::Manifest::load(&dir).unwrap().unwrap();
+        let cfg = libvoom::config::ModelConfig::from_dir(&dir).unwrap();
+        let moe = cfg.moe.clone().unwrap();
+        // A tied table is read at both ends of the pass (evicted in between here).
+        let again = if cfg.tie_word_embeddings {
+            m.page("model.embed_tokens.weight").unwrap().len
+        } else {
+            0
+        };
+        let trunk: u64 = m
+            .pages
+            .iter()
+            .filter(|p| !matches!(p.group, PageGroup::Expert { .. }))
+            .map(|p| p.len)
+            .sum();
+        let mut per_expert = std::collections::HashMap::<(u32, u32), u64>::new();
+        for p in &m.pages {
+            if let PageGroup::Expert { layer, expert } = p.group {
+                *per_expert.entry((layer, expert)).or_default() += p.len;
+            }
+        }
+        let expert = *per_expert.values().next().unwrap();
+        assert!(
+            per_expert.values().all(|&b| b == expert),
+            "{case}: experts differ"
+        );
+        let layers = moe.sparse.iter().filter(|&&s| s).count() as u64;
+        assert_eq!(per_expert.len() as u64, layers * moe.num_experts as u64);
+        let picked = trunk + layers * moe.top_k as u64 * expert;
+        let everything: u64 = m.pages.iter().map(|p| p.len).sum();
+        assert!(picked < everything, "{case}");
+
+        let [_, _, below] = budgets(&dir);
+        let (store, e) = over_store(&dir, below, 0, None);
+        let before = store.cache_stats();
+        let mut kv = e.new_kv();
+        e.forward_all(&mut kv, &[7]).unwrap();
+        let after = store.cache_stats();
+        let loaded = after.bytes_loaded - before.bytes_loaded;
+        let pinned = after.pinned_bytes as u64;
+        assert!(
+            loaded <= picked + again && loaded + pinned >= picked,
+            "{case}: a pass loaded {loaded} bytes; the pages it needs are {picked} \
+             ({pinned} pinned), the model {everything}"
+        );
     }
 }

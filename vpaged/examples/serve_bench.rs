@@ -104,7 +104,7 @@ struct Model {
 fn group_rank(g: PageGroup) -> (u8, u32) {
     match g {
         PageGroup::Embedding => (0, 0),
-        PageGroup::Layer(l) => (1, l),
+        PageGroup::Layer(l) | PageGroup::Expert { layer: l, .. } => (1, l),
         PageGroup::Final => (2, 0),
         PageGroup::Other => (3, 0),
     }

@@ -97,7 +97,8 @@ fn stages(m: &Manifest) -> Vec<Vec<PageId>> {
     for p in &m.pages {
         let k = match p.group {
             PageGroup::Embedding => (0, 0),
-            PageGroup::Layer(n) => (1, n),
+            // A dense sweep: a layer's experts with it, all of them.
+            PageGroup::Layer(n) | PageGroup::Expert { layer: n, .. } => (1, n),
             PageGroup::Final => (2, 0),
             PageGroup::Other => (3, 0),
         };

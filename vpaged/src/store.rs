@@ -1720,7 +1720,7 @@ fn pin_candidates(manifest: &Manifest, first: u32, last: u32) -> Vec<&PageEntry>
             PageGroup::Layer(l) if l < first || l + last >= layers => {
                 Some((1 + l.min(layers - 1 - l), p))
             }
-            PageGroup::Layer(_) | PageGroup::Other => None,
+            PageGroup::Layer(_) | PageGroup::Expert { .. } | PageGroup::Other => None,
         })
         .collect();
     ranked.sort_by_key(|(rank, p)| (*rank, p.id));
@@ -1728,7 +1728,9 @@ fn pin_candidates(manifest: &Manifest, first: u32, last: u32) -> Vec<&PageEntry>
 }
 
 /// The room a model's unpinned pages stream through, which planner pins never take:
-/// its largest layer and three more of its largest page. An engine's sweep
+/// its largest layer and three more of its largest page, and its largest routed
+/// expert (leased beside what a layer holds, once the router has picked it; a
+/// layer's experts are not part of the layer here). An engine's sweep
 /// (`libvoom::model::sweep`) leases a decode step one matrix at a time and hints a
 /// layer's worth of the pages after it; a pass of several chunks of positions leases
 /// a layer whole, so that the layer is read once per pass, and hints a page's worth
@@ -1740,14 +1742,23 @@ fn pin_candidates(manifest: &Manifest, first: u32, last: u32) -> Vec<&PageEntry>
 /// margin). The memory planner sizes its window the same way (`libvoom::placement`).
 pub fn streaming_window_bytes(manifest: &Manifest) -> usize {
     let mut per_layer: HashMap<u32, usize> = HashMap::new();
+    let mut per_expert: HashMap<(u32, u32), usize> = HashMap::new();
     let mut largest_page = 0;
     for p in &manifest.pages {
-        if let PageGroup::Layer(l) = p.group {
-            *per_layer.entry(l).or_default() += slot_bytes(p);
-            largest_page = largest_page.max(slot_bytes(p));
+        match p.group {
+            PageGroup::Layer(l) => {
+                *per_layer.entry(l).or_default() += slot_bytes(p);
+                largest_page = largest_page.max(slot_bytes(p));
+            }
+            PageGroup::Expert { layer, expert } => {
+                *per_expert.entry((layer, expert)).or_default() += slot_bytes(p);
+            }
+            _ => {}
         }
     }
-    per_layer.into_values().max().unwrap_or(0) + 3 * largest_page
+    per_layer.into_values().max().unwrap_or(0)
+        + 3 * largest_page
+        + per_expert.into_values().max().unwrap_or(0)
 }
 
 /// A run of reads in one file: the file, the run's first offset, and its items with

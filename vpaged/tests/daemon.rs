@@ -225,6 +225,7 @@ fn vpagectl_reports_status_and_residency() {
         .collect();
     let names: Vec<&str> = rows.iter().map(|r| r["name"].as_str().unwrap()).collect();
     assert_eq!(names, ["a", "b", "c", "d"]);
+    assert!(rows.iter().all(|r| r["group"] == "other"), "{pages}");
     assert_eq!(resident, [false, false, true, false]);
     assert_eq!(rows[2]["requests"], 1);
     // Text output too.

@@ -158,6 +158,14 @@ pub trait Backend: Send + Sync {
         up: &Self::Act,
     ) -> Result<(), KernelError>;
 
+    /// Every value clamped to `[-limit, limit]` (olmoe's `clip_qkv`).
+    fn clamp(&self, x: &mut Self::Act, limit: f32) -> Result<(), KernelError>;
+
+    /// Softmax of each row in place, in float32 as torch computes it: the row's
+    /// maximum subtracted, exponentials, each divided by their sum (a mixture of
+    /// experts' router).
+    fn softmax(&self, x: &mut Self::Act) -> Result<(), KernelError>;
+
     /// Per row, the `k` largest values with their column, largest first (ties: the
     /// lower column first; NaN is never chosen over a number).
     fn top_k(&self, x: &Self::Act, k: usize) -> Vec<Vec<(u32, f32)>>;

@@ -1,6 +1,8 @@
 //! The Llama family: llama, mistral (sliding window), qwen2 (q/k/v bias) and qwen3
-//! (per-head q/k RMSNorm). Pre-norm decoder blocks with grouped-query attention,
-//! rotary embeddings (rotate-half layout) and a SwiGLU MLP, as in transformers.
+//! (per-head q/k RMSNorm), and their mixtures of experts: qwen3_moe, olmoe (q/k
+//! RMSNorm over the whole projection, `clip_qkv`) and mixtral. Pre-norm decoder
+//! blocks with grouped-query attention, rotary embeddings (rotate-half layout) and a
+//! SwiGLU MLP, or routed SwiGLU experts in its place, as in transformers.
 //!
 //! This file is the architecture only: its weights, its page plan (every layer's
 //! pages; the embedding rows before, the final norm and LM head after) and its math
@@ -11,7 +13,7 @@ use std::path::Path;
 use vpaged::{PageId, PageSource};
 
 use crate::backend::{Activation, AttentionShape, Backend, KernelError, RopeTable};
-use crate::config::ModelConfig;
+use crate::config::{ModelConfig, QkNorm};
 use crate::kv::KvCache;
 use crate::model::plan::{self, PagePlan, PerToken, Stage};
 use crate::model::rope;
@@ -40,9 +42,37 @@ struct Layer {
     q_norm: Option<Vector>,
     k_norm: Option<Vector>,
     mlp_norm: Vector,
-    gate: Linear,
-    up: Linear,
-    down: Linear,
+    mlp: Mlp,
+}
+
+/// What follows attention in a layer.
+enum Mlp {
+    Dense {
+        gate: Linear,
+        up: Linear,
+        down: Linear,
+    },
+    /// Routed experts: the router (`[experts, hidden]`), and each expert's SwiGLU.
+    Moe {
+        router: Matrix,
+        experts: Vec<Expert>,
+    },
+}
+
+/// One routed expert's SwiGLU.
+struct Expert {
+    gate: Matrix,
+    up: Matrix,
+    down: Matrix,
+}
+
+impl Expert {
+    /// Its pages (one each, or the fused tensors all experts share), each once.
+    fn pages(&self) -> Vec<PageId> {
+        let mut v = vec![self.gate.page, self.up.page, self.down.page];
+        v.dedup();
+        v
+    }
 }
 
 impl Layer {
@@ -55,15 +85,29 @@ impl Layer {
             v.extend(after.map(|x| x.page));
             v
         };
-        vec![
+        let mut steps = vec![
             with(&[self.attn_norm.page], &self.q, self.q_norm.as_ref()),
             with(&[], &self.k, self.k_norm.as_ref()),
             with(&[], &self.v, None),
             with(&[], &self.o, None),
-            with(&[self.mlp_norm.page], &self.gate, None),
-            with(&[], &self.up, None),
-            with(&[], &self.down, None),
-        ]
+        ];
+        match &self.mlp {
+            Mlp::Dense { gate, up, down } => steps.extend([
+                with(&[self.mlp_norm.page], gate, None),
+                with(&[], up, None),
+                with(&[], down, None),
+            ]),
+            Mlp::Moe { router, .. } => steps.push(vec![self.mlp_norm.page, router.page]),
+        }
+        steps
+    }
+
+    /// Each routed expert's pages (none in a dense layer).
+    fn expert_pages(&self) -> Vec<Vec<PageId>> {
+        match &self.mlp {
+            Mlp::Dense { .. } => Vec::new(),
+            Mlp::Moe { experts, .. } => experts.iter().map(Expert::pages).collect(),
+        }
     }
 }
 
@@ -75,6 +119,8 @@ const STEP_O: usize = 3;
 const STEP_GATE: usize = 4;
 const STEP_UP: usize = 5;
 const STEP_DOWN: usize = 6;
+/// A layer of routed experts: the MLP norm and the router.
+const STEP_ROUTER: usize = 4;
 
 /// A Llama-family model on backend `B`.
 pub struct Llama<B: Backend> {
@@ -98,6 +144,9 @@ struct ConfigDims {
     kv: Dim,
     inter: Dim,
     head: Dim,
+    /// Routed experts (rows of the router), and each expert's intermediate width.
+    experts: Dim,
+    expert_inter: Dim,
 }
 
 impl ConfigDims {
@@ -127,8 +176,88 @@ impl ConfigDims {
             )?,
             inter: Dim::of("intermediate_size", cfg.intermediate_size),
             head: Dim::of("head_dim", cfg.head_dim),
+            experts: Dim::of("num_experts", cfg.moe.as_ref().map_or(0, |m| m.num_experts)),
+            expert_inter: match (cfg.arch, &cfg.moe) {
+                (crate::config::Arch::Qwen3Moe, Some(m)) => {
+                    Dim::of("moe_intermediate_size", m.expert_intermediate_size)
+                }
+                (_, m) => Dim::of(
+                    "intermediate_size",
+                    m.as_ref().map_or(0, |m| m.expert_intermediate_size),
+                ),
+            },
         })
     }
+}
+
+/// The routed experts of the layer whose tensors start `p` (`model.layers.N`): the
+/// router, and each expert's gate, up and down projections, stored one tensor per
+/// expert and projection (`mlp.experts.E.gate_proj`, mixtral's
+/// `block_sparse_moe.experts.E.w1`/`w3`/`w2`) or fused (`mlp.experts.gate_up_proj`
+/// `[experts, 2 × intermediate, hidden]`, gate rows first, and `mlp.experts.down_proj`
+/// `[experts, hidden, intermediate]`, as transformers 5 can save them).
+fn load_experts(
+    f: &WeightFinder<'_>,
+    cfg: &ModelConfig,
+    d: &ConfigDims,
+    p: &str,
+) -> Result<Mlp, VoomError> {
+    let n = cfg.moe.as_ref().map_or(0, |m| m.num_experts);
+    let block = format!("{p}.block_sparse_moe");
+    let m = if f.has(&format!("{block}.gate.weight")) {
+        block
+    } else {
+        format!("{p}.mlp")
+    };
+    let router = f.matrix(&format!("{m}.gate.weight"), &d.experts, &d.hidden)?;
+    let fused = format!("{m}.experts.gate_up_proj");
+    let inter = d.expert_inter.len;
+    let experts = if f.has(&fused) {
+        let both = Dim {
+            len: 2 * inter,
+            key: format!("2 × {}", d.expert_inter.key),
+        };
+        let gate_up = f.stacked(&fused, &d.experts, &both, &d.hidden)?;
+        let down = f.stacked(
+            &format!("{m}.experts.down_proj"),
+            &d.experts,
+            &d.hidden,
+            &d.expert_inter,
+        )?;
+        gate_up
+            .into_iter()
+            .zip(down)
+            .map(|(gu, down)| Expert {
+                gate: gu.sub_rows(0, inter),
+                up: gu.sub_rows(inter, inter),
+                down,
+            })
+            .collect()
+    } else {
+        let (g, u, dn) = if m.ends_with("block_sparse_moe") {
+            ("w1", "w3", "w2")
+        } else {
+            ("gate_proj", "up_proj", "down_proj")
+        };
+        let w = |e: usize, proj: &str| format!("{m}.experts.{e}.{proj}.weight");
+        (0..n)
+            .map(|e| {
+                Ok(Expert {
+                    gate: f.matrix(&w(e, g), &d.expert_inter, &d.hidden)?,
+                    up: f.matrix(&w(e, u), &d.expert_inter, &d.hidden)?,
+                    down: f.matrix(&w(e, dn), &d.hidden, &d.expert_inter)?,
+                })
+            })
+            .collect::<Result<Vec<_>, VoomError>>()?
+    };
+    Ok(Mlp::Moe { router, experts })
+}
+
+/// One chunk's routing in a layer of experts: its normed rows (the experts' input)
+/// and, per row, the experts picked with their weights, in the router's order.
+struct Routed {
+    xn: Vec<f32>,
+    picks: Vec<Vec<(u32, f32)>>,
 }
 
 impl<B: Backend> Llama<B> {
@@ -190,20 +319,25 @@ impl<B: Backend> Llama<B> {
                 k: linear(&format!("{a}.k_proj"), &d.kv, &d.hidden, cfg.qkv_bias)?,
                 v: linear(&format!("{a}.v_proj"), &d.kv, &d.hidden, cfg.qkv_bias)?,
                 o: linear(&format!("{a}.o_proj"), &d.hidden, &d.q, cfg.o_bias)?,
-                q_norm: if cfg.qk_norm {
-                    Some(f.vector(&format!("{a}.q_norm.weight"), &d.head)?)
-                } else {
-                    None
+                q_norm: match cfg.qk_norm {
+                    QkNorm::None => None,
+                    QkNorm::PerHead => Some(f.vector(&format!("{a}.q_norm.weight"), &d.head)?),
+                    QkNorm::Whole => Some(f.vector(&format!("{a}.q_norm.weight"), &d.q)?),
                 },
-                k_norm: if cfg.qk_norm {
-                    Some(f.vector(&format!("{a}.k_norm.weight"), &d.head)?)
-                } else {
-                    None
+                k_norm: match cfg.qk_norm {
+                    QkNorm::None => None,
+                    QkNorm::PerHead => Some(f.vector(&format!("{a}.k_norm.weight"), &d.head)?),
+                    QkNorm::Whole => Some(f.vector(&format!("{a}.k_norm.weight"), &d.kv)?),
                 },
                 mlp_norm: f.vector(&format!("{p}.post_attention_layernorm.weight"), &d.hidden)?,
-                gate: linear(&format!("{m}.gate_proj"), &d.inter, &d.hidden, cfg.mlp_bias)?,
-                up: linear(&format!("{m}.up_proj"), &d.inter, &d.hidden, cfg.mlp_bias)?,
-                down: linear(&format!("{m}.down_proj"), &d.hidden, &d.inter, cfg.mlp_bias)?,
+                mlp: match &cfg.moe {
+                    Some(moe) if moe.sparse[i] => load_experts(&f, &cfg, &d, &p)?,
+                    _ => Mlp::Dense {
+                        gate: linear(&format!("{m}.gate_proj"), &d.inter, &d.hidden, cfg.mlp_bias)?,
+                        up: linear(&format!("{m}.up_proj"), &d.inter, &d.hidden, cfg.mlp_bias)?,
+                        down: linear(&format!("{m}.down_proj"), &d.hidden, &d.inter, cfg.mlp_bias)?,
+                    },
+                },
             });
         }
         // A token reads one row of the embedding: where the source reads only what is
@@ -238,7 +372,11 @@ impl<B: Backend> Llama<B> {
                         .into_iter()
                         .map(|s| s.into_iter().map(|p| (p, None)).collect())
                         .collect();
-                    Stage::new(source, &steps)
+                    let stage = Stage::new(source, &steps);
+                    match &cfg.moe {
+                        Some(moe) => stage.with_experts(source, l.expert_pages(), moe.top_k),
+                        None => stage,
+                    }
                 })
                 .collect(),
             tail: Stage::new(source, &tail),
@@ -299,11 +437,20 @@ impl<B: Backend> Model for Llama<B> {
         // gate, up. Then the last row, its norm and the logits; and one row of
         // attention scores per thread.
         let per_chunk = 2 * h + 2 * qd + 2 * kvd + 2 * cfg.intermediate_size;
+        // A layer of experts keeps every position's normed rows and output, and
+        // computes an expert on the rows routed to it (at most every position): its
+        // input, gate, up and output; beside one chunk's router probabilities.
+        let experts = cfg.moe.as_ref().map_or(0, |m| {
+            tokens * 2 * h
+                + tokens * (2 * h + 2 * m.expert_intermediate_size)
+                + chunk * m.num_experts
+        });
         let floats = tokens * (h + hd)
             + 2 * chunk * per_chunk
             + 2 * h
             + cfg.vocab_size
-            + self.threads() * context;
+            + self.threads() * context
+            + experts;
         (floats * std::mem::size_of::<f32>()) as u64
     }
 
@@ -338,6 +485,9 @@ impl<B: Backend> Model for Llama<B> {
         let mut rest: Option<Scratch<B>> = None;
         for (li, layer) in self.layers.iter().enumerate() {
             let lw = sweep.layer(li)?;
+            // A layer of experts routes every chunk before any expert is leased, so
+            // that each expert picked is read once per pass, however many chunks.
+            let mut routed = Vec::new();
             for (x, table) in xs.iter_mut().zip(&tables) {
                 let rows = b.shape(x).0;
                 let s = if rows == chunk {
@@ -345,7 +495,16 @@ impl<B: Backend> Model for Llama<B> {
                 } else {
                     rest.get_or_insert_with(|| Scratch::new(b, cfg, rows))
                 };
-                self.layer(&lw, li, layer, x, table, kv, s)?;
+                self.attention(&lw, li, layer, x, table, kv, s)?;
+                match &layer.mlp {
+                    Mlp::Dense { gate, up, down } => {
+                        self.dense_mlp(&lw, layer, [gate, up, down], x, s)?
+                    }
+                    Mlp::Moe { router, .. } => routed.push(self.route(&lw, layer, router, x, s)?),
+                }
+            }
+            if let Mlp::Moe { experts, .. } = &layer.mlp {
+                self.experts(&lw, experts, &routed, &mut xs)?;
             }
         }
 
@@ -482,10 +641,11 @@ impl<B: Backend> Llama<B> {
         Ok(())
     }
 
-    /// Decoder layer `li` on one chunk of positions `x` (in place), after the
-    /// chunks before it: their keys and values are in `kv` already.
+    /// The attention half of decoder layer `li` on one chunk of positions `x` (in
+    /// place, its residual added), after the chunks before it: their keys and values
+    /// are in `kv` already.
     #[allow(clippy::too_many_arguments)]
-    fn layer(
+    fn attention(
         &self,
         lw: &LayerLease<'_>,
         li: usize,
@@ -497,24 +657,34 @@ impl<B: Backend> Llama<B> {
     ) -> Result<(), VoomError> {
         let (b, cfg) = (&self.backend, &self.cfg);
         let (hd, eps) = (cfg.head_dim, cfg.rms_norm_eps);
+        // Per head (qwen3), or over the whole projection (olmoe).
+        let (qg, kg) = match cfg.qk_norm {
+            QkNorm::Whole => (cfg.num_heads * hd, cfg.num_kv_heads * hd),
+            _ => (hd, hd),
+        };
         {
             let w = lw.step(STEP_Q)?;
             b.rms_norm(x, w.vector(&layer.attn_norm), eps, &mut s.xn)?;
             self.linear(&w, &layer.q, &s.xn, &mut s.q)?;
             if let Some(qn) = &layer.q_norm {
-                b.rms_norm_groups(&mut s.q, hd, w.vector(qn), eps)?;
+                b.rms_norm_groups(&mut s.q, qg, w.vector(qn), eps)?;
             }
         }
         {
             let w = lw.step(STEP_K)?;
             self.linear(&w, &layer.k, &s.xn, &mut s.k)?;
             if let Some(kn) = &layer.k_norm {
-                b.rms_norm_groups(&mut s.k, hd, w.vector(kn), eps)?;
+                b.rms_norm_groups(&mut s.k, kg, w.vector(kn), eps)?;
             }
         }
         {
             let w = lw.step(STEP_V)?;
             self.linear(&w, &layer.v, &s.xn, &mut s.v)?;
+        }
+        if let Some(c) = cfg.clip_qkv {
+            b.clamp(&mut s.q, c)?;
+            b.clamp(&mut s.k, c)?;
+            b.clamp(&mut s.v, c)?;
         }
         b.rope(&mut s.q, hd, table)?;
         b.rope(&mut s.k, hd, table)?;
@@ -530,21 +700,135 @@ impl<B: Backend> Llama<B> {
             self.linear(&w, &layer.o, &s.att, &mut s.o)?;
         }
         b.add(x, &s.o)?;
+        Ok(())
+    }
+
+    /// The dense MLP half of a layer (`[gate, up, down]`) on one chunk `x`, its
+    /// residual added.
+    fn dense_mlp(
+        &self,
+        lw: &LayerLease<'_>,
+        layer: &Layer,
+        [gate, up, down]: [&Linear; 3],
+        x: &mut B::Act,
+        s: &mut Scratch<B>,
+    ) -> Result<(), VoomError> {
+        let (b, eps) = (&self.backend, self.cfg.rms_norm_eps);
         {
             let w = lw.step(STEP_GATE)?;
             b.rms_norm(x, w.vector(&layer.mlp_norm), eps, &mut s.xn)?;
-            self.linear(&w, &layer.gate, &s.xn, &mut s.g)?;
+            self.linear(&w, gate, &s.xn, &mut s.g)?;
         }
         {
             let w = lw.step(STEP_UP)?;
-            self.linear(&w, &layer.up, &s.xn, &mut s.u)?;
+            self.linear(&w, up, &s.xn, &mut s.u)?;
         }
         b.gated(Activation::Silu, &mut s.g, &s.u)?;
         {
             let w = lw.step(STEP_DOWN)?;
-            self.linear(&w, &layer.down, &s.g, &mut s.o)?;
+            self.linear(&w, down, &s.g, &mut s.o)?;
         }
         b.add(x, &s.o)?;
+        Ok(())
+    }
+
+    /// Routes one chunk `x` in a layer of experts: the MLP norm, the router's
+    /// softmax over every expert, the `top_k` most probable (renormalised to sum to
+    /// one where the config says so), as transformers routes.
+    fn route(
+        &self,
+        lw: &LayerLease<'_>,
+        layer: &Layer,
+        router: &Matrix,
+        x: &B::Act,
+        s: &mut Scratch<B>,
+    ) -> Result<Routed, VoomError> {
+        let (b, cfg) = (&self.backend, &self.cfg);
+        let moe = cfg
+            .moe
+            .as_ref()
+            .expect("a layer of experts has a config of them");
+        let w = lw.step(STEP_ROUTER)?;
+        b.rms_norm(x, w.vector(&layer.mlp_norm), cfg.rms_norm_eps, &mut s.xn)?;
+        let mut probs = b.zeros(b.shape(x).0, moe.num_experts);
+        b.matmul(&s.xn, w.matrix(router), &mut probs)?;
+        b.softmax(&mut probs)?;
+        let mut picks = b.top_k(&probs, moe.top_k);
+        if moe.norm_topk_prob {
+            for row in &mut picks {
+                let sum: f32 = row.iter().map(|p| p.1).sum();
+                for p in row.iter_mut() {
+                    p.1 /= sum;
+                }
+            }
+        }
+        Ok(Routed {
+            xn: b.download(&s.xn),
+            picks,
+        })
+    }
+
+    /// The routed experts of a layer over every chunk (`routed`, one per chunk of
+    /// `xs`): each expert picked is leased once, in ascending order, and computes the
+    /// rows routed to it; each row's output is the sum of its experts' outputs times
+    /// their weights, added in ascending expert order (as transformers' experts loop
+    /// adds them), then its residual.
+    fn experts(
+        &self,
+        lw: &LayerLease<'_>,
+        experts: &[Expert],
+        routed: &[Routed],
+        xs: &mut [B::Act],
+    ) -> Result<(), VoomError> {
+        let b = &self.backend;
+        let h = self.cfg.hidden_size;
+        let inter = self
+            .cfg
+            .moe
+            .as_ref()
+            .map_or(0, |m| m.expert_intermediate_size);
+        // The rows each expert computes: (chunk, row, weight), in position order.
+        let mut to: Vec<Vec<(usize, usize, f32)>> = vec![Vec::new(); experts.len()];
+        for (c, r) in routed.iter().enumerate() {
+            for (row, picks) in r.picks.iter().enumerate() {
+                for &(e, weight) in picks {
+                    to[e as usize].push((c, row, weight));
+                }
+            }
+        }
+        let chosen: Vec<usize> = (0..experts.len()).filter(|&e| !to[e].is_empty()).collect();
+        let mut out: Vec<Vec<f32>> = routed
+            .iter()
+            .map(|r| vec![0.0f32; r.picks.len() * h])
+            .collect();
+        lw.experts(&chosen, |e, w| {
+            let rows = &to[e];
+            let mut input = Vec::with_capacity(rows.len() * h);
+            for &(c, r, _) in rows {
+                input.extend_from_slice(&routed[c].xn[r * h..(r + 1) * h]);
+            }
+            let input = b.upload(rows.len(), h, &input)?;
+            let ex = &experts[e];
+            let mut g = b.zeros(rows.len(), inter);
+            let mut u = b.zeros(rows.len(), inter);
+            b.matmul(&input, w.matrix(&ex.gate), &mut g)?;
+            b.matmul(&input, w.matrix(&ex.up), &mut u)?;
+            b.gated(Activation::Silu, &mut g, &u)?;
+            let mut y = b.zeros(rows.len(), h);
+            b.matmul(&g, w.matrix(&ex.down), &mut y)?;
+            let y = b.download_owned(y);
+            for (i, &(c, r, weight)) in rows.iter().enumerate() {
+                let dst = &mut out[c][r * h..(r + 1) * h];
+                for (o, &v) in dst.iter_mut().zip(&y[i * h..(i + 1) * h]) {
+                    *o += v * weight;
+                }
+            }
+            Ok(())
+        })?;
+        for (x, o) in xs.iter_mut().zip(out) {
+            let o = b.upload(b.shape(x).0, h, &o)?;
+            b.add(x, &o)?;
+        }
         Ok(())
     }
 }

@@ -3,7 +3,8 @@
 //! ([`plan::PagePlan`]) from the checkpoint, and its math over the ops; the engine
 //! holds it as a [`Model`] and never changes for a new one.
 //!
-//! - [`llama`]: llama, mistral, qwen2 and qwen3.
+//! - [`llama`]: llama, mistral, qwen2 and qwen3, and the mixtures of experts
+//!   qwen3_moe, olmoe and mixtral.
 //! - [`sweep`]: leasing, prefetching and releasing pages along a plan.
 
 pub mod llama;
@@ -112,8 +113,12 @@ fn load_on<B: Backend + 'static>(
     backend: B,
 ) -> Result<Box<dyn Model>, VoomError> {
     match cfg.arch {
-        Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 => {
-            Ok(Box::new(llama::Llama::load(cfg, source, model, backend)?))
-        }
+        Arch::Llama
+        | Arch::Mistral
+        | Arch::Qwen2
+        | Arch::Qwen3
+        | Arch::Qwen3Moe
+        | Arch::Olmoe
+        | Arch::Mixtral => Ok(Box::new(llama::Llama::load(cfg, source, model, backend)?)),
     }
 }

@@ -42,13 +42,21 @@ pub struct PerToken {
 /// The pages of one stage (the embedding, a decoder layer, the head), in steps: the
 /// pages each step of its computation reads, in order (a matrix and the vectors
 /// beside it). A stage leased step by step holds one step's pages at a time.
+///
+/// A layer of routed experts also lists each expert's pages: a pass reads only those
+/// its router picks, so they are in no step and in no lease of the whole stage; the
+/// sweep leases them once the router has run ([`super::sweep::LayerLease::experts`]).
+/// Their reads count what a token reads of them on average (`top_k` of the experts).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Stage {
     reads: Vec<PlannedRead>,
     steps: Vec<Vec<PageId>>,
-    /// The distinct pages, sorted (what a lease of the whole stage acquires).
+    /// The distinct pages of the steps, sorted (what a lease of the whole stage
+    /// acquires).
     ids: Vec<PageId>,
     bytes: u64,
+    /// Each routed expert's pages, by expert index.
+    experts: Vec<Vec<PageId>>,
 }
 
 impl Stage {
@@ -80,6 +88,58 @@ impl Stage {
         Self::from_reads(reads, steps)
     }
 
+    /// This stage with routed experts: expert `e`'s pages are `experts[e]`, and a
+    /// token reads `top_k` of them, so each page's read per token is its bytes times
+    /// `top_k` over the number of experts (rounded up). The experts' pages must be
+    /// none of the steps'.
+    pub fn with_experts(
+        mut self,
+        source: &dyn PageSource,
+        experts: Vec<Vec<PageId>>,
+        top_k: usize,
+    ) -> Self {
+        let pages = source.pages();
+        let n = experts.len().max(1) as u64;
+        // A page several experts share (experts stored fused in one tensor) is read
+        // when any of them is picked.
+        let mut named: Vec<(PageId, u64)> = Vec::new();
+        for &page in experts.iter().flatten() {
+            match named.iter_mut().find(|(p, _)| *p == page) {
+                Some((_, k)) => *k += 1,
+                None => named.push((page, 1)),
+            }
+        }
+        for (page, by) in named {
+            let bytes = pages[page.0 as usize].len;
+            let picked = (top_k as u64).saturating_mul(by).min(n);
+            let per = (bytes as u128 * picked as u128).div_ceil(n as u128) as u64;
+            self.reads.push(PlannedRead {
+                page,
+                bytes,
+                per_token: per,
+                per_token_whole: per,
+            });
+        }
+        self.experts = experts;
+        self
+    }
+
+    /// Each routed expert's pages, by expert index (none in a dense stage).
+    pub fn experts(&self) -> &[Vec<PageId>] {
+        &self.experts
+    }
+
+    /// Slot bytes of routed expert `e`'s pages.
+    pub fn expert_slot_bytes(&self, e: usize) -> u64 {
+        self.experts[e]
+            .iter()
+            .map(|id| {
+                let r = self.reads.iter().find(|r| r.page == *id);
+                slot_bytes(r.map_or(0, |r| r.bytes))
+            })
+            .sum()
+    }
+
     /// This stage as a source that loads pages whole reads it.
     pub fn whole_pages(&self) -> Stage {
         let mut s = self.clone();
@@ -106,6 +166,7 @@ impl Stage {
             steps,
             ids,
             bytes,
+            experts: Vec::new(),
         }
     }
 
@@ -123,7 +184,7 @@ impl Stage {
         &self.ids
     }
 
-    /// Bytes of all its pages.
+    /// Bytes of all its steps' pages (routed experts' not counted).
     pub fn bytes(&self) -> u64 {
         self.bytes
     }
@@ -146,15 +207,43 @@ pub struct PagePlan {
 }
 
 impl PagePlan {
+    /// Slot bytes of the largest decoder layer's pages (its steps', as the cache
+    /// holds them: what a lease of a whole layer takes).
+    pub fn largest_layer_slot_bytes(&self) -> u64 {
+        self.layers
+            .iter()
+            .map(|s| {
+                s.ids()
+                    .iter()
+                    .map(|id| {
+                        let r = s.reads.iter().find(|r| r.page == *id);
+                        slot_bytes(r.map_or(0, |r| r.bytes))
+                    })
+                    .sum::<u64>()
+            })
+            .max()
+            .unwrap_or(0)
+    }
+
     /// Bytes of the largest decoder layer's pages.
     pub fn largest_layer_bytes(&self) -> u64 {
         self.layers.iter().map(Stage::bytes).max().unwrap_or(0)
     }
 
-    /// The most bytes, as the cache holds them (slots), that one step of any stage
-    /// leases: the least room streaming works in.
+    /// Slot bytes of the largest routed expert of any layer (0 without experts).
+    pub fn largest_expert_slot_bytes(&self) -> u64 {
+        self.layers
+            .iter()
+            .flat_map(|s| (0..s.experts().len()).map(|e| s.expert_slot_bytes(e)))
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// The most bytes, as the cache holds them (slots), that one step of any stage,
+    /// or one routed expert, leases: the least room streaming works in.
     pub fn largest_step_slot_bytes(&self) -> u64 {
-        self.stages()
+        let steps = self
+            .stages()
             .flat_map(|s| {
                 s.steps().iter().map(|step| {
                     let mut ids = step.clone();
@@ -169,7 +258,8 @@ impl PagePlan {
                 })
             })
             .max()
-            .unwrap_or(0)
+            .unwrap_or(0);
+        steps.max(self.largest_expert_slot_bytes())
     }
 
     /// Bytes of weights one decode token reads (a page read by two stages, such as

@@ -155,17 +155,19 @@ impl<'a> Sweep<'a> {
         walk: &'a Walk,
         chunks: usize,
     ) -> Self {
-        let largest = plan.largest_layer_bytes();
+        let largest = plan.largest_layer_slot_bytes();
+        // Routed experts are leased beside what the layer holds: room for one.
+        let expert = plan.largest_expert_slot_bytes();
         let room = room.or(source.budget());
         let scope = match room {
-            Some(b) if b >= 2 * largest => LeaseScope::Layer,
-            Some(b) if chunks > 1 && b >= largest => LeaseScope::Layer,
+            Some(b) if b >= 2 * largest + expert => LeaseScope::Layer,
+            Some(b) if chunks > 1 && b >= largest + expert => LeaseScope::Layer,
             Some(_) => LeaseScope::Step,
             None => LeaseScope::Layer,
         };
         let limit = match room {
             Some(b) => b
-                .saturating_sub(2 * walk.largest_page)
+                .saturating_sub(2 * walk.largest_page + expert)
                 .max(plan.largest_step_slot_bytes()),
             None => u64::MAX,
         };
@@ -219,7 +221,7 @@ impl<'a> Sweep<'a> {
     /// holds two, else the largest step's, which streaming always has room for.
     pub fn lease_bound(&self) -> u64 {
         match self.scope {
-            LeaseScope::Layer => self.plan.largest_layer_bytes(),
+            LeaseScope::Layer => self.plan.largest_layer_slot_bytes(),
             LeaseScope::Step => self.plan.largest_step_slot_bytes(),
         }
         .max(1)
@@ -407,6 +409,44 @@ impl LayerLease<'_> {
                 ))
             }
         }
+    }
+}
+
+impl LayerLease<'_> {
+    /// Leases the routed experts `chosen` (indices into the layer's
+    /// [`Stage::experts`](super::plan::Stage::experts), ascending, each once) and runs
+    /// `f` on each in that order with the leases holding it. Experts are leased one
+    /// at a time (the room streaming keeps beside the layer holds one, see
+    /// [`Sweep::new`]); when the sweep prefetches, the first experts are hinted
+    /// together first, as far as that room holds, so that their reads are in flight
+    /// at once. What `f` computes does not depend on how they are leased.
+    pub fn experts(
+        &self,
+        chosen: &[usize],
+        mut f: impl FnMut(usize, &Leased) -> Result<(), VoomError>,
+    ) -> Result<(), VoomError> {
+        let s = self.sweep;
+        let stage = &s.plan.layers[self.li];
+        if s.depth > 0 {
+            let room = 2 * s.walk.largest_page + s.plan.largest_expert_slot_bytes();
+            let mut used = 0;
+            let mut ids = Vec::new();
+            for &e in chosen {
+                used += stage.expert_slot_bytes(e);
+                if used > room {
+                    break;
+                }
+                ids.extend_from_slice(&stage.experts()[e]);
+            }
+            if !ids.is_empty() {
+                s.source.prefetch(&ids);
+            }
+        }
+        for &e in chosen {
+            let lease = s.acquire(&stage.experts()[e])?;
+            f(e, &lease)?;
+        }
+        Ok(())
     }
 }
 
@@ -605,13 +645,14 @@ mod tests {
             drop(sweep.layer(li).unwrap());
         }
         sweep.finish();
-        // Each layer (7 units) leaves 2 of the 9: the next layer's first page.
+        // Each layer (7 units) leaves 2 of the 9: the next layer's first page. A
+        // layer's pages are leased the largest first (page 1 of 4 is the smallest).
         assert_eq!(
             log(&src),
             [
-                "hint 5", "lease 1", "lease 2", "lease 3", "lease 4", "hint 9", "lease 5",
-                "lease 6", "lease 7", "lease 8", "hint 13", "lease 9", "lease 10", "lease 11",
-                "lease 12"
+                "hint 5", "lease 2", "lease 3", "lease 4", "lease 1", "hint 9", "lease 6",
+                "lease 7", "lease 8", "lease 5", "hint 13", "lease 10", "lease 11", "lease 12",
+                "lease 9"
             ]
         );
 
@@ -628,15 +669,15 @@ mod tests {
             log(&src),
             [
                 "hint 5,7",
-                "lease 1",
                 "lease 2",
                 "lease 3",
                 "lease 4",
+                "lease 1",
                 "hint 9,10",
-                "lease 5",
                 "lease 6",
                 "lease 7",
-                "lease 8"
+                "lease 8",
+                "lease 5"
             ]
         );
     }

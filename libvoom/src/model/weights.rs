@@ -137,9 +137,79 @@ impl<'a> WeightFinder<'a> {
         Ok(Matrix {
             page,
             dtype,
+            first: 0,
             rows: rows.len,
             cols: cols.len,
         })
+    }
+
+    /// A `[count, rows, cols]` tensor as `count` matrices of `[rows, cols]` (experts
+    /// stored fused in one tensor), each a view of the tensor's one page.
+    pub fn stacked(
+        &self,
+        name: &str,
+        count: &Dim,
+        rows: &Dim,
+        cols: &Dim,
+    ) -> Result<Vec<Matrix>, VoomError> {
+        let ids = self
+            .index
+            .get(name)
+            .ok_or_else(|| self.err(name, "missing from the checkpoint".into()))?;
+        let pages = self.source.pages();
+        let first = &pages[ids[0].0 as usize];
+        if ids.len() == 1 && first.rows.is_none() {
+            let (page, dtype) = self.find(name, &[count.clone(), rows.clone(), cols.clone()])?;
+            return Ok((0..count.len)
+                .map(|i| Matrix {
+                    page,
+                    dtype,
+                    first: i * rows.len,
+                    rows: rows.len,
+                    cols: cols.len,
+                })
+                .collect());
+        }
+        // In parts along the first dimension (a manifest pages each expert on its
+        // own): each part holds whole matrices, from 0 in order.
+        let mut out = Vec::with_capacity(count.len);
+        for &id in ids {
+            let meta = &pages[id.0 as usize];
+            let label = meta.label();
+            let Some(r) = meta.rows else {
+                return Err(self.err(name, format!("page '{label}' is whole beside parts")));
+            };
+            if r.start != out.len() as u64 || meta.dtype != first.dtype {
+                return Err(self.err(
+                    name,
+                    format!("page '{label}' does not follow the part before it"),
+                ));
+            }
+            let held = Dim {
+                len: r.count as usize,
+                key: format!("{}..{} of {}", r.start, r.end(), count.key),
+            };
+            self.check(name, meta, &[held, rows.clone(), cols.clone()])?;
+            out.extend((0..r.count as usize).map(|i| Matrix {
+                page: id,
+                dtype: meta.dtype,
+                first: i * rows.len,
+                rows: rows.len,
+                cols: cols.len,
+            }));
+        }
+        if out.len() != count.len {
+            return Err(self.err(
+                name,
+                format!(
+                    "its parts hold {} of config.json's {} {}",
+                    out.len(),
+                    count.key,
+                    count.len
+                ),
+            ));
+        }
+        Ok(out)
     }
 
     /// A `[rows, cols]` table read by rows (an embedding, an output head): its one
@@ -245,12 +315,27 @@ impl Dim {
     }
 }
 
+/// A `[rows, cols]` matrix: rows `first..first + rows` of its page's (a tensor of
+/// its own has `first` 0; a fused tensor's part, another).
 #[derive(Debug, Clone, Copy)]
 pub struct Matrix {
     pub page: PageId,
     pub dtype: DType,
+    pub first: usize,
     pub rows: usize,
     pub cols: usize,
+}
+
+impl Matrix {
+    /// Rows `start..start + rows` of this matrix (`rows` within it).
+    pub fn sub_rows(&self, start: usize, rows: usize) -> Matrix {
+        assert!(start + rows <= self.rows, "rows within the matrix");
+        Matrix {
+            first: self.first + start,
+            rows,
+            ..*self
+        }
+    }
 }
 
 /// A table read by rows, as the pages it is stored in (one, or its row parts).
@@ -338,11 +423,16 @@ pub struct Leased {
 }
 
 impl Leased {
-    /// Acquires every page in `ids` (duplicates once).
+    /// Acquires every page in `ids` (duplicates once), the largest first: a cache
+    /// that places each page in one run of slots finds a run for the largest while
+    /// nothing of this lease splits its free room (a small page leased first could
+    /// sit between the only runs a large one would fit).
     pub fn acquire(source: &dyn PageSource, ids: &[PageId]) -> Result<Self, VoomError> {
         let mut unique = ids.to_vec();
         unique.sort_unstable();
         unique.dedup();
+        let pages = source.pages();
+        unique.sort_by_key(|id| std::cmp::Reverse(pages.get(id.0 as usize).map_or(0, |p| p.len)));
         let leases = source.acquire_many(&unique)?;
         Ok(Leased {
             leases: unique.into_iter().zip(leases).collect(),
@@ -381,11 +471,12 @@ impl Leased {
     }
 
     pub fn matrix(&self, m: &Matrix) -> WeightView<'_> {
+        let row = m.cols * m.dtype.size();
         WeightView {
             dtype: m.dtype,
             rows: m.rows,
             cols: m.cols,
-            bytes: self.bytes(m.page),
+            bytes: &self.bytes(m.page)[m.first * row..(m.first + m.rows) * row],
         }
     }
 

@@ -22,7 +22,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::json;
-use voom_formats::manifest::{Manifest, MANIFEST_FILE};
+use voom_formats::manifest::{Manifest, PageGroup, MANIFEST_FILE};
 use voom_formats::vpack::{PACK_ALIGN, PACK_FILE};
 use voom_formats::{Checkpoint, FormatError};
 use vpaged::{outln, stdout};
@@ -512,6 +512,7 @@ fn pages(socket: Option<&Path>, dir: &Path, json: bool) -> Result<ExitCode> {
                 "name": p.name,
                 "rows": p.rows.map(|r| [r.start, r.end()]),
                 "label": p.label(),
+                "group": p.group,
                 "bytes": p.decoded_len(),
                 "file": p.file,
                 "offset": p.offset,
@@ -525,16 +526,24 @@ fn pages(socket: Option<&Path>, dir: &Path, json: bool) -> Result<ExitCode> {
         outln!("{}", serde_json::json!({ "model": canon, "pages": rows }))?;
     } else {
         outln!(
-            "{:>6} {:>8} {:>12} {:<9} {:<6} name",
+            "{:>6} {:>8} {:>12} {:<9} {:<6} {:<14} name",
             "id",
             "requests",
             "bytes",
             "resident",
-            "vpack"
+            "vpack",
+            "group"
         )?;
-        for r in &rows {
+        for (r, p) in rows.iter().zip(&manifest.pages) {
+            let group = match p.group {
+                PageGroup::Embedding => "embedding".to_string(),
+                PageGroup::Layer(l) => format!("layer {l}"),
+                PageGroup::Expert { layer, expert } => format!("expert {layer}.{expert}"),
+                PageGroup::Final => "final".to_string(),
+                PageGroup::Other => "other".to_string(),
+            };
             outln!(
-                "{:>6} {:>8} {:>12} {:<9} {:<6} {}",
+                "{:>6} {:>8} {:>12} {:<9} {:<6} {:<14} {}",
                 // Numbers, not JSON values: a Value's Display ignores the width.
                 r["id"].as_u64().unwrap_or(0),
                 r["requests"].as_u64().unwrap_or(0),
@@ -545,6 +554,7 @@ fn pages(socket: Option<&Path>, dir: &Path, json: bool) -> Result<ExitCode> {
                     "no"
                 },
                 if r["vpack"].is_null() { "no" } else { "yes" },
+                group,
                 r["label"].as_str().unwrap_or("")
             )?;
         }

@@ -301,6 +301,21 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn clamp(&self, x: &mut Rows, limit: f32) -> Result<(), KernelError> {
+        ops::clamp(x.as_mut_slice(), limit);
+        Ok(())
+    }
+
+    fn softmax(&self, x: &mut Rows) -> Result<(), KernelError> {
+        if x.cols() > 0 {
+            let cols = x.cols();
+            x.as_mut_slice()
+                .chunks_exact_mut(cols)
+                .for_each(ops::softmax);
+        }
+        Ok(())
+    }
+
     fn top_k(&self, x: &Rows, k: usize) -> Vec<Vec<(u32, f32)>> {
         if x.cols() == 0 {
             return vec![Vec::new(); x.rows()];

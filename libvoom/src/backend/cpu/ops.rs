@@ -57,6 +57,30 @@ pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     }
 }
 
+/// Every value clamped to `[-limit, limit]` (NaN stays NaN, as `torch.clamp_`).
+pub fn clamp(x: &mut [f32], limit: f32) {
+    for v in x {
+        if *v > limit {
+            *v = limit;
+        } else if *v < -limit {
+            *v = -limit;
+        }
+    }
+}
+
+/// Softmax of `row` in place: `exp(x - max) / sum`, the sum accumulated in order.
+pub fn softmax(row: &mut [f32]) {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0f32;
+    for v in row.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    for v in row.iter_mut() {
+        *v /= sum;
+    }
+}
+
 /// Rotary embedding with `rotate_half` layout (Hugging Face): for a head vector of
 /// size d and i < d/2, `(x_i, x_{i+d/2})` is rotated by the angle `pos * inv_freq_i`.
 /// `cos`/`sin` hold the d/2 values for this position.
