@@ -175,6 +175,8 @@ pub struct Engine {
     /// The plan's walk with the planner's pins left out (they take none of that
     /// room), which every pass's sweep follows.
     walk: Walk,
+    /// The routing trace being recorded ([`Engine::record_expert_trace`]).
+    trace: std::sync::Mutex<Option<Vec<vpaged::expert_trace::TracePass>>>,
 }
 
 /// Pins in `source`'s cache (when it has one) the pages the memory planner chooses
@@ -264,6 +266,52 @@ impl Engine {
             opts,
             stream_room,
             walk,
+            trace: std::sync::Mutex::new(None),
+        })
+    }
+
+    /// Starts recording which routed experts each forward pass reads (a mixture of
+    /// experts; a dense model's passes read none), dropping what was recorded before.
+    pub fn record_expert_trace(&self) {
+        *self.trace.lock().unwrap_or_else(|e| e.into_inner()) = Some(Vec::new());
+    }
+
+    /// Stops recording and returns the routing trace of the passes since
+    /// [`Engine::record_expert_trace`] (`None` if it was not recording), with its
+    /// header: the layers that route and each one's expert bytes.
+    pub fn take_expert_trace(&self) -> Option<vpaged::expert_trace::Trace> {
+        use vpaged::expert_trace::{Trace, TraceHeader, TRACE_VERSION};
+        let passes = self
+            .trace
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()?;
+        let cfg = self.model.config();
+        let moe = cfg.moe.as_ref();
+        let plan = self.model.plan();
+        let layers: Vec<usize> = (0..cfg.num_layers)
+            .filter(|&l| !plan.layers[l].experts().is_empty())
+            .collect();
+        let pages = self.source.pages();
+        Some(Trace {
+            header: TraceHeader {
+                voom_expert_trace: TRACE_VERSION,
+                model: self.name.clone(),
+                num_experts: moe.map_or(0, |m| m.num_experts as u32),
+                top_k: moe.map_or(0, |m| m.top_k as u32),
+                layers: layers.iter().map(|&l| l as u32).collect(),
+                // One expert's pages (a fused tensor shared by all counts whole).
+                expert_bytes: layers
+                    .iter()
+                    .map(|&l| {
+                        plan.layers[l].experts()[0]
+                            .iter()
+                            .map(|id| pages[id.0 as usize].len)
+                            .sum()
+                    })
+                    .collect(),
+            },
+            passes,
         })
     }
 
@@ -353,6 +401,22 @@ impl Engine {
     /// failed for another reason than the store, the check's error (bytes that were
     /// not the pages) is the one reported. Adds the time the pass waited for pages
     /// to `waited`.
+    /// Adds `sweep`'s pass over `positions` tokens to the routing trace, when one is
+    /// recorded.
+    fn trace_pass(&self, sweep: &Sweep<'_>, positions: usize) {
+        let mut trace = self.trace.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(passes) = trace.as_mut() {
+            passes.push(vpaged::expert_trace::TracePass {
+                positions: positions as u32,
+                experts: sweep
+                    .routes()
+                    .into_iter()
+                    .map(|(_, experts)| experts.into_iter().map(|e| e as u32).collect())
+                    .collect(),
+            });
+        }
+    }
+
     fn forward_checked(
         &self,
         kv: &mut KvCache,
@@ -373,6 +437,9 @@ impl Engine {
         );
         let pass = self.model.forward(&sweep, tokens, chunk, kv, want);
         *waited += sweep.waited();
+        if pass.is_ok() {
+            self.trace_pass(&sweep, tokens.len());
+        }
         // Every lease of the pass is dropped by now.
         sweep.finish();
         let r = match (pass, self.source.check_reads()) {

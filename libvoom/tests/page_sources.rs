@@ -634,3 +634,36 @@ fn a_pass_reads_only_the_experts_its_router_picks() {
         );
     }
 }
+
+/// The routing trace of a pass does not depend on how its positions are chunked:
+/// each layer of experts reads, once, every expert any position picked.
+#[test]
+fn a_chunked_prompt_reads_each_picked_expert_once() {
+    let (_d, dir) = fixture_copy("mixtral_block_sparse");
+    let prompt: Vec<u32> = (0..21).map(|i| (i * 17 + 3) % 300).collect();
+    let trace_with = |chunk: usize| {
+        let e = Engine::open(
+            &dir,
+            EngineOptions {
+                prefill_chunk: chunk,
+                ..EngineOptions::default()
+            },
+        )
+        .unwrap();
+        e.record_expert_trace();
+        let mut kv = e.new_kv();
+        e.forward_all(&mut kv, &prompt).unwrap();
+        e.take_expert_trace().unwrap()
+    };
+    let whole = trace_with(256);
+    assert_eq!(whole.passes.len(), 1);
+    assert_eq!(whole.passes[0].positions, 21);
+    for list in &whole.passes[0].experts {
+        assert!(
+            list.len() >= 2 && list.windows(2).all(|w| w[0] < w[1]),
+            "{list:?}"
+        );
+    }
+    assert_eq!(trace_with(4), whole);
+    assert_eq!(trace_with(1), whole);
+}

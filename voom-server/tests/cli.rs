@@ -946,3 +946,75 @@ fn a_planned_stream_reads_each_streamed_page_once_per_pass() {
         many["page_cache"]
     );
 }
+
+/// `voom generate --expert-trace FILE` on a mixture of experts writes the routing
+/// trace: one pass for the prompt and one per later token, each reading, in every
+/// layer of experts, the experts its positions picked (`top_k` for one position);
+/// the same ids as without it; and a dense model is refused before anything runs.
+#[test]
+fn generate_records_the_routing_trace_of_a_mixture_of_experts() {
+    use vpaged::expert_plan::{replay, Policy};
+    use vpaged::expert_trace::Trace;
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("route.trace");
+    let r = reference("qwen3_moe_dense_layer");
+    let p = &r["prompts"][2];
+    let ids = id_list(&p["prompt_ids"]);
+    let o = voom()
+        .args(["generate", "--model"])
+        .arg(tiny("qwen3_moe_dense_layer"))
+        .args(["--prompt-ids", &ids, "--max-new-tokens", "32", "--json"])
+        .arg("--expert-trace")
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(last_json(&o)["ids"], p["generated_ids"]);
+    let trace = Trace::read(&mut std::io::BufReader::new(
+        std::fs::File::open(&path).unwrap(),
+    ))
+    .unwrap();
+    let h = &trace.header;
+    assert_eq!((h.num_experts, h.top_k), (8, 2));
+    // mlp_only_layers [1]: layers 0 and 2 route; an expert is gate, up and down.
+    assert_eq!(h.layers, [0, 2]);
+    assert_eq!(h.expert_bytes, [3 * 32 * 64 * 2; 2]);
+    let prompt = p["prompt_ids"].as_array().unwrap().len() as u32;
+    let generated = p["generated_ids"].as_array().unwrap().len();
+    assert_eq!(
+        trace.passes.len(),
+        generated,
+        "the prompt, then one per token but the last"
+    );
+    assert_eq!(trace.passes[0].positions, prompt);
+    for (i, pass) in trace.passes.iter().enumerate() {
+        for list in &pass.experts {
+            let most = (pass.positions * h.top_k).min(h.num_experts) as usize;
+            if i == 0 {
+                assert!((2..=most).contains(&list.len()), "{list:?}");
+            } else {
+                assert_eq!(list.len(), 2, "one position reads top_k experts: {list:?}");
+            }
+        }
+    }
+    // The simulator replays it: no policy reads less than the Belady bound.
+    let belady = replay(&trace, Policy::Belady, 4 * 12288, 8);
+    for policy in Policy::ALL {
+        assert!(replay(&trace, policy, 4 * 12288, 8).misses >= belady.misses);
+    }
+
+    let o = voom()
+        .args(["generate", "--model"])
+        .arg(tiny("llama_gqa_untied"))
+        .args(["--prompt-ids", "5", "--expert-trace"])
+        .arg(d.path().join("dense.trace"))
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("has no routed experts"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(!d.path().join("dense.trace").exists());
+}

@@ -19,6 +19,8 @@ pub mod daemon;
 pub mod direct;
 pub mod embedded;
 pub mod error;
+pub mod expert_plan;
+pub mod expert_trace;
 pub mod loader;
 pub mod protocol;
 pub mod read_pool;

@@ -138,6 +138,8 @@ pub struct Sweep<'a> {
     ahead: RefCell<Ahead>,
     /// Time spent waiting for leases (loads, or other requests' loads of the page).
     waited: Cell<Duration>,
+    /// The routed experts each layer of experts leased, in pass order.
+    routes: RefCell<Vec<(usize, Vec<usize>)>>,
 }
 
 impl<'a> Sweep<'a> {
@@ -180,12 +182,19 @@ impl<'a> Sweep<'a> {
             walk,
             ahead: RefCell::new(Ahead::default()),
             waited: Cell::new(Duration::ZERO),
+            routes: RefCell::new(Vec::new()),
         }
     }
 
     /// Time this sweep has waited for its pages so far (the rest of a pass computes).
     pub fn waited(&self) -> Duration {
         self.waited.get()
+    }
+
+    /// The routed experts the pass leased so far: per layer of experts, in pass
+    /// order, the layer and its experts (ascending). A routing trace's pass.
+    pub fn routes(&self) -> Vec<(usize, Vec<usize>)> {
+        self.routes.borrow().clone()
     }
 
     fn acquire(&self, ids: &[PageId]) -> Result<Leased, VoomError> {
@@ -427,6 +436,7 @@ impl LayerLease<'_> {
     ) -> Result<(), VoomError> {
         let s = self.sweep;
         let stage = &s.plan.layers[self.li];
+        s.routes.borrow_mut().push((self.li, chosen.to_vec()));
         if s.depth > 0 {
             let room = 2 * s.walk.largest_page + s.plan.largest_expert_slot_bytes();
             let mut used = 0;

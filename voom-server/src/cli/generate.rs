@@ -25,6 +25,10 @@ pub struct GenerateArgs {
     /// Print one JSON object (ids, text, timing) as the last line instead of streaming text.
     #[arg(long)]
     pub json: bool,
+    /// Record which routed experts each forward pass reads (a mixture of experts) and
+    /// write the trace to FILE (JSON lines; `vpagectl expert-plan FILE` replays it).
+    #[arg(long, value_name = "FILE")]
+    pub expert_trace: Option<std::path::PathBuf>,
     #[command(flatten)]
     pub sampling: SamplingArgs,
     #[command(flatten)]
@@ -63,6 +67,19 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         bail!("the prompt is empty");
     }
     let params = a.sampling.params();
+    if let Some(path) = &a.expert_trace {
+        if engine.config().moe.is_none() {
+            bail!(
+                "--expert-trace: {} has no routed experts (model_type {})",
+                engine.name(),
+                engine.config().arch.name()
+            );
+        }
+        // Created before generating, so that a path that cannot be written fails first.
+        std::fs::File::create(path)
+            .with_context(|| format!("--expert-trace: creating {}", path.display()))?;
+        engine.record_expert_trace();
+    }
     // With --json, what the block device holding the model did over decode (from the
     // first id sampled to the last, as `decode_secs` counts), where it can be read:
     // bytes, requests and the time it was busy, other processes' I/O included.
@@ -74,6 +91,15 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         }
     };
     let (g, text) = common::generate_streaming(&engine, &ids, &params, !a.json, &mut mark)?;
+    if let (Some(path), Some(trace)) = (&a.expert_trace, engine.take_expert_trace()) {
+        let mut f = std::io::BufWriter::new(
+            std::fs::File::create(path)
+                .with_context(|| format!("--expert-trace: creating {}", path.display()))?,
+        );
+        trace
+            .write(&mut f)
+            .with_context(|| format!("--expert-trace: writing {}", path.display()))?;
+    }
     if a.json {
         let mut out = common::result_json(&engine, &ids, &g, &text);
         let decode = device

@@ -98,6 +98,21 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Replay a routing trace (`voom generate --expert-trace FILE`) through expert
+    /// caches of several sizes under each policy (LRU, LFU with admission, a static
+    /// set, the Belady bound): bytes of experts read per token for each.
+    ExpertPlan {
+        trace: PathBuf,
+        /// The share of passes the policies are fitted (warmed) on; the rest is scored.
+        #[arg(long, default_value_t = 0.5)]
+        fit: f64,
+        /// Cache sizes to replay (comma-separated, e.g. 1GiB,4GiB); default: 5%, 10%,
+        /// 25% and 50% of the experts the trace reads.
+        #[arg(long, value_delimiter = ',')]
+        cache: Vec<vpaged::config::ByteSize>,
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 fn main() -> ExitCode {
@@ -122,6 +137,12 @@ fn main() -> ExitCode {
         ),
         Command::Unstage { model_dir, json } => unstage(cli.socket.as_deref(), model_dir, *json),
         Command::Pages { model_dir, json } => pages(cli.socket.as_deref(), model_dir, *json),
+        Command::ExpertPlan {
+            trace,
+            fit,
+            cache,
+            json,
+        } => expert_plan(trace, *fit, cache, *json),
     };
     // A closed stdout (`vpagectl status | head -1`) ends quietly with 0; any other
     // failure, writing to stdout included, is an error and status 2.
@@ -558,6 +579,102 @@ fn pages(socket: Option<&Path>, dir: &Path, json: bool) -> Result<ExitCode> {
                 r["label"].as_str().unwrap_or("")
             )?;
         }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn expert_plan(
+    path: &Path,
+    fit: f64,
+    cache: &[vpaged::config::ByteSize],
+    json: bool,
+) -> Result<ExitCode> {
+    use vpaged::expert_plan::{replay, Policy};
+    if !(0.0..1.0).contains(&fit) {
+        anyhow::bail!("--fit {fit}: a share of the passes, at least 0 and below 1");
+    }
+    let f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let trace = vpaged::expert_trace::Trace::read(&mut std::io::BufReader::new(f))
+        .with_context(|| format!("reading {}", path.display()))?;
+    let passes = trace.passes.len();
+    let fitted = (passes as f64 * fit).floor() as usize;
+    if fitted >= passes {
+        anyhow::bail!("{}: {passes} passes leave none to score", path.display());
+    }
+    // The experts the trace reads, each once: what a cache of every one would hold.
+    let mut distinct = std::collections::HashSet::new();
+    let mut read_bytes = 0u64;
+    for p in &trace.passes {
+        for (l, list) in p.experts.iter().enumerate() {
+            for &e in list {
+                if distinct.insert((l, e)) {
+                    read_bytes += trace.header.expert_bytes[l];
+                }
+            }
+        }
+    }
+    let sizes: Vec<u64> = if cache.is_empty() {
+        [0.05, 0.10, 0.25, 0.50]
+            .iter()
+            .map(|f| (read_bytes as f64 * f) as u64)
+            .collect()
+    } else {
+        cache.iter().map(|b| b.0).collect()
+    };
+    let rows: Vec<_> = sizes
+        .iter()
+        .flat_map(|&size| Policy::ALL.map(|p| replay(&trace, p, size, fitted)))
+        .collect();
+    let routed = rows.first().map_or(0.0, |s| s.routed_bytes_per_token());
+    if json {
+        outln!(
+            "{}",
+            json!({
+                "trace": path,
+                "model": trace.header.model,
+                "passes": passes,
+                "fitted_passes": fitted,
+                "distinct_experts": distinct.len(),
+                "distinct_expert_bytes": read_bytes,
+                "routed_bytes_per_token": routed,
+                "replays": rows.iter().map(|s| json!({
+                    "policy": s.policy.name(),
+                    "cache_bytes": s.capacity_bytes,
+                    "bytes_per_token": s.bytes_per_token(),
+                    "hit_ratio": s.hit_ratio(),
+                    "misses": s.misses,
+                    "accesses": s.accesses,
+                    "tokens": s.tokens,
+                })).collect::<Vec<_>>(),
+            })
+        )?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    outln!(
+        "{}: {passes} passes ({} fitted, {} tokens scored), {} distinct experts read ({}); \
+         without a cache {} of experts per token",
+        trace.header.model,
+        fitted,
+        rows.first().map_or(0, |s| s.tokens),
+        distinct.len(),
+        human(read_bytes as f64),
+        human(routed)
+    )?;
+    outln!(
+        "{:>12} {:<10} {:>14} {:>9}",
+        "cache",
+        "policy",
+        "read/token",
+        "hits"
+    )?;
+    for s in &rows {
+        outln!(
+            "{:>12} {:<10} {:>14} {:>8.1}%",
+            human(s.capacity_bytes as f64),
+            s.policy.name(),
+            human(s.bytes_per_token()),
+            100.0 * s.hit_ratio()
+        )?;
     }
     Ok(ExitCode::SUCCESS)
 }
