@@ -7,8 +7,9 @@
 //!
 //! 1. If every page fits, every page is pinned: nothing streams.
 //! 2. Otherwise the window gets room for the largest layer and three more of the
-//!    largest page a layer has, and for its largest routed expert, leased beside
-//!    them once a router picks it (`vpaged::store::streaming_window_bytes`, which the
+//!    largest page a layer has, and for one position's routed experts (`top_k` of the
+//!    largest), read beside them once a router picks them
+//!    (`vpaged::store::streaming_window_bytes`, which the
 //!    store keeps out of planner pins): a decode step leases one matrix at a time and
 //!    reads a layer's worth ahead of it; a pass of several chunks leases a layer
 //!    whole (it is read once per pass) and reads a page ahead; and two pages of
@@ -18,7 +19,9 @@
 //!    the vectors beside it, or a head stage): below that the model cannot run, and
 //!    the budget is refused with [`PlacementError::BelowMinimum`] saying how much it
 //!    needs.
-//! 3. What is left pins pages, in order of the bytes each saves per token for each
+//! 3. What is left pins pages (routed experts excepted: the page cache keeps those
+//!    its frequency-aware admission picks, in the room pins leave), in order of the
+//!    bytes each saves per token for each
 //!    byte it holds: a layer's matrices and the LM head are read whole every token
 //!    (a ratio of 1), an embedding table one row per token (it is nearly free to
 //!    leave on disk). A page that does not fit is skipped for smaller ones after it.
@@ -70,6 +73,10 @@ pub struct Placement {
     pub streamed_per_token: u64,
     /// Bytes one decode token reads from pinned memory.
     pub pinned_per_token: u64,
+    /// Room left beside the pins and the window, where a page cache keeps the routed
+    /// experts its frequency-aware admission picks (a mixture of experts' experts are
+    /// never pinned: which are hot is seen only as tokens route); 0 without experts.
+    pub expert_cache_bytes: u64,
 }
 
 impl Placement {
@@ -244,6 +251,7 @@ pub fn place(plan: &PagePlan, needs: &Needs, budget: u64) -> Result<Placement, P
             min_window_bytes: min_window,
             streamed_per_token: 0,
             pinned_per_token: total_per_token,
+            expert_cache_bytes: 0,
         });
     }
     let largest_layer = plan
@@ -258,12 +266,23 @@ pub fn place(plan: &PagePlan, needs: &Needs, budget: u64) -> Result<Placement, P
         .flat_map(|s| s.ids().iter().map(|id| pages[id].slot))
         .max()
         .unwrap_or(0);
-    // And one routed expert beside them (vpaged's window counts the same).
-    let window = (largest_layer + 3 * largest_page + plan.largest_expert_slot_bytes())
+    // And one position's routed experts beside them (vpaged's window counts the
+    // same).
+    let window = (largest_layer + 3 * largest_page + plan.largest_expert_batch_slot_bytes())
         .max(min_window)
         .min(avail);
     let mut room = avail - window;
-    let mut order: Vec<Weighed> = pages.values().copied().collect();
+    // Routed experts are left to the cache's admission, in the room pins leave.
+    let experts: std::collections::BTreeSet<PageId> = plan
+        .layers
+        .iter()
+        .flat_map(|l| l.experts().iter().flatten().copied())
+        .collect();
+    let mut order: Vec<Weighed> = pages
+        .values()
+        .filter(|w| !experts.contains(&w.page))
+        .copied()
+        .collect();
     by_value(&mut order, |w| w.slot);
     let mut pinned = Vec::new();
     let (mut pinned_bytes, mut pinned_per_token) = (0u64, 0u64);
@@ -286,6 +305,7 @@ pub fn place(plan: &PagePlan, needs: &Needs, budget: u64) -> Result<Placement, P
         min_window_bytes: min_window,
         streamed_per_token: total_per_token - pinned_per_token,
         pinned_per_token,
+        expert_cache_bytes: if experts.is_empty() { 0 } else { room },
     })
 }
 

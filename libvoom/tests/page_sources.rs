@@ -400,7 +400,7 @@ fn slot_bytes(dir: &Path) -> usize {
 fn daemon_caches(dir: &Path) -> [usize; 2] {
     let layer = largest_layer_bytes(dir);
     let manifest = voom_formats::Manifest::load(dir).unwrap().unwrap();
-    let window = vpaged::store::streaming_window_bytes(&manifest);
+    let window = vpaged::store::streaming_window_bytes(&manifest, vpaged::store::routed_top_k(dir));
     [
         (layer * 3 / 2).next_multiple_of(16 << 10) + (512 << 10),
         (window + slot_bytes(dir) / 2).next_multiple_of(16 << 10),

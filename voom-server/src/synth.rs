@@ -104,6 +104,217 @@ pub fn bench_model(gb: f64) -> Result<std::path::PathBuf> {
     Ok(dir)
 }
 
+/// Shape of a synthetic Qwen3-MoE: attention and a router in every layer, and
+/// `experts` SwiGLU experts of which each token runs `top_k`.
+#[derive(Debug, Clone, Copy)]
+pub struct SynthMoeShape {
+    pub hidden: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub experts: usize,
+    pub top_k: usize,
+    pub expert_intermediate: usize,
+    pub vocab: usize,
+}
+
+impl SynthMoeShape {
+    /// A Qwen3-30B-A3B-like shape (hidden 2048, 16/4 heads of 128, 64 experts of
+    /// 768, 8 per token) of about `gb` GB of BF16.
+    pub fn of_size(gb: f64) -> SynthMoeShape {
+        let mut s = SynthMoeShape {
+            hidden: 2048,
+            layers: 1,
+            heads: 16,
+            kv_heads: 4,
+            head_dim: 128,
+            experts: 64,
+            top_k: 8,
+            expert_intermediate: 768,
+            vocab: 32000,
+        };
+        let fixed = 2 * s.vocab * s.hidden;
+        let params = (gb * 1e9 / 2.0) as usize;
+        s.layers = (params.saturating_sub(fixed) / s.layer_params()).max(1);
+        s
+    }
+
+    fn layer_params(&self) -> usize {
+        let (h, q, kv) = (
+            self.hidden,
+            self.heads * self.head_dim,
+            self.kv_heads * self.head_dim,
+        );
+        2 * h * q
+            + 2 * h * kv
+            + 2 * self.head_dim
+            + 2 * h
+            + self.experts * h
+            + self.experts * 3 * h * self.expert_intermediate
+    }
+
+    pub fn params(&self) -> usize {
+        self.layers * self.layer_params() + 2 * self.vocab * self.hidden + self.hidden
+    }
+}
+
+/// The benchmarks' synthetic Qwen3-MoE of about `gb` GB of BF16 under
+/// `$VOOM_HOME/bench` (named by its shape), written once and reused.
+pub fn bench_moe_model(gb: f64) -> Result<std::path::PathBuf> {
+    let shape = SynthMoeShape::of_size(gb);
+    let dir = crate::store::voom_home()?.join("bench").join(format!(
+        "qwen3moe-synthetic-{}l-{}e",
+        shape.layers, shape.experts
+    ));
+    if !dir.join("config.json").exists() {
+        eprintln!(
+            "voom bench: writing a synthetic Qwen3-MoE ({} layers of {} experts, {:.2} GB BF16) to {}",
+            shape.layers,
+            shape.experts,
+            shape.params() as f64 * 2.0 / 1e9,
+            dir.display()
+        );
+        write_qwen3_moe(&dir, shape, 0x5eed)?;
+    }
+    Ok(dir)
+}
+
+/// Writes `config.json` and `model.safetensors` of a random Qwen3-MoE into `dir`,
+/// one tensor per expert and projection (as transformers saves them).
+pub fn write_qwen3_moe(dir: &Path, shape: SynthMoeShape, seed: u64) -> Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let (h, hd) = (shape.hidden, shape.head_dim);
+    let (qd, kvd, inter) = (
+        shape.heads * hd,
+        shape.kv_heads * hd,
+        shape.expert_intermediate,
+    );
+    let mut rng = Rng(seed | 1);
+    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    let lin = |rng: &mut Rng, rows: usize, cols: usize| {
+        random_bf16(rng, rows * cols, (3.0 / cols as f32).sqrt(), 0.0)
+    };
+    let norm = |rng: &mut Rng, n: usize| random_bf16(rng, n, 0.1, 1.0);
+    tensors.push((
+        "model.embed_tokens.weight".into(),
+        vec![shape.vocab, h],
+        random_bf16(&mut rng, shape.vocab * h, 0.05, 0.0),
+    ));
+    for i in 0..shape.layers {
+        let p = format!("model.layers.{i}");
+        let mut push =
+            |name: String, dims: Vec<usize>, bytes: Vec<u8>| tensors.push((name, dims, bytes));
+        push(
+            format!("{p}.input_layernorm.weight"),
+            vec![h],
+            norm(&mut rng, h),
+        );
+        push(
+            format!("{p}.post_attention_layernorm.weight"),
+            vec![h],
+            norm(&mut rng, h),
+        );
+        push(
+            format!("{p}.self_attn.q_proj.weight"),
+            vec![qd, h],
+            lin(&mut rng, qd, h),
+        );
+        push(
+            format!("{p}.self_attn.k_proj.weight"),
+            vec![kvd, h],
+            lin(&mut rng, kvd, h),
+        );
+        push(
+            format!("{p}.self_attn.v_proj.weight"),
+            vec![kvd, h],
+            lin(&mut rng, kvd, h),
+        );
+        push(
+            format!("{p}.self_attn.o_proj.weight"),
+            vec![h, qd],
+            lin(&mut rng, h, qd),
+        );
+        push(
+            format!("{p}.self_attn.q_norm.weight"),
+            vec![hd],
+            norm(&mut rng, hd),
+        );
+        push(
+            format!("{p}.self_attn.k_norm.weight"),
+            vec![hd],
+            norm(&mut rng, hd),
+        );
+        push(
+            format!("{p}.mlp.gate.weight"),
+            vec![shape.experts, h],
+            lin(&mut rng, shape.experts, h),
+        );
+        for e in 0..shape.experts {
+            let x = format!("{p}.mlp.experts.{e}");
+            push(
+                format!("{x}.gate_proj.weight"),
+                vec![inter, h],
+                lin(&mut rng, inter, h),
+            );
+            push(
+                format!("{x}.up_proj.weight"),
+                vec![inter, h],
+                lin(&mut rng, inter, h),
+            );
+            push(
+                format!("{x}.down_proj.weight"),
+                vec![h, inter],
+                lin(&mut rng, h, inter),
+            );
+        }
+    }
+    tensors.push(("model.norm.weight".into(), vec![h], norm(&mut rng, h)));
+    tensors.push((
+        "lm_head.weight".into(),
+        vec![shape.vocab, h],
+        lin(&mut rng, shape.vocab, h),
+    ));
+    let refs: Vec<(&str, DType, &[usize], &[u8])> = tensors
+        .iter()
+        .map(|(n, s, b)| (n.as_str(), DType::BF16, s.as_slice(), b.as_slice()))
+        .collect();
+    let mut meta = BTreeMap::new();
+    meta.insert("format".to_string(), "pt".to_string());
+    voom_formats::safetensors::write(&dir.join("model.safetensors"), &refs, &meta)?;
+    let config = serde_json::json!({
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": h,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": inter,
+        "num_experts": shape.experts,
+        "num_experts_per_tok": shape.top_k,
+        "norm_topk_prob": true,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "num_hidden_layers": shape.layers,
+        "num_attention_heads": shape.heads,
+        "num_key_value_heads": shape.kv_heads,
+        "head_dim": hd,
+        "vocab_size": shape.vocab,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": false,
+        "hidden_act": "silu",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "dtype": "bfloat16",
+        "voom_synthetic": {"seed": seed},
+    });
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_string_pretty(&config)?,
+    )?;
+    Ok(())
+}
+
 /// Writes `config.json` and `model.safetensors` of a random Llama into `dir`.
 pub fn write_llama(dir: &Path, shape: SynthShape, seed: u64) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;

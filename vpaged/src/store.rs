@@ -211,6 +211,8 @@ pub struct OpenModel {
     served: [AtomicU64; 3],
     /// The seals of pages verified once ([`Seals`]).
     seals: Seals,
+    /// The room its unpinned pages stream through ([`streaming_window_bytes`]).
+    window: usize,
 }
 
 impl OpenModel {
@@ -813,8 +815,10 @@ impl Store {
         self.pinned_reserved
             .fetch_add(pinned_slot_bytes, Ordering::Relaxed);
         let n = pages.len();
+        let window = streaming_window_bytes(&manifest, routed_top_k(&dir));
         let model = Arc::new(OpenModel {
             id,
+            window,
             primary,
             dir,
             nas,
@@ -1490,7 +1494,7 @@ impl Store {
                 detail: format!("no page {page} in model {model}"),
             });
         }
-        let window = streaming_window_bytes(&m.manifest);
+        let window = m.window;
         let configured: std::collections::HashSet<PageKey> = m.pins.iter().copied().collect();
         let mut granted = Vec::new();
         let mut new_keys = Vec::new();
@@ -1533,6 +1537,15 @@ impl Store {
         }
         self.cache.pin(new_keys.iter().copied());
         self.cache.set_streaming(model, true);
+        // Routed experts stay admissible: the planner leaves them to the cache's
+        // frequency-aware admission rather than to its static pins.
+        self.cache.set_admissible(
+            m.manifest
+                .pages
+                .iter()
+                .filter(|p| matches!(p.group, PageGroup::Expert { .. }))
+                .map(|p| PageKey { model, page: p.id }),
+        );
         let pins = PlannedPins {
             store: Arc::downgrade(self),
             model,
@@ -1728,9 +1741,10 @@ fn pin_candidates(manifest: &Manifest, first: u32, last: u32) -> Vec<&PageEntry>
 }
 
 /// The room a model's unpinned pages stream through, which planner pins never take:
-/// its largest layer and three more of its largest page, and its largest routed
-/// expert (leased beside what a layer holds, once the router has picked it; a
-/// layer's experts are not part of the layer here). An engine's sweep
+/// its largest layer and three more of its largest page, and one position's routed
+/// experts (`top_k` of a layer's largest: read beside what a layer holds once the
+/// router has picked them; a layer's experts are not part of the layer here). An
+/// engine's sweep
 /// (`libvoom::model::sweep`) leases a decode step one matrix at a time and hints a
 /// layer's worth of the pages after it; a pass of several chunks of positions leases
 /// a layer whole, so that the layer is read once per pass, and hints a page's worth
@@ -1740,7 +1754,7 @@ fn pin_candidates(manifest: &Manifest, first: u32, last: u32) -> Vec<&PageEntry>
 /// found no run, its demand load evicted prefetched pages still to be used, and a
 /// pass read more than it streams: 7% on a 42-layer sweep with two layers and no
 /// margin). The memory planner sizes its window the same way (`libvoom::placement`).
-pub fn streaming_window_bytes(manifest: &Manifest) -> usize {
+pub fn streaming_window_bytes(manifest: &Manifest, top_k: usize) -> usize {
     let mut per_layer: HashMap<u32, usize> = HashMap::new();
     let mut per_expert: HashMap<(u32, u32), usize> = HashMap::new();
     let mut largest_page = 0;
@@ -1756,9 +1770,31 @@ pub fn streaming_window_bytes(manifest: &Manifest) -> usize {
             _ => {}
         }
     }
-    per_layer.into_values().max().unwrap_or(0)
-        + 3 * largest_page
-        + per_expert.into_values().max().unwrap_or(0)
+    // One position's experts: the `top_k` largest of a layer's.
+    let mut by_layer: HashMap<u32, Vec<usize>> = HashMap::new();
+    for ((layer, _), bytes) in per_expert {
+        by_layer.entry(layer).or_default().push(bytes);
+    }
+    let batch = by_layer
+        .into_values()
+        .map(|mut v| {
+            v.sort_unstable_by(|a, b| b.cmp(a));
+            v.iter().take(top_k.max(1)).sum::<usize>()
+        })
+        .max()
+        .unwrap_or(0);
+    per_layer.into_values().max().unwrap_or(0) + 3 * largest_page + batch
+}
+
+/// The experts a position picks per layer of the mixture of experts in `dir`
+/// (`config.json`'s `num_experts_per_tok`); where the config cannot be read or does
+/// not say, 8, the most any family defaults to (a larger window only pins less).
+pub fn routed_top_k(dir: &Path) -> usize {
+    std::fs::read(dir.join("config.json"))
+        .ok()
+        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+        .and_then(|v| v.get("num_experts_per_tok")?.as_u64())
+        .map_or(8, |k| k.clamp(1, 1 << 16) as usize)
 }
 
 /// A run of reads in one file: the file, the run's first offset, and its items with
@@ -2506,7 +2542,7 @@ mod tests {
         for k in m.pinned_pages() {
             drop(s.acquire(m.id, k.page).unwrap());
         }
-        let window = streaming_window_bytes(&m.manifest);
+        let window = streaming_window_bytes(&m.manifest, routed_top_k(&m.dir));
         let pinned = s.cache_stats().pinned_bytes;
         assert!(
             pinned + window <= 40 * SLOT_ALIGN,

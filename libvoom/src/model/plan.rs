@@ -57,6 +57,8 @@ pub struct Stage {
     bytes: u64,
     /// Each routed expert's pages, by expert index.
     experts: Vec<Vec<PageId>>,
+    /// Experts a position picks.
+    top_k: usize,
 }
 
 impl Stage {
@@ -121,7 +123,18 @@ impl Stage {
             });
         }
         self.experts = experts;
+        self.top_k = top_k;
         self
+    }
+
+    /// Slot bytes of the `top_k` largest of its experts: what one position's experts
+    /// hold at once (0 without experts).
+    pub fn expert_batch_slot_bytes(&self) -> u64 {
+        let mut sizes: Vec<u64> = (0..self.experts.len())
+            .map(|e| self.expert_slot_bytes(e))
+            .collect();
+        sizes.sort_unstable_by(|a, b| b.cmp(a));
+        sizes.iter().take(self.top_k).sum()
     }
 
     /// Each routed expert's pages, by expert index (none in a dense stage).
@@ -167,6 +180,7 @@ impl Stage {
             ids,
             bytes,
             experts: Vec::new(),
+            top_k: 0,
         }
     }
 
@@ -228,6 +242,17 @@ impl PagePlan {
     /// Bytes of the largest decoder layer's pages.
     pub fn largest_layer_bytes(&self) -> u64 {
         self.layers.iter().map(Stage::bytes).max().unwrap_or(0)
+    }
+
+    /// Slot bytes of the largest batch of one position's routed experts (`top_k` of
+    /// them) of any layer: what the sweep hints and leases beside a layer at once (0
+    /// without experts).
+    pub fn largest_expert_batch_slot_bytes(&self) -> u64 {
+        self.layers
+            .iter()
+            .map(Stage::expert_batch_slot_bytes)
+            .max()
+            .unwrap_or(0)
     }
 
     /// Slot bytes of the largest routed expert of any layer (0 without experts).

@@ -158,8 +158,9 @@ impl<'a> Sweep<'a> {
         chunks: usize,
     ) -> Self {
         let largest = plan.largest_layer_slot_bytes();
-        // Routed experts are leased beside what the layer holds: room for one.
-        let expert = plan.largest_expert_slot_bytes();
+        // Routed experts are read beside what the layer holds: room for one
+        // position's (`top_k`), read at once.
+        let expert = plan.largest_expert_batch_slot_bytes();
         let room = room.or(source.budget());
         let scope = match room {
             Some(b) if b >= 2 * largest + expert => LeaseScope::Layer,
@@ -425,10 +426,10 @@ impl LayerLease<'_> {
     /// Leases the routed experts `chosen` (indices into the layer's
     /// [`Stage::experts`](super::plan::Stage::experts), ascending, each once) and runs
     /// `f` on each in that order with the leases holding it. Experts are leased one
-    /// at a time (the room streaming keeps beside the layer holds one, see
-    /// [`Sweep::new`]); when the sweep prefetches, the first experts are hinted
-    /// together first, as far as that room holds, so that their reads are in flight
-    /// at once. What `f` computes does not depend on how they are leased.
+    /// at a time; when the sweep prefetches, they are hinted together first, as far
+    /// as the room streaming keeps beside the layer for one position's experts holds
+    /// (see [`Sweep::new`]: all of a decode step's), so that their reads are in
+    /// flight at once. What `f` computes does not depend on how they are leased.
     pub fn experts(
         &self,
         chosen: &[usize],
@@ -438,7 +439,7 @@ impl LayerLease<'_> {
         let stage = &s.plan.layers[self.li];
         s.routes.borrow_mut().push((self.li, chosen.to_vec()));
         if s.depth > 0 {
-            let room = 2 * s.walk.largest_page + s.plan.largest_expert_slot_bytes();
+            let room = 2 * s.walk.largest_page + s.plan.largest_expert_batch_slot_bytes();
             let mut used = 0;
             let mut ids = Vec::new();
             for &e in chosen {

@@ -24,6 +24,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use libvoom::engine::{Engine, EngineOptions};
+use libvoom::model::plan;
 use libvoom::placement::human;
 use serde_json::{json, Value};
 use voom_formats::manifest::{Manifest, PageEntry, MANIFEST_FILE};
@@ -48,6 +49,12 @@ pub struct OutOfCoreArgs {
     /// manifest for the page-cache configuration: `vpagectl hash DIR`).
     #[arg(long)]
     pub model: Option<PathBuf>,
+    /// A mixture of experts: a synthetic Qwen3-MoE (64 experts, 8 per token) of at
+    /// least four times the budget instead of a Llama. Each run records its routing
+    /// trace, which is replayed through expert caches (LRU, LFU with admission, a
+    /// static set, the Belady bound) of the room the plan gives experts.
+    #[arg(long)]
+    pub moe: bool,
     /// Tokens decoded per run.
     #[arg(long, default_value_t = 8)]
     pub decode_tokens: usize,
@@ -90,6 +97,9 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
     }
     let dir = match &a.model {
         Some(d) => d.clone(),
+        None if a.moe => {
+            synth::bench_moe_model(a.model_gb.unwrap_or((4.0 * a.budget as f64 / 1e9).max(4.0)))?
+        }
         None => synth::bench_model(a.model_gb.unwrap_or((3.0 * a.budget as f64 / 1e9).max(4.0)))?,
     };
     let ckpt = Checkpoint::open(&dir).with_context(|| format!("opening {}", dir.display()))?;
@@ -112,9 +122,29 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
     let scratch = m.scratch_bytes(a.prompt_tokens, PREFILL_CHUNK, context);
     let weights = m.plan().weight_bytes_per_token();
     let vocab = engine.config().vocab_size as u32;
-    drop(engine);
     let room = a.budget.saturating_sub(kv + scratch + PROCESS_BYTES);
-    let non_resident = weights.saturating_sub(room);
+    // A mixture of experts: a byte of an expert kept resident saves top_k/experts of
+    // a byte per token, so what cannot be resident is what the memory planner
+    // streams (it pins by bytes saved per token), with the routed experts' share of
+    // it, and the bytes of experts it pins (the static cache the runs have).
+    let moe = m.config().moe.is_some().then(|| {
+        let needs = libvoom::placement::Needs {
+            kv_bytes: kv,
+            scratch_bytes: scratch,
+            process_bytes: PROCESS_BYTES,
+            io_bytes: 0,
+        };
+        let plan = m.plan().whole_pages();
+        libvoom::placement::place(&plan, &needs, a.budget).map(|p| MoePlan::of(&plan, &p))
+    });
+    drop(engine);
+    let moe = moe
+        .transpose()
+        .context("planning the mixture of experts under the budget")?;
+    let non_resident = match &moe {
+        Some(m) => m.streamed_per_token,
+        None => weights.saturating_sub(room),
+    };
 
     let dropped = cgroup::drop_page_cache();
     // The storage's best: cold reads of 1 and 8 MiB with 1 to 16 in flight, direct
@@ -224,6 +254,17 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
             context.to_string(),
         ];
         args.extend(extra);
+        // A mixture of experts' run records its routing trace.
+        let trace_path = moe.as_ref().map(|_| {
+            std::env::temp_dir().join(format!(
+                "voom-bench-{}-{cfg}-{round}.trace",
+                std::process::id()
+            ))
+        });
+        if let Some(t) = &trace_path {
+            args.push("--expert-trace".into());
+            args.push(t.display().to_string());
+        }
         for f in &files {
             if let Ok(d) = direct::DirectFile::open(f, ReadMode::Buffered) {
                 d.drop_cached();
@@ -276,6 +317,20 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
         let passes = a.prompt_tokens.div_ceil(PREFILL_CHUNK) + a.decode_tokens - 1;
         let read = r["storage_read_bytes"].as_u64();
         let decode_tps = r["timing"]["decode_tokens_per_sec"].as_f64().unwrap_or(0.0);
+        let experts = match (&trace_path, &moe) {
+            (Some(t), Some(m)) => {
+                let read = std::fs::File::open(t)
+                    .map_err(vpaged::expert_trace::TraceError::from)
+                    .and_then(|f| {
+                        vpaged::expert_trace::Trace::read(&mut std::io::BufReader::new(f))
+                    });
+                let _ = std::fs::remove_file(t);
+                let trace = read
+                    .with_context(|| format!("reading the run's routing trace {}", t.display()))?;
+                trace_report(&trace, m)
+            }
+            _ => Value::Null,
+        };
         let decode_device = decode_activity(
             &r,
             a.decode_tokens - 1,
@@ -306,6 +361,7 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
             "ratio_to_storage_bound": bound.map(|b| decode_tps / (b / scale)),
             "wall_secs": wall,
             "decode_device": decode_device,
+            "experts": experts,
             "device": dev.map(|d| json!({
                 "bytes_read": d.bytes,
                 "read_requests": d.reads,
@@ -401,6 +457,10 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
         "ceiling": ceiling_desc,
         "page_cache_dropped": dropped.is_ok(),
         "weight_bytes_per_token": weights,
+        "moe": moe.as_ref().map(|m| json!({
+            "routed_bytes_per_token": m.routed_per_token,
+            "expert_cache_bytes": m.expert_cache_bytes,
+        })),
         "non_resident_bytes_per_token": non_resident,
         "needs": {"kv": kv, "scratch": scratch, "process_assumed": PROCESS_BYTES,
                   "read_buffers": io.buffer_bytes(None)},
@@ -429,6 +489,62 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
         return Ok(());
     }
     print_report(&report)
+}
+
+/// How the memory planner places a mixture of experts under the budget: what it
+/// streams per token (every routed expert counted: it pins none), the routed experts'
+/// share of a token's reads, and the room it leaves the page cache to keep the
+/// experts its admission picks.
+struct MoePlan {
+    streamed_per_token: u64,
+    routed_per_token: u64,
+    expert_cache_bytes: u64,
+}
+
+impl MoePlan {
+    fn of(plan: &plan::PagePlan, p: &libvoom::placement::Placement) -> MoePlan {
+        let routed_per_token = plan
+            .layers
+            .iter()
+            .flat_map(|l| {
+                l.reads()
+                    .iter()
+                    .filter(|r| l.experts().iter().flatten().any(|x| *x == r.page))
+            })
+            .map(|r| r.per_token)
+            .sum();
+        MoePlan {
+            streamed_per_token: p.streamed_per_token,
+            routed_per_token,
+            expert_cache_bytes: p.expert_cache_bytes,
+        }
+    }
+}
+
+/// A run's routing trace: the experts its decode passes read (every pass after the
+/// prompt's) per token, and the same passes replayed through expert caches of the
+/// room the plan leaves experts under each policy (fitted on the prompt's pass).
+fn trace_report(trace: &vpaged::expert_trace::Trace, moe: &MoePlan) -> Value {
+    use vpaged::expert_plan::{replay, Policy};
+    let (mut tokens, mut routed) = (0u64, 0u64);
+    for p in trace.passes.iter().skip(1) {
+        tokens += u64::from(p.positions);
+        for (slot, list) in p.experts.iter().enumerate() {
+            routed += list.len() as u64 * trace.header.expert_bytes[slot];
+        }
+    }
+    json!({
+        "decode_tokens": tokens,
+        "routed_bytes_per_token": routed as f64 / tokens.max(1) as f64,
+        "replay_cache_bytes": moe.expert_cache_bytes,
+        "replay_bytes_per_token": Policy::ALL
+            .iter()
+            .map(|&p| {
+                let s = replay(trace, p, moe.expert_cache_bytes, 1);
+                (p.name().to_string(), json!(s.bytes_per_token()))
+            })
+            .collect::<serde_json::Map<_, _>>(),
+    })
 }
 
 /// What the block device did over a child's decode (its `decode_device`: from the
@@ -576,6 +692,42 @@ fn print_report(r: &Value) -> Result<()> {
          token cannot keep resident over what it read while busy, against decode's \
          time per token (busy share times bytes needed over bytes read)"
     )?;
+    if let Some(m) = r["moe"].as_object() {
+        vpaged::outln!(
+            "  mixture of experts: {} of routed experts per token; the plan leaves {} to the \
+             page cache for the experts its admission keeps, and streams at most {} per token",
+            b(&m["routed_bytes_per_token"]),
+            b(&m["expert_cache_bytes"]),
+            b(&r["non_resident_bytes_per_token"])
+        )?;
+        for run in r["runs"].as_array().into_iter().flatten() {
+            let x = &run["experts"];
+            if !x.is_object() {
+                continue;
+            }
+            let f = |v: &Value| human(v.as_f64().unwrap_or(0.0) as u64);
+            let replays = x["replay_bytes_per_token"]
+                .as_object()
+                .map(|o| {
+                    o.iter()
+                        .map(|(k, v)| format!("{k} {}", f(v)))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                })
+                .unwrap_or_default();
+            vpaged::outln!(
+                "  {:<6} {:>5}: device read {} per decode token; experts routed {} per token; \
+                 the page cache's hit ratio {:.1}%; the trace replayed through {} of experts: {}",
+                run["config"].as_str().unwrap_or(""),
+                run["round"],
+                b(&run["decode_device"]["bytes_per_pass"]),
+                f(&x["routed_bytes_per_token"]),
+                100.0 * run["page_cache"]["hit_ratio"].as_f64().unwrap_or(0.0),
+                b(&x["replay_cache_bytes"]),
+                replays
+            )?;
+        }
+    }
     if let Some(m) = r["medians"].as_object() {
         for (c, v) in m {
             let x = |k: &str, p: usize| v[k].as_f64().map_or("-".into(), |x| format!("{x:.p$}"));

@@ -274,7 +274,18 @@ struct State {
     pins: HashSet<PageKey>,
     /// Models whose unpinned pages only stream ([`PageCache::set_streaming`]).
     streaming: HashSet<u32>,
+    /// Pages of streaming models still admitted to main ([`PageCache::set_admissible`]).
+    admissible: HashSet<PageKey>,
     stats: CacheStats,
+}
+
+impl State {
+    /// Whether `key` only streams: its model is placed by a planner
+    /// ([`PageCache::set_streaming`]) and it is not one that planner leaves to
+    /// admission ([`PageCache::set_admissible`]).
+    fn streams(&self, key: PageKey) -> bool {
+        self.streaming.contains(&key.model) && !self.admissible.contains(&key)
+    }
 }
 
 struct Inner {
@@ -411,7 +422,7 @@ impl Inner {
         };
         // A model placed by a planner streams what it did not pin: nothing of it is
         // admitted to main, where it would take the window's room.
-        let streams = st.streaming.contains(&key.model);
+        let streams = st.streams(key);
         let admitted = !streams && st.policy.admits(freq);
         let need = units as u64 * SLOT_ALIGN as u64;
         if let Some(unit) = alloc(&mut st.slots) {
@@ -706,6 +717,7 @@ impl PageCache {
                     policy: Policy::new(),
                     pins: HashSet::new(),
                     streaming: HashSet::new(),
+                    admissible: HashSet::new(),
                     stats,
                 }),
             }),
@@ -765,7 +777,7 @@ impl PageCache {
                 }
                 st.stats.hits += 1;
                 st.policy.record_access(key);
-                let promote = !st.streaming.contains(&key.model);
+                let promote = !st.streams(key);
                 st.policy.touch(key, promote);
                 return Ok(self.lease(key, slot.offset(), len));
             }
@@ -1102,6 +1114,15 @@ impl PageCache {
         } else {
             st.streaming.remove(&model);
         }
+    }
+
+    /// Leaves pages of a streaming model to admission all the same: routed experts,
+    /// which a token reads only when its router picks them, so that the experts picked
+    /// often stay in main (by TinyLFU: one-off ones do not displace them) in the room
+    /// the planner left beside its pins and window, while the rest streams.
+    pub fn set_admissible(&self, keys: impl IntoIterator<Item = PageKey>) {
+        let mut st = self.inner.lock();
+        st.admissible.extend(keys);
     }
 
     /// Pins pages: a pinned page is never evicted. Pins on pages not yet resident take
@@ -1508,6 +1529,24 @@ mod tests {
             drop(c.acquire(other, SLOT_ALIGN, fill(9)).unwrap());
         }
         assert_eq!(c.inner.lock().policy.region(other), Some(Region::Main));
+    }
+
+    /// Pages of a streaming model left admissible (routed experts) are admitted to
+    /// main by their requests, while its other pages only stream.
+    #[test]
+    fn admissible_pages_of_a_streaming_model_are_admitted() {
+        let c = cache(4);
+        c.set_streaming(1, true);
+        c.set_admissible([key(0), key(1)]);
+        for _ in 0..3 {
+            for p in 0..4 {
+                drop(c.acquire(key(p), SLOT_ALIGN, fill(p as u8)).unwrap());
+            }
+        }
+        let st = c.inner.lock();
+        assert_eq!(st.policy.region(key(0)), Some(Region::Main));
+        assert_eq!(st.policy.region(key(1)), Some(Region::Main));
+        assert!((2..4).all(|p| st.policy.region(key(p)) != Some(Region::Main)));
     }
 
     /// A group that cannot have one run (a small page of the room it needs is
