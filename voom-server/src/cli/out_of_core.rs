@@ -317,7 +317,7 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
         let passes = a.prompt_tokens.div_ceil(PREFILL_CHUNK) + a.decode_tokens - 1;
         let read = r["storage_read_bytes"].as_u64();
         let decode_tps = r["timing"]["decode_tokens_per_sec"].as_f64().unwrap_or(0.0);
-        let experts = match (&trace_path, &moe) {
+        let mut experts = match (&trace_path, &moe) {
             (Some(t), Some(m)) => {
                 let read = std::fs::File::open(t)
                     .map_err(vpaged::expert_trace::TraceError::from)
@@ -331,6 +331,20 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
             }
             _ => Value::Null,
         };
+        // A mixture of experts: what a token cannot keep resident is the trunk the plan
+        // streams and the routed experts the page cache's admission (frequency-aware,
+        // as the LFU-admit replay) misses in the room left for them, as the run's own
+        // routing trace replays them. The bound for those bytes, around the run and
+        // at the device's rate, and what the device read against them.
+        if let (Some(m), Some(missed)) = (
+            &moe,
+            experts["replay_bytes_per_token"]["lfu-admit"].as_f64(),
+        ) {
+            let must = m.streamed_per_token.saturating_sub(m.routed_per_token) as f64 + missed;
+            experts["non_resident_bytes_per_token"] = json!(must);
+            experts["ratio_to_storage_bound_around"] = json!(decode_tps * must / around.max(1.0));
+            experts["storage_bytes_per_sec_around"] = json!(around);
+        }
         let decode_device = decode_activity(
             &r,
             a.decode_tokens - 1,
@@ -360,8 +374,8 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
             "oom_kills": oom,
             "ratio_to_storage_bound": bound.map(|b| decode_tps / (b / scale)),
             "wall_secs": wall,
+            "experts": moe_against_device(experts, &decode_device, decode_tps),
             "decode_device": decode_device,
-            "experts": experts,
             "device": dev.map(|d| json!({
                 "bytes_read": d.bytes,
                 "read_requests": d.reads,
@@ -519,6 +533,22 @@ impl MoePlan {
             expert_cache_bytes: p.expert_cache_bytes,
         }
     }
+}
+
+/// A mixture of experts' run against the bytes its tokens could not keep resident
+/// (`experts["non_resident_bytes_per_token"]`), with the device's counters over
+/// decode: the bound at the device's rate, and the device's bytes per token over them.
+fn moe_against_device(mut experts: Value, device: &Value, decode_tps: f64) -> Value {
+    let must = experts["non_resident_bytes_per_token"].as_f64();
+    if let (Some(must), Some(rate), Some(read)) = (
+        must,
+        device["bytes_per_sec_while_busy"].as_f64(),
+        device["bytes_per_pass"].as_f64(),
+    ) {
+        experts["ratio_to_device_rate_bound"] = json!(decode_tps * must / rate.max(1.0));
+        experts["device_read_over_non_resident"] = json!(read / must.max(1.0));
+    }
+    experts
 }
 
 /// A run's routing trace: the experts its decode passes read (every pass after the
@@ -715,12 +745,20 @@ fn print_report(r: &Value) -> Result<()> {
                         .join(", ")
                 })
                 .unwrap_or_default();
+            let ratio = |k: &str| x[k].as_f64().map_or("-".into(), |v| format!("{v:.2}"));
             vpaged::outln!(
-                "  {:<6} {:>5}: device read {} per decode token; experts routed {} per token; \
-                 the page cache's hit ratio {:.1}%; the trace replayed through {} of experts: {}",
+                "  {:<6} {:>5}: device read {} per decode token, {} of what it could not keep \
+                 resident ({}: the trunk streamed and the experts the LFU-admit replay \
+                 misses); {} of that bound around the run, {} at the device's rate; experts \
+                 routed {} per token; the page cache's hit ratio {:.1}%; the trace replayed \
+                 through {} of experts: {}",
                 run["config"].as_str().unwrap_or(""),
                 run["round"],
                 b(&run["decode_device"]["bytes_per_pass"]),
+                ratio("device_read_over_non_resident"),
+                f(&x["non_resident_bytes_per_token"]),
+                ratio("ratio_to_storage_bound_around"),
+                ratio("ratio_to_device_rate_bound"),
                 f(&x["routed_bytes_per_token"]),
                 100.0 * run["page_cache"]["hit_ratio"].as_f64().unwrap_or(0.0),
                 b(&x["replay_cache_bytes"]),
