@@ -20,7 +20,8 @@
 //!    the budget is refused with [`PlacementError::BelowMinimum`] saying how much it
 //!    needs.
 //! 3. What is left pins pages (routed experts excepted: the page cache keeps those
-//!    its frequency-aware admission picks, in the room pins leave), in order of the
+//!    its frequency-aware admission picks, in the room pins leave, so no page that
+//!    saves less per byte than an expert would is pinned either), in order of the
 //!    bytes each saves per token for each
 //!    byte it holds: a layer's matrices and the LM head are read whole every token
 //!    (a ratio of 1), an embedding table one row per token (it is nearly free to
@@ -284,10 +285,22 @@ pub fn place(plan: &PagePlan, needs: &Needs, budget: u64) -> Result<Placement, P
         .copied()
         .collect();
     by_value(&mut order, |w| w.slot);
+    // Nor is a page pinned that saves fewer bytes per token for each byte it holds
+    // than a routed expert kept in that room would (an embedding table's part, read
+    // by a share of the tokens, against top_k of the experts): the room goes to the
+    // experts instead.
+    let expert_value = experts.iter().map(|id| pages[id]).max_by(|a, b| {
+        (a.per_token as u128 * b.slot as u128).cmp(&(b.per_token as u128 * a.slot as u128))
+    });
     let mut pinned = Vec::new();
     let (mut pinned_bytes, mut pinned_per_token) = (0u64, 0u64);
     for w in order {
         if w.per_token == 0 || w.slot > room {
+            continue;
+        }
+        if expert_value.is_some_and(|x| {
+            (w.per_token as u128 * x.slot as u128) < (x.per_token as u128 * w.slot as u128)
+        }) {
             continue;
         }
         room -= w.slot;

@@ -168,6 +168,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
                 "pinned_pages": p.pinned.len(),
                 "pinned_bytes": p.pinned_bytes,
                 "window_bytes": p.window_bytes,
+                "expert_cache_bytes": p.expert_cache_bytes,
                 "total_bytes": p.total(),
                 "weight_bytes_per_token": plan.weight_bytes_per_token(),
                 "streamed_bytes_per_token": p.streamed_per_token,
@@ -212,6 +213,14 @@ pub fn run(a: PlanArgs) -> Result<()> {
         human(p.total()),
         human(p.minimum_budget())
     )?;
+    if p.expert_cache_bytes > 0 {
+        vpaged::outln!(
+            "  routed experts: none pinned; {} of the page cache left for the experts its \
+             frequency-aware admission keeps (read per token below counts every routed \
+             byte: what the cache keeps is seen only as tokens route)",
+            human(p.expert_cache_bytes)
+        )?;
+    }
     for s in &stages {
         vpaged::outln!(
             "    {:<12} {:>10}  pinned {:>10}  read per token {:>10} from storage",
