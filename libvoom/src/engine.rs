@@ -33,6 +33,9 @@ pub struct EngineOptions {
     pub prefetch_depth: usize,
     /// The compute backend. Results do not depend on it.
     pub backend: BackendKind,
+    /// A mixture of experts: predict the next layer of experts' picks from the
+    /// hidden state a layer early and hint them. Results do not depend on it.
+    pub expert_prefetch: bool,
 }
 
 impl Default for EngineOptions {
@@ -44,6 +47,7 @@ impl Default for EngineOptions {
             prefill_chunk: 256,
             prefetch_depth: 1,
             backend: BackendKind::best(),
+            expert_prefetch: false,
         }
     }
 }
@@ -435,6 +439,7 @@ impl Engine {
             &self.walk,
             tokens.len().div_ceil(chunk),
         );
+        sweep.set_expert_prefetch(self.opts.expert_prefetch);
         let pass = self.model.forward(&sweep, tokens, chunk, kv, want);
         *waited += sweep.waited();
         if pass.is_ok() {

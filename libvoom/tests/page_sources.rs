@@ -667,3 +667,37 @@ fn a_chunked_prompt_reads_each_picked_expert_once() {
     assert_eq!(trace_with(4), whole);
     assert_eq!(trace_with(1), whole);
 }
+
+/// Predicting the next layer's experts and hinting them (`expert_prefetch`) leaves
+/// the ids and logits bits as they are, at every budget, and does read ahead.
+#[test]
+fn predicted_expert_hints_give_the_same_bits() {
+    for case in ["qwen3_moe_dense_layer", "mixtral_block_sparse"] {
+        let (_d, dir) = fixture_copy(case);
+        let prompt: Vec<u32> = (0..13).map(|i| (i * 29 + 1) % 300).collect();
+        let reference = run(
+            &Engine::open(&dir, EngineOptions::default()).unwrap(),
+            &prompt,
+        );
+        let [ample, ..] = budgets(&dir);
+        for budget in budgets(&dir) {
+            let store = Store::new(StoreConfig {
+                cache_bytes: budget,
+                ..Default::default()
+            })
+            .unwrap();
+            let src = StoreSource::open(Arc::clone(&store), &dir).unwrap();
+            let opts = EngineOptions {
+                expert_prefetch: true,
+                ..EngineOptions::default()
+            };
+            let e = Engine::with_source(&dir, Arc::new(src), opts).unwrap();
+            assert_eq!(run(&e, &prompt), reference, "{case}: budget {budget}");
+            // An ample cache pins the whole model: nothing to hint.
+            if budget != ample {
+                let s = store.cache_stats();
+                assert!(s.prefetch_loads > 0, "{case}: budget {budget}: {s:?}");
+            }
+        }
+    }
+}

@@ -45,6 +45,7 @@ pub const KEYS: &[&str] = &[
     "read_threads",
     "read_piece",
     "read_ahead_layers",
+    "expert_prefetch",
     "kv_budget",
     "max_context",
     "threads",
@@ -255,6 +256,9 @@ pub struct Settings {
     /// Decoder layers of vpack bodies read ahead of their pages' cache slots (the
     /// largest layer's bodies each; 0: none, a body is read when its page loads).
     pub read_ahead_layers: usize,
+    /// Predict each layer of routed experts' picks from the hidden state a layer
+    /// before and hint them (a mixture of experts; opt-in until shown to help).
+    pub expert_prefetch: bool,
     /// Bytes of KV cache; bounds the context (see [`Settings::max_context_for`]).
     pub kv_budget: Option<u64>,
     pub max_context: Option<usize>,
@@ -280,6 +284,7 @@ impl Default for Settings {
             read_threads: vpaged::read_pool::DEFAULT_THREADS,
             read_piece: vpaged::read_pool::DEFAULT_PIECE as u64,
             read_ahead_layers: vpaged::store::DEFAULT_READ_AHEAD_LAYERS,
+            expert_prefetch: false,
             kv_budget: None,
             max_context: None,
             threads: 0,
@@ -375,6 +380,7 @@ pub struct Overrides {
     pub read_threads: Option<usize>,
     pub read_piece: Option<u64>,
     pub read_ahead_layers: Option<usize>,
+    pub expert_prefetch: Option<bool>,
     pub kv_budget: Option<u64>,
     pub max_context: Option<usize>,
     pub threads: Option<usize>,
@@ -405,6 +411,11 @@ const NAMES: &[(&str, &str, &str)] = &[
         "read_ahead_layers",
         "--read-ahead-layers",
         "VOOM_READ_AHEAD_LAYERS",
+    ),
+    (
+        "expert_prefetch",
+        "--expert-prefetch",
+        "VOOM_EXPERT_PREFETCH",
     ),
     ("kv_budget", "--kv-budget", "VOOM_KV_BUDGET"),
     ("max_context", "--max-context", "VOOM_MAX_CONTEXT"),
@@ -457,6 +468,7 @@ impl Overrides {
             read_threads: read(get, "read_threads", num)?,
             read_piece: read(get, "read_piece", parse_size)?,
             read_ahead_layers: read(get, "read_ahead_layers", num)?,
+            expert_prefetch: read(get, "expert_prefetch", parse_bool)?,
             kv_budget: read(get, "kv_budget", parse_size)?,
             max_context: read(get, "max_context", num)?,
             threads: read(get, "threads", num)?,
@@ -484,6 +496,7 @@ struct ProfileFile {
     read_threads: Option<usize>,
     read_piece: Option<vpaged::config::ByteSize>,
     read_ahead_layers: Option<usize>,
+    expert_prefetch: Option<bool>,
     kv_budget: Option<vpaged::config::ByteSize>,
     max_context: Option<usize>,
     threads: Option<usize>,
@@ -919,6 +932,7 @@ pub fn resolve(
     pick!(read_threads, id, id);
     pick!(read_piece, bytes, id);
     pick!(read_ahead_layers, id, id);
+    pick!(expert_prefetch, id, id);
     pick!(kv_budget, bytes, Some);
     pick!(max_context, id, Some);
     pick!(threads, id, id);

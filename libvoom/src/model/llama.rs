@@ -504,6 +504,9 @@ impl<B: Backend> Model for Llama<B> {
                 }
             }
             if let Mlp::Moe { experts, .. } = &layer.mlp {
+                if sweep.predicts_experts() {
+                    self.predict_next_experts(sweep, li, &xs)?;
+                }
                 self.experts(&lw, experts, &routed, &mut xs)?;
             }
         }
@@ -766,6 +769,54 @@ impl<B: Backend> Llama<B> {
             xn: b.download(&s.xn),
             picks,
         })
+    }
+
+    /// Predicts the picks of the next layer of experts after `li` from the hidden
+    /// state now (before `li`'s experts are added), with that layer's MLP norm and
+    /// router, and hints them, so that they load while this layer's experts and the
+    /// next layer's attention compute. A hint only: the pass's results never depend
+    /// on it.
+    fn predict_next_experts(
+        &self,
+        sweep: &Sweep<'_>,
+        li: usize,
+        xs: &[B::Act],
+    ) -> Result<(), VoomError> {
+        let b = &self.backend;
+        let Some((n, next, router)) =
+            self.layers
+                .iter()
+                .enumerate()
+                .skip(li + 1)
+                .find_map(|(n, l)| match &l.mlp {
+                    Mlp::Moe { router, .. } => Some((n, l, router)),
+                    Mlp::Dense { .. } => None,
+                })
+        else {
+            return Ok(());
+        };
+        let moe = self
+            .cfg
+            .moe
+            .as_ref()
+            .expect("a layer of experts has a config of them");
+        let w = sweep.lease(&[next.mlp_norm.page, router.page])?;
+        let mut picked = vec![false; moe.num_experts];
+        for x in xs {
+            let rows = b.shape(x).0;
+            let mut xn = b.zeros(rows, self.cfg.hidden_size);
+            b.rms_norm(x, w.vector(&next.mlp_norm), self.cfg.rms_norm_eps, &mut xn)?;
+            let mut probs = b.zeros(rows, moe.num_experts);
+            b.matmul(&xn, w.matrix(router), &mut probs)?;
+            for row in b.top_k(&probs, moe.top_k) {
+                for (e, _) in row {
+                    picked[e as usize] = true;
+                }
+            }
+        }
+        let experts: Vec<usize> = (0..picked.len()).filter(|&e| picked[e]).collect();
+        sweep.hint_experts(n, &experts);
+        Ok(())
     }
 
     /// The routed experts of a layer over every chunk (`routed`, one per chunk of

@@ -140,6 +140,9 @@ pub struct Sweep<'a> {
     waited: Cell<Duration>,
     /// The routed experts each layer of experts leased, in pass order.
     routes: RefCell<Vec<(usize, Vec<usize>)>>,
+    /// Whether the model predicts the next layer's experts and hints them
+    /// ([`Sweep::predicts_experts`]).
+    expert_prefetch: Cell<bool>,
 }
 
 impl<'a> Sweep<'a> {
@@ -184,12 +187,47 @@ impl<'a> Sweep<'a> {
             ahead: RefCell::new(Ahead::default()),
             waited: Cell::new(Duration::ZERO),
             routes: RefCell::new(Vec::new()),
+            expert_prefetch: Cell::new(false),
         }
     }
 
     /// Time this sweep has waited for its pages so far (the rest of a pass computes).
     pub fn waited(&self) -> Duration {
         self.waited.get()
+    }
+
+    /// Asks the model to predict each layer of experts' picks a layer early and hint
+    /// them ([`Sweep::hint_experts`]); off by default. Never changes a result.
+    pub fn set_expert_prefetch(&self, on: bool) {
+        self.expert_prefetch.set(on);
+    }
+
+    /// Whether predicted experts are hinted (and hints are sent at all).
+    pub fn predicts_experts(&self) -> bool {
+        self.expert_prefetch.get() && self.depth > 0
+    }
+
+    /// Hints the pages of layer `li`'s routed experts `experts` (a prediction of its
+    /// router's picks, ascending), as far as the room kept for one position's
+    /// experts holds. A hint only: a wrong prediction costs reads, never a result.
+    pub fn hint_experts(&self, li: usize, experts: &[usize]) {
+        if !self.predicts_experts() {
+            return;
+        }
+        let stage = &self.plan.layers[li];
+        let room = self.plan.largest_expert_batch_slot_bytes();
+        let mut used = 0;
+        let mut ids = Vec::new();
+        for &e in experts {
+            used += stage.expert_slot_bytes(e);
+            if used > room {
+                break;
+            }
+            ids.extend_from_slice(&stage.experts()[e]);
+        }
+        if !ids.is_empty() {
+            self.source.prefetch(&ids);
+        }
     }
 
     /// The routed experts the pass leased so far: per layer of experts, in pass

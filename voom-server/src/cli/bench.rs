@@ -122,6 +122,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
                     read_threads: None,
                     read_piece: None,
                     read_ahead_layers: None,
+                    expert_prefetch: false,
                     memory_budget: None,
                     memory_mapped: false,
                     cache_budget: None,

@@ -78,6 +78,12 @@ pub struct EngineArgs {
     /// [env: VOOM_MEMORY_MAPPED=1].
     #[arg(long)]
     pub memory_mapped: bool,
+    /// Predict each layer of routed experts' picks from the hidden state a layer
+    /// before and hint them while that layer computes (a mixture of experts; opt-in:
+    /// it never changes results, and on the benchmarks here it has not shown a gain
+    /// yet) [env: VOOM_EXPERT_PREFETCH=1].
+    #[arg(long)]
+    pub expert_prefetch: bool,
     /// Bytes of an in-process page cache for the weights, e.g. 4GiB, as given
     /// rather than planned from a memory budget (needs the model's page manifest)
     /// [env: VOOM_CACHE_BUDGET] [default: none].
@@ -164,6 +170,7 @@ impl EngineArgs {
             read_threads: self.read_threads,
             read_piece: self.read_piece,
             read_ahead_layers: self.read_ahead_layers,
+            expert_prefetch: self.expert_prefetch.then_some(true),
             kv_budget: self.kv_budget,
             max_context: self.max_context,
             threads: self.threads,
@@ -207,6 +214,7 @@ impl EngineArgs {
             verify: settings.verify.mode(),
             max_context,
             prefetch_depth: settings.prefetch_depth,
+            expert_prefetch: settings.expert_prefetch,
             ..EngineOptions::default()
         }
     }

@@ -129,6 +129,7 @@ fn print_text(r: &Resolved) -> std::io::Result<()> {
         ("read_threads", s.read_threads.to_string()),
         ("read_piece", profile::format_size(s.read_piece)),
         ("read_ahead_layers", s.read_ahead_layers.to_string()),
+        ("expert_prefetch", s.expert_prefetch.to_string()),
         ("kv_budget", size(s.kv_budget)),
         ("max_context", opt(s.max_context.map(|v| v.to_string()))),
         ("threads", s.threads.to_string()),
