@@ -868,12 +868,15 @@ fn moe(
         Arch::Qwen3Moe => {
             let step = hf.decoder_sparse_step.unwrap_or(1);
             within("decoder_sparse_step", step, 1, limits::LAYERS)?;
-            let dense = hf.mlp_only_layers.clone().unwrap_or_default();
-            if let Some(&l) = dense.iter().find(|&&l| l >= num_layers) {
-                return Err(format!("'mlp_only_layers' names layer {l} of {num_layers}"));
+            let mut dense = vec![false; num_layers];
+            for &l in hf.mlp_only_layers.as_deref().unwrap_or_default() {
+                if l >= num_layers {
+                    return Err(format!("'mlp_only_layers' names layer {l} of {num_layers}"));
+                }
+                dense[l] = true;
             }
             (0..num_layers)
-                .map(|i| !dense.contains(&i) && (i + 1) % step == 0)
+                .map(|i| !dense[i] && (i + 1) % step == 0)
                 .collect()
         }
         _ => vec![true; num_layers],

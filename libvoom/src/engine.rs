@@ -397,14 +397,6 @@ impl Engine {
         self.forward_checked(kv, tokens, Logits::All, &mut Duration::default())
     }
 
-    /// One forward pass, then the source's check that the bytes it computed on were
-    /// the verified pages ([`PageSource::check_reads`]). The pass's positions are
-    /// committed to `kv` only when both succeed; on `Err` the logits are discarded
-    /// and the positions cut (their keys and values came from the same bytes), so
-    /// `kv` is as it was. The check runs after a failed pass too: when the pass
-    /// failed for another reason than the store, the check's error (bytes that were
-    /// not the pages) is the one reported. Adds the time the pass waited for pages
-    /// to `waited`.
     /// Adds `sweep`'s pass over `positions` tokens to the routing trace, when one is
     /// recorded.
     fn trace_pass(&self, sweep: &Sweep<'_>, positions: usize) {
@@ -421,6 +413,14 @@ impl Engine {
         }
     }
 
+    /// One forward pass, then the source's check that the bytes it computed on were
+    /// the verified pages ([`PageSource::check_reads`]). The pass's positions are
+    /// committed to `kv` only when both succeed; on `Err` the logits are discarded
+    /// and the positions cut (their keys and values came from the same bytes), so
+    /// `kv` is as it was. The check runs after a failed pass too: when the pass
+    /// failed for another reason than the store, the check's error (bytes that were
+    /// not the pages) is the one reported. Adds the time the pass waited for pages
+    /// to `waited`.
     fn forward_checked(
         &self,
         kv: &mut KvCache,

@@ -23,6 +23,8 @@ use serde::{Deserialize, Serialize};
 
 /// The format version this build reads and writes.
 pub const TRACE_VERSION: u32 = 1;
+/// The most bytes an expert may have (256 TiB: sums over a trace then fit a u64).
+pub const MAX_EXPERT_BYTES: u64 = 1 << 48;
 
 /// A trace's first line.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -105,6 +107,12 @@ impl Trace {
                     header.expert_bytes.len(),
                     header.layers.len()
                 ),
+            ));
+        }
+        if let Some(b) = header.expert_bytes.iter().find(|&&b| b > MAX_EXPERT_BYTES) {
+            return Err(bad(
+                n,
+                format!("an expert of {b} bytes (at most {MAX_EXPERT_BYTES})"),
             ));
         }
         if header.top_k == 0 || header.top_k > header.num_experts {
@@ -218,6 +226,9 @@ mod tests {
         let mut t = trace();
         t.header.voom_expert_trace = 9;
         assert!(err(&write(&t)).contains("line 1: version 9"));
+        let mut t = trace();
+        t.header.expert_bytes[1] = MAX_EXPERT_BYTES + 1;
+        assert!(err(&write(&t)).contains("line 1: an expert of"));
         let mut t = trace();
         t.header.expert_bytes.pop();
         assert!(err(&write(&t)).contains("1 expert sizes for 2 layers"));

@@ -1787,14 +1787,21 @@ pub fn streaming_window_bytes(manifest: &Manifest, top_k: usize) -> usize {
 }
 
 /// The experts a position picks per layer of the mixture of experts in `dir`
-/// (`config.json`'s `num_experts_per_tok`); where the config cannot be read or does
-/// not say, 8, the most any family defaults to (a larger window only pins less).
+/// (`config.json`'s `num_experts_per_tok`, else its family's default as the engine
+/// reads it: 2 for mixtral, 8 for the others); 8, the most any family defaults to,
+/// where the config cannot be read (a larger window only pins less).
 pub fn routed_top_k(dir: &Path) -> usize {
-    std::fs::read(dir.join("config.json"))
+    let Some(v) = std::fs::read(dir.join("config.json"))
         .ok()
         .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
-        .and_then(|v| v.get("num_experts_per_tok")?.as_u64())
-        .map_or(8, |k| k.clamp(1, 1 << 16) as usize)
+    else {
+        return 8;
+    };
+    match v.get("num_experts_per_tok").and_then(|k| k.as_u64()) {
+        Some(k) => k.clamp(1, 1 << 16) as usize,
+        None if v.get("model_type").and_then(|t| t.as_str()) == Some("mixtral") => 2,
+        None => 8,
+    }
 }
 
 /// A run of reads in one file: the file, the run's first offset, and its items with

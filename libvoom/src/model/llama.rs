@@ -439,10 +439,13 @@ impl<B: Backend> Model for Llama<B> {
         let per_chunk = 2 * h + 2 * qd + 2 * kvd + 2 * cfg.intermediate_size;
         // A layer of experts keeps every position's normed rows and output, and
         // computes an expert on the rows routed to it (at most every position): its
-        // input, gate, up and output; beside one chunk's router probabilities.
+        // input (gathered, then uploaded), gate, up and output; its picks and the
+        // rows each expert computes (32 bytes a pick); beside one chunk's router
+        // probabilities.
         let experts = cfg.moe.as_ref().map_or(0, |m| {
             tokens * 2 * h
-                + tokens * (2 * h + 2 * m.expert_intermediate_size)
+                + tokens * (3 * h + 2 * m.expert_intermediate_size)
+                + tokens * 8 * m.top_k
                 + chunk * m.num_experts
         });
         let floats = tokens * (h + hd)
@@ -854,11 +857,13 @@ impl<B: Backend> Llama<B> {
             .collect();
         lw.experts(&chosen, |e, w| {
             let rows = &to[e];
-            let mut input = Vec::with_capacity(rows.len() * h);
-            for &(c, r, _) in rows {
-                input.extend_from_slice(&routed[c].xn[r * h..(r + 1) * h]);
-            }
-            let input = b.upload(rows.len(), h, &input)?;
+            let input = {
+                let mut v = Vec::with_capacity(rows.len() * h);
+                for &(c, r, _) in rows {
+                    v.extend_from_slice(&routed[c].xn[r * h..(r + 1) * h]);
+                }
+                b.upload(rows.len(), h, &v)?
+            };
             let ex = &experts[e];
             let mut g = b.zeros(rows.len(), inter);
             let mut u = b.zeros(rows.len(), inter);

@@ -57,6 +57,11 @@ pub struct Stage {
     bytes: u64,
     /// Each routed expert's pages, by expert index.
     experts: Vec<Vec<PageId>>,
+    /// Slot bytes of each routed expert's pages (computed once: the sweep asks for
+    /// them every layer of every pass).
+    expert_slots: Vec<u64>,
+    /// Slot bytes of the `top_k` largest experts.
+    expert_batch: u64,
     /// Experts a position picks.
     top_k: usize,
 }
@@ -101,6 +106,7 @@ impl Stage {
         top_k: usize,
     ) -> Self {
         let pages = source.pages();
+        let pages_of = pages;
         let n = experts.len().max(1) as u64;
         // A page several experts share (experts stored fused in one tensor) is read
         // when any of them is picked.
@@ -122,6 +128,18 @@ impl Stage {
                 per_token_whole: per,
             });
         }
+        self.expert_slots = experts
+            .iter()
+            .map(|pages| {
+                pages
+                    .iter()
+                    .map(|id| slot_bytes(pages_of[id.0 as usize].len))
+                    .sum()
+            })
+            .collect();
+        let mut sizes = self.expert_slots.clone();
+        sizes.sort_unstable_by(|a, b| b.cmp(a));
+        self.expert_batch = sizes.iter().take(top_k).sum();
         self.experts = experts;
         self.top_k = top_k;
         self
@@ -130,11 +148,7 @@ impl Stage {
     /// Slot bytes of the `top_k` largest of its experts: what one position's experts
     /// hold at once (0 without experts).
     pub fn expert_batch_slot_bytes(&self) -> u64 {
-        let mut sizes: Vec<u64> = (0..self.experts.len())
-            .map(|e| self.expert_slot_bytes(e))
-            .collect();
-        sizes.sort_unstable_by(|a, b| b.cmp(a));
-        sizes.iter().take(self.top_k).sum()
+        self.expert_batch
     }
 
     /// Each routed expert's pages, by expert index (none in a dense stage).
@@ -144,13 +158,7 @@ impl Stage {
 
     /// Slot bytes of routed expert `e`'s pages.
     pub fn expert_slot_bytes(&self, e: usize) -> u64 {
-        self.experts[e]
-            .iter()
-            .map(|id| {
-                let r = self.reads.iter().find(|r| r.page == *id);
-                slot_bytes(r.map_or(0, |r| r.bytes))
-            })
-            .sum()
+        self.expert_slots[e]
     }
 
     /// This stage as a source that loads pages whole reads it.
@@ -180,6 +188,8 @@ impl Stage {
             ids,
             bytes,
             experts: Vec::new(),
+            expert_slots: Vec::new(),
+            expert_batch: 0,
             top_k: 0,
         }
     }

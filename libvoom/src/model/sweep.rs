@@ -143,6 +143,8 @@ pub struct Sweep<'a> {
     /// Whether the model predicts the next layer's experts and hints them
     /// ([`Sweep::predicts_experts`]).
     expert_prefetch: Cell<bool>,
+    /// Slot bytes of one position's routed experts, the largest of any layer.
+    expert_batch: u64,
 }
 
 impl<'a> Sweep<'a> {
@@ -188,6 +190,7 @@ impl<'a> Sweep<'a> {
             waited: Cell::new(Duration::ZERO),
             routes: RefCell::new(Vec::new()),
             expert_prefetch: Cell::new(false),
+            expert_batch: expert,
         }
     }
 
@@ -215,7 +218,7 @@ impl<'a> Sweep<'a> {
             return;
         }
         let stage = &self.plan.layers[li];
-        let room = self.plan.largest_expert_batch_slot_bytes();
+        let room = self.expert_batch;
         let mut used = 0;
         let mut ids = Vec::new();
         for &e in experts {
@@ -477,7 +480,7 @@ impl LayerLease<'_> {
         let stage = &s.plan.layers[self.li];
         s.routes.borrow_mut().push((self.li, chosen.to_vec()));
         if s.depth > 0 {
-            let room = 2 * s.walk.largest_page + s.plan.largest_expert_batch_slot_bytes();
+            let room = 2 * s.walk.largest_page + s.expert_batch;
             let mut used = 0;
             let mut ids = Vec::new();
             for &e in chosen {
