@@ -113,6 +113,20 @@ fn over_store(
     prefetch_depth: usize,
     read_mode: Option<ReadMode>,
 ) -> (Arc<Store>, Engine) {
+    let opts = EngineOptions {
+        prefetch_depth,
+        ..EngineOptions::default()
+    };
+    over_store_with(dir, budget, read_mode, opts)
+}
+
+/// [`over_store`] with the engine's options given.
+fn over_store_with(
+    dir: &Path,
+    budget: usize,
+    read_mode: Option<ReadMode>,
+    opts: EngineOptions,
+) -> (Arc<Store>, Engine) {
     let store = Store::new(StoreConfig {
         cache_bytes: budget,
         read_mode,
@@ -120,10 +134,6 @@ fn over_store(
     })
     .unwrap();
     let src = StoreSource::open(Arc::clone(&store), dir).unwrap();
-    let opts = EngineOptions {
-        prefetch_depth,
-        ..EngineOptions::default()
-    };
     let e = Engine::with_source(dir, Arc::new(src), opts).unwrap();
     (store, e)
 }
@@ -681,17 +691,11 @@ fn predicted_expert_hints_give_the_same_bits() {
         );
         let [ample, ..] = budgets(&dir);
         for budget in budgets(&dir) {
-            let store = Store::new(StoreConfig {
-                cache_bytes: budget,
-                ..Default::default()
-            })
-            .unwrap();
-            let src = StoreSource::open(Arc::clone(&store), &dir).unwrap();
             let opts = EngineOptions {
                 expert_prefetch: true,
                 ..EngineOptions::default()
             };
-            let e = Engine::with_source(&dir, Arc::new(src), opts).unwrap();
+            let (store, e) = over_store_with(&dir, budget, None, opts);
             assert_eq!(run(&e, &prompt), reference, "{case}: budget {budget}");
             // An ample cache pins the whole model: nothing to hint.
             if budget != ample {

@@ -180,6 +180,81 @@ pub fn bench_moe_model(gb: f64) -> Result<std::path::PathBuf> {
     Ok(dir)
 }
 
+/// The tensors of a synthetic checkpoint, drawn in order from one generator (so a
+/// seed gives the same bytes), then written with its config.
+struct Tensors {
+    rng: Rng,
+    list: Vec<(String, Vec<usize>, Vec<u8>)>,
+}
+
+impl Tensors {
+    fn new(seed: u64) -> Self {
+        Tensors {
+            rng: Rng(seed | 1),
+            list: Vec::new(),
+        }
+    }
+
+    fn push(&mut self, name: String, dims: Vec<usize>, scale: f32, offset: f32) {
+        let n = dims.iter().product();
+        let bytes = random_bf16(&mut self.rng, n, scale, offset);
+        self.list.push((name, dims, bytes));
+    }
+
+    /// An RMSNorm weight: about 1.
+    fn norm(&mut self, name: String, n: usize) {
+        self.push(name, vec![n], 0.1, 1.0);
+    }
+
+    /// A `[rows, cols]` projection, scaled so that outputs keep the inputs' size.
+    fn linear(&mut self, name: String, rows: usize, cols: usize) {
+        self.push(name, vec![rows, cols], (3.0 / cols as f32).sqrt(), 0.0);
+    }
+
+    /// A token embedding of small rows.
+    fn embedding(&mut self, vocab: usize, hidden: usize) {
+        self.push(
+            "model.embed_tokens.weight".into(),
+            vec![vocab, hidden],
+            0.05,
+            0.0,
+        );
+    }
+
+    /// Layer `p`'s two norms and its q, k, v and o projections, in that order.
+    fn attention(&mut self, p: &str, hidden: usize, q: usize, kv: usize) {
+        self.norm(format!("{p}.input_layernorm.weight"), hidden);
+        self.norm(format!("{p}.post_attention_layernorm.weight"), hidden);
+        self.linear(format!("{p}.self_attn.q_proj.weight"), q, hidden);
+        self.linear(format!("{p}.self_attn.k_proj.weight"), kv, hidden);
+        self.linear(format!("{p}.self_attn.v_proj.weight"), kv, hidden);
+        self.linear(format!("{p}.self_attn.o_proj.weight"), hidden, q);
+    }
+
+    /// The final norm and an untied LM head.
+    fn head(&mut self, vocab: usize, hidden: usize) {
+        self.norm("model.norm.weight".into(), hidden);
+        self.linear("lm_head.weight".into(), vocab, hidden);
+    }
+
+    /// Writes `model.safetensors` (BF16) and `config.json` into `dir`.
+    fn write(self, dir: &Path, config: &serde_json::Value) -> Result<()> {
+        let refs: Vec<(&str, DType, &[usize], &[u8])> = self
+            .list
+            .iter()
+            .map(|(n, s, b)| (n.as_str(), DType::BF16, s.as_slice(), b.as_slice()))
+            .collect();
+        let mut meta = BTreeMap::new();
+        meta.insert("format".to_string(), "pt".to_string());
+        voom_formats::safetensors::write(&dir.join("model.safetensors"), &refs, &meta)?;
+        std::fs::write(
+            dir.join("config.json"),
+            serde_json::to_string_pretty(config)?,
+        )?;
+        Ok(())
+    }
+}
+
 /// Writes `config.json` and `model.safetensors` of a random Qwen3-MoE into `dir`,
 /// one tensor per expert and projection (as transformers saves them).
 pub fn write_qwen3_moe(dir: &Path, shape: SynthMoeShape, seed: u64) -> Result<()> {
@@ -190,98 +265,22 @@ pub fn write_qwen3_moe(dir: &Path, shape: SynthMoeShape, seed: u64) -> Result<()
         shape.kv_heads * hd,
         shape.expert_intermediate,
     );
-    let mut rng = Rng(seed | 1);
-    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
-    let lin = |rng: &mut Rng, rows: usize, cols: usize| {
-        random_bf16(rng, rows * cols, (3.0 / cols as f32).sqrt(), 0.0)
-    };
-    let norm = |rng: &mut Rng, n: usize| random_bf16(rng, n, 0.1, 1.0);
-    tensors.push((
-        "model.embed_tokens.weight".into(),
-        vec![shape.vocab, h],
-        random_bf16(&mut rng, shape.vocab * h, 0.05, 0.0),
-    ));
+    let mut t = Tensors::new(seed);
+    t.embedding(shape.vocab, h);
     for i in 0..shape.layers {
         let p = format!("model.layers.{i}");
-        let mut push =
-            |name: String, dims: Vec<usize>, bytes: Vec<u8>| tensors.push((name, dims, bytes));
-        push(
-            format!("{p}.input_layernorm.weight"),
-            vec![h],
-            norm(&mut rng, h),
-        );
-        push(
-            format!("{p}.post_attention_layernorm.weight"),
-            vec![h],
-            norm(&mut rng, h),
-        );
-        push(
-            format!("{p}.self_attn.q_proj.weight"),
-            vec![qd, h],
-            lin(&mut rng, qd, h),
-        );
-        push(
-            format!("{p}.self_attn.k_proj.weight"),
-            vec![kvd, h],
-            lin(&mut rng, kvd, h),
-        );
-        push(
-            format!("{p}.self_attn.v_proj.weight"),
-            vec![kvd, h],
-            lin(&mut rng, kvd, h),
-        );
-        push(
-            format!("{p}.self_attn.o_proj.weight"),
-            vec![h, qd],
-            lin(&mut rng, h, qd),
-        );
-        push(
-            format!("{p}.self_attn.q_norm.weight"),
-            vec![hd],
-            norm(&mut rng, hd),
-        );
-        push(
-            format!("{p}.self_attn.k_norm.weight"),
-            vec![hd],
-            norm(&mut rng, hd),
-        );
-        push(
-            format!("{p}.mlp.gate.weight"),
-            vec![shape.experts, h],
-            lin(&mut rng, shape.experts, h),
-        );
+        t.attention(&p, h, qd, kvd);
+        t.norm(format!("{p}.self_attn.q_norm.weight"), hd);
+        t.norm(format!("{p}.self_attn.k_norm.weight"), hd);
+        t.linear(format!("{p}.mlp.gate.weight"), shape.experts, h);
         for e in 0..shape.experts {
             let x = format!("{p}.mlp.experts.{e}");
-            push(
-                format!("{x}.gate_proj.weight"),
-                vec![inter, h],
-                lin(&mut rng, inter, h),
-            );
-            push(
-                format!("{x}.up_proj.weight"),
-                vec![inter, h],
-                lin(&mut rng, inter, h),
-            );
-            push(
-                format!("{x}.down_proj.weight"),
-                vec![h, inter],
-                lin(&mut rng, h, inter),
-            );
+            t.linear(format!("{x}.gate_proj.weight"), inter, h);
+            t.linear(format!("{x}.up_proj.weight"), inter, h);
+            t.linear(format!("{x}.down_proj.weight"), h, inter);
         }
     }
-    tensors.push(("model.norm.weight".into(), vec![h], norm(&mut rng, h)));
-    tensors.push((
-        "lm_head.weight".into(),
-        vec![shape.vocab, h],
-        lin(&mut rng, shape.vocab, h),
-    ));
-    let refs: Vec<(&str, DType, &[usize], &[u8])> = tensors
-        .iter()
-        .map(|(n, s, b)| (n.as_str(), DType::BF16, s.as_slice(), b.as_slice()))
-        .collect();
-    let mut meta = BTreeMap::new();
-    meta.insert("format".to_string(), "pt".to_string());
-    voom_formats::safetensors::write(&dir.join("model.safetensors"), &refs, &meta)?;
+    t.head(shape.vocab, h);
     let config = serde_json::json!({
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
@@ -308,94 +307,24 @@ pub fn write_qwen3_moe(dir: &Path, shape: SynthMoeShape, seed: u64) -> Result<()
         "dtype": "bfloat16",
         "voom_synthetic": {"seed": seed},
     });
-    std::fs::write(
-        dir.join("config.json"),
-        serde_json::to_string_pretty(&config)?,
-    )?;
-    Ok(())
+    t.write(dir, &config)
 }
 
 /// Writes `config.json` and `model.safetensors` of a random Llama into `dir`.
 pub fn write_llama(dir: &Path, shape: SynthShape, seed: u64) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let hd = shape.hidden / shape.heads;
-    let kvd = shape.kv_heads * hd;
-    let mut rng = Rng(seed | 1);
-    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
-    let lin = |rng: &mut Rng, rows: usize, cols: usize| {
-        random_bf16(rng, rows * cols, (3.0 / cols as f32).sqrt(), 0.0)
-    };
-    tensors.push((
-        "model.embed_tokens.weight".into(),
-        vec![shape.vocab, shape.hidden],
-        random_bf16(&mut rng, shape.vocab * shape.hidden, 0.05, 0.0),
-    ));
+    let (h, inter) = (shape.hidden, shape.intermediate);
+    let kvd = shape.kv_heads * (h / shape.heads);
+    let mut t = Tensors::new(seed);
+    t.embedding(shape.vocab, h);
     for i in 0..shape.layers {
         let p = format!("model.layers.{i}");
-        let h = shape.hidden;
-        tensors.push((
-            format!("{p}.input_layernorm.weight"),
-            vec![h],
-            random_bf16(&mut rng, h, 0.1, 1.0),
-        ));
-        tensors.push((
-            format!("{p}.post_attention_layernorm.weight"),
-            vec![h],
-            random_bf16(&mut rng, h, 0.1, 1.0),
-        ));
-        tensors.push((
-            format!("{p}.self_attn.q_proj.weight"),
-            vec![h, h],
-            lin(&mut rng, h, h),
-        ));
-        tensors.push((
-            format!("{p}.self_attn.k_proj.weight"),
-            vec![kvd, h],
-            lin(&mut rng, kvd, h),
-        ));
-        tensors.push((
-            format!("{p}.self_attn.v_proj.weight"),
-            vec![kvd, h],
-            lin(&mut rng, kvd, h),
-        ));
-        tensors.push((
-            format!("{p}.self_attn.o_proj.weight"),
-            vec![h, h],
-            lin(&mut rng, h, h),
-        ));
-        tensors.push((
-            format!("{p}.mlp.gate_proj.weight"),
-            vec![shape.intermediate, h],
-            lin(&mut rng, shape.intermediate, h),
-        ));
-        tensors.push((
-            format!("{p}.mlp.up_proj.weight"),
-            vec![shape.intermediate, h],
-            lin(&mut rng, shape.intermediate, h),
-        ));
-        tensors.push((
-            format!("{p}.mlp.down_proj.weight"),
-            vec![h, shape.intermediate],
-            lin(&mut rng, h, shape.intermediate),
-        ));
+        t.attention(&p, h, h, kvd);
+        t.linear(format!("{p}.mlp.gate_proj.weight"), inter, h);
+        t.linear(format!("{p}.mlp.up_proj.weight"), inter, h);
+        t.linear(format!("{p}.mlp.down_proj.weight"), h, inter);
     }
-    tensors.push((
-        "model.norm.weight".into(),
-        vec![shape.hidden],
-        random_bf16(&mut rng, shape.hidden, 0.1, 1.0),
-    ));
-    tensors.push((
-        "lm_head.weight".into(),
-        vec![shape.vocab, shape.hidden],
-        lin(&mut rng, shape.vocab, shape.hidden),
-    ));
-    let refs: Vec<(&str, DType, &[usize], &[u8])> = tensors
-        .iter()
-        .map(|(n, s, b)| (n.as_str(), DType::BF16, s.as_slice(), b.as_slice()))
-        .collect();
-    let mut meta = BTreeMap::new();
-    meta.insert("format".to_string(), "pt".to_string());
-    voom_formats::safetensors::write(&dir.join("model.safetensors"), &refs, &meta)?;
+    t.head(shape.vocab, h);
     let config = serde_json::json!({
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -415,9 +344,5 @@ pub fn write_llama(dir: &Path, shape: SynthShape, seed: u64) -> Result<()> {
         "dtype": "bfloat16",
         "voom_synthetic": {"seed": seed},
     });
-    std::fs::write(
-        dir.join("config.json"),
-        serde_json::to_string_pretty(&config)?,
-    )?;
-    Ok(())
+    t.write(dir, &config)
 }

@@ -217,8 +217,13 @@ impl<'a> Sweep<'a> {
         if !self.predicts_experts() {
             return;
         }
+        self.prefetch_experts(li, experts, self.expert_batch);
+    }
+
+    /// Hints the pages of layer `li`'s routed experts `experts`, in order, in one
+    /// call, as far as their slot bytes stay within `room`.
+    fn prefetch_experts(&self, li: usize, experts: &[usize], room: u64) {
         let stage = &self.plan.layers[li];
-        let room = self.expert_batch;
         let mut used = 0;
         let mut ids = Vec::new();
         for &e in experts {
@@ -480,19 +485,7 @@ impl LayerLease<'_> {
         let stage = &s.plan.layers[self.li];
         s.routes.borrow_mut().push((self.li, chosen.to_vec()));
         if s.depth > 0 {
-            let room = 2 * s.walk.largest_page + s.expert_batch;
-            let mut used = 0;
-            let mut ids = Vec::new();
-            for &e in chosen {
-                used += stage.expert_slot_bytes(e);
-                if used > room {
-                    break;
-                }
-                ids.extend_from_slice(&stage.experts()[e]);
-            }
-            if !ids.is_empty() {
-                s.source.prefetch(&ids);
-            }
+            s.prefetch_experts(self.li, chosen, 2 * s.walk.largest_page + s.expert_batch);
         }
         for &e in chosen {
             let lease = s.acquire(&stage.experts()[e])?;
