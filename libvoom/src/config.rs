@@ -61,6 +61,12 @@ pub enum Arch {
     /// Mistral attention; routed experts (`block_sparse_moe`), top-k weights always
     /// renormalised.
     Mixtral,
+    /// Partial rotary, q/k/v bias, optional per-head q/k norm; routed experts after
+    /// `first_k_dense_replace` dense layers, chosen by sigmoid scores with a correction
+    /// bias within the best groups, and shared experts.
+    Glm4Moe,
+    /// Multi-head latent attention ([`Mla`]) and glm4_moe's mixture of experts.
+    DeepseekV3,
 }
 
 impl Arch {
@@ -73,6 +79,8 @@ impl Arch {
             Arch::Qwen3Moe => "qwen3_moe",
             Arch::Olmoe => "olmoe",
             Arch::Mixtral => "mixtral",
+            Arch::Glm4Moe => "glm4_moe",
+            Arch::DeepseekV3 => "deepseek_v3",
         }
     }
 }
@@ -88,9 +96,10 @@ pub enum QkNorm {
 }
 
 /// A mixture of experts in place of the MLP: a router picks `top_k` of `num_experts`
-/// SwiGLU experts per position (softmax over every expert, then the `top_k` largest
-/// probabilities, renormalised to sum to one when `norm_topk_prob`), and the
-/// position's output is their outputs weighted by those probabilities.
+/// SwiGLU experts per position ([`Scoring`]), and the position's output is their
+/// outputs weighted by their scores (renormalised to sum to one when
+/// `norm_topk_prob`, then times `routed_scaling_factor`), plus the shared experts'
+/// output where there are any.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Moe {
     pub num_experts: usize,
@@ -101,6 +110,46 @@ pub struct Moe {
     /// Per layer: whether its MLP is the mixture (else a dense MLP of
     /// `intermediate_size`).
     pub sparse: Vec<bool>,
+    pub scoring: Scoring,
+    /// The routed experts' weights are multiplied by it (1 where a family has none).
+    pub routed_scaling_factor: f32,
+    /// Rows of the shared experts' gate and up projections (`moe_intermediate_size ×
+    /// n_shared_experts`), 0 without shared experts.
+    pub shared_intermediate_size: usize,
+}
+
+/// How a router scores and picks experts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scoring {
+    /// Softmax over every expert; the `top_k` most probable (qwen3_moe, olmoe,
+    /// mixtral).
+    Softmax,
+    /// Sigmoid scores; experts are chosen by score plus the router's correction bias
+    /// (`e_score_correction_bias`, stored in the checkpoint) among the `topk_group`
+    /// groups (of `n_group` equal ones) whose two best such values sum highest, and
+    /// weighted by their scores without the bias (deepseek_v3, glm4_moe:
+    /// `noaux_tc`).
+    SigmoidGroups { n_group: usize, topk_group: usize },
+}
+
+/// Multi-head latent attention (DeepSeek-V2/V3): queries through an optional
+/// low-rank projection, keys and values from one compressed latent of
+/// `kv_lora_rank` per position plus one shared rotary key of `qk_rope_head_dim`
+/// (what the KV cache stores), each head's key its `qk_nope_head_dim` part expanded
+/// from the latent and the rotary key.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Mla {
+    pub q_lora_rank: Option<usize>,
+    pub kv_lora_rank: usize,
+    pub qk_nope_head_dim: usize,
+    pub qk_rope_head_dim: usize,
+    pub v_head_dim: usize,
+    /// Rotary dimensions stored as interleaved pairs `(x0, x1), (x2, x3), ...`
+    /// (`rope_interleave`, DeepSeek's layout), else rotate-half.
+    pub rope_interleave: bool,
+    /// The softmax scale: `(qk_nope_head_dim + qk_rope_head_dim)^-0.5`, times YaRN's
+    /// `mscale_all_dim` correction squared.
+    pub softmax_scale: f32,
 }
 
 /// Rotary embedding frequencies.
@@ -115,6 +164,20 @@ pub enum RopeScaling {
         high_freq_factor: f32,
         original_max_position_embeddings: usize,
     },
+    /// YaRN (DeepSeek-V3): frequencies blended between interpolated and extrapolated
+    /// by a linear ramp over the dimensions `beta_fast`..`beta_slow` rotations map to,
+    /// and cos/sin times `attention_factor`.
+    Yarn {
+        factor: f64,
+        original_max_position_embeddings: usize,
+        beta_fast: f64,
+        beta_slow: f64,
+        /// Given, or inferred from `factor`, `mscale` and `mscale_all_dim`.
+        attention_factor: f64,
+        /// `mscale_all_dim`, which MLA's softmax scale is corrected by.
+        mscale_all_dim: Option<f64>,
+        truncate: bool,
+    },
 }
 
 /// The internal configuration. [`ModelConfig::from_hf`] returns only valid ones; a
@@ -128,7 +191,11 @@ pub struct ModelConfig {
     pub num_layers: usize,
     pub num_heads: usize,
     pub num_kv_heads: usize,
+    /// Width of each query head (MLA: `qk_nope_head_dim + qk_rope_head_dim`).
     pub head_dim: usize,
+    /// Rotary dimensions of each head (`head_dim × partial_rotary_factor`; MLA:
+    /// `qk_rope_head_dim`): the first ones, or MLA's last.
+    pub rotary_dim: usize,
     pub vocab_size: usize,
     pub max_position_embeddings: usize,
     pub rms_norm_eps: f32,
@@ -146,6 +213,11 @@ pub struct ModelConfig {
     pub clip_qkv: Option<f32>,
     /// Routed experts in place of the MLP (in the layers `Moe::sparse` names).
     pub moe: Option<Moe>,
+    /// Multi-head latent attention in place of grouped-query attention.
+    pub mla: Option<Mla>,
+    /// Layers after the decoder's that the checkpoint may hold and the forward pass
+    /// does not run (multi-token prediction: `num_nextn_predict_layers`).
+    pub extra_layers: usize,
     /// Per layer: `Some(w)` when the layer attends only to the last `w` positions
     /// (the query's own included), `None` for full causal attention.
     pub sliding_window: Vec<Option<usize>>,
@@ -196,6 +268,24 @@ pub struct HfConfig {
     pub mlp_only_layers: Option<Vec<usize>>,
     pub clip_qkv: Option<f64>,
     pub shared_expert_intermediate_size: Option<usize>,
+    pub n_routed_experts: Option<usize>,
+    pub n_shared_experts: Option<usize>,
+    pub routed_scaling_factor: Option<f64>,
+    pub n_group: Option<usize>,
+    pub topk_group: Option<usize>,
+    pub first_k_dense_replace: Option<usize>,
+    pub scoring_func: Option<String>,
+    pub topk_method: Option<String>,
+    pub moe_layer_freq: Option<usize>,
+    pub q_lora_rank: Option<usize>,
+    pub kv_lora_rank: Option<usize>,
+    pub qk_nope_head_dim: Option<usize>,
+    pub qk_rope_head_dim: Option<usize>,
+    pub v_head_dim: Option<usize>,
+    pub rope_interleave: Option<bool>,
+    pub use_qk_norm: Option<bool>,
+    pub num_nextn_predict_layers: Option<usize>,
+    pub original_max_position_embeddings: Option<usize>,
 }
 
 impl HfConfig {
@@ -244,6 +334,27 @@ impl HfConfig {
             mlp_only_layers: f.counts("mlp_only_layers")?,
             clip_qkv: f.number("clip_qkv")?,
             shared_expert_intermediate_size: f.count("shared_expert_intermediate_size")?,
+            n_routed_experts: f.count("n_routed_experts")?,
+            n_shared_experts: f.count("n_shared_experts")?,
+            routed_scaling_factor: f.number("routed_scaling_factor")?,
+            n_group: f.count("n_group")?,
+            topk_group: f.count("topk_group")?,
+            first_k_dense_replace: f.count("first_k_dense_replace")?,
+            scoring_func: f.string("scoring_func")?,
+            topk_method: f.string("topk_method")?,
+            moe_layer_freq: f.count("moe_layer_freq")?,
+            q_lora_rank: f.count("q_lora_rank")?,
+            kv_lora_rank: f.count("kv_lora_rank")?,
+            qk_nope_head_dim: f.count("qk_nope_head_dim")?,
+            qk_rope_head_dim: f.count("qk_rope_head_dim")?,
+            v_head_dim: f.count("v_head_dim")?,
+            rope_interleave: f.boolean("rope_interleave")?,
+            use_qk_norm: f.boolean("use_qk_norm")?,
+            num_nextn_predict_layers: match f.count("num_nextn_predict_layers")? {
+                Some(n) => Some(n),
+                None => f.count("num_mtp_layers")?,
+            },
+            original_max_position_embeddings: f.count("original_max_position_embeddings")?,
         })
     }
 }
@@ -430,10 +541,12 @@ impl ModelConfig {
             "qwen3_moe" => Arch::Qwen3Moe,
             "olmoe" => Arch::Olmoe,
             "mixtral" => Arch::Mixtral,
+            "glm4_moe" => Arch::Glm4Moe,
+            "deepseek_v3" => Arch::DeepseekV3,
             other => {
                 return Err(err(format!(
                     "unsupported model_type '{other}' (supported: llama, mistral, qwen2, \
-                     qwen3, qwen3_moe, olmoe, mixtral)"
+                     qwen3, qwen3_moe, olmoe, mixtral, glm4_moe, deepseek_v3)"
                 )))
             }
         };
@@ -449,11 +562,6 @@ impl ModelConfig {
                 "unsupported hidden_act '{act}' (supported: silu)"
             )));
         }
-        if let Some(f) = hf.partial_rotary_factor {
-            if f != 1.0 {
-                return Err(err(format!("unsupported partial_rotary_factor {f}")));
-            }
-        }
         if let Some(tp) = hf.pretraining_tp {
             if tp != 1 {
                 return Err(err(format!("unsupported pretraining_tp {tp}")));
@@ -468,9 +576,14 @@ impl ModelConfig {
             hf.num_key_value_heads.or(Some(num_heads)),
             "num_key_value_heads",
         )?;
-        let head_dim = match hf.head_dim {
-            Some(d) => need(Some(d), "head_dim")?,
-            None => {
+        let mla = match arch {
+            Arch::DeepseekV3 => Some(mla(hf).map_err(err)?),
+            _ => None,
+        };
+        let head_dim = match (&mla, hf.head_dim) {
+            (Some(m), _) => m.qk_nope_head_dim + m.qk_rope_head_dim,
+            (None, Some(d)) => need(Some(d), "head_dim")?,
+            (None, None) => {
                 if hidden_size % num_heads != 0 {
                     return Err(err(format!(
                         "hidden_size {hidden_size} is not a multiple of num_attention_heads {num_heads} and no head_dim is given"
@@ -488,6 +601,7 @@ impl ModelConfig {
         // Rope: transformers 5 writes `rope_parameters` ({rope_type, rope_theta, ...});
         // older configs have top-level `rope_theta` and optional `rope_scaling`.
         let mut rope_theta = hf.rope_theta;
+        let mut partial = hf.partial_rotary_factor;
         let mut scaling: Option<&Value> = hf.rope_scaling.as_ref();
         if let Some(p) = hf.rope_parameters.as_ref() {
             let obj = p
@@ -498,21 +612,82 @@ impl ModelConfig {
                     "per-layer-type 'rope_parameters' are not supported".into()
                 ));
             }
-            if let Some(t) = obj.get("rope_theta") {
-                rope_theta = Some(t.as_f64().ok_or_else(|| {
-                    err(format!(
-                        "'rope_parameters.rope_theta' must be a number, got {}",
-                        quote(t)
-                    ))
-                })?);
+            let number = |key: &str| -> Result<Option<f64>, VoomError> {
+                obj.get(key)
+                    .filter(|v| !v.is_null())
+                    .map(|t| {
+                        t.as_f64().ok_or_else(|| {
+                            err(format!(
+                                "'rope_parameters.{key}' must be a number, got {}",
+                                quote(t)
+                            ))
+                        })
+                    })
+                    .transpose()
+            };
+            if let Some(t) = number("rope_theta")? {
+                rope_theta = Some(t);
+            }
+            if let Some(f) = number("partial_rotary_factor")? {
+                partial = Some(f);
             }
             scaling = Some(p);
         }
         let rope_theta = rope_theta.unwrap_or(10000.0) as f32;
         let rope_scaling = match scaling {
             None => RopeScaling::Default,
-            Some(s) => parse_rope_scaling(s).map_err(err)?,
+            Some(s) => parse_rope_scaling(
+                s,
+                max_position_embeddings,
+                hf.original_max_position_embeddings,
+            )
+            .map_err(err)?,
         };
+        // glm4_moe rotates half of each head unless the config says otherwise.
+        let partial = match (arch, partial) {
+            (Arch::Glm4Moe, None) => Some(0.5),
+            (_, p) => p,
+        };
+        let rotary_dim = match (&mla, partial) {
+            (Some(m), _) => m.qk_rope_head_dim,
+            (None, None) => head_dim,
+            (None, Some(f)) if arch == Arch::Glm4Moe => {
+                if !(f > 0.0 && f <= 1.0) {
+                    return Err(err(format!(
+                        "'partial_rotary_factor' {f} must be in (0, 1]"
+                    )));
+                }
+                // transformers: int(head_dim * partial_rotary_factor).
+                (head_dim as f64 * f) as usize
+            }
+            (None, Some(f)) => {
+                if f != 1.0 {
+                    return Err(err(format!(
+                        "unsupported partial_rotary_factor {f} for {}",
+                        arch.name()
+                    )));
+                }
+                head_dim
+            }
+        };
+        let mla = mla.map(|mut m| {
+            // transformers: yarn_apply_mscale(rope_parameters, qk_head_dim ** -0.5), in
+            // float64, used as a float32 factor.
+            let mut scale = (head_dim as f64).powf(-0.5);
+            if let RopeScaling::Yarn {
+                factor,
+                mscale_all_dim: Some(all),
+                ..
+            } = rope_scaling
+            {
+                if all != 0.0 {
+                    let m = yarn_mscale(factor, all);
+                    scale = scale * m * m;
+                }
+            }
+            m.softmax_scale = scale as f32;
+            m
+        });
 
         let default_tie = false;
         let tie_word_embeddings = hf.tie_word_embeddings.unwrap_or(default_tie);
@@ -521,13 +696,20 @@ impl ModelConfig {
             // Qwen2 always has q/k/v bias and never an output bias.
             Arch::Qwen2 => (true, false),
             Arch::Mistral | Arch::Mixtral => (false, false),
-            Arch::Llama | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Olmoe => {
+            // glm4_moe: `attention_bias` on q, k and v only.
+            Arch::Glm4Moe => (attention_bias, false),
+            // deepseek_v3: on q_a, kv_a and o (q_b, kv_b never have one).
+            Arch::Llama | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Olmoe | Arch::DeepseekV3 => {
                 (attention_bias, attention_bias)
             }
         };
         let mlp_bias = match arch {
             Arch::Llama => hf.mlp_bias.unwrap_or(false),
             _ => false,
+        };
+        let extra_layers = match arch {
+            Arch::Glm4Moe | Arch::DeepseekV3 => hf.num_nextn_predict_layers.unwrap_or(0),
+            _ => 0,
         };
 
         let mut cfg = ModelConfig {
@@ -538,6 +720,7 @@ impl ModelConfig {
             num_heads,
             num_kv_heads,
             head_dim,
+            rotary_dim,
             vocab_size,
             max_position_embeddings,
             rms_norm_eps,
@@ -549,6 +732,7 @@ impl ModelConfig {
             mlp_bias,
             qk_norm: match arch {
                 Arch::Qwen3 | Arch::Qwen3Moe => QkNorm::PerHead,
+                Arch::Glm4Moe if hf.use_qk_norm.unwrap_or(false) => QkNorm::PerHead,
                 Arch::Olmoe => QkNorm::Whole,
                 _ => QkNorm::None,
             },
@@ -557,6 +741,8 @@ impl ModelConfig {
                 _ => None,
             },
             moe: None,
+            mla,
+            extra_layers,
             sliding_window: Vec::new(),
             bos_token_id: None,
             eos_token_ids: Vec::new(),
@@ -607,11 +793,56 @@ impl ModelConfig {
             ));
         }
         within("head_dim", self.head_dim, 2, limits::HEAD_DIM)?;
-        if !self.head_dim.is_multiple_of(2) {
+        if self.mla.is_none() && !self.head_dim.is_multiple_of(2) {
             return Err(format!(
                 "'head_dim' {} must be even for rotary embeddings",
                 self.head_dim
             ));
+        }
+        within("rotary dimensions", self.rotary_dim, 2, self.head_dim)?;
+        if !self.rotary_dim.is_multiple_of(2) {
+            return Err(format!(
+                "{} rotary dimensions (of 'head_dim' {}): they must be even",
+                self.rotary_dim, self.head_dim
+            ));
+        }
+        within(
+            "num_nextn_predict_layers",
+            self.extra_layers,
+            0,
+            limits::LAYERS,
+        )?;
+        if let Some(m) = &self.mla {
+            if let Some(q) = m.q_lora_rank {
+                within("q_lora_rank", q, 1, limits::WIDTH)?;
+            }
+            within("kv_lora_rank", m.kv_lora_rank, 1, limits::WIDTH)?;
+            within("qk_rope_head_dim", m.qk_rope_head_dim, 2, limits::HEAD_DIM)?;
+            within("qk_nope_head_dim", m.qk_nope_head_dim, 0, limits::HEAD_DIM)?;
+            within("v_head_dim", m.v_head_dim, 1, limits::HEAD_DIM)?;
+            if m.qk_nope_head_dim + m.qk_rope_head_dim != self.head_dim
+                || m.qk_rope_head_dim != self.rotary_dim
+            {
+                return Err(format!(
+                    "MLA head widths (nope {} + rope {}) disagree with head_dim {} and rotary dimensions {}",
+                    m.qk_nope_head_dim, m.qk_rope_head_dim, self.head_dim, self.rotary_dim
+                ));
+            }
+            for (key, x) in [
+                ("num_attention_heads × v_head_dim", m.v_head_dim),
+                (
+                    "num_attention_heads × (qk_nope_head_dim + v_head_dim)",
+                    m.qk_nope_head_dim + m.v_head_dim,
+                ),
+            ] {
+                if !matches!(self.num_heads.checked_mul(x), Some(w) if w <= limits::WIDTH) {
+                    return Err(format!(
+                        "'{key}' exceeds the largest width, {}",
+                        limits::WIDTH
+                    ));
+                }
+            }
+            positive_finite("MLA softmax scale", m.softmax_scale)?;
         }
         if !matches!(self.num_heads.checked_mul(self.head_dim), Some(w) if w <= limits::WIDTH) {
             return Err(format!(
@@ -652,14 +883,49 @@ impl ModelConfig {
                 limits::POSITIONS,
             )?;
         }
+        if let RopeScaling::Yarn {
+            factor,
+            original_max_position_embeddings,
+            beta_fast,
+            beta_slow,
+            attention_factor,
+            ..
+        } = self.rope_scaling
+        {
+            positive_finite("rope_scaling.factor", factor as f32)?;
+            positive_finite("rope_scaling.attention_factor", attention_factor as f32)?;
+            for (key, b) in [("beta_fast", beta_fast), ("beta_slow", beta_slow)] {
+                if !b.is_finite() {
+                    return Err(format!("'rope_scaling.{key}' {b} must be finite"));
+                }
+            }
+            within(
+                "rope_scaling.original_max_position_embeddings",
+                original_max_position_embeddings,
+                1,
+                limits::POSITIONS,
+            )?;
+        }
         self.check_rotary_angles()
     }
 
-    /// Inverse frequencies of the rotary embedding, `head_dim / 2` of them, computed
-    /// as transformers computes them in float32 (with the `llama3` scaling).
+    /// The factor transformers multiplies rotary cos and sin by (YaRN's
+    /// `attention_factor`; 1 otherwise), as float32.
+    pub fn rope_attention_factor(&self) -> f32 {
+        match self.rope_scaling {
+            RopeScaling::Yarn {
+                attention_factor, ..
+            } => attention_factor as f32,
+            _ => 1.0,
+        }
+    }
+
+    /// Inverse frequencies of the rotary embedding, `rotary_dim / 2` of them,
+    /// computed as transformers computes them in float32 (with the `llama3` or `yarn`
+    /// scaling).
     pub fn rope_inv_freq(&self) -> Vec<f32> {
         let cfg = self;
-        let dim = cfg.head_dim;
+        let dim = cfg.rotary_dim;
         let base = cfg.rope_theta;
         // transformers: 1.0 / (base ** (arange(0, dim, 2).float() / dim)), in float32.
         let plain: Vec<f32> = (0..dim / 2)
@@ -667,6 +933,22 @@ impl ModelConfig {
             .collect();
         match &cfg.rope_scaling {
             RopeScaling::Default => plain,
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings,
+                beta_fast,
+                beta_slow,
+                truncate,
+                ..
+            } => yarn_inv_freq(
+                dim,
+                base,
+                *factor,
+                *original_max_position_embeddings,
+                *beta_fast,
+                *beta_slow,
+                *truncate,
+            ),
             RopeScaling::Llama3 {
                 factor,
                 low_freq_factor,
@@ -768,7 +1050,13 @@ impl ModelConfig {
     }
 }
 
-fn parse_rope_scaling(s: &Value) -> Result<RopeScaling, String> {
+/// `rope_scaling` (or `rope_parameters`): `max_position_embeddings` and a top-level
+/// `original_max_position_embeddings` are the defaults transformers fills in.
+fn parse_rope_scaling(
+    s: &Value,
+    max_position_embeddings: usize,
+    top_level_original: Option<usize>,
+) -> Result<RopeScaling, String> {
     let obj = s
         .as_object()
         .ok_or_else(|| "'rope_scaling' must be an object".to_string())?;
@@ -782,21 +1070,84 @@ fn parse_rope_scaling(s: &Value) -> Result<RopeScaling, String> {
             .and_then(Value::as_f64)
             .ok_or_else(|| format!("rope scaling '{ty}' needs a numeric '{k}'"))
     };
+    let optional = |k: &str| -> Result<Option<f64>, String> {
+        match obj.get(k).filter(|v| !v.is_null()) {
+            None => Ok(None),
+            Some(v) => v.as_f64().map(Some).ok_or_else(|| {
+                format!(
+                    "rope scaling '{ty}': '{k}' must be a number, got {}",
+                    quote(v)
+                )
+            }),
+        }
+    };
+    // An integer; an integral float such as 8192.0 is read as before.
+    let integral = |v: &Value| {
+        as_count(v).or_else(|| {
+            v.as_f64()
+                .filter(|x| x.fract() == 0.0 && (0.0..=(1u64 << 53) as f64).contains(x))
+                .map(|x| x as usize)
+        })
+    };
     match ty {
         "default" => Ok(RopeScaling::Default),
+        "yarn" => {
+            let key = "original_max_position_embeddings";
+            // transformers: a top-level value wins, else the one given here, else
+            // max_position_embeddings.
+            let original = match (top_level_original, obj.get(key).filter(|v| !v.is_null())) {
+                (Some(o), _) => o,
+                (None, Some(v)) => integral(v).ok_or_else(|| {
+                    format!(
+                        "rope scaling 'yarn' needs a non-negative integer '{key}', got {}",
+                        quote(v)
+                    )
+                })?,
+                (None, None) => max_position_embeddings,
+            };
+            if original == 0 {
+                return Err(format!("rope scaling 'yarn': '{key}' must be positive"));
+            }
+            let factor =
+                optional("factor")?.unwrap_or(max_position_embeddings as f64 / original as f64);
+            let mscale = optional("mscale")?;
+            let mscale_all_dim = optional("mscale_all_dim")?;
+            let attention_factor = match optional("attention_factor")? {
+                Some(a) => a,
+                None => match (mscale, mscale_all_dim) {
+                    (Some(m), Some(a)) if m != 0.0 && a != 0.0 => {
+                        yarn_mscale(factor, m) / yarn_mscale(factor, a)
+                    }
+                    _ => yarn_mscale(factor, 1.0),
+                },
+            };
+            // `or` as transformers: a 0 takes the default too.
+            let beta_fast = optional("beta_fast")?.filter(|&b| b != 0.0).unwrap_or(32.0);
+            let beta_slow = optional("beta_slow")?.filter(|&b| b != 0.0).unwrap_or(1.0);
+            let truncate = match obj.get("truncate").filter(|v| !v.is_null()) {
+                None => true,
+                Some(v) => v.as_bool().ok_or_else(|| {
+                    format!(
+                        "rope scaling 'yarn': 'truncate' must be true or false, got {}",
+                        quote(v)
+                    )
+                })?,
+            };
+            Ok(RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings: original,
+                beta_fast,
+                beta_slow,
+                attention_factor,
+                mscale_all_dim,
+                truncate,
+            })
+        }
         "llama3" => {
             let factor = num("factor")?;
             let low = num("low_freq_factor")?;
             let high = num("high_freq_factor")?;
             let key = "original_max_position_embeddings";
-            // An integer; an integral float such as 8192.0 is read as before.
-            let integral = |v: &Value| {
-                as_count(v).or_else(|| {
-                    v.as_f64()
-                        .filter(|x| x.fract() == 0.0 && (0.0..=(1u64 << 53) as f64).contains(x))
-                        .map(|x| x as usize)
-                })
-            };
             let orig = obj.get(key).and_then(integral).ok_or_else(|| {
                 format!(
                     "rope scaling 'llama3' needs a non-negative integer '{key}', got {}",
@@ -812,9 +1163,84 @@ fn parse_rope_scaling(s: &Value) -> Result<RopeScaling, String> {
             })
         }
         other => Err(format!(
-            "unsupported rope scaling type '{other}' (supported: default, llama3)"
+            "unsupported rope scaling type '{other}' (supported: default, llama3, yarn)"
         )),
     }
+}
+
+/// YaRN's magnitude correction for a context `factor` (transformers' `get_mscale`,
+/// in float64).
+fn yarn_mscale(factor: f64, mscale: f64) -> f64 {
+    if factor <= 1.0 {
+        1.0
+    } else {
+        0.1 * mscale * factor.ln() + 1.0
+    }
+}
+
+/// YaRN's inverse frequencies over `dim` rotary dimensions, in float32 as
+/// transformers' `_compute_yarn_parameters` computes them (its correction range in
+/// float64).
+fn yarn_inv_freq(
+    dim: usize,
+    base: f32,
+    factor: f64,
+    original: usize,
+    beta_fast: f64,
+    beta_slow: f64,
+    truncate: bool,
+) -> Vec<f32> {
+    let half = dim / 2;
+    let b = base as f64;
+    let correction_dim = |rotations: f64| {
+        (dim as f64 * (original as f64 / (rotations * 2.0 * std::f64::consts::PI)).ln())
+            / (2.0 * b.ln())
+    };
+    let (mut low, mut high) = (correction_dim(beta_fast), correction_dim(beta_slow));
+    if truncate {
+        low = low.floor();
+        high = high.ceil();
+    }
+    let low = low.max(0.0);
+    let mut high = high.min((dim - 1) as f64);
+    if low == high {
+        high += 0.001;
+    }
+    let (low32, span) = (low as f32, (high - low) as f32);
+    let factor = factor as f32;
+    (0..half)
+        .map(|i| {
+            let pos_freq = base.powf((2 * i) as f32 / dim as f32);
+            let extrapolation = 1.0f32 / pos_freq;
+            let interpolation = 1.0f32 / (factor * pos_freq);
+            let ramp = ((i as f32 - low32) / span).clamp(0.0, 1.0);
+            let extrapolation_factor = 1.0f32 - ramp;
+            interpolation * (1.0f32 - extrapolation_factor) + extrapolation * extrapolation_factor
+        })
+        .collect()
+}
+
+/// Multi-head latent attention's widths (transformers' DeepseekV3Config defaults
+/// where a key is absent; `q_lora_rank` null means a plain `q_proj`).
+fn mla(hf: &HfConfig) -> Result<Mla, String> {
+    let positive = |v: Option<usize>, key: &str, default: usize| match v {
+        Some(0) => Err(format!("'{key}' must be positive")),
+        Some(x) => Ok(x),
+        None => Ok(default),
+    };
+    Ok(Mla {
+        q_lora_rank: match hf.q_lora_rank {
+            Some(0) => return Err("'q_lora_rank' must be positive or null".into()),
+            r => r,
+        },
+        kv_lora_rank: positive(hf.kv_lora_rank, "kv_lora_rank", 512)?,
+        qk_nope_head_dim: hf.qk_nope_head_dim.unwrap_or(128),
+        qk_rope_head_dim: positive(hf.qk_rope_head_dim, "qk_rope_head_dim", 64)?,
+        v_head_dim: positive(hf.v_head_dim, "v_head_dim", 128)?,
+        rope_interleave: hf.rope_interleave.unwrap_or(true),
+        // Set once the rope scaling is known.
+        softmax_scale: 1.0,
+    })
 }
 
 /// The mixture of experts of an `arch` config, checked: `None` for a dense one.
@@ -824,8 +1250,10 @@ fn moe(
     num_layers: usize,
     intermediate_size: usize,
 ) -> Result<Option<Moe>, String> {
-    if !matches!(arch, Arch::Qwen3Moe | Arch::Olmoe | Arch::Mixtral) {
-        return Ok(None);
+    match arch {
+        Arch::Qwen3Moe | Arch::Olmoe | Arch::Mixtral => {}
+        Arch::Glm4Moe | Arch::DeepseekV3 => return grouped_moe(hf, arch, num_layers).map(Some),
+        Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 => return Ok(None),
     }
     if hf.shared_expert_intermediate_size.is_some_and(|n| n > 0) {
         return Err("shared experts ('shared_expert_intermediate_size') are not supported".into());
@@ -887,7 +1315,94 @@ fn moe(
         expert_intermediate_size,
         norm_topk_prob,
         sparse,
+        scoring: Scoring::Softmax,
+        routed_scaling_factor: 1.0,
+        shared_intermediate_size: 0,
     }))
+}
+
+/// deepseek_v3's and glm4_moe's experts (transformers' defaults for absent keys):
+/// sigmoid scores with the correction bias, group-limited choice, shared experts,
+/// dense first layers. A routing option these do not compute is an error naming it.
+fn grouped_moe(hf: &HfConfig, arch: Arch, num_layers: usize) -> Result<Moe, String> {
+    let ds = arch == Arch::DeepseekV3;
+    if let Some(f) = hf.scoring_func.as_deref().filter(|&f| f != "sigmoid") {
+        return Err(format!(
+            "unsupported 'scoring_func' '{f}' for {} (supported: sigmoid)",
+            arch.name()
+        ));
+    }
+    if let Some(m) = hf.topk_method.as_deref().filter(|&m| m != "noaux_tc") {
+        return Err(format!(
+            "unsupported 'topk_method' '{m}' for {} (supported: noaux_tc)",
+            arch.name()
+        ));
+    }
+    if let Some(f) = hf.moe_layer_freq.filter(|&f| f != 1) {
+        return Err(format!("unsupported 'moe_layer_freq' {f} (supported: 1)"));
+    }
+    let num_experts = match (hf.n_routed_experts, hf.num_local_experts) {
+        (Some(a), Some(b)) if a != b => {
+            return Err(format!(
+                "'n_routed_experts' {a} and 'num_local_experts' {b} disagree"
+            ))
+        }
+        (Some(n), _) | (None, Some(n)) => n,
+        (None, None) => {
+            if ds {
+                256
+            } else {
+                128
+            }
+        }
+    };
+    within("n_routed_experts", num_experts, 1, limits::EXPERTS)?;
+    let top_k = hf.num_experts_per_tok.unwrap_or(8);
+    within("num_experts_per_tok", top_k, 1, num_experts)?;
+    let inter = hf
+        .moe_intermediate_size
+        .unwrap_or(if ds { 2048 } else { 1408 });
+    within("moe_intermediate_size", inter, 1, limits::WIDTH)?;
+    let shared = hf.n_shared_experts.unwrap_or(1);
+    let shared_intermediate_size = inter
+        .checked_mul(shared)
+        .filter(|&w| w <= limits::WIDTH)
+        .ok_or_else(|| {
+            format!("'moe_intermediate_size' {inter} × 'n_shared_experts' {shared} is too wide")
+        })?;
+    let n_group = hf.n_group.unwrap_or(if ds { 8 } else { 1 });
+    let topk_group = hf.topk_group.unwrap_or(if ds { 4 } else { 1 });
+    within("n_group", n_group, 1, num_experts)?;
+    if !num_experts.is_multiple_of(n_group) || num_experts / n_group < 2 {
+        return Err(format!(
+            "'n_routed_experts' {num_experts} must be 'n_group' {n_group} groups of at least two experts"
+        ));
+    }
+    within("topk_group", topk_group, 1, n_group)?;
+    if top_k > topk_group * (num_experts / n_group) {
+        return Err(format!(
+            "'num_experts_per_tok' {top_k} is more than the {} experts of 'topk_group' {topk_group} groups",
+            topk_group * (num_experts / n_group)
+        ));
+    }
+    let scale = hf
+        .routed_scaling_factor
+        .unwrap_or(if ds { 2.5 } else { 1.0 }) as f32;
+    positive_finite("routed_scaling_factor", scale)?;
+    let first_dense = hf.first_k_dense_replace.unwrap_or(if ds { 3 } else { 1 });
+    Ok(Moe {
+        num_experts,
+        top_k,
+        expert_intermediate_size: inter,
+        norm_topk_prob: hf.norm_topk_prob.unwrap_or(true),
+        sparse: (0..num_layers).map(|i| i >= first_dense).collect(),
+        scoring: Scoring::SigmoidGroups {
+            n_group,
+            topk_group,
+        },
+        routed_scaling_factor: scale,
+        shared_intermediate_size,
+    })
 }
 
 fn sliding_windows(
@@ -935,7 +1450,7 @@ fn sliding_windows(
             }
             _ => Ok(vec![None; num_layers]),
         },
-        Arch::Olmoe => Ok(vec![None; num_layers]),
+        Arch::Olmoe | Arch::Glm4Moe | Arch::DeepseekV3 => Ok(vec![None; num_layers]),
         // Qwen2/3 apply a window only with use_sliding_window, from max_window_layers on.
         Arch::Qwen2 | Arch::Qwen3 => {
             if hf.use_sliding_window.unwrap_or(false) {
@@ -1144,10 +1659,10 @@ mod tests {
         .unwrap_err();
         assert!(e.to_string().contains("gelu"), "{e}");
         let e = parse(&format!(
-            r#"{{"model_type": "llama", {BASE}, "rope_scaling": {{"rope_type": "yarn", "factor": 4.0}}}}"#
+            r#"{{"model_type": "llama", {BASE}, "rope_scaling": {{"rope_type": "longrope", "factor": 4.0}}}}"#
         ))
         .unwrap_err();
-        assert!(e.to_string().contains("yarn"), "{e}");
+        assert!(e.to_string().contains("longrope"), "{e}");
         let e = parse(r#"{"model_type": "llama", "hidden_size": 64}"#).unwrap_err();
         assert!(e.to_string().contains("intermediate_size"), "{e}");
         let e = parse(&format!(

@@ -7,8 +7,8 @@
 use libvoom::backend::cpu::matmul::Isa;
 use libvoom::backend::cpu::CpuBackend;
 use libvoom::backend::{
-    Activation, AttentionShape, Backend, BackendKind, KernelError, RopeTable, TableView, VecView,
-    WeightView,
+    Activation, AttentionShape, Backend, BackendKind, KernelError, LatentShape, RopeShape,
+    RopeTable, TableView, VecView, WeightView,
 };
 use libvoom::kv::KvCache;
 use rand::{Rng, SeedableRng};
@@ -249,7 +249,7 @@ fn norms_rope_add_bias_and_activation_follow_their_definitions() {
     };
     let got = on_every_backend("rope", |b| {
         let mut xa = b.upload(n, cols, &x).unwrap();
-        b.rope(&mut xa, hd, &table).unwrap();
+        b.rope(&mut xa, &RopeShape::whole(hd), &table).unwrap();
         b.download_owned(xa)
     });
     for t in 0..n {
@@ -434,4 +434,211 @@ fn mismatched_shapes_are_errors_on_every_backend() {
     assert!(BackendKind::parse("metal")
         .unwrap_err()
         .contains("cpu-portable"));
+}
+
+/// Partial and interleaved rotary: only `2 × half` floats from the offset of each head
+/// rotate; interleaved pairs `(x[2i], x[2i+1])` are written back de-interleaved.
+#[test]
+fn rope_rotates_the_part_of_each_head_its_shape_names() {
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    let (n, hd, heads, half, offset) = (3, 10, 2, 3, 4);
+    let x = random(&mut rng, n * heads * hd);
+    let angles: Vec<f32> = (0..n * half).map(|i| i as f32 * 0.61 + 0.1).collect();
+    let table = RopeTable {
+        half,
+        cos: angles.iter().map(|a| a.cos()).collect(),
+        sin: angles.iter().map(|a| a.sin()).collect(),
+    };
+    for interleaved in [false, true] {
+        let shape = RopeShape {
+            head_dim: hd,
+            offset,
+            interleaved,
+        };
+        let got = on_every_backend("rope (part)", |b| {
+            let mut xa = b.upload(n, heads * hd, &x).unwrap();
+            b.rope(&mut xa, &shape, &table).unwrap();
+            b.download_owned(xa)
+        });
+        for t in 0..n {
+            for h in 0..heads {
+                let base = t * heads * hd + h * hd;
+                for d in (0..offset).chain(offset + 2 * half..hd) {
+                    assert_eq!(got[base + d], x[base + d], "outside the rotary part");
+                }
+                for i in 0..half {
+                    let (c, s) = (table.cos[t * half + i], table.sin[t * half + i]);
+                    let (x1, x2) = if interleaved {
+                        (x[base + offset + 2 * i], x[base + offset + 2 * i + 1])
+                    } else {
+                        (x[base + offset + i], x[base + offset + half + i])
+                    };
+                    let r = base + offset;
+                    assert_eq!(got[r + i], x1 * c - x2 * s);
+                    assert_eq!(got[r + half + i], x2 * c + x1 * s);
+                }
+            }
+        }
+    }
+    let b = &backends()[0];
+    let mut xa = b.upload(n, heads * hd, &x).unwrap();
+    let past_the_head = RopeShape {
+        head_dim: hd,
+        offset: 5,
+        interleaved: false,
+    };
+    assert!(b.rope(&mut xa, &past_the_head, &table).is_err());
+}
+
+/// `matmul_t` contracts the weight's rows: each element one fused multiply-add a
+/// term in increasing row order, whatever the number of input rows.
+#[test]
+fn matmul_t_contracts_the_weights_rows_in_order() {
+    let mut rng = ChaCha8Rng::seed_from_u64(12);
+    let (n, k, c) = (3, 7, 5);
+    let x = random(&mut rng, n * k);
+    let wv = random(&mut rng, k * c);
+    let wb = bf16_bytes(&wv);
+    let w = WeightView::new(DType::BF16, k, c, &wb).unwrap();
+    let got = on_every_backend("matmul_t", |b| {
+        let mut out = b.zeros(n, c);
+        b.matmul_t(&b.upload(n, k, &x).unwrap(), w, &mut out)
+            .unwrap();
+        b.download_owned(out)
+    });
+    for t in 0..n {
+        for j in 0..c {
+            let mut acc = 0f32;
+            for r in 0..k {
+                acc = x[t * k + r].mul_add(bf16_value(&wb, r * c + j) as f32, acc);
+            }
+            assert_eq!(got[t * c + j].to_bits(), acc.to_bits(), "({t}, {j})");
+        }
+    }
+    // One row at a time gives the same bits.
+    for t in 0..n {
+        let b = &backends()[0];
+        let mut out = b.zeros(1, c);
+        b.matmul_t(
+            &b.upload(1, k, &x[t * k..(t + 1) * k]).unwrap(),
+            w,
+            &mut out,
+        )
+        .unwrap();
+        assert_eq!(bits(&b.download_owned(out)), bits(&got[t * c..(t + 1) * c]));
+    }
+    let b = &backends()[0];
+    let mut out = b.zeros(n, c);
+    assert!(b
+        .matmul_t(&b.upload(n, c, &x[..n * c]).unwrap(), w, &mut out)
+        .is_err());
+}
+
+/// Latent attention: every head attends over one cache vector per position (the
+/// latent then the rotary key), values the latents; positions arriving in one call
+/// or several give the same bits.
+#[test]
+fn latent_attention_attends_over_whole_cache_vectors_with_latent_values() {
+    let mut rng = ChaCha8Rng::seed_from_u64(13);
+    let shape = LatentShape {
+        heads: 3,
+        rank: 6,
+        rope: 2,
+        scale: 0.3,
+    };
+    let w = shape.rank + shape.rope;
+    let n = 5;
+    let q = random(&mut rng, n * shape.heads * w);
+    let c = random(&mut rng, n * w);
+    let od = shape.heads * shape.rank;
+    let run = |b: &CpuBackend, split: usize| -> Vec<f32> {
+        let mut kv = KvCache::new(1, w, 64);
+        let mut all = Vec::new();
+        for (lo, hi) in [(0, split), (split, n)] {
+            if lo == hi {
+                continue;
+            }
+            let m = hi - lo;
+            let qa = b
+                .upload(
+                    m,
+                    shape.heads * w,
+                    &q[lo * shape.heads * w..hi * shape.heads * w],
+                )
+                .unwrap();
+            let ca = b.upload(m, w, &c[lo * w..hi * w]).unwrap();
+            let mut out = b.zeros(m, od);
+            b.latent_attention(&qa, &ca, &mut kv, 0, &shape, &mut out)
+                .unwrap();
+            kv.commit(m);
+            all.extend(b.download_owned(out));
+        }
+        assert_eq!(kv.bytes(), n * w * 4, "one vector per position, no values");
+        all
+    };
+    let got = on_every_backend("latent attention", |b| run(b, n));
+    for split in [1, 3] {
+        on_every_backend("latent attention", |b| {
+            let r = run(b, split);
+            assert_eq!(bits(&r), bits(&got), "split at {split}");
+            r
+        });
+    }
+    for t in 0..n {
+        for h in 0..shape.heads {
+            let qv = &q[t * shape.heads * w + h * w..][..w];
+            let scores: Vec<f64> = (0..=t)
+                .map(|j| {
+                    (0..w)
+                        .map(|d| qv[d] as f64 * c[j * w + d] as f64)
+                        .sum::<f64>()
+                        * shape.scale as f64
+                })
+                .collect();
+            let max = scores.iter().cloned().fold(f64::MIN, f64::max);
+            let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+            let z: f64 = e.iter().sum();
+            let want: Vec<f64> = (0..shape.rank)
+                .map(|d| {
+                    (0..=t)
+                        .zip(&e)
+                        .map(|(j, p)| p / z * c[j * w + d] as f64)
+                        .sum()
+                })
+                .collect();
+            close(
+                "latent attention",
+                &got[t * od + h * shape.rank..][..shape.rank],
+                &want,
+                1e-5,
+            );
+        }
+    }
+    let b = &backends()[0];
+    let mut kv = KvCache::new(1, w + 1, 64);
+    let mut out = b.zeros(1, od);
+    let e = b
+        .latent_attention(
+            &b.upload(1, shape.heads * w, &q[..shape.heads * w]).unwrap(),
+            &b.upload(1, w, &c[..w]).unwrap(),
+            &mut kv,
+            0,
+            &shape,
+            &mut out,
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("latent KV cache"), "{e}");
+}
+
+#[test]
+fn sigmoid_is_the_logistic_function_on_every_backend() {
+    let x = [-30.0f32, -1.0, 0.0, 0.5, 2.0, 40.0];
+    let got = on_every_backend("sigmoid", |b| {
+        let mut a = b.upload(2, 3, &x).unwrap();
+        b.sigmoid(&mut a).unwrap();
+        b.download_owned(a)
+    });
+    for (g, &v) in got.iter().zip(&x) {
+        assert_eq!(g.to_bits(), (1.0f32 / (1.0 + (-v).exp())).to_bits());
+    }
 }

@@ -10,7 +10,7 @@ pub mod ops;
 pub mod view;
 
 pub use error::KernelError;
-pub use ops::{Activation, AttentionShape, Backend, RopeTable};
+pub use ops::{Activation, AttentionShape, Backend, LatentShape, RopeShape, RopeTable};
 pub use view::{TableView, VecView, WeightView};
 
 use cpu::matmul::Isa;

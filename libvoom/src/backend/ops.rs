@@ -41,6 +41,42 @@ impl RopeTable {
     }
 }
 
+/// Where rotary embedding applies in each head of a row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RopeShape {
+    /// Floats per head (heads are consecutive in a row).
+    pub head_dim: usize,
+    /// The first rotated float of each head; `2 × table.half` floats from it rotate,
+    /// the rest of the head is left as it is (partial rotary, MLA's non-rotary part).
+    pub offset: usize,
+    /// `false`: rotate-half pairs `(x[i], x[i + half])`. `true`: interleaved pairs
+    /// `(x[2i], x[2i + 1])`, written back de-interleaved (`x[i]`, `x[half + i]`) as
+    /// transformers' `apply_rotary_pos_emb_interleave` writes them.
+    pub interleaved: bool,
+}
+
+impl RopeShape {
+    /// Rotate-half over whole heads of `head_dim`.
+    pub fn whole(head_dim: usize) -> Self {
+        RopeShape {
+            head_dim,
+            offset: 0,
+            interleaved: false,
+        }
+    }
+}
+
+/// The shape of multi-head latent attention over a cache of one vector per position:
+/// a latent of `rank` floats then a rotary key of `rope` floats.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LatentShape {
+    pub heads: usize,
+    pub rank: usize,
+    pub rope: usize,
+    /// The softmax scale the scores are multiplied by.
+    pub scale: f32,
+}
+
 /// The shape of grouped-query attention in one layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AttentionShape {
@@ -123,13 +159,39 @@ pub trait Backend: Send + Sync {
         eps: f32,
     ) -> Result<(), KernelError>;
 
-    /// Rotary embedding (rotate-half layout) of each `head_dim`-sized head of row
-    /// `t`, by the angles of the table's position `t`.
+    /// Rotary embedding of each head of row `t` ([`RopeShape`]), by the angles of the
+    /// table's position `t`.
     fn rope(
         &self,
         x: &mut Self::Act,
-        head_dim: usize,
+        shape: &RopeShape,
         table: &RopeTable,
+    ) -> Result<(), KernelError>;
+
+    /// `out[t][c] = Σ_r x[t][r] · w[r][c]` (the weight's rows contracted: `x` is
+    /// `n × w.rows`, `out` `n × w.cols`), each element summed in increasing `r` with
+    /// one fused multiply-add a term, from 0.
+    fn matmul_t(
+        &self,
+        x: &Self::Act,
+        w: WeightView<'_>,
+        out: &mut Self::Act,
+    ) -> Result<(), KernelError>;
+
+    /// Appends the new positions' cache vectors `kv_new` (`n × (rank + rope)`: the
+    /// latent, then the rotary key) to `layer` of `kv`, then computes each head's
+    /// causal attention of the queries `q` (`n × heads·(rank + rope)`) over every
+    /// cached position into `out` (`n × heads·rank`): scores are the dot products
+    /// with whole cache vectors times the scale, values the latents.
+    #[allow(clippy::too_many_arguments)]
+    fn latent_attention(
+        &self,
+        q: &Self::Act,
+        kv_new: &Self::Act,
+        kv: &mut KvCache,
+        layer: usize,
+        shape: &LatentShape,
+        out: &mut Self::Act,
     ) -> Result<(), KernelError>;
 
     /// Appends the keys `k` and values `v` of positions `kv.len()..` to `layer` of
@@ -165,6 +227,10 @@ pub trait Backend: Send + Sync {
     /// maximum subtracted, exponentials, each divided by their sum (a mixture of
     /// experts' router).
     fn softmax(&self, x: &mut Self::Act) -> Result<(), KernelError>;
+
+    /// The logistic sigmoid of every value in place, `1 / (1 + exp(-x))` in float32
+    /// (a router's scores).
+    fn sigmoid(&self, x: &mut Self::Act) -> Result<(), KernelError>;
 
     /// Per row, the `k` largest values with their column, largest first (ties: the
     /// lower column first; NaN is never chosen over a number).

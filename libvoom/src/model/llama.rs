@@ -1,8 +1,10 @@
 //! The Llama family: llama, mistral (sliding window), qwen2 (q/k/v bias) and qwen3
 //! (per-head q/k RMSNorm), and their mixtures of experts: qwen3_moe, olmoe (q/k
-//! RMSNorm over the whole projection, `clip_qkv`) and mixtral. Pre-norm decoder
-//! blocks with grouped-query attention, rotary embeddings (rotate-half layout) and a
-//! SwiGLU MLP, or routed SwiGLU experts in its place, as in transformers.
+//! RMSNorm over the whole projection, `clip_qkv`), mixtral, glm4_moe (partial rotary,
+//! shared experts, sigmoid group-limited routing) and deepseek_v3 (multi-head latent
+//! attention, [`super::mla`]). Pre-norm decoder blocks with grouped-query attention,
+//! rotary embeddings and a SwiGLU MLP, or routed SwiGLU experts in its place
+//! ([`super::moe`]), as in transformers.
 //!
 //! This file is the architecture only: its weights, its page plan (every layer's
 //! pages; the embedding rows before, the final norm and LM head after) and its math
@@ -12,37 +14,39 @@ use std::path::Path;
 
 use vpaged::{PageId, PageSource};
 
-use crate::backend::{Activation, AttentionShape, Backend, KernelError, RopeTable};
+use crate::backend::{Activation, AttentionShape, Backend, KernelError, RopeShape, RopeTable};
 use crate::config::{ModelConfig, QkNorm};
 use crate::kv::KvCache;
+use crate::model::linear::Linear;
+use crate::model::mla::{self, MlaAttention};
+use crate::model::moe::{ExpertDims, Experts};
 use crate::model::plan::{self, PagePlan, PerToken, Stage};
 use crate::model::rope;
 use crate::model::sweep::{LayerLease, Sweep};
-use crate::model::weights::{Dim, Leased, Matrix, Table, Vector, WeightFinder};
+use crate::model::weights::{Dim, Table, Vector, WeightFinder};
 use crate::model::{Logits, Model};
 use crate::VoomError;
 
-struct Linear {
-    w: Matrix,
-    bias: Option<Vector>,
-}
-
-impl Linear {
-    fn pages(&self) -> impl Iterator<Item = PageId> + '_ {
-        std::iter::once(self.w.page).chain(self.bias.iter().map(|b| b.page))
-    }
-}
-
 struct Layer {
     attn_norm: Vector,
-    q: Linear,
-    k: Linear,
-    v: Linear,
-    o: Linear,
-    q_norm: Option<Vector>,
-    k_norm: Option<Vector>,
+    attn: Attention,
     mlp_norm: Vector,
     mlp: Mlp,
+}
+
+/// A layer's attention.
+enum Attention {
+    /// Grouped-query attention.
+    Gqa {
+        q: Linear,
+        k: Linear,
+        v: Linear,
+        o: Linear,
+        q_norm: Option<Vector>,
+        k_norm: Option<Vector>,
+    },
+    /// Multi-head latent attention (deepseek_v3).
+    Mla(MlaAttention),
 }
 
 /// What follows attention in a layer.
@@ -52,32 +56,14 @@ enum Mlp {
         up: Linear,
         down: Linear,
     },
-    /// Routed experts: the router (`[experts, hidden]`), and each expert's SwiGLU.
-    Moe {
-        router: Matrix,
-        experts: Vec<Expert>,
-    },
-}
-
-/// One routed expert's SwiGLU.
-struct Expert {
-    gate: Matrix,
-    up: Matrix,
-    down: Matrix,
-}
-
-impl Expert {
-    /// Its pages (one each, or the fused tensors all experts share), each once.
-    fn pages(&self) -> Vec<PageId> {
-        let mut v = vec![self.gate.page, self.up.page, self.down.page];
-        v.dedup();
-        v
-    }
+    /// Routed experts (and shared ones).
+    Moe(Experts),
 }
 
 impl Layer {
     /// The pages of each step of the layer, in the order [`Llama::forward`] computes
-    /// them (the `STEP_*` indices).
+    /// them: the attention's ([`GQA_STEPS`] or [`mla::STEPS`]), then the MLP's from
+    /// [`Layer::mlp_step`] on.
     fn steps(&self) -> Vec<Vec<PageId>> {
         let with = |first: &[PageId], lin: &Linear, after: Option<&Vector>| {
             let mut v = first.to_vec();
@@ -85,42 +71,63 @@ impl Layer {
             v.extend(after.map(|x| x.page));
             v
         };
-        let mut steps = vec![
-            with(&[self.attn_norm.page], &self.q, self.q_norm.as_ref()),
-            with(&[], &self.k, self.k_norm.as_ref()),
-            with(&[], &self.v, None),
-            with(&[], &self.o, None),
-        ];
+        let mut steps = match &self.attn {
+            Attention::Gqa {
+                q,
+                k,
+                v,
+                o,
+                q_norm,
+                k_norm,
+            } => vec![
+                with(&[self.attn_norm.page], q, q_norm.as_ref()),
+                with(&[], k, k_norm.as_ref()),
+                with(&[], v, None),
+                with(&[], o, None),
+            ],
+            Attention::Mla(m) => m.steps(self.attn_norm.page),
+        };
+        debug_assert_eq!(steps.len(), self.mlp_step());
         match &self.mlp {
             Mlp::Dense { gate, up, down } => steps.extend([
                 with(&[self.mlp_norm.page], gate, None),
                 with(&[], up, None),
                 with(&[], down, None),
             ]),
-            Mlp::Moe { router, .. } => steps.push(vec![self.mlp_norm.page, router.page]),
+            Mlp::Moe(e) => {
+                let mut router = vec![self.mlp_norm.page];
+                router.extend(e.router_pages());
+                steps.push(router);
+                steps.extend(e.shared_pages());
+            }
         }
         steps
+    }
+
+    /// The first step of the MLP: the dense MLP's gate (then up, down), or the
+    /// experts' router (then the shared experts).
+    fn mlp_step(&self) -> usize {
+        match self.attn {
+            Attention::Gqa { .. } => GQA_STEPS,
+            Attention::Mla(_) => mla::STEPS,
+        }
     }
 
     /// Each routed expert's pages (none in a dense layer).
     fn expert_pages(&self) -> Vec<Vec<PageId>> {
         match &self.mlp {
             Mlp::Dense { .. } => Vec::new(),
-            Mlp::Moe { experts, .. } => experts.iter().map(Expert::pages).collect(),
+            Mlp::Moe(e) => e.expert_pages(),
         }
     }
 }
 
-/// The steps of a layer ([`Layer::steps`]).
+/// The steps of grouped-query attention ([`Layer::steps`]).
 const STEP_Q: usize = 0;
 const STEP_K: usize = 1;
 const STEP_V: usize = 2;
 const STEP_O: usize = 3;
-const STEP_GATE: usize = 4;
-const STEP_UP: usize = 5;
-const STEP_DOWN: usize = 6;
-/// A layer of routed experts: the MLP norm and the router.
-const STEP_ROUTER: usize = 4;
+const GQA_STEPS: usize = 4;
 
 /// A Llama-family model on backend `B`.
 pub struct Llama<B: Backend> {
@@ -131,6 +138,8 @@ pub struct Llama<B: Backend> {
     lm_head: Table,
     layers: Vec<Layer>,
     inv_freq: Vec<f32>,
+    /// What rotary cos and sin are multiplied by (YaRN's attention factor).
+    rope_factor: f32,
     plan: PagePlan,
 }
 
@@ -144,9 +153,6 @@ struct ConfigDims {
     kv: Dim,
     inter: Dim,
     head: Dim,
-    /// Routed experts (rows of the router), and each expert's intermediate width.
-    experts: Dim,
-    expert_inter: Dim,
 }
 
 impl ConfigDims {
@@ -176,88 +182,8 @@ impl ConfigDims {
             )?,
             inter: Dim::of("intermediate_size", cfg.intermediate_size),
             head: Dim::of("head_dim", cfg.head_dim),
-            experts: Dim::of("num_experts", cfg.moe.as_ref().map_or(0, |m| m.num_experts)),
-            expert_inter: match (cfg.arch, &cfg.moe) {
-                (crate::config::Arch::Qwen3Moe, Some(m)) => {
-                    Dim::of("moe_intermediate_size", m.expert_intermediate_size)
-                }
-                (_, m) => Dim::of(
-                    "intermediate_size",
-                    m.as_ref().map_or(0, |m| m.expert_intermediate_size),
-                ),
-            },
         })
     }
-}
-
-/// The routed experts of the layer whose tensors start `p` (`model.layers.N`): the
-/// router, and each expert's gate, up and down projections, stored one tensor per
-/// expert and projection (`mlp.experts.E.gate_proj`, mixtral's
-/// `block_sparse_moe.experts.E.w1`/`w3`/`w2`) or fused (`mlp.experts.gate_up_proj`
-/// `[experts, 2 × intermediate, hidden]`, gate rows first, and `mlp.experts.down_proj`
-/// `[experts, hidden, intermediate]`, as transformers 5 can save them).
-fn load_experts(
-    f: &WeightFinder<'_>,
-    cfg: &ModelConfig,
-    d: &ConfigDims,
-    p: &str,
-) -> Result<Mlp, VoomError> {
-    let n = cfg.moe.as_ref().map_or(0, |m| m.num_experts);
-    let block = format!("{p}.block_sparse_moe");
-    let m = if f.has(&format!("{block}.gate.weight")) {
-        block
-    } else {
-        format!("{p}.mlp")
-    };
-    let router = f.matrix(&format!("{m}.gate.weight"), &d.experts, &d.hidden)?;
-    let fused = format!("{m}.experts.gate_up_proj");
-    let inter = d.expert_inter.len;
-    let experts = if f.has(&fused) {
-        let both = Dim {
-            len: 2 * inter,
-            key: format!("2 × {}", d.expert_inter.key),
-        };
-        let gate_up = f.stacked(&fused, &d.experts, &both, &d.hidden)?;
-        let down = f.stacked(
-            &format!("{m}.experts.down_proj"),
-            &d.experts,
-            &d.hidden,
-            &d.expert_inter,
-        )?;
-        gate_up
-            .into_iter()
-            .zip(down)
-            .map(|(gu, down)| Expert {
-                gate: gu.sub_rows(0, inter),
-                up: gu.sub_rows(inter, inter),
-                down,
-            })
-            .collect()
-    } else {
-        let (g, u, dn) = if m.ends_with("block_sparse_moe") {
-            ("w1", "w3", "w2")
-        } else {
-            ("gate_proj", "up_proj", "down_proj")
-        };
-        let w = |e: usize, proj: &str| format!("{m}.experts.{e}.{proj}.weight");
-        (0..n)
-            .map(|e| {
-                Ok(Expert {
-                    gate: f.matrix(&w(e, g), &d.expert_inter, &d.hidden)?,
-                    up: f.matrix(&w(e, u), &d.expert_inter, &d.hidden)?,
-                    down: f.matrix(&w(e, dn), &d.hidden, &d.expert_inter)?,
-                })
-            })
-            .collect::<Result<Vec<_>, VoomError>>()?
-    };
-    Ok(Mlp::Moe { router, experts })
-}
-
-/// One chunk's routing in a layer of experts: its normed rows (the experts' input)
-/// and, per row, the experts picked with their weights, in the router's order.
-struct Routed {
-    xn: Vec<f32>,
-    picks: Vec<Vec<(u32, f32)>>,
 }
 
 impl<B: Backend> Llama<B> {
@@ -279,16 +205,27 @@ impl<B: Backend> Llama<B> {
         cfg.validate(&config)?;
         let f = WeightFinder::new(source, model);
         let in_checkpoint = f.layer_count()?;
-        if in_checkpoint != cfg.num_layers {
+        // Multi-token-prediction layers follow the decoder's (DeepSeek-V3 stores its
+        // one as layer 61 of 61): present or left out, they are not run here.
+        if in_checkpoint != cfg.num_layers && in_checkpoint != cfg.num_layers + cfg.extra_layers {
+            let extra = if cfg.extra_layers > 0 {
+                format!(
+                    " (or {} with 'num_nextn_predict_layers')",
+                    cfg.num_layers + cfg.extra_layers
+                )
+            } else {
+                String::new()
+            };
             return Err(f.err(
                 "model.layers.N.*",
                 format!(
-                    "config.json's 'num_hidden_layers' is {}, but the checkpoint has {in_checkpoint} layers",
+                    "config.json's 'num_hidden_layers' is {}{extra}, but the checkpoint has {in_checkpoint} layers",
                     cfg.num_layers
                 ),
             ));
         }
         let d = ConfigDims::of(&cfg, &config)?;
+        let experts = ExpertDims::of(&cfg);
         let linear =
             |name: &str, rows: &Dim, cols: &Dim, bias: bool| -> Result<Linear, VoomError> {
                 Ok(Linear {
@@ -313,25 +250,31 @@ impl<B: Backend> Llama<B> {
             let p = format!("model.layers.{i}");
             let a = format!("{p}.self_attn");
             let m = format!("{p}.mlp");
+            let attn = match &cfg.mla {
+                Some(mla) => Attention::Mla(MlaAttention::load(&f, &cfg, mla, &a)?),
+                None => Attention::Gqa {
+                    q: linear(&format!("{a}.q_proj"), &d.q, &d.hidden, cfg.qkv_bias)?,
+                    k: linear(&format!("{a}.k_proj"), &d.kv, &d.hidden, cfg.qkv_bias)?,
+                    v: linear(&format!("{a}.v_proj"), &d.kv, &d.hidden, cfg.qkv_bias)?,
+                    o: linear(&format!("{a}.o_proj"), &d.hidden, &d.q, cfg.o_bias)?,
+                    q_norm: match cfg.qk_norm {
+                        QkNorm::None => None,
+                        QkNorm::PerHead => Some(f.vector(&format!("{a}.q_norm.weight"), &d.head)?),
+                        QkNorm::Whole => Some(f.vector(&format!("{a}.q_norm.weight"), &d.q)?),
+                    },
+                    k_norm: match cfg.qk_norm {
+                        QkNorm::None => None,
+                        QkNorm::PerHead => Some(f.vector(&format!("{a}.k_norm.weight"), &d.head)?),
+                        QkNorm::Whole => Some(f.vector(&format!("{a}.k_norm.weight"), &d.kv)?),
+                    },
+                },
+            };
             layers.push(Layer {
                 attn_norm: f.vector(&format!("{p}.input_layernorm.weight"), &d.hidden)?,
-                q: linear(&format!("{a}.q_proj"), &d.q, &d.hidden, cfg.qkv_bias)?,
-                k: linear(&format!("{a}.k_proj"), &d.kv, &d.hidden, cfg.qkv_bias)?,
-                v: linear(&format!("{a}.v_proj"), &d.kv, &d.hidden, cfg.qkv_bias)?,
-                o: linear(&format!("{a}.o_proj"), &d.hidden, &d.q, cfg.o_bias)?,
-                q_norm: match cfg.qk_norm {
-                    QkNorm::None => None,
-                    QkNorm::PerHead => Some(f.vector(&format!("{a}.q_norm.weight"), &d.head)?),
-                    QkNorm::Whole => Some(f.vector(&format!("{a}.q_norm.weight"), &d.q)?),
-                },
-                k_norm: match cfg.qk_norm {
-                    QkNorm::None => None,
-                    QkNorm::PerHead => Some(f.vector(&format!("{a}.k_norm.weight"), &d.head)?),
-                    QkNorm::Whole => Some(f.vector(&format!("{a}.k_norm.weight"), &d.kv)?),
-                },
+                attn,
                 mlp_norm: f.vector(&format!("{p}.post_attention_layernorm.weight"), &d.hidden)?,
                 mlp: match &cfg.moe {
-                    Some(moe) if moe.sparse[i] => load_experts(&f, &cfg, &d, &p)?,
+                    Some(moe) if moe.sparse[i] => Mlp::Moe(Experts::load(&f, moe, &experts, &p)?),
                     _ => Mlp::Dense {
                         gate: linear(&format!("{m}.gate_proj"), &d.inter, &d.hidden, cfg.mlp_bias)?,
                         up: linear(&format!("{m}.up_proj"), &d.inter, &d.hidden, cfg.mlp_bias)?,
@@ -382,6 +325,7 @@ impl<B: Backend> Llama<B> {
             tail: Stage::new(source, &tail),
         };
         let inv_freq = cfg.rope_inv_freq();
+        let rope_factor = cfg.rope_attention_factor();
         Ok(Llama {
             cfg,
             backend,
@@ -390,23 +334,9 @@ impl<B: Backend> Llama<B> {
             lm_head,
             layers,
             inv_freq,
+            rope_factor,
             plan,
         })
-    }
-
-    /// `out = x · lin.wᵀ (+ bias)`, on the step's leases.
-    fn linear(
-        &self,
-        w: &Leased,
-        lin: &Linear,
-        x: &B::Act,
-        out: &mut B::Act,
-    ) -> Result<(), VoomError> {
-        self.backend.matmul(x, w.matrix(&lin.w), out)?;
-        if let Some(b) = &lin.bias {
-            self.backend.add_bias(out, w.vector(b))?;
-        }
-        Ok(())
     }
 }
 
@@ -425,6 +355,28 @@ impl<B: Backend> Model for Llama<B> {
 
     fn threads(&self) -> usize {
         self.backend.threads()
+    }
+
+    fn kv_bytes_per_position(&self) -> u64 {
+        let cfg = &self.cfg;
+        let width = match &cfg.mla {
+            Some(m) => mla::cache_width(m),
+            None => 2 * cfg.num_kv_heads * cfg.head_dim,
+        };
+        (cfg.num_layers * width * std::mem::size_of::<f32>()) as u64
+    }
+
+    fn new_kv(&self, capacity: usize) -> KvCache {
+        let cfg = &self.cfg;
+        let width = match &cfg.mla {
+            Some(m) => mla::cache_width(m),
+            None => cfg.num_kv_heads * cfg.head_dim,
+        };
+        KvCache::new(
+            cfg.num_layers,
+            width,
+            capacity.min(cfg.max_position_embeddings),
+        )
     }
 
     fn scratch_bytes(&self, tokens: usize, chunk: usize, context: usize) -> u64 {
@@ -448,8 +400,30 @@ impl<B: Backend> Model for Llama<B> {
                 + tokens * 8 * m.top_k
                 + chunk * m.num_experts
         });
-        let floats = tokens * (h + hd)
+        // MLA's chunk: the normed input, the query twice (projected and downloaded),
+        // its low-rank projection and norm, the cache vectors (projected, split,
+        // normed, joined and uploaded), the queries in the latent space (and one head's
+        // absorbed part), the attention output in the latent space and expanded.
+        let mla = cfg.mla.as_ref().map_or(0, |m| {
+            let w = mla::cache_width(m);
+            let heads = cfg.num_heads;
+            chunk
+                * (h + 2 * qd
+                    + 2 * m.q_lora_rank.unwrap_or(0)
+                    + 5 * w
+                    + 2 * heads * w
+                    + 2 * m.kv_lora_rank
+                    + 2 * heads * m.kv_lora_rank
+                    + 3 * heads * m.v_head_dim)
+        });
+        let shared = cfg
+            .moe
+            .as_ref()
+            .map_or(0, |m| tokens * (h + m.shared_intermediate_size * 2 + h));
+        let floats = tokens * (h + cfg.rotary_dim)
             + 2 * chunk * per_chunk
+            + mla
+            + shared
             + 2 * h
             + cfg.vocab_size
             + self.threads() * context
@@ -481,7 +455,7 @@ impl<B: Backend> Model for Llama<B> {
         self.embed_rows(sweep, tokens, &ranges, &mut xs)?;
         let tables: Vec<_> = ranges
             .iter()
-            .map(|r| rope::table(&self.inv_freq, pos0 + r.start, r.len()))
+            .map(|r| rope::table(&self.inv_freq, self.rope_factor, pos0 + r.start, r.len()))
             .collect();
 
         let mut full = Scratch::new(b, cfg, chunk);
@@ -498,19 +472,45 @@ impl<B: Backend> Model for Llama<B> {
                 } else {
                     rest.get_or_insert_with(|| Scratch::new(b, cfg, rows))
                 };
-                self.attention(&lw, li, layer, x, table, kv, s)?;
+                match &layer.attn {
+                    Attention::Gqa { .. } => self.attention(&lw, li, layer, x, table, kv, s)?,
+                    Attention::Mla(m) => m.forward(
+                        b,
+                        cfg,
+                        cfg.mla.as_ref().expect("an MLA layer has an MLA config"),
+                        &lw,
+                        li,
+                        &layer.attn_norm,
+                        x,
+                        table,
+                        kv,
+                    )?,
+                }
+                let step = layer.mlp_step();
                 match &layer.mlp {
                     Mlp::Dense { gate, up, down } => {
-                        self.dense_mlp(&lw, layer, [gate, up, down], x, s)?
+                        self.dense_mlp(&lw, step, layer, [gate, up, down], x, s)?
                     }
-                    Mlp::Moe { router, .. } => routed.push(self.route(&lw, layer, router, x, s)?),
+                    Mlp::Moe(e) => {
+                        let moe = cfg.moe.as_ref().expect("a layer of experts has a config");
+                        let w = lw.step(step)?;
+                        routed.push(e.route_chunk(
+                            b,
+                            moe,
+                            &w,
+                            &layer.mlp_norm,
+                            cfg.rms_norm_eps,
+                            x,
+                            &mut s.xn,
+                        )?);
+                    }
                 }
             }
-            if let Mlp::Moe { experts, .. } = &layer.mlp {
+            if let Mlp::Moe(e) = &layer.mlp {
                 if sweep.predicts_experts() {
                     self.predict_next_experts(sweep, li, &xs)?;
                 }
-                self.experts(&lw, experts, &routed, &mut xs)?;
+                e.run(b, &lw, layer.mlp_step() + 1, &routed, &mut xs)?;
             }
         }
 
@@ -663,6 +663,17 @@ impl<B: Backend> Llama<B> {
     ) -> Result<(), VoomError> {
         let (b, cfg) = (&self.backend, &self.cfg);
         let (hd, eps) = (cfg.head_dim, cfg.rms_norm_eps);
+        let Attention::Gqa {
+            q,
+            k,
+            v,
+            o,
+            q_norm,
+            k_norm,
+        } = &layer.attn
+        else {
+            unreachable!("grouped-query attention on a layer of it")
+        };
         // Per head (qwen3), or over the whole projection (olmoe).
         let (qg, kg) = match cfg.qk_norm {
             QkNorm::Whole => (cfg.num_heads * hd, cfg.num_kv_heads * hd),
@@ -671,29 +682,32 @@ impl<B: Backend> Llama<B> {
         {
             let w = lw.step(STEP_Q)?;
             b.rms_norm(x, w.vector(&layer.attn_norm), eps, &mut s.xn)?;
-            self.linear(&w, &layer.q, &s.xn, &mut s.q)?;
-            if let Some(qn) = &layer.q_norm {
+            q.apply(b, &w, &s.xn, &mut s.q)?;
+            if let Some(qn) = q_norm {
                 b.rms_norm_groups(&mut s.q, qg, w.vector(qn), eps)?;
             }
         }
         {
             let w = lw.step(STEP_K)?;
-            self.linear(&w, &layer.k, &s.xn, &mut s.k)?;
-            if let Some(kn) = &layer.k_norm {
+            k.apply(b, &w, &s.xn, &mut s.k)?;
+            if let Some(kn) = k_norm {
                 b.rms_norm_groups(&mut s.k, kg, w.vector(kn), eps)?;
             }
         }
         {
             let w = lw.step(STEP_V)?;
-            self.linear(&w, &layer.v, &s.xn, &mut s.v)?;
+            v.apply(b, &w, &s.xn, &mut s.v)?;
         }
         if let Some(c) = cfg.clip_qkv {
             b.clamp(&mut s.q, c)?;
             b.clamp(&mut s.k, c)?;
             b.clamp(&mut s.v, c)?;
         }
-        b.rope(&mut s.q, hd, table)?;
-        b.rope(&mut s.k, hd, table)?;
+        // The table's `rotary_dim` first floats of each head (all of it but in
+        // glm4_moe).
+        let rotary = RopeShape::whole(hd);
+        b.rope(&mut s.q, &rotary, table)?;
+        b.rope(&mut s.k, &rotary, table)?;
         let shape = AttentionShape {
             heads: cfg.num_heads,
             kv_heads: cfg.num_kv_heads,
@@ -703,7 +717,7 @@ impl<B: Backend> Llama<B> {
         b.attention(&s.q, &s.k, &s.v, kv, li, &shape, &mut s.att)?;
         {
             let w = lw.step(STEP_O)?;
-            self.linear(&w, &layer.o, &s.att, &mut s.o)?;
+            o.apply(b, &w, &s.att, &mut s.o)?;
         }
         b.add(x, &s.o)?;
         Ok(())
@@ -711,9 +725,11 @@ impl<B: Backend> Llama<B> {
 
     /// The dense MLP half of a layer (`[gate, up, down]`) on one chunk `x`, its
     /// residual added.
+    /// `step` is the gate's ([`Layer::mlp_step`]).
     fn dense_mlp(
         &self,
         lw: &LayerLease<'_>,
+        step: usize,
         layer: &Layer,
         [gate, up, down]: [&Linear; 3],
         x: &mut B::Act,
@@ -721,57 +737,21 @@ impl<B: Backend> Llama<B> {
     ) -> Result<(), VoomError> {
         let (b, eps) = (&self.backend, self.cfg.rms_norm_eps);
         {
-            let w = lw.step(STEP_GATE)?;
+            let w = lw.step(step)?;
             b.rms_norm(x, w.vector(&layer.mlp_norm), eps, &mut s.xn)?;
-            self.linear(&w, gate, &s.xn, &mut s.g)?;
+            gate.apply(b, &w, &s.xn, &mut s.g)?;
         }
         {
-            let w = lw.step(STEP_UP)?;
-            self.linear(&w, up, &s.xn, &mut s.u)?;
+            let w = lw.step(step + 1)?;
+            up.apply(b, &w, &s.xn, &mut s.u)?;
         }
         b.gated(Activation::Silu, &mut s.g, &s.u)?;
         {
-            let w = lw.step(STEP_DOWN)?;
-            self.linear(&w, down, &s.g, &mut s.o)?;
+            let w = lw.step(step + 2)?;
+            down.apply(b, &w, &s.g, &mut s.o)?;
         }
         b.add(x, &s.o)?;
         Ok(())
-    }
-
-    /// Routes one chunk `x` in a layer of experts: the MLP norm, the router's
-    /// softmax over every expert, the `top_k` most probable (renormalised to sum to
-    /// one where the config says so), as transformers routes.
-    fn route(
-        &self,
-        lw: &LayerLease<'_>,
-        layer: &Layer,
-        router: &Matrix,
-        x: &B::Act,
-        s: &mut Scratch<B>,
-    ) -> Result<Routed, VoomError> {
-        let (b, cfg) = (&self.backend, &self.cfg);
-        let moe = cfg
-            .moe
-            .as_ref()
-            .expect("a layer of experts has a config of them");
-        let w = lw.step(STEP_ROUTER)?;
-        b.rms_norm(x, w.vector(&layer.mlp_norm), cfg.rms_norm_eps, &mut s.xn)?;
-        let mut probs = b.zeros(b.shape(x).0, moe.num_experts);
-        b.matmul(&s.xn, w.matrix(router), &mut probs)?;
-        b.softmax(&mut probs)?;
-        let mut picks = b.top_k(&probs, moe.top_k);
-        if moe.norm_topk_prob {
-            for row in &mut picks {
-                let sum: f32 = row.iter().map(|p| p.1).sum();
-                for p in row.iter_mut() {
-                    p.1 /= sum;
-                }
-            }
-        }
-        Ok(Routed {
-            xn: b.download(&s.xn),
-            picks,
-        })
     }
 
     /// Predicts the picks of the next layer of experts after `li` from the hidden
@@ -785,106 +765,18 @@ impl<B: Backend> Llama<B> {
         li: usize,
         xs: &[B::Act],
     ) -> Result<(), VoomError> {
-        let b = &self.backend;
-        let Some((n, next, router)) =
-            self.layers
-                .iter()
-                .enumerate()
-                .skip(li + 1)
-                .find_map(|(n, l)| match &l.mlp {
-                    Mlp::Moe { router, .. } => Some((n, l, router)),
-                    Mlp::Dense { .. } => None,
-                })
-        else {
-            return Ok(());
-        };
-        let moe = self
-            .cfg
-            .moe
-            .as_ref()
-            .expect("a layer of experts has a config of them");
-        let w = sweep.lease(&[next.mlp_norm.page, router.page])?;
-        let mut picked = vec![false; moe.num_experts];
-        for x in xs {
-            let rows = b.shape(x).0;
-            let mut xn = b.zeros(rows, self.cfg.hidden_size);
-            b.rms_norm(x, w.vector(&next.mlp_norm), self.cfg.rms_norm_eps, &mut xn)?;
-            let mut probs = b.zeros(rows, moe.num_experts);
-            b.matmul(&xn, w.matrix(router), &mut probs)?;
-            for row in b.top_k(&probs, moe.top_k) {
-                for (e, _) in row {
-                    picked[e as usize] = true;
-                }
-            }
-        }
-        let experts: Vec<usize> = (0..picked.len()).filter(|&e| picked[e]).collect();
-        sweep.hint_experts(n, &experts);
-        Ok(())
-    }
-
-    /// The routed experts of a layer over every chunk (`routed`, one per chunk of
-    /// `xs`): each expert picked is leased once, in ascending order, and computes the
-    /// rows routed to it; each row's output is the sum of its experts' outputs times
-    /// their weights, added in ascending expert order (as transformers' experts loop
-    /// adds them), then its residual.
-    fn experts(
-        &self,
-        lw: &LayerLease<'_>,
-        experts: &[Expert],
-        routed: &[Routed],
-        xs: &mut [B::Act],
-    ) -> Result<(), VoomError> {
-        let b = &self.backend;
-        let h = self.cfg.hidden_size;
-        let inter = self
-            .cfg
-            .moe
-            .as_ref()
-            .map_or(0, |m| m.expert_intermediate_size);
-        // The rows each expert computes: (chunk, row, weight), in position order.
-        let mut to: Vec<Vec<(usize, usize, f32)>> = vec![Vec::new(); experts.len()];
-        for (c, r) in routed.iter().enumerate() {
-            for (row, picks) in r.picks.iter().enumerate() {
-                for &(e, weight) in picks {
-                    to[e as usize].push((c, row, weight));
-                }
-            }
-        }
-        let chosen: Vec<usize> = (0..experts.len()).filter(|&e| !to[e].is_empty()).collect();
-        let mut out: Vec<Vec<f32>> = routed
+        let next = self
+            .layers
             .iter()
-            .map(|r| vec![0.0f32; r.picks.len() * h])
-            .collect();
-        lw.experts(&chosen, |e, w| {
-            let rows = &to[e];
-            let input = {
-                let mut v = Vec::with_capacity(rows.len() * h);
-                for &(c, r, _) in rows {
-                    v.extend_from_slice(&routed[c].xn[r * h..(r + 1) * h]);
-                }
-                b.upload(rows.len(), h, &v)?
-            };
-            let ex = &experts[e];
-            let mut g = b.zeros(rows.len(), inter);
-            let mut u = b.zeros(rows.len(), inter);
-            b.matmul(&input, w.matrix(&ex.gate), &mut g)?;
-            b.matmul(&input, w.matrix(&ex.up), &mut u)?;
-            b.gated(Activation::Silu, &mut g, &u)?;
-            let mut y = b.zeros(rows.len(), h);
-            b.matmul(&g, w.matrix(&ex.down), &mut y)?;
-            let y = b.download_owned(y);
-            for (i, &(c, r, weight)) in rows.iter().enumerate() {
-                let dst = &mut out[c][r * h..(r + 1) * h];
-                for (o, &v) in dst.iter_mut().zip(&y[i * h..(i + 1) * h]) {
-                    *o += v * weight;
-                }
-            }
-            Ok(())
-        })?;
-        for (x, o) in xs.iter_mut().zip(out) {
-            let o = b.upload(b.shape(x).0, h, &o)?;
-            b.add(x, &o)?;
+            .enumerate()
+            .skip(li + 1)
+            .find_map(|(n, l)| match &l.mlp {
+                Mlp::Moe(e) => Some((n, l, e)),
+                Mlp::Dense { .. } => None,
+            });
+        match next {
+            Some((n, l, e)) => e.hint_picks(&self.backend, &self.cfg, sweep, n, &l.mlp_norm, xs),
+            None => Ok(()),
         }
-        Ok(())
     }
 }

@@ -4,10 +4,14 @@
 //! holds it as a [`Model`] and never changes for a new one.
 //!
 //! - [`llama`]: llama, mistral, qwen2 and qwen3, and the mixtures of experts
-//!   qwen3_moe, olmoe and mixtral.
+//!   qwen3_moe, olmoe, mixtral, glm4_moe and deepseek_v3; [`moe`] their experts,
+//!   [`mla`] deepseek_v3's multi-head latent attention, [`linear`] a projection.
 //! - [`sweep`]: leasing, prefetching and releasing pages along a plan.
 
+mod linear;
 pub mod llama;
+mod mla;
+mod moe;
 pub mod plan;
 pub mod rope;
 pub mod sweep;
@@ -119,6 +123,8 @@ fn load_on<B: Backend + 'static>(
         | Arch::Qwen3
         | Arch::Qwen3Moe
         | Arch::Olmoe
-        | Arch::Mixtral => Ok(Box::new(llama::Llama::load(cfg, source, model, backend)?)),
+        | Arch::Mixtral
+        | Arch::Glm4Moe
+        | Arch::DeepseekV3 => Ok(Box::new(llama::Llama::load(cfg, source, model, backend)?)),
     }
 }

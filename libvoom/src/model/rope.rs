@@ -13,8 +13,9 @@ pub fn cos_sin(inv_freq: &[f32], pos: usize, cos: &mut [f32], sin: &mut [f32]) {
     }
 }
 
-/// The rotary table of positions `pos0..pos0 + n` ([`cos_sin`] for each).
-pub fn table(inv_freq: &[f32], pos0: usize, n: usize) -> RopeTable {
+/// The rotary table of positions `pos0..pos0 + n` ([`cos_sin`] for each), cos and
+/// sin multiplied by `factor` (YaRN's attention factor; 1 leaves them exact).
+pub fn table(inv_freq: &[f32], factor: f32, pos0: usize, n: usize) -> RopeTable {
     let half = inv_freq.len();
     let mut cos = vec![0f32; n * half];
     let mut sin = vec![0f32; n * half];
@@ -25,6 +26,11 @@ pub fn table(inv_freq: &[f32], pos0: usize, n: usize) -> RopeTable {
             &mut cos[t * half..(t + 1) * half],
             &mut sin[t * half..(t + 1) * half],
         );
+    }
+    if factor != 1.0 {
+        for v in cos.iter_mut().chain(sin.iter_mut()) {
+            *v *= factor;
+        }
     }
     RopeTable { half, cos, sin }
 }

@@ -4,7 +4,7 @@
 use super::matmul::{attention_scores_isa, weighted_sum_isa, Isa};
 use super::ops;
 use super::threads::ThreadPool;
-use crate::backend::AttentionShape;
+use crate::backend::{AttentionShape, LatentShape};
 
 /// Attention of `n` new queries `q` (`n × heads·head_dim`) at positions
 /// `pos0..pos0+n` over the cached keys and values `kc`, `vc` of positions
@@ -51,6 +51,48 @@ pub(super) fn attend(
                 std::slice::from_raw_parts_mut(out_ptr.get().add(t * qd + head * hd), hd)
             };
             weighted_sum_isa(isa, s, &vc[base..], kvd, dst);
+        }
+    });
+}
+
+/// Multi-head latent attention of `n` new queries `q` (`n × heads·(rank+rope)`) at
+/// positions `pos0..pos0+n` over the cache vectors `cache` of positions `0..pos0+n`
+/// (`rank + rope` floats each: the latent, then the rotary key), into `out`
+/// (`n × heads·rank`): scores are dot products with whole cache vectors, values the
+/// latents. One fixed loop per output row, as [`attend`]. The caller checked every
+/// length.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn attend_latent(
+    isa: Isa,
+    pool: &ThreadPool,
+    shape: &LatentShape,
+    q: &[f32],
+    cache: &[f32],
+    pos0: usize,
+    n: usize,
+    out: &mut [f32],
+) {
+    let (heads, rank) = (shape.heads, shape.rank);
+    let w = rank + shape.rope;
+    let (qd, od) = (heads * w, heads * rank);
+    let tasks = n * heads;
+    let out_ptr = SendPtr(out.as_mut_ptr());
+    pool.for_each_chunk(tasks, |range| {
+        let mut scores = vec![0f32; pos0 + n];
+        for task in range {
+            let (t, head) = (task / heads, task % heads);
+            let pos = pos0 + t;
+            let qv = &q[t * qd + head * w..t * qd + (head + 1) * w];
+            let s = &mut scores[..pos + 1];
+            attention_scores_isa(isa, qv, cache, w, shape.scale, s);
+            ops::softmax_inplace(s);
+            // SAFETY: each task writes only its own disjoint `rank`-sized slice of
+            // `out` (row t, head `head`), and `out` outlives `for_each_chunk`, which
+            // returns only after every task has finished.
+            let dst = unsafe {
+                std::slice::from_raw_parts_mut(out_ptr.get().add(t * od + head * rank), rank)
+            };
+            weighted_sum_isa(isa, s, cache, w, dst);
         }
     });
 }

@@ -10,7 +10,8 @@ use super::rows::Rows;
 use super::threads::ThreadPool;
 use crate::backend::kv::KvCache;
 use crate::backend::{
-    Activation, AttentionShape, Backend, KernelError, RopeTable, TableView, VecView, WeightView,
+    Activation, AttentionShape, Backend, KernelError, LatentShape, RopeShape, RopeTable, TableView,
+    VecView, WeightView,
 };
 
 /// The CPU backend: a thread pool and the instruction set its kernels use.
@@ -207,32 +208,95 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn rope(&self, x: &mut Rows, head_dim: usize, table: &RopeTable) -> Result<(), KernelError> {
+    fn rope(&self, x: &mut Rows, shape: &RopeShape, table: &RopeTable) -> Result<(), KernelError> {
         let half = table.half;
-        if head_dim == 0
-            || half * 2 != head_dim
-            || !x.cols().is_multiple_of(head_dim)
+        let hd = shape.head_dim;
+        if hd == 0
+            || half == 0
+            || shape.offset + 2 * half > hd
+            || !x.cols().is_multiple_of(hd)
             || table.positions() != x.rows()
             || table.sin.len() != table.cos.len()
         {
             return Err(KernelError::ActivationLen {
                 what: "rotary input",
                 n: table.positions(),
-                per_token: x.cols().next_multiple_of(head_dim.max(1)),
+                per_token: x.cols().next_multiple_of(hd.max(1)),
                 expected: table.positions() * x.cols(),
                 actual: x.rows() * x.cols(),
             });
         }
         let cols = x.cols();
+        let (from, to) = (shape.offset, shape.offset + 2 * half);
         for (t, row) in x.as_mut_slice().chunks_exact_mut(cols).enumerate() {
             let (c, s) = (
                 &table.cos[t * half..(t + 1) * half],
                 &table.sin[t * half..(t + 1) * half],
             );
-            for head in row.chunks_exact_mut(head_dim) {
-                ops::rope_head(head, c, s);
+            for head in row.chunks_exact_mut(hd) {
+                let r = &mut head[from..to];
+                if shape.interleaved {
+                    ops::rope_interleaved(r, c, s);
+                } else {
+                    ops::rope_head(r, c, s);
+                }
             }
         }
+        Ok(())
+    }
+
+    fn matmul_t(&self, x: &Rows, w: WeightView<'_>, out: &mut Rows) -> Result<(), KernelError> {
+        w.check()?;
+        check_shape("transposed matmul input", x, x.rows(), w.rows)?;
+        check_shape("transposed matmul output", out, x.rows(), w.cols)?;
+        let (n, k, c) = (x.rows(), w.rows, w.cols);
+        let (xs, o) = (x.as_slice(), out.as_mut_slice());
+        o.fill(0.0);
+        for r in 0..k {
+            let row = w.row(r).to_vec();
+            for t in 0..n {
+                matmul::axpy(&mut o[t * c..(t + 1) * c], xs[t * k + r], &row);
+            }
+        }
+        Ok(())
+    }
+
+    fn latent_attention(
+        &self,
+        q: &Rows,
+        kv_new: &Rows,
+        kv: &mut KvCache,
+        layer: usize,
+        shape: &LatentShape,
+        out: &mut Rows,
+    ) -> Result<(), KernelError> {
+        let n = q.rows();
+        let w = shape.rank + shape.rope;
+        check_shape("latent attention queries", q, n, shape.heads * w)?;
+        check_shape("latent attention cache vectors", kv_new, n, w)?;
+        check_shape("latent attention output", out, n, shape.heads * shape.rank)?;
+        if kv.width() != w || layer >= kv.layers() {
+            return Err(KernelError::ActivationLen {
+                what: "latent KV cache layer",
+                n: kv.layers(),
+                per_token: kv.width(),
+                expected: w,
+                actual: kv.width(),
+            });
+        }
+        let pos0 = kv.layer_len(layer);
+        kv.append(layer, kv_new.as_slice(), &[])?;
+        let (cache, _) = kv.layer(layer);
+        attention::attend_latent(
+            self.isa,
+            &self.pool,
+            shape,
+            q.as_slice(),
+            cache,
+            pos0,
+            n,
+            out.as_mut_slice(),
+        );
         Ok(())
     }
 
@@ -313,6 +377,11 @@ impl Backend for CpuBackend {
                 .chunks_exact_mut(cols)
                 .for_each(ops::softmax);
         }
+        Ok(())
+    }
+
+    fn sigmoid(&self, x: &mut Rows) -> Result<(), KernelError> {
+        ops::sigmoid(x.as_mut_slice());
         Ok(())
     }
 

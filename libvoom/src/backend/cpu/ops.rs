@@ -94,6 +94,25 @@ pub fn rope_head(x: &mut [f32], cos: &[f32], sin: &[f32]) {
     }
 }
 
+/// Rotary embedding of interleaved pairs `(x[2i], x[2i + 1])`, written back
+/// de-interleaved: `x[i] = x0·cos − x1·sin`, `x[half + i] = x1·cos + x0·sin` (each
+/// product rounded, then the sum), as transformers' `apply_rotary_pos_emb_interleave`.
+pub fn rope_interleaved(x: &mut [f32], cos: &[f32], sin: &[f32]) {
+    let half = x.len() / 2;
+    let pairs: Vec<(f32, f32)> = (0..half).map(|i| (x[2 * i], x[2 * i + 1])).collect();
+    for (i, (x0, x1)) in pairs.into_iter().enumerate() {
+        x[i] = x0 * cos[i] - x1 * sin[i];
+        x[half + i] = x1 * cos[i] + x0 * sin[i];
+    }
+}
+
+/// `1 / (1 + exp(-x))` of every value, in float32.
+pub fn sigmoid(x: &mut [f32]) {
+    for v in x {
+        *v = 1.0 / (1.0 + (-*v).exp());
+    }
+}
+
 /// Softmax in place, f32 exponentials, f64 sum, like torch's float32 softmax
 /// (max subtracted first).
 pub fn softmax_inplace(x: &mut [f32]) {

@@ -1,0 +1,33 @@
+//! A projection with an optional bias, and its product over a step's leases.
+
+use vpaged::PageId;
+
+use crate::backend::Backend;
+use crate::model::weights::{Leased, Matrix, Vector};
+use crate::VoomError;
+
+pub(super) struct Linear {
+    pub w: Matrix,
+    pub bias: Option<Vector>,
+}
+
+impl Linear {
+    pub fn pages(&self) -> impl Iterator<Item = PageId> + '_ {
+        std::iter::once(self.w.page).chain(self.bias.iter().map(|b| b.page))
+    }
+
+    /// `out = x · wᵀ (+ bias)`, on the leases `w` of its step.
+    pub fn apply<B: Backend>(
+        &self,
+        b: &B,
+        w: &Leased,
+        x: &B::Act,
+        out: &mut B::Act,
+    ) -> Result<(), VoomError> {
+        b.matmul(x, w.matrix(&self.w), out)?;
+        if let Some(bias) = &self.bias {
+            b.add_bias(out, w.vector(bias))?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,426 @@
+//! Routed experts in place of a decoder layer's MLP, as transformers computes them:
+//! the router scores every expert ([`Scoring`]), picks `top_k`, and each position's
+//! output is its experts' SwiGLU outputs times their weights, added in ascending
+//! expert order (transformers' experts loop), plus the shared experts' output where
+//! the family has them.
+//!
+//! Paging: the router (and its correction bias) is one step of the layer's plan, the
+//! shared experts another; each routed expert is its own set of pages, leased only
+//! when picked ([`LayerLease::experts`]).
+
+use vpaged::PageId;
+
+use crate::backend::{Activation, Backend};
+use crate::config::{ModelConfig, Moe, Scoring};
+use crate::model::sweep::{LayerLease, Sweep};
+use crate::model::weights::{Dim, Leased, Matrix, Vector, WeightFinder};
+use crate::VoomError;
+
+/// One SwiGLU expert (routed or shared).
+pub(super) struct Expert {
+    gate: Matrix,
+    up: Matrix,
+    down: Matrix,
+}
+
+impl Expert {
+    /// Its pages (one each, or the fused tensors all experts share), each once.
+    fn pages(&self) -> Vec<PageId> {
+        let mut v = vec![self.gate.page, self.up.page, self.down.page];
+        v.dedup();
+        v
+    }
+
+    /// `down(silu(gate(x)) * up(x))` of the `rows` rows of `input`.
+    fn compute<B: Backend>(
+        &self,
+        b: &B,
+        w: &Leased,
+        input: &B::Act,
+        rows: usize,
+    ) -> Result<Vec<f32>, VoomError> {
+        let mut g = b.zeros(rows, self.gate.rows);
+        let mut u = b.zeros(rows, self.up.rows);
+        b.matmul(input, w.matrix(&self.gate), &mut g)?;
+        b.matmul(input, w.matrix(&self.up), &mut u)?;
+        b.gated(Activation::Silu, &mut g, &u)?;
+        let mut y = b.zeros(rows, self.down.rows);
+        b.matmul(&g, w.matrix(&self.down), &mut y)?;
+        Ok(b.download_owned(y))
+    }
+}
+
+/// The dimensions a config gives the experts, each naming its config.json keys.
+pub(super) struct ExpertDims {
+    pub hidden: Dim,
+    pub experts: Dim,
+    pub inter: Dim,
+    pub shared_inter: Dim,
+}
+
+impl ExpertDims {
+    pub fn of(cfg: &ModelConfig) -> Self {
+        let m = cfg.moe.as_ref();
+        let inter_key = match cfg.arch {
+            crate::config::Arch::Olmoe | crate::config::Arch::Mixtral => "intermediate_size",
+            _ => "moe_intermediate_size",
+        };
+        let experts_key = match cfg.arch {
+            crate::config::Arch::Glm4Moe | crate::config::Arch::DeepseekV3 => "n_routed_experts",
+            _ => "num_experts",
+        };
+        ExpertDims {
+            hidden: Dim::of("hidden_size", cfg.hidden_size),
+            experts: Dim::of(experts_key, m.map_or(0, |m| m.num_experts)),
+            inter: Dim::of(inter_key, m.map_or(0, |m| m.expert_intermediate_size)),
+            shared_inter: Dim::of(
+                "moe_intermediate_size × n_shared_experts",
+                m.map_or(0, |m| m.shared_intermediate_size),
+            ),
+        }
+    }
+}
+
+/// A layer's mixture of experts.
+pub(super) struct Experts {
+    /// `[experts, hidden]`.
+    router: Matrix,
+    /// The router's `e_score_correction_bias` (sigmoid scoring), any float dtype
+    /// (F32 in released DeepSeek-V3 and GLM-4.5 files, beside BF16 weights).
+    bias: Option<Vector>,
+    routed: Vec<Expert>,
+    shared: Option<Expert>,
+}
+
+/// One chunk's routing in a layer of experts: its normed rows (the experts' input)
+/// and, per row, the experts picked with their weights.
+pub(super) struct Routed {
+    xn: Vec<f32>,
+    picks: Vec<Vec<(u32, f32)>>,
+}
+
+impl Experts {
+    /// The experts of the layer whose tensors start `p` (`model.layers.N`): the router
+    /// (`mlp.gate`, mixtral's `block_sparse_moe.gate`), its correction bias where
+    /// the scoring has one, each expert's gate, up and down projections stored one
+    /// tensor per expert and projection (`mlp.experts.E.gate_proj`, mixtral's
+    /// `experts.E.w1`/`w3`/`w2`) or fused (`mlp.experts.gate_up_proj` `[experts,
+    /// 2 × intermediate, hidden]`, gate rows first, and `mlp.experts.down_proj`
+    /// `[experts, hidden, intermediate]`, as transformers 5 can save them), and the
+    /// shared experts (`mlp.shared_experts.*`).
+    pub fn load(
+        f: &WeightFinder<'_>,
+        moe: &Moe,
+        d: &ExpertDims,
+        p: &str,
+    ) -> Result<Self, VoomError> {
+        let block = format!("{p}.block_sparse_moe");
+        let m = if f.has(&format!("{block}.gate.weight")) {
+            block
+        } else {
+            format!("{p}.mlp")
+        };
+        let router = f.matrix(&format!("{m}.gate.weight"), &d.experts, &d.hidden)?;
+        let bias = match moe.scoring {
+            Scoring::Softmax => None,
+            Scoring::SigmoidGroups { .. } => {
+                Some(f.vector(&format!("{m}.gate.e_score_correction_bias"), &d.experts)?)
+            }
+        };
+        let fused = format!("{m}.experts.gate_up_proj");
+        let inter = d.inter.len;
+        let routed = if f.has(&fused) {
+            let both = Dim {
+                len: 2 * inter,
+                key: format!("2 × {}", d.inter.key),
+            };
+            let gate_up = f.stacked(&fused, &d.experts, &both, &d.hidden)?;
+            let down = f.stacked(
+                &format!("{m}.experts.down_proj"),
+                &d.experts,
+                &d.hidden,
+                &d.inter,
+            )?;
+            gate_up
+                .into_iter()
+                .zip(down)
+                .map(|(gu, down)| Expert {
+                    gate: gu.sub_rows(0, inter),
+                    up: gu.sub_rows(inter, inter),
+                    down,
+                })
+                .collect()
+        } else {
+            let (g, u, dn) = if m.ends_with("block_sparse_moe") {
+                ("w1", "w3", "w2")
+            } else {
+                ("gate_proj", "up_proj", "down_proj")
+            };
+            let w = |e: usize, proj: &str| format!("{m}.experts.{e}.{proj}.weight");
+            (0..moe.num_experts)
+                .map(|e| {
+                    Ok(Expert {
+                        gate: f.matrix(&w(e, g), &d.inter, &d.hidden)?,
+                        up: f.matrix(&w(e, u), &d.inter, &d.hidden)?,
+                        down: f.matrix(&w(e, dn), &d.hidden, &d.inter)?,
+                    })
+                })
+                .collect::<Result<Vec<_>, VoomError>>()?
+        };
+        let shared = if moe.shared_intermediate_size > 0 {
+            let s = |proj: &str| format!("{m}.shared_experts.{proj}.weight");
+            Some(Expert {
+                gate: f.matrix(&s("gate_proj"), &d.shared_inter, &d.hidden)?,
+                up: f.matrix(&s("up_proj"), &d.shared_inter, &d.hidden)?,
+                down: f.matrix(&s("down_proj"), &d.hidden, &d.shared_inter)?,
+            })
+        } else {
+            None
+        };
+        Ok(Experts {
+            router,
+            bias,
+            routed,
+            shared,
+        })
+    }
+
+    /// The router step's pages after the MLP norm: the router and its bias.
+    pub fn router_pages(&self) -> Vec<PageId> {
+        std::iter::once(self.router.page)
+            .chain(self.bias.map(|b| b.page))
+            .collect()
+    }
+
+    /// The shared experts' pages (a step of their own), if any.
+    pub fn shared_pages(&self) -> Option<Vec<PageId>> {
+        self.shared.as_ref().map(Expert::pages)
+    }
+
+    /// Each routed expert's pages.
+    pub fn expert_pages(&self) -> Vec<Vec<PageId>> {
+        self.routed.iter().map(Expert::pages).collect()
+    }
+
+    /// Routes the normed rows `xn` (`rows × hidden`) with the router and bias of the
+    /// leases `w`: per row, the experts picked and their weights.
+    pub fn route<B: Backend>(
+        &self,
+        b: &B,
+        moe: &Moe,
+        w: &Leased,
+        xn: &B::Act,
+    ) -> Result<Vec<Vec<(u32, f32)>>, VoomError> {
+        let rows = b.shape(xn).0;
+        let n = moe.num_experts;
+        let mut logits = b.zeros(rows, n);
+        b.matmul(xn, w.matrix(&self.router), &mut logits)?;
+        let mut picks = match moe.scoring {
+            Scoring::Softmax => {
+                b.softmax(&mut logits)?;
+                b.top_k(&logits, moe.top_k)
+            }
+            Scoring::SigmoidGroups {
+                n_group,
+                topk_group,
+            } => {
+                let bias = self
+                    .bias
+                    .map(|v| w.vector(&v).to_vec())
+                    .expect("sigmoid scoring loads a correction bias");
+                b.sigmoid(&mut logits)?;
+                let scores = b.download_owned(logits);
+                // What the choice ranks: score plus bias.
+                let choice: Vec<f32> = scores
+                    .chunks_exact(n)
+                    .flat_map(|row| row.iter().zip(&bias).map(|(s, c)| s + c))
+                    .collect();
+                // Each group's two best, summed; the `topk_group` best groups.
+                let size = n / n_group;
+                let best_two = b.top_k(&b.upload(rows * n_group, size, &choice)?, 2);
+                let group_scores: Vec<f32> = best_two.iter().map(|t| t[0].1 + t[1].1).collect();
+                let groups = b.top_k(&b.upload(rows, n_group, &group_scores)?, topk_group);
+                // Experts of the other groups cannot be chosen.
+                let mut masked = vec![f32::NEG_INFINITY; rows * n];
+                for (r, kept) in groups.iter().enumerate() {
+                    for &(g, _) in kept {
+                        let at = r * n + g as usize * size;
+                        masked[at..at + size].copy_from_slice(&choice[at..at + size]);
+                    }
+                }
+                let chosen = b.top_k(&b.upload(rows, n, &masked)?, moe.top_k);
+                // Weighted by the scores without the bias.
+                chosen
+                    .into_iter()
+                    .enumerate()
+                    .map(|(r, row)| {
+                        row.into_iter()
+                            .map(|(e, _)| (e, scores[r * n + e as usize]))
+                            .collect()
+                    })
+                    .collect()
+            }
+        };
+        let eps = match moe.scoring {
+            Scoring::Softmax => 0.0,
+            Scoring::SigmoidGroups { .. } => 1e-20,
+        };
+        for row in &mut picks {
+            if moe.norm_topk_prob {
+                let sum: f32 = row.iter().map(|p| p.1).sum::<f32>() + eps;
+                for p in row.iter_mut() {
+                    p.1 /= sum;
+                }
+            }
+            if moe.routed_scaling_factor != 1.0 {
+                for p in row.iter_mut() {
+                    p.1 *= moe.routed_scaling_factor;
+                }
+            }
+        }
+        Ok(picks)
+    }
+
+    /// Normalises one chunk `x` with the MLP norm of the leases `w` into `xn` and
+    /// routes it ([`Experts::route`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn route_chunk<B: Backend>(
+        &self,
+        b: &B,
+        moe: &Moe,
+        w: &Leased,
+        norm: &Vector,
+        eps: f32,
+        x: &B::Act,
+        xn: &mut B::Act,
+    ) -> Result<Routed, VoomError> {
+        b.rms_norm(x, w.vector(norm), eps, xn)?;
+        let picks = self.route(b, moe, w, xn)?;
+        Ok(Routed {
+            xn: b.download(xn),
+            picks,
+        })
+    }
+
+    /// The experts of a layer over every chunk (`routed`, one per chunk of `xs`):
+    /// each routed expert picked is leased once, in ascending order, and computes the
+    /// rows routed to it; each row's output is the sum of its experts' outputs times
+    /// their weights, added in ascending expert order, then the shared experts'
+    /// output (their step, `shared_step`, leased after the routed experts), then its
+    /// residual.
+    pub fn run<B: Backend>(
+        &self,
+        b: &B,
+        lw: &LayerLease<'_>,
+        shared_step: usize,
+        routed: &[Routed],
+        xs: &mut [B::Act],
+    ) -> Result<(), VoomError> {
+        let h = self.router.cols;
+        // The rows each expert computes: (chunk, row, weight), in position order.
+        let mut to: Vec<Vec<(usize, usize, f32)>> = vec![Vec::new(); self.routed.len()];
+        for (c, r) in routed.iter().enumerate() {
+            for (row, picks) in r.picks.iter().enumerate() {
+                for &(e, weight) in picks {
+                    to[e as usize].push((c, row, weight));
+                }
+            }
+        }
+        let chosen: Vec<usize> = (0..to.len()).filter(|&e| !to[e].is_empty()).collect();
+        let mut out: Vec<Vec<f32>> = routed
+            .iter()
+            .map(|r| vec![0.0f32; r.picks.len() * h])
+            .collect();
+        lw.experts(&chosen, |e, w| {
+            let rows = &to[e];
+            let input = {
+                let mut v = Vec::with_capacity(rows.len() * h);
+                for &(c, r, _) in rows {
+                    v.extend_from_slice(&routed[c].xn[r * h..(r + 1) * h]);
+                }
+                b.upload(rows.len(), h, &v)?
+            };
+            let y = self.routed[e].compute(b, w, &input, rows.len())?;
+            for (i, &(c, r, weight)) in rows.iter().enumerate() {
+                let dst = &mut out[c][r * h..(r + 1) * h];
+                for (o, &v) in dst.iter_mut().zip(&y[i * h..(i + 1) * h]) {
+                    *o += v * weight;
+                }
+            }
+            Ok(())
+        })?;
+        if let Some(shared) = &self.shared {
+            let w = lw.step(shared_step)?;
+            for (r, o) in routed.iter().zip(out.iter_mut()) {
+                let rows = r.picks.len();
+                let y = shared.compute(b, &w, &b.upload(rows, h, &r.xn)?, rows)?;
+                for (o, v) in o.iter_mut().zip(y) {
+                    *o += v;
+                }
+            }
+        }
+        for (x, o) in xs.iter_mut().zip(out) {
+            let o = b.upload(b.shape(x).0, h, &o)?;
+            b.add(x, &o)?;
+        }
+        Ok(())
+    }
+
+    /// Predicts this layer's picks (layer `li`) from the hidden states `xs` of an
+    /// earlier layer, with this layer's MLP norm and router, and hints them to the
+    /// sweep. A hint only: no result depends on it.
+    pub fn hint_picks<B: Backend>(
+        &self,
+        b: &B,
+        cfg: &ModelConfig,
+        sweep: &Sweep<'_>,
+        li: usize,
+        norm: &Vector,
+        xs: &[B::Act],
+    ) -> Result<(), VoomError> {
+        let moe = cfg.moe.as_ref().expect("a layer of experts has a config");
+        let mut pages = vec![norm.page];
+        pages.extend(self.router_pages());
+        let w = sweep.lease(&pages)?;
+        let mut picked = vec![false; moe.num_experts];
+        for x in xs {
+            let mut xn = b.zeros(b.shape(x).0, cfg.hidden_size);
+            b.rms_norm(x, w.vector(norm), cfg.rms_norm_eps, &mut xn)?;
+            for row in self.route(b, moe, &w, &xn)? {
+                for (e, _) in row {
+                    picked[e as usize] = true;
+                }
+            }
+        }
+        let experts: Vec<usize> = (0..picked.len()).filter(|&e| picked[e]).collect();
+        sweep.hint_experts(li, &experts);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn expert_dims_name_each_familys_keys() {
+        let json = r#"{"model_type": "deepseek_v3", "hidden_size": 64, "intermediate_size": 128,
+            "moe_intermediate_size": 32, "n_routed_experts": 8, "n_group": 2, "topk_group": 1,
+            "num_experts_per_tok": 2, "n_shared_experts": 2, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "vocab_size": 16, "max_position_embeddings": 64,
+            "kv_lora_rank": 16, "q_lora_rank": null, "qk_nope_head_dim": 8,
+            "qk_rope_head_dim": 4, "v_head_dim": 8, "first_k_dense_replace": 1}"#;
+        let cfg = ModelConfig::from_json(json, std::path::Path::new("c")).unwrap();
+        let d = ExpertDims::of(&cfg);
+        assert_eq!(
+            (d.experts.key.as_str(), d.experts.len),
+            ("'n_routed_experts'", 8)
+        );
+        assert_eq!(
+            (d.inter.key.as_str(), d.inter.len),
+            ("'moe_intermediate_size'", 32)
+        );
+        assert_eq!(d.shared_inter.len, 64);
+        assert_eq!(cfg.moe.unwrap().sparse, vec![false, true]);
+    }
+}
