@@ -37,6 +37,8 @@ import transformers
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    DeepseekV3Config,
+    Glm4MoeConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -69,7 +71,12 @@ CONFIG_CLASSES = {
     "qwen3_moe": Qwen3MoeConfig,
     "olmoe": OlmoeConfig,
     "mixtral": MixtralConfig,
+    "glm4_moe": Glm4MoeConfig,
+    "deepseek_v3": DeepseekV3Config,
 }
+# Sigmoid routers' correction bias (`e_score_correction_bias`): stored in float32 beside
+# the BF16 weights, as released DeepSeek-V3 and GLM-4.5 files store it.
+CORRECTION_BIAS = "e_score_correction_bias"
 # Mixtures of experts: a prompt is also redrawn when a router's k-th and (k+1)-th
 # probabilities are this close at any position and layer (another summation order of
 # the router logits could then route the token to another expert).
@@ -109,6 +116,12 @@ class CaseSpec:
     check_sliding_window_matters: bool = False
     check_llama3_scaling_matters: bool = False
     check_clip_qkv_matters: bool = False
+    # Standard deviation of sigmoid routers' float32 correction bias.
+    correction_bias_std: float = 0.05
+    # Post-edits that must load to the same model (checked): "yarn_legacy_rope_scaling"
+    # (rope_parameters -> top-level rope_theta and a `rope_scaling` with the older
+    # "type" key), "drop_partial_rotary_factor" (glm4_moe's default of 0.5 applies).
+    config_postedit: str | None = None
     # Save the experts fused (`mlp.experts.gate_up_proj` [E, 2I, H] and
     # `mlp.experts.down_proj` [E, H, I]: `save_pretrained(save_original_format=False)`,
     # the format transformers 5 re-saves a fused checkpoint in) instead of one tensor
@@ -458,6 +471,151 @@ def case_specs() -> list[CaseSpec]:
                 "eos_token_id": 2,
             },
         ),
+        CaseSpec(
+            name="glm4_moe_partial_rotary_shared",
+            arch="glm4_moe",
+            seed=1012,
+            covers=[
+                "glm4_moe",
+                "partial rotary (partial_rotary_factor 0.5, left to its default: the key is removed from config.json)",
+                "attention_bias on q/k/v (not o), use_qk_norm (per head), head_dim 24 != hidden/heads 16",
+                "first_k_dense_replace 1: layer 0 dense (intermediate_size 160), layers 1-2 MoE",
+                "8 routed experts in 2 groups, topk_group 1, 2 per token: sigmoid scores, float32 correction bias",
+                "1 shared expert, routed_scaling_factor 1.5, norm_topk_prob true",
+            ],
+            config={
+                "vocab_size": 384,
+                "hidden_size": 64,
+                "intermediate_size": 160,
+                "moe_intermediate_size": 32,
+                "n_routed_experts": 8,
+                "num_experts_per_tok": 2,
+                "n_shared_experts": 1,
+                "n_group": 2,
+                "topk_group": 1,
+                "first_k_dense_replace": 1,
+                "routed_scaling_factor": 1.5,
+                "norm_topk_prob": True,
+                "num_hidden_layers": 3,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 24,
+                "max_position_embeddings": 512,
+                "rms_norm_eps": 1e-5,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+                "attention_bias": True,
+                "use_qk_norm": True,
+                "tie_word_embeddings": False,
+                "num_mtp_layers": 0,
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+            },
+            config_postedit="drop_partial_rotary_factor",
+        ),
+        CaseSpec(
+            name="deepseek_v3_mla_yarn",
+            arch="deepseek_v3",
+            seed=1013,
+            covers=[
+                "deepseek_v3",
+                "multi-head latent attention: q_lora_rank 24, kv_lora_rank 16, qk_nope 8 + qk_rope 8, v_head_dim 12",
+                "interleaved rope layout (rope_interleave true)",
+                "yarn in rope_parameters: factor 4, original_max_position_embeddings 64, mscale = mscale_all_dim = 1 (softmax scale corrected)",
+                "first_k_dense_replace 1; 8 routed experts in 4 groups, topk_group 2, 2 per token; 2 shared experts",
+                "sigmoid scores with a float32 correction bias, norm_topk_prob true, routed_scaling_factor 2.5",
+            ],
+            config={
+                "vocab_size": 384,
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "moe_intermediate_size": 32,
+                "n_routed_experts": 8,
+                "num_experts_per_tok": 2,
+                "n_shared_experts": 2,
+                "n_group": 4,
+                "topk_group": 2,
+                "first_k_dense_replace": 1,
+                "routed_scaling_factor": 2.5,
+                "norm_topk_prob": True,
+                "num_hidden_layers": 3,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 4,
+                "q_lora_rank": 24,
+                "kv_lora_rank": 16,
+                "qk_nope_head_dim": 8,
+                "qk_rope_head_dim": 8,
+                "v_head_dim": 12,
+                "rope_interleave": True,
+                "max_position_embeddings": 256,
+                "rms_norm_eps": 1e-6,
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "rope_theta": 10000.0,
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                    "beta_fast": 32.0,
+                    "beta_slow": 1.0,
+                    "mscale": 1.0,
+                    "mscale_all_dim": 1.0,
+                },
+                "attention_bias": False,
+                "tie_word_embeddings": False,
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+            },
+        ),
+        CaseSpec(
+            name="deepseek_v3_plain_q_legacy_yarn",
+            arch="deepseek_v3",
+            seed=1014,
+            covers=[
+                "deepseek_v3",
+                "q_lora_rank null (plain q_proj), rotate-half rope layout (rope_interleave false)",
+                "legacy top-level rope_theta and rope_scaling {type: yarn, factor 2, mscale 0.707, mscale_all_dim 1}: attention_factor != 1",
+                "attention_bias true (q_proj has none; kv_a and o do)",
+                "experts stored fused (mlp.experts.gate_up_proj / down_proj)",
+                "8 routed experts in 2 groups, topk_group 2, 3 per token, norm_topk_prob false; 1 shared expert; 2 dense layers first",
+            ],
+            config={
+                "vocab_size": 384,
+                "hidden_size": 64,
+                "intermediate_size": 96,
+                "moe_intermediate_size": 24,
+                "n_routed_experts": 8,
+                "num_experts_per_tok": 3,
+                "n_shared_experts": 1,
+                "n_group": 2,
+                "topk_group": 2,
+                "first_k_dense_replace": 2,
+                "routed_scaling_factor": 1.0,
+                "norm_topk_prob": False,
+                "num_hidden_layers": 3,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 4,
+                "q_lora_rank": None,
+                "kv_lora_rank": 12,
+                "qk_nope_head_dim": 12,
+                "qk_rope_head_dim": 4,
+                "v_head_dim": 8,
+                "rope_interleave": False,
+                "max_position_embeddings": 256,
+                "rms_norm_eps": 1e-5,
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "rope_theta": 50000.0,
+                    "factor": 2.0,
+                    "original_max_position_embeddings": 128,
+                    "mscale": 0.707,
+                    "mscale_all_dim": 1.0,
+                },
+                "attention_bias": True,
+                "tie_word_embeddings": False,
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+            },
+            fused_experts=True,
+            config_postedit="yarn_legacy_rope_scaling",
+        ),
     ]
 
 
@@ -466,7 +624,11 @@ def case_specs() -> list[CaseSpec]:
 
 
 def is_moe(config) -> bool:
-    return bool(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None))
+    return bool(
+        getattr(config, "num_experts", None)
+        or getattr(config, "num_local_experts", None)
+        or getattr(config, "n_routed_experts", None)
+    )
 
 
 def build_model(spec: CaseSpec) -> torch.nn.Module:
@@ -499,7 +661,15 @@ def build_model(spec: CaseSpec) -> torch.nn.Module:
             else:
                 v = torch.randn(p.shape, generator=gen) * spec.linear_std
             p.copy_(v)
-    return model.to(torch.bfloat16)
+        # Buffers the checkpoint stores: sigmoid routers' correction bias, kept float32.
+        biases = {n: b for n, b in model.named_buffers() if n.endswith(CORRECTION_BIAS)}
+        values = {n: torch.randn(b.shape, generator=gen) * spec.correction_bias_std for n, b in sorted(biases.items())}
+    model = model.to(torch.bfloat16)
+    with torch.no_grad():
+        for n, v in values.items():
+            owner = model.get_submodule(n.rsplit(".", 1)[0])
+            setattr(owner, CORRECTION_BIAS, torch.nn.Buffer(v.to(torch.float32)))
+    return model
 
 
 def load_f32(path: Path, config=None) -> torch.nn.Module:
@@ -561,8 +731,9 @@ def verify_bf16_exact(path: Path, model: torch.nn.Module) -> int:
     state = model.state_dict()
     covered = {name: torch.zeros(t.shape, dtype=torch.bool) for name, t in state.items()}
     for name, t in stored.items():
-        if t.dtype != torch.bfloat16:
-            raise SystemExit(f"{path}: tensor {name} stored as {t.dtype}, expected bfloat16")
+        want = torch.float32 if name.endswith(CORRECTION_BIAS) else torch.bfloat16
+        if t.dtype != want:
+            raise SystemExit(f"{path}: tensor {name} stored as {t.dtype}, expected {want}")
         v = stored_value_in_model(state, name)
         if v is None:
             raise SystemExit(f"{path}: stored tensor {name} not in the reloaded model")
@@ -571,7 +742,11 @@ def verify_bf16_exact(path: Path, model: torch.nn.Module) -> int:
         # Mark what it covers: the same view of a zero mask of the model's tensor.
         mask = stored_value_in_model(covered, name)
         mask.fill_(True)
-    # Every model weight must come from the file (tied lm_head from embed_tokens).
+    # Every model weight must come from the file (tied lm_head from embed_tokens), and
+    # so must the correction biases.
+    biases = [n for n in state if n.endswith(CORRECTION_BIAS)]
+    if any(n not in stored for n in biases):
+        raise SystemExit(f"{path}: a correction bias is not stored: {biases}")
     for name, t in state.items():
         if not bool(covered[name].all()):
             tied = name == "lm_head.weight" and model.config.tie_word_embeddings
@@ -593,7 +768,28 @@ def eos_ids_of(model: torch.nn.Module) -> list[int]:
 
 def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """A mixture of experts' routers (`mlp.gate`, `block_sparse_moe.gate`)."""
-    return [m for n, m in model.named_modules() if type(m).__name__.endswith("TopKRouter")]
+    return [m for n, m in model.named_modules() if type(m).__name__.lower().endswith("topkrouter")]
+
+
+def sigmoid_router_gap(router: torch.nn.Module, logits: torch.Tensor) -> float:
+    """The smallest gap that decides a group-limited sigmoid router's choice: between the
+    topk_group-th and next group scores, and between the k-th and (k+1)-th choice values
+    within the groups kept (inf where a choice has no runner-up)."""
+    scores = logits.float().sigmoid()
+    choice = scores + router.e_score_correction_bias.float()
+    n, g, tg, k = choice.shape[-1], router.num_group, router.topk_group, router.top_k
+    groups = choice.view(-1, g, n // g).topk(2, dim=-1)[0].sum(dim=-1)
+    gap = float("inf")
+    if tg < g:
+        top = groups.topk(tg + 1, dim=-1).values
+        gap = min(gap, float((top[:, tg - 1] - top[:, tg]).min()))
+    idx = groups.topk(tg, dim=-1).indices
+    mask = torch.zeros_like(groups).scatter_(1, idx, 1).bool()
+    masked = choice.view(-1, g, n // g).masked_fill(~mask[..., None], float("-inf")).view(-1, n)
+    if k < tg * (n // g):
+        top = masked.topk(k + 1, dim=-1).values
+        gap = min(gap, float((top[:, k - 1] - top[:, k]).min()))
+    return gap
 
 
 def greedy(model: torch.nn.Module, prompt: list[int]) -> dict:
@@ -603,8 +799,11 @@ def greedy(model: torch.nn.Module, prompt: list[int]) -> dict:
     gap = [float("inf")]
     k = getattr(model.config, "num_experts_per_tok", None)
 
-    def watch(_module, _inputs, output):
+    def watch(module, _inputs, output):
         logits = output[0] if isinstance(output, tuple) else output
+        if hasattr(module, CORRECTION_BIAS):
+            gap[0] = min(gap[0], sigmoid_router_gap(module, logits))
+            return
         probs = torch.softmax(logits.float(), dim=-1)
         if k is not None and probs.shape[-1] > k:
             top = torch.topk(probs, k + 1, dim=-1).values
@@ -721,6 +920,19 @@ def postedit_config(spec: CaseSpec, path: Path) -> dict:
         assert rp["rope_type"] == "default" and set(rp) == {"rope_type", "rope_theta"}, rp
         cfg["rope_theta"] = rp["rope_theta"]
         edits["rope"] = "rope_parameters removed, top-level rope_theta written"
+    if spec.config_postedit == "yarn_legacy_rope_scaling":
+        rp = cfg.pop("rope_parameters")
+        assert rp["rope_type"] == "yarn", rp
+        cfg["rope_theta"] = rp.pop("rope_theta")
+        rp.pop("rope_type")
+        cfg["rope_scaling"] = {"type": "yarn", **rp}
+        edits["rope"] = "rope_parameters -> top-level rope_theta and rope_scaling {type: yarn, ...}"
+    if spec.config_postedit == "drop_partial_rotary_factor":
+        dropped = [k for k in ("partial_rotary_factor",) if cfg.pop(k, None) is not None]
+        if cfg.get("rope_parameters", {}).pop("partial_rotary_factor", None) is not None:
+            dropped.append("rope_parameters.partial_rotary_factor")
+        assert dropped, "no partial_rotary_factor to drop"
+        edits["partial_rotary_factor"] = f"removed {dropped}: the family's default (0.5) applies"
     if spec.qwen_inactive_sliding_window is not None:
         assert cfg["use_sliding_window"] is False
         cfg["sliding_window"] = spec.qwen_inactive_sliding_window
@@ -764,6 +976,10 @@ def run_case(spec: CaseSpec, out: Path) -> dict:
     if spec.fused_experts:
         save_kwargs["save_original_format"] = False
     model.save_pretrained(path, **save_kwargs)
+    # The model as built (its BF16 weights and float32 buffers, widened): the reference
+    # must be what the saved files give back (a buffer saved at another precision than
+    # it computed with would make the reference disagree with its own checkpoint).
+    built = model.to(torch.float32).eval()
     del model
     checks: dict = {}
 
@@ -777,6 +993,26 @@ def run_case(spec: CaseSpec, out: Path) -> dict:
 
     base_eos = spec.config["eos_token_id"]
     prompts, rejected = draw_prompts(spec, model, exclude={base_eos})
+    # Every parameter and stored buffer as built, bit for bit; the buffers the model
+    # derives (rotary inv_freq, which the BF16 cast rounded in the built model) as the
+    # reloaded model derives them; then the same logits.
+    built_state, loaded_state = built.state_dict(), model.state_dict()
+    if built_state.keys() != loaded_state.keys():
+        raise SystemExit(f"{spec.name}: reloaded tensors differ: {built_state.keys() ^ loaded_state.keys()}")
+    for name, t in built_state.items():
+        u = loaded_state[name]
+        if t.dtype != u.dtype or not torch.equal(t, u):
+            raise SystemExit(f"{spec.name}: {name} reloads as {u.dtype}, not the {t.dtype} values it was built with")
+    derived = dict(model.named_buffers())
+    with torch.no_grad():
+        for name, buf in built.named_buffers():
+            if name not in built_state:
+                buf.copy_(derived[name])
+    diff = compare_models(built, model, prompts)
+    if diff != 0.0:
+        raise SystemExit(f"{spec.name}: the saved files give logits {diff} away from the model built")
+    checks["reference_reproduces_from_saved_files"] = {"tensors": len(built_state), "max_abs_logit_diff": diff}
+    del built
 
     if edits:
         # The legacy config must load to the same model: same rope, same window handling.
