@@ -1649,6 +1649,130 @@ mod tests {
         assert_eq!(c.sliding_window, vec![Some(16), Some(16)]);
     }
 
+    const DEEPSEEK: &str = r#""model_type": "deepseek_v3", "hidden_size": 64, "intermediate_size": 128,
+        "moe_intermediate_size": 32, "n_routed_experts": 16, "num_experts_per_tok": 2,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "vocab_size": 256,
+        "max_position_embeddings": 256, "kv_lora_rank": 16, "q_lora_rank": 24,
+        "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 12"#;
+
+    #[test]
+    fn deepseek_v3_reads_mla_widths_and_its_familys_defaults() {
+        let c = parse(&format!("{{{DEEPSEEK}, \"head_dim\": 8}}")).unwrap();
+        assert_eq!(c.arch, Arch::DeepseekV3);
+        // head_dim (transformers writes qk_rope_head_dim there) is the query head's
+        // width; the rotary part is qk_rope_head_dim.
+        assert_eq!((c.head_dim, c.rotary_dim), (16, 8));
+        let m = c.mla.clone().unwrap();
+        assert_eq!(
+            (m.q_lora_rank, m.kv_lora_rank, m.v_head_dim),
+            (Some(24), 16, 12)
+        );
+        assert!(m.rope_interleave);
+        assert_eq!(m.softmax_scale, 0.25);
+        let moe = c.moe.unwrap();
+        // first_k_dense_replace 3 by default: all three layers dense.
+        assert_eq!(moe.sparse, vec![false; 3]);
+        assert_eq!(moe.routed_scaling_factor, 2.5);
+        assert_eq!(moe.shared_intermediate_size, 32);
+        assert_eq!(
+            moe.scoring,
+            Scoring::SigmoidGroups {
+                n_group: 8,
+                topk_group: 4
+            }
+        );
+    }
+
+    #[test]
+    fn yarn_corrects_mla_softmax_scale_and_takes_its_factor_from_the_context_ratio() {
+        // The released DeepSeek-V3 form: top-level rope_scaling with "type".
+        let c = parse(&format!(
+            r#"{{{DEEPSEEK}, "rope_scaling": {{"type": "yarn", "factor": 40, "mscale": 1.0,
+            "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
+            "beta_slow": 1}}, "max_position_embeddings": 163840}}"#
+        ))
+        .unwrap();
+        let mscale = 0.1 * 40f64.ln() + 1.0;
+        assert_eq!(
+            c.mla.as_ref().unwrap().softmax_scale,
+            (0.25 * mscale * mscale) as f32
+        );
+        // mscale == mscale_all_dim: cos and sin are left as they are.
+        assert_eq!(c.rope_attention_factor(), 1.0);
+        // No factor: max_position_embeddings over the original, as transformers infers.
+        let c = parse(&format!(
+            r#"{{{DEEPSEEK}, "rope_parameters": {{"rope_type": "yarn", "rope_theta": 10000.0,
+            "original_max_position_embeddings": 64}}}}"#
+        ))
+        .unwrap();
+        assert!(matches!(c.rope_scaling, RopeScaling::Yarn { factor, .. } if factor == 4.0));
+        assert_eq!(c.rope_attention_factor(), (0.1 * 4f64.ln() + 1.0) as f32);
+        // The high frequencies extrapolate (unchanged), the low ones interpolate.
+        let mut plain = c.clone();
+        plain.rope_scaling = RopeScaling::Default;
+        let (y, p) = (c.rope_inv_freq(), plain.rope_inv_freq());
+        assert_eq!(y[0], p[0]);
+        assert_eq!(y[3], 1.0 / (4.0f32 * (1.0 / p[3])));
+    }
+
+    #[test]
+    fn routing_options_not_computed_are_errors_naming_them() {
+        for (extra, needle) in [
+            (r#""scoring_func": "softmax""#, "scoring_func"),
+            (r#""topk_method": "group_limited_greedy""#, "topk_method"),
+            (r#""moe_layer_freq": 2"#, "moe_layer_freq"),
+            (r#""n_group": 3"#, "n_group"),
+            (r#""n_group": 4, "topk_group": 5"#, "topk_group"),
+            (
+                r#""n_group": 4, "topk_group": 1, "num_experts_per_tok": 5"#,
+                "num_experts_per_tok",
+            ),
+            (r#""kv_lora_rank": 0"#, "kv_lora_rank"),
+            (r#""routed_scaling_factor": -1.0"#, "routed_scaling_factor"),
+        ] {
+            let e = parse(&format!("{{{DEEPSEEK}, {extra}}}")).unwrap_err();
+            assert!(e.to_string().contains(needle), "{extra}: {e}");
+        }
+        let ok = parse(&format!(
+            r#"{{{DEEPSEEK}, "scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1,
+            "n_group": 4, "topk_group": 2}}"#
+        ));
+        assert!(ok.is_ok(), "{ok:?}");
+    }
+
+    #[test]
+    fn glm4_moe_rotates_half_of_each_head_unless_told_otherwise() {
+        let glm = r#""model_type": "glm4_moe", "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 24, "vocab_size": 256, "max_position_embeddings": 512,
+            "attention_bias": true, "use_qk_norm": true"#;
+        let c = parse(&format!("{{{glm}}}")).unwrap();
+        assert_eq!((c.head_dim, c.rotary_dim), (24, 12));
+        assert_eq!(c.rope_inv_freq().len(), 6);
+        assert!(c.qkv_bias && !c.o_bias && c.qk_norm == QkNorm::PerHead);
+        let moe = c.moe.unwrap();
+        assert_eq!(moe.sparse, vec![false, true]);
+        assert_eq!(
+            moe.scoring,
+            Scoring::SigmoidGroups {
+                n_group: 1,
+                topk_group: 1
+            }
+        );
+        let c = parse(&format!(
+            r#"{{{glm}, "rope_parameters": {{"rope_type": "default", "rope_theta": 10000.0,
+            "partial_rotary_factor": 1.0}}}}"#
+        ))
+        .unwrap();
+        assert_eq!(c.rotary_dim, 24);
+        // Elsewhere a partial rotary factor is not computed.
+        let e = parse(&format!(
+            r#"{{"model_type": "llama", {BASE}, "partial_rotary_factor": 0.5}}"#
+        ))
+        .unwrap_err();
+        assert!(e.to_string().contains("partial_rotary_factor"), "{e}");
+    }
+
     #[test]
     fn unsupported_things_are_errors_naming_them() {
         let e = parse(&format!(r#"{{"model_type": "gpt2", {BASE}}}"#)).unwrap_err();

@@ -147,6 +147,8 @@ fn store_core_gives_the_embedded_bits_at_any_budget() {
         "qwen3_moe_dense_layer",
         "qwen3_moe_fused_sparse_step",
         "mixtral_block_sparse",
+        "glm4_moe_partial_rotary_shared",
+        "deepseek_v3_mla_yarn",
     ] {
         let (_d, dir) = fixture_copy(case);
         let prompt: Vec<u32> = (0..21).map(|i| (i * 17 + 3) % 200).collect();
@@ -368,7 +370,11 @@ fn serve(
 
 #[test]
 fn two_engines_through_the_daemon_give_the_embedded_bits() {
-    for case in ["qwen3_qk_norm_eos_list", "qwen3_moe_dense_layer"] {
+    for case in [
+        "qwen3_qk_norm_eos_list",
+        "qwen3_moe_dense_layer",
+        "deepseek_v3_mla_yarn",
+    ] {
         let (d, dir) = fixture_copy(case);
         let prompt: Vec<u32> = (0..19).map(|i| (i * 13 + 7) % 250).collect();
         let reference = run(
@@ -553,6 +559,7 @@ fn vpack_pages_give_the_raw_bits_at_any_budget() {
         "llama_gqa_untied",
         "qwen3_qk_norm_eos_list",
         "olmoe_clip_qkv",
+        "deepseek_v3_plain_q_legacy_yarn",
     ] {
         let (_d, dir) = fixture_copy(case);
         let prompt: Vec<u32> = (0..17).map(|i| (i * 11 + 5) % 200).collect();
@@ -595,6 +602,8 @@ fn a_pass_reads_only_the_experts_its_router_picks() {
         "qwen3_moe_fused_sparse_step",
         "mixtral_block_sparse",
         "olmoe_clip_qkv",
+        "glm4_moe_partial_rotary_shared",
+        "deepseek_v3_plain_q_legacy_yarn",
     ] {
         let (_d, dir) = fixture_copy(case);
         let m = voom_formats::Manifest::load(&dir).unwrap().unwrap();
@@ -682,7 +691,11 @@ fn a_chunked_prompt_reads_each_picked_expert_once() {
 /// the ids and logits bits as they are, at every budget, and does read ahead.
 #[test]
 fn predicted_expert_hints_give_the_same_bits() {
-    for case in ["qwen3_moe_dense_layer", "mixtral_block_sparse"] {
+    for case in [
+        "qwen3_moe_dense_layer",
+        "mixtral_block_sparse",
+        "deepseek_v3_mla_yarn",
+    ] {
         let (_d, dir) = fixture_copy(case);
         let prompt: Vec<u32> = (0..13).map(|i| (i * 29 + 1) % 300).collect();
         let reference = run(
