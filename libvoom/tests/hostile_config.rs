@@ -475,3 +475,107 @@ fn a_config_json_that_is_not_json_or_not_an_object_is_an_error() {
         assert!(e.contains("config.json"), "{text:?}: {e}");
     }
 }
+
+/// A copy of a committed conformance fixture whose config.json is `edit`ed.
+fn fixture_with(case: &str, edit: impl FnOnce(&mut Value)) -> tempfile::TempDir {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures/tiny")
+        .join(case);
+    let d = tempfile::tempdir().unwrap();
+    for f in std::fs::read_dir(&src).unwrap() {
+        let f = f.unwrap();
+        std::fs::copy(f.path(), d.path().join(f.file_name())).unwrap();
+    }
+    let path = d.path().join("config.json");
+    let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(&mut v);
+    std::fs::write(&path, serde_json::to_string_pretty(&v).unwrap()).unwrap();
+    d
+}
+
+/// An MLA config that lies about a latent width is an error naming the key, before
+/// anything is allocated from it.
+#[test]
+fn mla_widths_that_contradict_the_checkpoint_name_their_key() {
+    for (key, value, needle) in [
+        ("kv_lora_rank", 20, "kv_lora_rank"),
+        ("q_lora_rank", 30, "q_lora_rank"),
+        ("v_head_dim", 16, "v_head_dim"),
+        ("qk_nope_head_dim", 4, "qk_nope_head_dim"),
+        ("n_shared_experts", 3, "n_shared_experts"),
+        ("moe_intermediate_size", 8, "moe_intermediate_size"),
+    ] {
+        let d = fixture_with("deepseek_v3_mla_yarn", |v| v[key] = json!(value));
+        let e = Engine::open(d.path(), EngineOptions::default())
+            .err()
+            .unwrap_or_else(|| panic!("{key} {value} opened"));
+        assert!(e.to_string().contains(needle), "{key}: {e}");
+    }
+}
+
+/// Multi-token-prediction layers after the decoder's (DeepSeek-V3 stores one as layer
+/// 61 of 61) are allowed in the checkpoint and not run: the fixture's last layer read
+/// as one, the model is the first two layers. Without `num_nextn_predict_layers` the
+/// layer count must match.
+#[test]
+fn layers_past_the_decoders_are_allowed_only_as_prediction_layers() {
+    let d = fixture_with("deepseek_v3_mla_yarn", |v| {
+        v["num_hidden_layers"] = json!(2);
+        v["num_nextn_predict_layers"] = json!(1);
+    });
+    let e = Engine::open(d.path(), EngineOptions::default()).unwrap();
+    assert_eq!(e.config().num_layers, 2);
+    let g = e
+        .generate(
+            &[5, 9, 13],
+            &GenerateParams {
+                max_new_tokens: 4,
+                ..Default::default()
+            },
+            &mut |_| ControlFlow::Continue(()),
+        )
+        .unwrap();
+    assert_eq!(g.ids.len(), 4);
+    let d = fixture_with("deepseek_v3_mla_yarn", |v| {
+        v["num_hidden_layers"] = json!(2);
+        v["num_nextn_predict_layers"] = json!(0);
+    });
+    let e = Engine::open(d.path(), EngineOptions::default())
+        .err()
+        .expect("a layer too many opened");
+    assert!(e.to_string().contains("num_hidden_layers"), "{e}");
+}
+
+/// The sigmoid router's correction bias is part of the checkpoint: without it the
+/// model does not open, and the error names the tensor.
+#[test]
+fn a_missing_correction_bias_names_the_tensor() {
+    let d = fixture_with("glm4_moe_partial_rotary_shared", |_| {});
+    let path = d.path().join("model.safetensors");
+    let st = voom_formats::safetensors::SafetensorsFile::open(&path).unwrap();
+    let kept: Vec<(String, DType, Vec<usize>, Vec<u8>)> = st
+        .header
+        .tensors
+        .iter()
+        .filter(|t| !t.name.ends_with("e_score_correction_bias"))
+        .map(|t| {
+            (
+                t.name.clone(),
+                t.dtype,
+                t.shape.clone(),
+                st.tensor_bytes(t).to_vec(),
+            )
+        })
+        .collect();
+    assert!(kept.len() < st.header.tensors.len());
+    drop(st);
+    let specs: Vec<(&str, DType, &[usize], &[u8])> = kept
+        .iter()
+        .map(|(n, d, s, b)| (n.as_str(), *d, s.as_slice(), b.as_slice()))
+        .collect();
+    voom_formats::safetensors::write(&path, &specs, &BTreeMap::new()).unwrap();
+    let e = Engine::open(d.path(), EngineOptions::default())
+        .err()
+        .expect("opened without a correction bias");
+    assert!(e.to_string().contains("e_score_correction_bias"), "{e}");
+}
