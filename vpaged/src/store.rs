@@ -203,8 +203,11 @@ pub struct OpenModel {
     primary: ModelTier,
     /// The NAS copy of a local model.
     nas: Option<NasTier>,
-    /// Demand requests per page (for staging the hottest pages).
+    /// Demand requests per page.
     accesses: Vec<AtomicU64>,
+    /// Loads per page from any tier into the cache: the reads a fast-tier copy would
+    /// have served (what staging ranks pages by).
+    loads: Vec<AtomicU64>,
     /// Pages whose copies the fast tier keeps once read: the planner's static set
     /// ([`Store::keep_on_fast_tier`]).
     kept_fast: Vec<AtomicBool>,
@@ -224,6 +227,14 @@ impl OpenModel {
     /// Demand requests of each page since the model was opened.
     pub fn access_counts(&self) -> Vec<u64> {
         self.accesses
+            .iter()
+            .map(|a| a.load(Ordering::Relaxed))
+            .collect()
+    }
+
+    /// Loads of each page into the cache since the model was opened.
+    pub fn load_counts(&self) -> Vec<u64> {
+        self.loads
             .iter()
             .map(|a| a.load(Ordering::Relaxed))
             .collect()
@@ -823,6 +834,7 @@ impl Store {
             dir,
             nas,
             accesses: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            loads: (0..n).map(|_| AtomicU64::new(0)).collect(),
             kept_fast: (0..n).map(|_| AtomicBool::new(false)).collect(),
             seals: Seals::new(n),
             served: Default::default(),
@@ -940,6 +952,7 @@ impl Store {
             Served::Nas => 2,
         };
         m.served[i].fetch_add(1, Ordering::Relaxed);
+        m.loads[page as usize].fetch_add(1, Ordering::Relaxed);
         if served != Served::Fast {
             self.keep_fast(m, page, buf);
         }
@@ -1442,6 +1455,7 @@ impl Store {
             if verified {
                 tier.counters().record_read(len as u64, start.elapsed());
                 m.served[1].fetch_add(1, Ordering::Relaxed);
+                m.loads[page as usize].fetch_add(1, Ordering::Relaxed);
                 if let Some(store) = store.upgrade() {
                     // SAFETY: as above: still this load's alone, and verified.
                     store.keep_fast(&m, page, unsafe { r.buf() });
@@ -1595,8 +1609,10 @@ impl Store {
         }
     }
 
-    /// Copies the most requested pages of `model` (verified bytes) onto the fast tier,
-    /// hottest first, up to `max_bytes`. Returns (pages staged, bytes staged).
+    /// Copies the pages of `model` read from storage most often (verified bytes) onto
+    /// the fast tier, hottest first, up to `max_bytes`: for a mixture of experts, the
+    /// routed experts loaded again and again, before trunk pages the cache keeps.
+    /// Returns (pages staged, bytes staged).
     pub fn stage_hot(&self, model: u32, max_bytes: u64) -> Result<(usize, u64), StoreError> {
         let Some(fast) = &self.fast else {
             return Err(StoreError::Store {
@@ -1605,14 +1621,20 @@ impl Store {
             });
         };
         let m = self.model(model)?;
-        let mut order: Vec<(u64, u32)> = m
-            .access_counts()
+        // The pages read from storage most often save the most reads a byte of fast
+        // tier: a routed expert loaded on many passes before a trunk page pinned after
+        // one load, however often the trunk page is requested. Requests break ties
+        // (and rank pages never loaded since the model opened, by how hot they are).
+        let (loads, accesses) = (m.load_counts(), m.access_counts());
+        let mut order: Vec<(u64, u64, u32)> = loads
             .into_iter()
+            .zip(accesses)
             .enumerate()
-            .filter(|(_, c)| *c > 0)
-            .map(|(i, c)| (c, i as u32))
+            .filter(|(_, (l, a))| *l > 0 || *a > 0)
+            .map(|(i, (l, a))| (l, a, i as u32))
             .collect();
-        order.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+        order.sort_by(|a, b| b.0.cmp(&a.0).then(b.1.cmp(&a.1)).then(a.2.cmp(&b.2)));
+        let order: Vec<(u64, u32)> = order.into_iter().map(|(l, _, p)| (l, p)).collect();
         let (mut pages, mut bytes) = (0, 0u64);
         for (_, page) in order {
             let entry = &m.manifest.pages[page as usize];
@@ -2294,6 +2316,61 @@ mod tests {
         drop(s.acquire(id, b).unwrap());
         assert!(fast.contains(hb));
         assert_eq!(fast.used(), 64);
+    }
+
+    /// Staging ranks pages by the loads a fast-tier copy would have served, not by
+    /// requests: a trunk page the cache kept after one load (requested every pass)
+    /// comes after routed experts loaded pass after pass.
+    #[test]
+    fn staging_takes_the_pages_loaded_most_often_first() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path().join("m");
+        std::fs::create_dir_all(&dir).unwrap();
+        let page = |seed: u8| -> Vec<u8> { (0..256).map(|i| (i as u8) ^ seed).collect() };
+        let (t, e1, e2) = (page(1), page(2), page(3));
+        voom_formats::safetensors::write(
+            &dir.join("model.safetensors"),
+            &[
+                ("trunk", DType::F32, &[64], &t),
+                ("expert.1", DType::F32, &[64], &e1),
+                ("expert.2", DType::F32, &[64], &e2),
+            ],
+            &BTreeMap::new(),
+        )
+        .unwrap();
+        Manifest::build(&Checkpoint::open(&dir).unwrap(), &mut |_, _| {})
+            .unwrap()
+            .save(&dir)
+            .unwrap();
+        let s = Store::new(StoreConfig {
+            cache_bytes: SLOT_ALIGN,
+            fast_tier: Some((d.path().join("fast"), 1 << 20)),
+            ..Default::default()
+        })
+        .unwrap();
+        let id = s.open_model(&dir).unwrap();
+        let m = s.model(id).unwrap();
+        let (tr, x1, x2) = (
+            page_id(&m, "trunk"),
+            page_id(&m, "expert.1"),
+            page_id(&m, "expert.2"),
+        );
+        for _ in 0..10 {
+            drop(s.acquire(id, tr).unwrap());
+        }
+        for _ in 0..3 {
+            drop(s.acquire(id, x1).unwrap());
+            drop(s.acquire(id, x2).unwrap());
+        }
+        let (loads, requests) = (m.load_counts(), m.access_counts());
+        assert_eq!(
+            [tr, x1, x2].map(|p| (loads[p as usize], requests[p as usize])),
+            [(1, 10), (3, 3), (3, 3)]
+        );
+        assert_eq!(s.stage_hot(id, 512).unwrap(), (2, 512));
+        let fast = s.fast_tier().unwrap();
+        let staged = |p: u32| fast.contains(&m.manifest.pages[p as usize].blake3);
+        assert_eq!([tr, x1, x2].map(staged), [false, true, true]);
     }
 
     /// A load of a page only a NAS that is down holds fails before the cache makes

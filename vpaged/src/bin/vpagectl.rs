@@ -83,7 +83,8 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Copy MODEL_DIR's most requested pages (as the daemon counted them) onto its fast tier.
+    /// Copy MODEL_DIR's pages the daemon read from storage most often (its hottest
+    /// routed experts first, in a mixture of experts) onto its fast tier.
     Stage {
         model_dir: PathBuf,
         /// Stage at most this many bytes (e.g. 4GiB); default: as much as fits.
