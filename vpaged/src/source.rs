@@ -125,6 +125,15 @@ pub trait PageSource: Send + Sync {
     /// Hint that these pages will be acquired soon. Never blocks for I/O.
     fn prefetch(&self, _ids: &[PageId]) {}
 
+    /// Whether acquiring every one of `ids` now would wait for no load: a caller free
+    /// to take pages in any order takes those first, while the others load. A hint
+    /// only (a page may be evicted or land a moment later); never changes a result.
+    /// `true` where acquiring never waits for a read of its own (memory-mapped files:
+    /// faults are taken as bytes are touched), and where the source cannot tell.
+    fn ready(&self, _ids: &[PageId]) -> bool {
+        true
+    }
+
     /// Hint that these pages will be acquired after the ones hinted by
     /// [`prefetch`](Self::prefetch), in this order: a source whose pages load in two
     /// stages (a vpack body read, then decoded into a cache slot) may read their

@@ -2098,6 +2098,16 @@ impl PageSource for StoreSource {
         self.store.prefetch_group(self.model.id, &pages);
     }
 
+    fn ready(&self, ids: &[PageId]) -> bool {
+        let cache = self.store.cache();
+        ids.iter().all(|id| {
+            cache.resident(PageKey {
+                model: self.model.id,
+                page: id.0,
+            })
+        })
+    }
+
     fn read_ahead(&self, ids: &[PageId]) {
         let pages: Vec<u32> = ids.iter().map(|id| id.0).collect();
         self.store.read_ahead(self.model.id, &pages);

@@ -16,6 +16,11 @@ use crate::model::sweep::{LayerLease, Sweep};
 use crate::model::weights::{Dim, Leased, Matrix, Vector, WeightFinder};
 use crate::VoomError;
 
+/// Outputs of a layer's routed experts held at most, to compute the experts in the
+/// order their pages are ready rather than ascending ([`Experts::run`]): a decode
+/// step's (top_k rows of `hidden_size` floats) always fit, a long prompt's may not.
+pub(super) const HELD_OUTPUT_BYTES: usize = 32 << 20;
+
 /// One SwiGLU expert (routed or shared).
 pub(super) struct Expert {
     gate: Matrix,
@@ -331,7 +336,23 @@ impl Experts {
             .iter()
             .map(|r| vec![0.0f32; r.picks.len() * h])
             .collect();
-        lw.experts(&chosen, |e, w| {
+        // Each row adds its experts' weighted outputs in ascending expert order. Where
+        // every expert's output can be held until all are computed, the experts are
+        // computed in the order their pages are ready (resident ones while the others
+        // load) and added in that order after; else each is added as it is computed,
+        // ascending.
+        let picks: usize = to.iter().map(Vec::len).sum();
+        let any_order = picks * h * std::mem::size_of::<f32>() <= HELD_OUTPUT_BYTES;
+        let mut held: Vec<Option<Vec<f32>>> = vec![None; to.len()];
+        let add = |out: &mut Vec<Vec<f32>>, rows: &[(usize, usize, f32)], y: &[f32]| {
+            for (i, &(c, r, weight)) in rows.iter().enumerate() {
+                let dst = &mut out[c][r * h..(r + 1) * h];
+                for (o, &v) in dst.iter_mut().zip(&y[i * h..(i + 1) * h]) {
+                    *o += v * weight;
+                }
+            }
+        };
+        lw.experts(&chosen, any_order, |e, w| {
             let rows = &to[e];
             let input = {
                 let mut v = Vec::with_capacity(rows.len() * h);
@@ -341,14 +362,17 @@ impl Experts {
                 b.upload(rows.len(), h, &v)?
             };
             let y = self.routed[e].compute(b, w, &input, rows.len())?;
-            for (i, &(c, r, weight)) in rows.iter().enumerate() {
-                let dst = &mut out[c][r * h..(r + 1) * h];
-                for (o, &v) in dst.iter_mut().zip(&y[i * h..(i + 1) * h]) {
-                    *o += v * weight;
-                }
+            if any_order {
+                held[e] = Some(y);
+            } else {
+                add(&mut out, rows, &y);
             }
             Ok(())
         })?;
+        for e in chosen.iter().copied().filter(|_| any_order) {
+            let y = held[e].take().expect("every expert chosen was computed");
+            add(&mut out, &to[e], &y);
+        }
         if let Some(shared) = &self.shared {
             let w = lw.step(shared_step)?;
             for (r, o) in routed.iter().zip(out.iter_mut()) {

@@ -471,14 +471,18 @@ impl LayerLease<'_> {
 impl LayerLease<'_> {
     /// Leases the routed experts `chosen` (indices into the layer's
     /// [`Stage::experts`](super::plan::Stage::experts), ascending, each once) and runs
-    /// `f` on each in that order with the leases holding it. Experts are leased one
-    /// at a time; when the sweep prefetches, they are hinted together first, as far
-    /// as the room streaming keeps beside the layer for one position's experts holds
-    /// (see [`Sweep::new`]: all of a decode step's), so that their reads are in
-    /// flight at once. What `f` computes does not depend on how they are leased.
+    /// `f` on each with the leases holding it. Experts are leased one at a time; when
+    /// the sweep prefetches, they are hinted together first, as far as the room
+    /// streaming keeps beside the layer for one position's experts holds (see
+    /// [`Sweep::new`]: all of a decode step's), so that their reads are in flight at
+    /// once. With `any_order`, each next expert is the first in `chosen` whose pages
+    /// the source holds ready ([`PageSource::ready`]), else the first left (waiting
+    /// for it): experts already resident compute while the others load. Without it,
+    /// ascending. What `f` computes must not depend on the order.
     pub fn experts(
         &self,
         chosen: &[usize],
+        any_order: bool,
         mut f: impl FnMut(usize, &Leased) -> Result<(), VoomError>,
     ) -> Result<(), VoomError> {
         let s = self.sweep;
@@ -487,7 +491,16 @@ impl LayerLease<'_> {
         if s.depth > 0 {
             s.prefetch_experts(self.li, chosen, 2 * s.walk.largest_page + s.expert_batch);
         }
-        for &e in chosen {
+        let mut left = chosen.to_vec();
+        while !left.is_empty() {
+            let next = if any_order {
+                left.iter()
+                    .position(|&e| s.source.ready(&stage.experts()[e]))
+                    .unwrap_or(0)
+            } else {
+                0
+            };
+            let e = left.remove(next);
             let lease = s.acquire(&stage.experts()[e])?;
             f(e, &lease)?;
         }
@@ -527,6 +540,8 @@ mod tests {
         pages: Vec<PageMeta>,
         log: Mutex<Vec<String>>,
         bytes: Arc<Vec<u8>>,
+        /// Pages it reports ready (all, where empty).
+        ready: Vec<u32>,
     }
 
     impl PageSource for Recorder {
@@ -544,6 +559,9 @@ mod tests {
                 .lock()
                 .unwrap()
                 .push(format!("hint {}", ids.join(",")));
+        }
+        fn ready(&self, ids: &[PageId]) -> bool {
+            self.ready.is_empty() || ids.iter().all(|id| self.ready.contains(&id.0))
         }
         fn describe(&self) -> String {
             "recorder".into()
@@ -675,6 +693,42 @@ mod tests {
                 "lease 13",
             ]
         );
+    }
+
+    /// Routed experts free to come in any order are leased ready ones first (those
+    /// resident while the others load), then in the order chosen; otherwise
+    /// ascending.
+    #[test]
+    fn experts_in_any_order_take_the_ready_ones_first() {
+        let lens = [K, K, K, K, K, K, K];
+        for (any_order, want) in [(true, [4, 2, 3, 5]), (false, [2, 3, 4, 5])] {
+            let mut src = recorder(&lens);
+            src.ready = vec![4];
+            let layer =
+                steps(&[1], &lens).with_experts(&src, (2..6).map(|p| vec![PageId(p)]).collect(), 2);
+            let plan = PagePlan {
+                head: steps(&[0], &lens),
+                layers: vec![layer],
+                tail: steps(&[6], &lens),
+            };
+            let walk = Walk::new(&plan, &[]);
+            let sweep = Sweep::new(&src, &plan, 0, None, &walk, 1);
+            let lw = sweep.layer(0).unwrap();
+            let mut order = Vec::new();
+            lw.experts(&[0, 1, 2, 3], any_order, |e, _| {
+                order.push(e as u32 + 2);
+                Ok(())
+            })
+            .unwrap();
+            assert_eq!(order, want, "any order: {any_order}");
+            let leased: Vec<String> = log(&src)
+                .into_iter()
+                .filter(|l| l.starts_with("lease") && l != "lease 1")
+                .collect();
+            assert_eq!(leased, want.map(|p| format!("lease {p}")));
+            // The route is recorded as chosen, whatever the order computed.
+            assert_eq!(sweep.routes(), vec![(0, vec![0, 1, 2, 3])]);
+        }
     }
 
     /// A pass of several chunks leases a layer whole when the room holds one (so the
