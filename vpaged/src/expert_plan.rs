@@ -20,6 +20,12 @@
 //! A replay is fitted on the first passes and scored on the rest: the dynamic
 //! policies run over the whole trace and count only the scored passes (a warm
 //! cache), the static one chooses its experts from the fitted passes' counts.
+//!
+//! A [`Layout`] is a physical order of each layer's experts in storage: the misses of
+//! one layer in one pass that lie in adjacent places are one coalesced read.
+//! [`score_layout`] counts the reads a policy's misses need per token under a layout:
+//! the checkpoint's order (expert index) against one fitted on the first passes
+//! ([`Layout::fitted`]: experts that are picked together placed side by side).
 
 use std::collections::{BTreeSet, HashMap};
 
@@ -103,7 +109,19 @@ fn accesses(trace: &Trace) -> Vec<Access> {
 /// Replays `trace` through a cache of `capacity_bytes` under `policy`, fitted on its
 /// first `fit` passes and scored on the rest.
 pub fn replay(trace: &Trace, policy: Policy, capacity_bytes: u64, fit: usize) -> Score {
+    replay_misses(trace, policy, capacity_bytes, fit).0
+}
+
+/// [`replay`], with the scored misses: (pass, layer slot, expert), in trace order.
+fn replay_misses(
+    trace: &Trace,
+    policy: Policy,
+    capacity_bytes: u64,
+    fit: usize,
+) -> (Score, Vec<(usize, usize, u32)>) {
     let acc = accesses(trace);
+    let e = u64::from(trace.header.num_experts).max(1);
+    let mut missed = Vec::new();
     let mut score = Score {
         policy,
         capacity_bytes,
@@ -125,6 +143,7 @@ pub fn replay(trace: &Trace, policy: Policy, capacity_bytes: u64, fit: usize) ->
             if !hit {
                 score.misses += 1;
                 score.bytes_read += a.bytes;
+                missed.push((a.pass, (a.key / e) as usize, (a.key % e) as u32));
             }
         }
     };
@@ -185,7 +204,138 @@ pub fn replay(trace: &Trace, policy: Policy, capacity_bytes: u64, fit: usize) ->
             }
         }
     }
-    score
+    (score, missed)
+}
+
+/// A physical order of each routing layer's experts: `order[l][i]` is the expert in
+/// place `i` of layer slot `l`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Layout {
+    pub order: Vec<Vec<u32>>,
+}
+
+impl Layout {
+    /// The checkpoint's order: expert `i` in place `i`.
+    pub fn checkpoint(trace: &Trace) -> Layout {
+        let n = trace.header.num_experts;
+        Layout {
+            order: vec![(0..n).collect(); trace.header.layers.len()],
+        }
+    }
+
+    /// An order fitted on the first `fit` passes: per layer, a chain that starts at
+    /// the expert picked most and goes on to the unplaced expert picked together
+    /// with the last placed most often (ties: picked more, then the lower index);
+    /// experts never picked follow in index order.
+    pub fn fitted(trace: &Trace, fit: usize) -> Layout {
+        let n = trace.header.num_experts as usize;
+        let order = (0..trace.header.layers.len())
+            .map(|l| {
+                let mut uses = vec![0u64; n];
+                let mut together: HashMap<(u32, u32), u64> = HashMap::new();
+                for p in trace.passes.iter().take(fit) {
+                    let list = &p.experts[l];
+                    for (i, &a) in list.iter().enumerate() {
+                        uses[a as usize] += 1;
+                        for &b in &list[i + 1..] {
+                            *together.entry((a, b)).or_default() += 1;
+                            *together.entry((b, a)).or_default() += 1;
+                        }
+                    }
+                }
+                let mut placed = vec![false; n];
+                let mut chain: Vec<u32> = Vec::with_capacity(n);
+                let best = |placed: &[bool], key: &dyn Fn(u32) -> (u64, u64)| {
+                    (0..n as u32)
+                        .filter(|&x| !placed[x as usize])
+                        .max_by(|&x, &y| key(x).cmp(&key(y)).then(y.cmp(&x)))
+                };
+                while let Some(next) = match chain.last() {
+                    None => best(&placed, &|x| (uses[x as usize], 0)),
+                    Some(&last) => best(&placed, &|x| {
+                        (
+                            together.get(&(last, x)).copied().unwrap_or(0),
+                            uses[x as usize],
+                        )
+                    }),
+                }
+                .filter(|&x| uses[x as usize] > 0)
+                {
+                    placed[next as usize] = true;
+                    chain.push(next);
+                }
+                chain.extend((0..n as u32).filter(|&x| !placed[x as usize]));
+                chain
+            })
+            .collect();
+        Layout { order }
+    }
+}
+
+/// The reads a replay's misses need under a layout.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayoutScore {
+    pub policy: Policy,
+    pub capacity_bytes: u64,
+    /// Coalesced reads: runs of adjacent places missed in one layer of one pass.
+    pub reads: u64,
+    pub bytes_read: u64,
+    pub tokens: u64,
+}
+
+impl LayoutScore {
+    pub fn reads_per_token(&self) -> f64 {
+        self.reads as f64 / self.tokens.max(1) as f64
+    }
+    pub fn bytes_per_token(&self) -> f64 {
+        self.bytes_read as f64 / self.tokens.max(1) as f64
+    }
+    /// Mean bytes of one coalesced read.
+    pub fn bytes_per_read(&self) -> f64 {
+        self.bytes_read as f64 / self.reads.max(1) as f64
+    }
+}
+
+/// Replays `trace` as [`replay`] does and counts the reads its misses need when each
+/// run of adjacent places of `layout` missed in one layer of one pass is read at once.
+pub fn score_layout(
+    trace: &Trace,
+    policy: Policy,
+    capacity_bytes: u64,
+    fit: usize,
+    layout: &Layout,
+) -> LayoutScore {
+    let (score, missed) = replay_misses(trace, policy, capacity_bytes, fit);
+    let place: Vec<Vec<usize>> = layout
+        .order
+        .iter()
+        .map(|o| {
+            let mut at = vec![0usize; o.len()];
+            for (i, &x) in o.iter().enumerate() {
+                at[x as usize] = i;
+            }
+            at
+        })
+        .collect();
+    let mut groups: HashMap<(usize, usize), Vec<usize>> = HashMap::new();
+    for (pass, l, x) in missed {
+        groups
+            .entry((pass, l))
+            .or_default()
+            .push(place[l][x as usize]);
+    }
+    let mut reads = 0u64;
+    for places in groups.values_mut() {
+        places.sort_unstable();
+        reads += 1 + places.windows(2).filter(|w| w[1] != w[0] + 1).count() as u64;
+    }
+    LayoutScore {
+        policy,
+        capacity_bytes,
+        reads,
+        bytes_read: score.bytes_read,
+        tokens: score.tokens,
+    }
 }
 
 /// For each access, the index of the same expert's next access (`usize::MAX`: none).
@@ -409,5 +559,37 @@ mod tests {
         assert_eq!(s.misses, 2, "0 stays with room for two");
         // No room: every scored access misses.
         assert_eq!(replay(&t, Policy::Belady, 0, 4).misses, 3);
+    }
+
+    /// Experts always picked in pairs that the checkpoint keeps apart (0 with 4, 1
+    /// with 5, ...): in its order each pair is two reads, in the fitted order one, and
+    /// the bytes are the same.
+    #[test]
+    fn a_fitted_layout_puts_experts_picked_together_side_by_side() {
+        let pairs = [[0u32, 4], [1, 5], [2, 6], [3, 7]];
+        let keys: Vec<u32> = (0..40).flat_map(|i| pairs[i % 4]).collect();
+        let mut t = trace_of(&[], 8);
+        t.header.top_k = 2;
+        t.passes = keys
+            .chunks(2)
+            .map(|c| TracePass {
+                positions: 1,
+                experts: vec![c.to_vec()],
+            })
+            .collect();
+        let fitted = Layout::fitted(&t, 20);
+        let order = &fitted.order[0];
+        for p in pairs {
+            let (a, b) = (
+                order.iter().position(|&x| x == p[0]).unwrap(),
+                order.iter().position(|&x| x == p[1]).unwrap(),
+            );
+            assert_eq!(a.abs_diff(b), 1, "{p:?} in {order:?}");
+        }
+        let plain = score_layout(&t, Policy::Lru, 0, 20, &Layout::checkpoint(&t));
+        let better = score_layout(&t, Policy::Lru, 0, 20, &fitted);
+        assert_eq!((plain.reads, better.reads), (40, 20));
+        assert_eq!(plain.bytes_read, better.bytes_read);
+        assert_eq!(better.reads_per_token(), 1.0);
     }
 }

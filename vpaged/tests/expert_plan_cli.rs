@@ -91,10 +91,36 @@ fn expert_plan_scores_every_policy_and_size_against_the_bound() {
         }
         assert!(of("belady") < 4.0 * (1 << 20) as f64);
     }
+    // The misses of lfu-admit as coalesced reads, in the checkpoint's order and a
+    // fitted one: the same bytes; at least one read per two experts missed together.
+    let layouts = r["layouts"].as_array().unwrap();
+    assert_eq!(layouts.len(), 4);
+    for size in [4u64 << 20, 8 << 20] {
+        let of = |l: &str| {
+            layouts
+                .iter()
+                .find(|x| x["layout"] == l && x["cache_bytes"] == size)
+                .unwrap()
+        };
+        let (c, f) = (of("checkpoint"), of("fitted"));
+        assert_eq!(c["bytes_per_token"], f["bytes_per_token"]);
+        let lfu = replays
+            .iter()
+            .find(|x| x["policy"] == "lfu-admit" && x["cache_bytes"] == size)
+            .unwrap();
+        assert_eq!(c["bytes_per_token"], lfu["bytes_per_token"]);
+        for x in [c, f] {
+            let reads = x["reads_per_token"].as_f64().unwrap();
+            assert!(reads > 0.0 && reads <= 4.0, "{x}");
+        }
+    }
     // Text too.
     let o = ctl(&["expert-plan", path.to_str().unwrap()]);
     let text = String::from_utf8_lossy(&o.stdout);
-    assert!(o.status.success() && text.contains("belady"), "{text}");
+    assert!(
+        o.status.success() && text.contains("belady") && text.contains("fitted"),
+        "{text}"
+    );
 
     // Errors name what is wrong.
     let o = ctl(&["expert-plan", path.to_str().unwrap(), "--fit", "1"]);

@@ -590,7 +590,7 @@ fn expert_plan(
     cache: &[vpaged::config::ByteSize],
     json: bool,
 ) -> Result<ExitCode> {
-    use vpaged::expert_plan::{replay, Policy};
+    use vpaged::expert_plan::{replay, score_layout, Layout, Policy};
     if !(0.0..1.0).contains(&fit) {
         anyhow::bail!("--fit {fit}: a share of the passes, at least 0 and below 1");
     }
@@ -627,6 +627,21 @@ fn expert_plan(
         .flat_map(|&size| Policy::ALL.map(|p| replay(&trace, p, size, fitted)))
         .collect();
     let routed = rows.first().map_or(0.0, |s| s.routed_bytes_per_token());
+    // The physical order of the experts' pages, under the policy the page cache
+    // uses (LFU with admission): the checkpoint's, and one fitted on the same passes.
+    let layouts = [
+        ("checkpoint", Layout::checkpoint(&trace)),
+        ("fitted", Layout::fitted(&trace, fitted)),
+    ];
+    let trace_ref = &trace;
+    let layout_rows: Vec<_> = sizes
+        .iter()
+        .flat_map(|&size| {
+            layouts.iter().map(move |(name, l)| {
+                (*name, score_layout(trace_ref, Policy::Lfu, size, fitted, l))
+            })
+        })
+        .collect();
     if json {
         outln!(
             "{}",
@@ -646,6 +661,14 @@ fn expert_plan(
                     "misses": s.misses,
                     "accesses": s.accesses,
                     "tokens": s.tokens,
+                })).collect::<Vec<_>>(),
+                "layouts": layout_rows.iter().map(|(name, s)| json!({
+                    "layout": name,
+                    "policy": s.policy.name(),
+                    "cache_bytes": s.capacity_bytes,
+                    "reads_per_token": s.reads_per_token(),
+                    "bytes_per_token": s.bytes_per_token(),
+                    "bytes_per_read": s.bytes_per_read(),
                 })).collect::<Vec<_>>(),
             })
         )?;
@@ -675,6 +698,25 @@ fn expert_plan(
             s.policy.name(),
             human(s.bytes_per_token()),
             100.0 * s.hit_ratio()
+        )?;
+    }
+    outln!("the misses of lfu-admit as coalesced reads (adjacent experts of one layer in one pass read at once):")?;
+    outln!(
+        "{:>12} {:<10} {:>11} {:>14} {:>12}",
+        "cache",
+        "layout",
+        "reads/token",
+        "read/token",
+        "per read"
+    )?;
+    for (name, s) in &layout_rows {
+        outln!(
+            "{:>12} {:<10} {:>11.2} {:>14} {:>12}",
+            human(s.capacity_bytes as f64),
+            name,
+            s.reads_per_token(),
+            human(s.bytes_per_token()),
+            human(s.bytes_per_read())
         )?;
     }
     Ok(ExitCode::SUCCESS)
