@@ -350,6 +350,23 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
             a.decode_tokens - 1,
             (non_resident as f64 * scale) as u64,
         );
+        // Peak memory against what the plan set aside: the process, KV, scratch and
+        // read buffers, and the page cache (one batch of experts streams through it).
+        let plan_needs = &r["memory_budget"]["needs"];
+        let base: Option<u64> = ["kv", "scratch", "process", "read_buffers"]
+            .iter()
+            .map(|k| plan_needs[*k].as_u64())
+            .sum();
+        let memory = match (base, r["memory_budget"]["cache_bytes"].as_u64()) {
+            (Some(base), Some(cache)) => json!({
+                "base_bytes": base,
+                "cache_bytes": cache,
+                "expert_batch_bytes": moe.as_ref().map(|m| m.expert_batch_bytes),
+                "planned_bytes": base + cache,
+                "peak_bytes": peak,
+            }),
+            _ => Value::Null,
+        };
         results.push(json!({
             "config": cfg,
             "round": round,
@@ -371,6 +388,7 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
             "passes": passes,
             "peak_bytes": peak,
             "peak_rss_bytes": r["peak_rss_bytes"],
+            "memory": memory,
             "oom_kills": oom,
             "ratio_to_storage_bound": bound.map(|b| decode_tps / (b / scale)),
             "wall_secs": wall,
@@ -513,6 +531,9 @@ struct MoePlan {
     streamed_per_token: u64,
     routed_per_token: u64,
     expert_cache_bytes: u64,
+    /// Slot bytes of one position's experts in the layer where they are largest:
+    /// what the page cache streams through at once beside the layer.
+    expert_batch_bytes: u64,
 }
 
 impl MoePlan {
@@ -531,6 +552,12 @@ impl MoePlan {
             streamed_per_token: p.streamed_per_token,
             routed_per_token,
             expert_cache_bytes: p.expert_cache_bytes,
+            expert_batch_bytes: plan
+                .layers
+                .iter()
+                .map(|l| l.expert_batch_slot_bytes())
+                .max()
+                .unwrap_or(0),
         }
     }
 }
@@ -764,6 +791,21 @@ fn print_report(r: &Value) -> Result<()> {
                 b(&x["replay_cache_bytes"]),
                 replays
             )?;
+            let mem = &run["memory"];
+            if mem.is_object() {
+                vpaged::outln!(
+                    "  {:<6} {:>5}: peak memory {} against the plan's {}: base {} (process, KV, \
+                     scratch, read buffers) + page cache {} (one batch of experts, {}, streams \
+                     through it)",
+                    run["config"].as_str().unwrap_or(""),
+                    run["round"],
+                    b(&mem["peak_bytes"]),
+                    b(&mem["planned_bytes"]),
+                    b(&mem["base_bytes"]),
+                    b(&mem["cache_bytes"]),
+                    b(&mem["expert_batch_bytes"])
+                )?;
+            }
         }
     }
     if let Some(m) = r["medians"].as_object() {
