@@ -550,6 +550,23 @@ impl Manifest {
         }
     }
 
+    /// Whether the checkpoint has routed experts that this manifest does not page one
+    /// expert at a time (a manifest built before format 4): every expert is then a
+    /// trunk page to the planner and the caches, and the experts fused in one tensor
+    /// (`mlp.experts.gate_up_proj`) are one page, read whole for any expert picked.
+    /// Correct, but slow out of core: `vpagectl hash` writes the manifest anew.
+    pub fn experts_ungrouped(&self) -> bool {
+        let grouped = self
+            .pages
+            .iter()
+            .any(|p| matches!(p.group, PageGroup::Expert { .. }));
+        !grouped
+            && self.pages.iter().any(|p| {
+                matches!(PageGroup::of_tensor(&p.name), PageGroup::Expert { .. })
+                    || is_fused_experts(&p.name)
+            })
+    }
+
     /// Writes `dir/voom-manifest.json` atomically (temporary file, then rename).
     pub fn save(&self, dir: &Path) -> Result<()> {
         let json = serde_json::to_vec_pretty(self).expect("a manifest serializes");
@@ -1284,6 +1301,23 @@ mod tests {
         v["format_version"] = MANIFEST_VERSION_PARTS.into();
         let e = load_err(d.path(), &v.to_string()).to_string();
         assert!(e.contains("cannot name routed experts' pages"), "{e}");
+
+        // A manifest built before experts had pages of their own: the same pages in
+        // their layers' group, format 3. It loads, and says its experts are ungrouped.
+        assert!(!m.experts_ungrouped());
+        let mut old = m.clone();
+        for p in &mut old.pages {
+            if let PageGroup::Expert { layer, .. } = p.group {
+                p.group = PageGroup::Layer(layer);
+            }
+        }
+        old.format_version = MANIFEST_VERSION_PARTS;
+        old.save(d.path()).unwrap();
+        let old = Manifest::load(d.path()).unwrap().unwrap();
+        assert!(old.experts_ungrouped());
+        let dense = Manifest::build(&Checkpoint::open(&fixtures.join("llama_gqa_untied")).unwrap(), &mut |_, _| {})
+            .unwrap();
+        assert!(!dense.experts_ungrouped());
     }
 
     fn load_err(dir: &Path, json: &str) -> FormatError {

@@ -130,6 +130,10 @@ impl EmbeddedStore {
         match manifest {
             Some(m) => {
                 m.check_matches(&ckpt)?;
+                crate::store::warn_if_experts_ungrouped(
+                    &m,
+                    &dir.join(voom_formats::manifest::MANIFEST_FILE),
+                );
                 for (i, e) in m.pages.iter().enumerate() {
                     if e.id as usize != i {
                         return Err(StoreError::Store {

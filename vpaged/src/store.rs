@@ -2024,12 +2024,27 @@ fn load_checked_at(dir: &Path, path: &Path) -> Result<LoadedManifest, StoreError
     // Parsed from the very bytes read, which the digest describes.
     let manifest = Manifest::from_bytes(&path, &bytes)?;
     manifest.check_matches(&Checkpoint::open(dir)?)?;
+    warn_if_experts_ungrouped(&manifest, &path);
     Ok(LoadedManifest {
         path,
         manifest,
         digest: *blake3::hash(&bytes).as_bytes(),
         stamp,
     })
+}
+
+/// A manifest that predates per-expert pages ([`Manifest::experts_ungrouped`]) gives
+/// the right answers slowly: says so, and how to fix it.
+pub fn warn_if_experts_ungrouped(manifest: &Manifest, path: &Path) {
+    if manifest.experts_ungrouped() {
+        tracing::warn!(
+            "{}: this page manifest predates per-expert pages (format {}): the routed \
+             experts are paged as trunk, and experts fused in one tensor are read whole \
+             for any one picked; run `vpagectl hash` on the model to write it anew",
+            path.display(),
+            manifest.format_version
+        );
+    }
 }
 
 /// `p` made absolute (against the current directory) with `.` and `..` resolved
