@@ -1315,8 +1315,11 @@ mod tests {
         old.save(d.path()).unwrap();
         let old = Manifest::load(d.path()).unwrap().unwrap();
         assert!(old.experts_ungrouped());
-        let dense = Manifest::build(&Checkpoint::open(&fixtures.join("llama_gqa_untied")).unwrap(), &mut |_, _| {})
-            .unwrap();
+        let dense = Manifest::build(
+            &Checkpoint::open(&fixtures.join("llama_gqa_untied")).unwrap(),
+            &mut |_, _| {},
+        )
+        .unwrap();
         assert!(!dense.experts_ungrouped());
     }
 

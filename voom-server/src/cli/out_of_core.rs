@@ -237,7 +237,10 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
                 .args(args(tokens))
                 .output()
                 .ok()?;
-            let line = String::from_utf8_lossy(&o.stdout).lines().last()?.to_string();
+            let line = String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .last()?
+                .to_string();
             let v: Value = serde_json::from_str(&line).ok()?;
             v["timing"]["decode_tokens_per_sec"].as_f64()
         };
