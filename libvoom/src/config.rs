@@ -1715,6 +1715,68 @@ mod tests {
         assert_eq!(y[3], 1.0 / (4.0f32 * (1.0 / p[3])));
     }
 
+    /// The config.json files DeepSeek-V3 and GLM-4.5 were released with (the
+    /// DeepSeek one as its BF16 conversions ship it: the release itself is FP8, a
+    /// quantized checkpoint exact mode refuses by name).
+    #[test]
+    fn released_deepseek_v3_and_glm_4_5_configs_read_as_published() {
+        let ds = r#"{"architectures": ["DeepseekV3ForCausalLM"], "attention_bias": false,
+            "attention_dropout": 0.0, "aux_loss_alpha": 0.001, "bos_token_id": 0, "eos_token_id": 1,
+            "ep_size": 1, "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168,
+            "initializer_range": 0.02, "intermediate_size": 18432, "kv_lora_rank": 512,
+            "max_position_embeddings": 163840, "model_type": "deepseek_v3",
+            "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8,
+            "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": true,
+            "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61,
+            "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "pretraining_tp": 1,
+            "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+            "rms_norm_eps": 1e-06, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40,
+            "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+            "type": "yarn"}, "rope_theta": 10000, "routed_scaling_factor": 2.5,
+            "scoring_func": "sigmoid", "seq_aux": true, "tie_word_embeddings": false,
+            "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
+            "use_cache": true, "v_head_dim": 128, "vocab_size": 129280}"#;
+        let c = parse(ds).unwrap();
+        assert_eq!((c.head_dim, c.rotary_dim, c.extra_layers), (192, 64, 1));
+        let m = c.mla.as_ref().unwrap();
+        assert_eq!((m.q_lora_rank, m.kv_lora_rank, m.v_head_dim), (Some(1536), 512, 128));
+        assert!(m.rope_interleave);
+        let mscale = 0.1 * 40f64.ln() + 1.0;
+        assert_eq!(m.softmax_scale, (192f64.powf(-0.5) * mscale * mscale) as f32);
+        let moe = c.moe.as_ref().unwrap();
+        assert_eq!((moe.num_experts, moe.top_k, moe.shared_intermediate_size), (256, 8, 2048));
+        assert_eq!(moe.scoring, Scoring::SigmoidGroups { n_group: 8, topk_group: 4 });
+        assert_eq!(moe.sparse.iter().filter(|s| !**s).count(), 3);
+        assert_eq!(c.rope_inv_freq().len(), 32);
+        let fp8 = ds.replacen(
+            r#""pretraining_tp": 1,"#,
+            r#""pretraining_tp": 1, "quantization_config": {"activation_scheme": "dynamic",
+            "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]},"#,
+            1,
+        );
+        let e = parse(&fp8).unwrap_err();
+        assert!(e.to_string().contains("quantization_config"), "{e}");
+
+        let glm = r#"{"architectures": ["Glm4MoeForCausalLM"], "attention_bias": true,
+            "attention_dropout": 0.0, "pad_token_id": 151329, "eos_token_id": [151329, 151336, 151338],
+            "head_dim": 128, "hidden_act": "silu", "hidden_size": 5120, "partial_rotary_factor": 0.5,
+            "initializer_range": 0.02, "intermediate_size": 12288, "max_position_embeddings": 131072,
+            "model_type": "glm4_moe", "moe_intermediate_size": 1536, "norm_topk_prob": true,
+            "num_attention_heads": 96, "n_group": 1, "topk_group": 1, "n_routed_experts": 160,
+            "n_shared_experts": 1, "routed_scaling_factor": 2.5, "num_experts_per_tok": 8,
+            "first_k_dense_replace": 3, "num_hidden_layers": 92, "num_key_value_heads": 8,
+            "rms_norm_eps": 1e-05, "rope_theta": 1000000, "num_nextn_predict_layers": 1,
+            "tie_word_embeddings": false, "torch_dtype": "bfloat16", "use_cache": true,
+            "use_qk_norm": true, "vocab_size": 151552}"#;
+        let c = parse(glm).unwrap();
+        assert_eq!((c.head_dim, c.rotary_dim, c.extra_layers), (128, 64, 1));
+        assert!(c.qkv_bias && !c.o_bias && c.qk_norm == QkNorm::PerHead);
+        assert_eq!(c.eos_token_ids, vec![151329, 151336, 151338]);
+        let moe = c.moe.as_ref().unwrap();
+        assert_eq!((moe.num_experts, moe.routed_scaling_factor), (160, 2.5));
+        assert_eq!(moe.scoring, Scoring::SigmoidGroups { n_group: 1, topk_group: 1 });
+    }
+
     #[test]
     fn routing_options_not_computed_are_errors_naming_them() {
         for (extra, needle) in [
