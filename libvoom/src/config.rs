@@ -1739,13 +1739,28 @@ mod tests {
         let c = parse(ds).unwrap();
         assert_eq!((c.head_dim, c.rotary_dim, c.extra_layers), (192, 64, 1));
         let m = c.mla.as_ref().unwrap();
-        assert_eq!((m.q_lora_rank, m.kv_lora_rank, m.v_head_dim), (Some(1536), 512, 128));
+        assert_eq!(
+            (m.q_lora_rank, m.kv_lora_rank, m.v_head_dim),
+            (Some(1536), 512, 128)
+        );
         assert!(m.rope_interleave);
         let mscale = 0.1 * 40f64.ln() + 1.0;
-        assert_eq!(m.softmax_scale, (192f64.powf(-0.5) * mscale * mscale) as f32);
+        assert_eq!(
+            m.softmax_scale,
+            (192f64.powf(-0.5) * mscale * mscale) as f32
+        );
         let moe = c.moe.as_ref().unwrap();
-        assert_eq!((moe.num_experts, moe.top_k, moe.shared_intermediate_size), (256, 8, 2048));
-        assert_eq!(moe.scoring, Scoring::SigmoidGroups { n_group: 8, topk_group: 4 });
+        assert_eq!(
+            (moe.num_experts, moe.top_k, moe.shared_intermediate_size),
+            (256, 8, 2048)
+        );
+        assert_eq!(
+            moe.scoring,
+            Scoring::SigmoidGroups {
+                n_group: 8,
+                topk_group: 4
+            }
+        );
         assert_eq!(moe.sparse.iter().filter(|s| !**s).count(), 3);
         assert_eq!(c.rope_inv_freq().len(), 32);
         let fp8 = ds.replacen(
@@ -1774,7 +1789,13 @@ mod tests {
         assert_eq!(c.eos_token_ids, vec![151329, 151336, 151338]);
         let moe = c.moe.as_ref().unwrap();
         assert_eq!((moe.num_experts, moe.routed_scaling_factor), (160, 2.5));
-        assert_eq!(moe.scoring, Scoring::SigmoidGroups { n_group: 1, topk_group: 1 });
+        assert_eq!(
+            moe.scoring,
+            Scoring::SigmoidGroups {
+                n_group: 1,
+                topk_group: 1
+            }
+        );
     }
 
     #[test]

@@ -3,7 +3,7 @@
 use vpaged::PageId;
 
 use crate::backend::Backend;
-use crate::model::weights::{Leased, Matrix, Vector};
+use crate::model::weights::{Dim, Leased, Matrix, Vector, WeightFinder};
 use crate::VoomError;
 
 pub(super) struct Linear {
@@ -12,6 +12,25 @@ pub(super) struct Linear {
 }
 
 impl Linear {
+    /// The projection `name` (`name.weight` of `rows × cols`, and `name.bias` of
+    /// `rows` when `bias`).
+    pub fn load(
+        f: &WeightFinder<'_>,
+        name: &str,
+        rows: &Dim,
+        cols: &Dim,
+        bias: bool,
+    ) -> Result<Linear, VoomError> {
+        Ok(Linear {
+            w: f.matrix(&format!("{name}.weight"), rows, cols)?,
+            bias: if bias {
+                Some(f.vector(&format!("{name}.bias"), rows)?)
+            } else {
+                None
+            },
+        })
+    }
+
     pub fn pages(&self) -> impl Iterator<Item = PageId> + '_ {
         std::iter::once(self.w.page).chain(self.bias.iter().map(|b| b.page))
     }

@@ -226,17 +226,9 @@ impl<B: Backend> Llama<B> {
         }
         let d = ConfigDims::of(&cfg, &config)?;
         let experts = ExpertDims::of(&cfg);
-        let linear =
-            |name: &str, rows: &Dim, cols: &Dim, bias: bool| -> Result<Linear, VoomError> {
-                Ok(Linear {
-                    w: f.matrix(&format!("{name}.weight"), rows, cols)?,
-                    bias: if bias {
-                        Some(f.vector(&format!("{name}.bias"), rows)?)
-                    } else {
-                        None
-                    },
-                })
-            };
+        let linear = |name: &str, rows: &Dim, cols: &Dim, bias: bool| {
+            Linear::load(&f, name, rows, cols, bias)
+        };
         let embed = f.table("model.embed_tokens.weight", &d.vocab, &d.hidden)?;
         let lm_head = if cfg.tie_word_embeddings {
             embed.clone()

@@ -68,17 +68,9 @@ impl MlaAttention {
         )
         .expect("validated widths");
         let bias = cfg.qkv_bias;
-        let linear =
-            |name: &str, rows: &Dim, cols: &Dim, bias: bool| -> Result<Linear, VoomError> {
-                Ok(Linear {
-                    w: f.matrix(&format!("{a}.{name}.weight"), rows, cols)?,
-                    bias: if bias {
-                        Some(f.vector(&format!("{a}.{name}.bias"), rows)?)
-                    } else {
-                        None
-                    },
-                })
-            };
+        let linear = |name: &str, rows: &Dim, cols: &Dim, bias: bool| {
+            Linear::load(f, &format!("{a}.{name}"), rows, cols, bias)
+        };
         let q = match m.q_lora_rank {
             None => Query::Plain(linear("q_proj", &q_rows, &hidden, false)?),
             Some(r) => {

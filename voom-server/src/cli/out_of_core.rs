@@ -215,22 +215,9 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
     // lower of this and the storage bound.
     let compute = if crate::memory::available().bytes > 2 * model_bytes {
         let args = |tokens: usize| -> Vec<String> {
-            vec![
-                "generate".into(),
-                "--model".into(),
-                dir.display().to_string(),
-                "--prompt-ids".into(),
-                prompt.join(","),
-                "--max-new-tokens".into(),
-                tokens.to_string(),
-                "--ignore-eos".into(),
-                "--json".into(),
-                "--threads".into(),
-                a.threads.to_string(),
-                "--max-context".into(),
-                context.to_string(),
-                "--memory-mapped".into(),
-            ]
+            let mut v = generate_args(&dir, &prompt, tokens, a.threads, context);
+            v.push("--memory-mapped".into());
+            v
         };
         let run = |tokens: usize| -> Option<f64> {
             let o = std::process::Command::new(&voom)
@@ -281,21 +268,7 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
             "vpack" => (&packed.as_ref().expect("packed above").dir, budget),
             other => bail!("unknown configuration '{other}' (mmap, cache, vpack)"),
         };
-        let mut args: Vec<String> = vec![
-            "generate".into(),
-            "--model".into(),
-            model_dir.display().to_string(),
-            "--prompt-ids".into(),
-            prompt.join(","),
-            "--max-new-tokens".into(),
-            a.decode_tokens.to_string(),
-            "--ignore-eos".into(),
-            "--json".into(),
-            "--threads".into(),
-            a.threads.to_string(),
-            "--max-context".into(),
-            context.to_string(),
-        ];
+        let mut args = generate_args(model_dir, &prompt, a.decode_tokens, a.threads, context);
         args.extend(extra);
         // A mixture of experts' run records its routing trace.
         let trace_path = moe.as_ref().map(|_| {
@@ -575,6 +548,32 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
 /// streams per token (every routed expert counted: it pins none), the routed experts'
 /// share of a token's reads, and the room it leaves the page cache to keep the
 /// experts its admission picks.
+/// `voom generate` of `prompt` (ids) on `model`, decoding `tokens` past any eos with
+/// `threads` compute threads and a context of `context`, its report as JSON.
+fn generate_args(
+    model: &Path,
+    prompt: &[String],
+    tokens: usize,
+    threads: usize,
+    context: usize,
+) -> Vec<String> {
+    vec![
+        "generate".into(),
+        "--model".into(),
+        model.display().to_string(),
+        "--prompt-ids".into(),
+        prompt.join(","),
+        "--max-new-tokens".into(),
+        tokens.to_string(),
+        "--ignore-eos".into(),
+        "--json".into(),
+        "--threads".into(),
+        threads.to_string(),
+        "--max-context".into(),
+        context.to_string(),
+    ]
+}
+
 struct MoePlan {
     streamed_per_token: u64,
     routed_per_token: u64,
