@@ -278,6 +278,9 @@ pub struct HfConfig {
     pub topk_method: Option<String>,
     pub moe_layer_freq: Option<usize>,
     pub q_lora_rank: Option<usize>,
+    /// Whether `q_lora_rank` is in the file at all (`null` there means a plain
+    /// `q_proj`; absent, transformers' default rank).
+    pub q_lora_rank_given: bool,
     pub kv_lora_rank: Option<usize>,
     pub qk_nope_head_dim: Option<usize>,
     pub qk_rope_head_dim: Option<usize>,
@@ -344,6 +347,7 @@ impl HfConfig {
             topk_method: f.string("topk_method")?,
             moe_layer_freq: f.count("moe_layer_freq")?,
             q_lora_rank: f.count("q_lora_rank")?,
+            q_lora_rank_given: obj.contains_key("q_lora_rank"),
             kv_lora_rank: f.count("kv_lora_rank")?,
             qk_nope_head_dim: f.count("qk_nope_head_dim")?,
             qk_rope_head_dim: f.count("qk_rope_head_dim")?,
@@ -829,6 +833,10 @@ impl ModelConfig {
                 ));
             }
             for (key, x) in [
+                (
+                    "num_attention_heads × (kv_lora_rank + qk_rope_head_dim)",
+                    m.kv_lora_rank + m.qk_rope_head_dim,
+                ),
                 ("num_attention_heads × v_head_dim", m.v_head_dim),
                 (
                     "num_attention_heads × (qk_nope_head_dim + v_head_dim)",
@@ -1221,17 +1229,48 @@ fn yarn_inv_freq(
 }
 
 /// Multi-head latent attention's widths (transformers' DeepseekV3Config defaults
-/// where a key is absent; `q_lora_rank` null means a plain `q_proj`).
+/// where a key is absent; `q_lora_rank` null means a plain `q_proj`), each in range
+/// before anything adds them.
 fn mla(hf: &HfConfig) -> Result<Mla, String> {
+    let m = mla_widths(hf)?;
+    within("kv_lora_rank", m.kv_lora_rank, 1, limits::WIDTH)?;
+    within("qk_nope_head_dim", m.qk_nope_head_dim, 0, limits::HEAD_DIM)?;
+    within("qk_rope_head_dim", m.qk_rope_head_dim, 2, limits::HEAD_DIM)?;
+    within("v_head_dim", m.v_head_dim, 1, limits::HEAD_DIM)?;
+    if let Some(f) = hf.partial_rotary_factor.filter(|&f| f != 1.0) {
+        return Err(format!(
+            "unsupported partial_rotary_factor {f} for deepseek_v3"
+        ));
+    }
+    if let Some(f) = hf
+        .rope_parameters
+        .as_ref()
+        .and_then(|p| p.get("partial_rotary_factor"))
+        .and_then(Value::as_f64)
+        .filter(|&f| f != 1.0)
+    {
+        return Err(format!(
+            "unsupported partial_rotary_factor {f} for deepseek_v3"
+        ));
+    }
+    Ok(m)
+}
+
+fn mla_widths(hf: &HfConfig) -> Result<Mla, String> {
     let positive = |v: Option<usize>, key: &str, default: usize| match v {
         Some(0) => Err(format!("'{key}' must be positive")),
         Some(x) => Ok(x),
         None => Ok(default),
     };
     Ok(Mla {
-        q_lora_rank: match hf.q_lora_rank {
-            Some(0) => return Err("'q_lora_rank' must be positive or null".into()),
-            r => r,
+        q_lora_rank: match (hf.q_lora_rank, hf.q_lora_rank_given) {
+            (Some(0), _) => return Err("'q_lora_rank' must be positive or null".into()),
+            (Some(r), _) => {
+                within("q_lora_rank", r, 1, limits::WIDTH)?;
+                Some(r)
+            }
+            (None, true) => None,
+            (None, false) => Some(1536),
         },
         kv_lora_rank: positive(hf.kv_lora_rank, "kv_lora_rank", 512)?,
         qk_nope_head_dim: hf.qk_nope_head_dim.unwrap_or(128),
@@ -1796,6 +1835,36 @@ mod tests {
                 topk_group: 1
             }
         );
+    }
+
+    /// MLA widths are bounded before anything adds them; an absent q_lora_rank is
+    /// transformers' default rank, a null one a plain q_proj; a partial rotary
+    /// factor is refused, not ignored.
+    #[test]
+    fn mla_widths_are_checked_before_use() {
+        let huge = format!("{{{DEEPSEEK}, \"qk_nope_head_dim\": 18446744073709551615}}");
+        let e = parse(&huge).unwrap_err();
+        assert!(e.to_string().contains("qk_nope_head_dim"), "{e}");
+        let wide =
+            format!("{{{DEEPSEEK}, \"num_attention_heads\": 65536, \"kv_lora_rank\": 16777216}}");
+        let e = parse(&wide).unwrap_err();
+        assert!(e.to_string().contains("kv_lora_rank"), "{e}");
+        let absent = DEEPSEEK.replace(r#""q_lora_rank": 24,"#, "");
+        let c = parse(&format!("{{{absent}}}")).unwrap();
+        assert_eq!(c.mla.unwrap().q_lora_rank, Some(1536));
+        let null = DEEPSEEK.replace(r#""q_lora_rank": 24"#, r#""q_lora_rank": null"#);
+        let c = parse(&format!("{{{null}}}")).unwrap();
+        assert_eq!(c.mla.unwrap().q_lora_rank, None);
+        for extra in [
+            r#""partial_rotary_factor": 0.5"#,
+            r#""rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}"#,
+        ] {
+            let e = parse(&format!("{{{DEEPSEEK}, {extra}}}")).unwrap_err();
+            assert!(
+                e.to_string().contains("partial_rotary_factor"),
+                "{extra}: {e}"
+            );
+        }
     }
 
     #[test]

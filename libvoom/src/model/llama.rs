@@ -385,12 +385,12 @@ impl<B: Backend> Model for Llama<B> {
         // computes an expert on the rows routed to it (at most every position): its
         // input (gathered, then uploaded), gate, up and output; its picks and the
         // rows each expert computes (32 bytes a pick); beside one chunk's router
-        // probabilities.
+        // probabilities (five copies of them for sigmoid group routing).
         let experts = cfg.moe.as_ref().map_or(0, |m| {
             tokens * 2 * h
                 + tokens * (3 * h + 2 * m.expert_intermediate_size)
                 + tokens * 8 * m.top_k
-                + chunk * m.num_experts
+                + 5 * chunk * m.num_experts
         });
         // MLA's chunk: the normed input, the query twice (projected and downloaded),
         // its low-rank projection and norm, the cache vectors (projected, split,

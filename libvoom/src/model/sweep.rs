@@ -492,14 +492,29 @@ impl LayerLease<'_> {
             s.prefetch_experts(self.li, chosen, 2 * s.walk.largest_page + s.expert_batch);
         }
         let mut left = chosen.to_vec();
+        // Which of `left` were ready when last asked: asked again only after a wait,
+        // so a layer of many experts asks the source a few times, not once per pick.
+        let ask = |left: &[usize]| -> Vec<bool> {
+            left.iter()
+                .map(|&e| any_order && s.source.ready(&stage.experts()[e]))
+                .collect()
+        };
+        let mut ready = ask(&left);
         while !left.is_empty() {
-            let next = if any_order {
-                left.iter()
-                    .position(|&e| s.source.ready(&stage.experts()[e]))
-                    .unwrap_or(0)
-            } else {
-                0
+            let next = match ready.iter().position(|&r| r) {
+                Some(i) => i,
+                None => {
+                    // Wait for the first left; then see what landed meanwhile.
+                    let e = left.remove(0);
+                    ready.remove(0);
+                    let lease = s.acquire(&stage.experts()[e])?;
+                    f(e, &lease)?;
+                    drop(lease);
+                    ready = ask(&left);
+                    continue;
+                }
             };
+            ready.remove(next);
             let e = left.remove(next);
             let lease = s.acquire(&stage.experts()[e])?;
             f(e, &lease)?;
