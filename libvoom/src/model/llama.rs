@@ -395,7 +395,8 @@ impl<B: Backend> Model for Llama<B> {
         // MLA's chunk: the normed input, the query twice (projected and downloaded),
         // its low-rank projection and norm, the cache vectors (projected, split,
         // normed, joined and uploaded), the queries in the latent space (and one head's
-        // absorbed part), the attention output in the latent space and expanded.
+        // absorbed part), the attention output in the latent space and expanded; and
+        // one head's W_UK widened to f32 (`matmul_t`).
         let mla = cfg.mla.as_ref().map_or(0, |m| {
             let w = mla::cache_width(m);
             let heads = cfg.num_heads;
@@ -407,6 +408,7 @@ impl<B: Backend> Model for Llama<B> {
                     + 2 * m.kv_lora_rank
                     + 2 * heads * m.kv_lora_rank
                     + 3 * heads * m.v_head_dim)
+                + m.qk_nope_head_dim * m.kv_lora_rank
         });
         // The shared experts' input, gate, up and output; the routed experts' outputs
         // held to be added in order (at most `HELD_OUTPUT_BYTES`).

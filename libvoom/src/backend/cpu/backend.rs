@@ -246,19 +246,16 @@ impl Backend for CpuBackend {
     }
 
     fn matmul_t(&self, x: &Rows, w: WeightView<'_>, out: &mut Rows) -> Result<(), KernelError> {
-        w.check()?;
         check_shape("transposed matmul input", x, x.rows(), w.rows)?;
         check_shape("transposed matmul output", out, x.rows(), w.cols)?;
-        let (n, k, c) = (x.rows(), w.rows, w.cols);
-        let (xs, o) = (x.as_slice(), out.as_mut_slice());
-        o.fill(0.0);
-        for r in 0..k {
-            let row = w.row(r).to_vec();
-            for t in 0..n {
-                matmul::axpy(&mut o[t * c..(t + 1) * c], xs[t * k + r], &row);
-            }
-        }
-        Ok(())
+        matmul::matmul_t_isa(
+            self.isa,
+            &self.pool,
+            x.as_slice(),
+            x.rows(),
+            w,
+            out.as_mut_slice(),
+        )
     }
 
     fn latent_attention(

@@ -161,6 +161,69 @@ pub fn matmul_isa(
     Ok(())
 }
 
+/// `out[t][c] = Σ_r x[t][r] · w[r][c]` (the weight's rows contracted: `x` is
+/// `n × w.rows`, `out` `n × w.cols`): each element one fused multiply-add a term in
+/// increasing `r` from 0 ([`axpy`]'s bits), whatever the number of rows or threads.
+/// The weight is widened once, then blocks of columns are computed in parallel.
+pub fn matmul_t_isa(
+    isa: Isa,
+    pool: &ThreadPool,
+    x: &[f32],
+    n: usize,
+    w: WeightView<'_>,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    w.check()?;
+    check_len("x", x.len(), n, w.rows)?;
+    check_len("out", out.len(), n, w.cols)?;
+    assert_isa(isa);
+    let (k, c) = (w.rows, w.cols);
+    out.fill(0.0);
+    if n == 0 || c == 0 {
+        return Ok(());
+    }
+    let wide: Vec<f32> = (0..k).flat_map(|r| w.row(r).to_vec()).collect();
+    let dst = OutPtr(out.as_mut_ptr());
+    let job = |cols: Range<usize>| {
+        for t in 0..n {
+            // SAFETY: `out` holds n*c elements (checked above); this job writes only
+            // columns `cols` (within 0..c: pool chunks cover 0..c) of row t, jobs
+            // have disjoint column ranges, and `out` is exclusively borrowed for the
+            // whole call.
+            let o = unsafe {
+                std::slice::from_raw_parts_mut(dst.get().add(t * c + cols.start), cols.len())
+            };
+            for r in 0..k {
+                let row = &wide[r * c + cols.start..r * c + cols.end];
+                axpy_isa(isa, o, x[t * k + r], row);
+            }
+        }
+    };
+    let macs = k.saturating_mul(c).saturating_mul(n);
+    if pool.threads() == 1 || macs < PARALLEL_MIN_MACS {
+        job(0..c);
+    } else {
+        let grain = c
+            .div_ceil(pool.threads() * CHUNKS_PER_THREAD)
+            .next_multiple_of(8);
+        pool.for_each_chunk_grain(c, grain, job);
+    }
+    Ok(())
+}
+
+/// [`axpy`] with an explicit instruction set (the same bits on each).
+fn axpy_isa(isa: Isa, y: &mut [f32], a: f32, x: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 {
+        // SAFETY: the caller checked the CPU has AVX2 (assert_isa); equal lengths.
+        return unsafe { avx2::axpy(y, a, x) };
+    }
+    let _ = isa;
+    for (o, &v) in y.iter_mut().zip(x) {
+        *o = a.mul_add(v, *o);
+    }
+}
+
 /// Panics unless this CPU has `isa` (a caller bug: [`Isa::detect`] tells).
 fn assert_isa(isa: Isa) {
     assert!(
@@ -191,6 +254,13 @@ struct OutPtr(*mut f32);
 unsafe impl Send for OutPtr {}
 // SAFETY: as above.
 unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    /// The pointer (a method, so that closures capture the whole `OutPtr`).
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
 
 /// Computes rows `rows` of `out` for all `n` tokens.
 ///
