@@ -12,6 +12,11 @@
 //!   not kept, so that one-off experts do not flush hot ones.
 //! - [`Policy::Static`]: no replacement: the experts used most in the fitted part of the
 //!   trace, as many as fit, and nothing else (what pinning by counted accesses does).
+//! - [`Policy::TinyLfu`]: the page cache's own policy ([`crate::cache::eviction`]:
+//!   TinyLFU admission with aging in front of an LFU main region, a window for the
+//!   pages not admitted), replayed with every expert evictable once read and room
+//!   counted in bytes (no slots, no prefetches): what the page cache would read with
+//!   that much room for experts.
 //! - [`Policy::Belady`]: the clairvoyant bound: a miss evicts the resident expert used
 //!   again furthest in the future, or is not kept when the newcomer is used again
 //!   later than all of them. With experts of one size (a model's are) no policy reads
@@ -36,17 +41,25 @@ use crate::expert_trace::Trace;
 pub enum Policy {
     Lru,
     Lfu,
+    TinyLfu,
     Static,
     Belady,
 }
 
 impl Policy {
-    pub const ALL: [Policy; 4] = [Policy::Lru, Policy::Lfu, Policy::Static, Policy::Belady];
+    pub const ALL: [Policy; 5] = [
+        Policy::Lru,
+        Policy::Lfu,
+        Policy::TinyLfu,
+        Policy::Static,
+        Policy::Belady,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
             Policy::Lru => "lru",
             Policy::Lfu => "lfu-admit",
+            Policy::TinyLfu => "tinylfu",
             Policy::Static => "static",
             Policy::Belady => "belady",
         }
@@ -166,6 +179,63 @@ fn replay_misses(
             }
             for a in &acc {
                 count(a, kept.contains(&a.key));
+            }
+        }
+        Policy::TinyLfu => {
+            use crate::cache::eviction::{Policy as Cache, Region};
+            use crate::cache::PageKey;
+            let mut p = Cache::new();
+            let mut resident: HashMap<u64, u64> = HashMap::new();
+            let mut used = 0u64;
+            for a in &acc {
+                // The simulation's keys: layer slot × experts + expert (u32 in any
+                // trace a model can write: experts and layers are both below 2^16).
+                let key = PageKey {
+                    model: 0,
+                    page: a.key as u32,
+                };
+                let freq = p.frequency(key);
+                p.record_access(key);
+                let hit = resident.contains_key(&a.key);
+                count(a, hit);
+                if hit {
+                    p.touch(key, true);
+                    continue;
+                }
+                if a.bytes > capacity_bytes {
+                    continue;
+                }
+                let admitted = p.admits(freq);
+                let region = if used + a.bytes <= capacity_bytes {
+                    if admitted || p.spare_room(capacity_bytes - used - a.bytes) {
+                        Region::Main
+                    } else {
+                        p.note_window_need(a.bytes);
+                        Region::Window
+                    }
+                } else {
+                    while used + a.bytes > capacity_bytes {
+                        let victim = p
+                            .window_victim()
+                            .or_else(|| p.main_victim().map(|(k, _)| k))
+                            .or_else(|| p.pending_victim())
+                            .expect("a full cache holds an evictable expert");
+                        p.remove(victim);
+                        used -= resident
+                            .remove(&u64::from(victim.page))
+                            .expect("victims are resident");
+                    }
+                    if admitted {
+                        Region::Main
+                    } else {
+                        p.note_window_need(a.bytes);
+                        Region::Window
+                    }
+                };
+                p.insert(key, a.bytes, region, true);
+                p.set_evictable(key, true);
+                resident.insert(a.key, a.bytes);
+                used += a.bytes;
             }
         }
         Policy::Lru | Policy::Lfu | Policy::Belady => {
@@ -541,6 +611,10 @@ mod tests {
         assert!(lru.misses > 20, "{lru:?}");
         // LFU keeps both hot experts after their first reads: only the scan misses.
         assert_eq!(lfu.misses, 2 + 10, "{lfu:?}");
+        // So does the page cache's own policy, with room for three (the one-offs
+        // stream through its window).
+        let tiny = replay(&t, Policy::TinyLfu, 30, 0);
+        assert_eq!(tiny.misses, 2 + 10, "{tiny:?}");
     }
 
     #[test]

@@ -76,7 +76,7 @@ fn expert_plan_scores_every_policy_and_size_against_the_bound() {
         4.0 * (1 << 20) as f64
     );
     let replays = r["replays"].as_array().unwrap();
-    assert_eq!(replays.len(), 8);
+    assert_eq!(replays.len(), 10);
     for size in [4u64 << 20, 8 << 20] {
         let of = |p: &str| {
             replays
@@ -86,7 +86,7 @@ fn expert_plan_scores_every_policy_and_size_against_the_bound() {
                 .as_f64()
                 .unwrap()
         };
-        for p in ["lru", "lfu-admit", "static"] {
+        for p in ["lru", "lfu-admit", "tinylfu", "static"] {
             assert!(of("belady") <= of(p), "{p} below the bound at {size}");
         }
         assert!(of("belady") < 4.0 * (1 << 20) as f64);

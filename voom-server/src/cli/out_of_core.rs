@@ -51,8 +51,9 @@ pub struct OutOfCoreArgs {
     pub model: Option<PathBuf>,
     /// A mixture of experts: a synthetic Qwen3-MoE (64 experts, 8 per token) of at
     /// least four times the budget instead of a Llama. Each run records its routing
-    /// trace, which is replayed through expert caches (LRU, LFU with admission, a
-    /// static set, the Belady bound) of the room the plan gives experts.
+    /// trace, which is replayed through expert caches (LRU, LFU with admission, the
+    /// page cache's TinyLFU, a static set, the Belady bound) of the room the plan
+    /// gives experts.
     #[arg(long)]
     pub moe: bool,
     /// Tokens decoded per run.

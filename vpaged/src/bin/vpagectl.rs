@@ -100,8 +100,9 @@ enum Command {
         json: bool,
     },
     /// Replay a routing trace (`voom generate --expert-trace FILE`) through expert
-    /// caches of several sizes under each policy (LRU, LFU with admission, a static
-    /// set, the Belady bound): bytes of experts read per token for each.
+    /// caches of several sizes under each policy (LRU, LFU with admission, the page
+    /// cache's TinyLFU, a static set, the Belady bound): bytes of experts read per
+    /// token for each.
     ExpertPlan {
         trace: PathBuf,
         /// The share of passes the policies are fitted (warmed) on; the rest is scored.
