@@ -36,6 +36,12 @@ pub struct EngineOptions {
     /// A mixture of experts: predict the next layer of experts' picks from the
     /// hidden state a layer early and hint them. Results do not depend on it.
     pub expert_prefetch: bool,
+    /// A mixture of experts: bytes of a layer's routed experts' outputs that may be
+    /// held so that the experts compute in the order their pages are ready (resident
+    /// ones while the others load), at most
+    /// [`crate::model::sweep::EXPERT_HOLD_BYTES`]; 0 computes them in ascending order.
+    /// Results do not depend on it.
+    pub expert_hold_bytes: usize,
 }
 
 impl Default for EngineOptions {
@@ -48,6 +54,7 @@ impl Default for EngineOptions {
             prefetch_depth: 1,
             backend: BackendKind::best(),
             expert_prefetch: false,
+            expert_hold_bytes: crate::model::sweep::EXPERT_HOLD_BYTES,
         }
     }
 }
@@ -440,6 +447,7 @@ impl Engine {
             tokens.len().div_ceil(chunk),
         );
         sweep.set_expert_prefetch(self.opts.expert_prefetch);
+        sweep.set_expert_hold(self.opts.expert_hold_bytes);
         let pass = self.model.forward(&sweep, tokens, chunk, kv, want);
         *waited += sweep.waited();
         if pass.is_ok() {

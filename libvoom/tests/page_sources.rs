@@ -718,3 +718,37 @@ fn predicted_expert_hints_give_the_same_bits() {
         }
     }
 }
+
+/// Experts computed in the order their pages are ready (the default, where their
+/// outputs fit what may be held) and in ascending order (`expert_hold_bytes` 0) give
+/// the same ids and logits bits, at every budget (where some experts are resident
+/// and others load, so the two orders differ).
+#[test]
+fn experts_in_ready_order_and_ascending_give_the_same_bits() {
+    for case in [
+        "qwen3_moe_dense_layer",
+        "glm4_moe_partial_rotary_shared",
+        "deepseek_v3_mla_yarn",
+    ] {
+        let (_d, dir) = fixture_copy(case);
+        let prompt: Vec<u32> = (0..11).map(|i| (i * 31 + 7) % 300).collect();
+        let reference = run(
+            &Engine::open(&dir, EngineOptions::default()).unwrap(),
+            &prompt,
+        );
+        for budget in budgets(&dir) {
+            for hold in [0, libvoom::model::sweep::EXPERT_HOLD_BYTES] {
+                let opts = EngineOptions {
+                    expert_hold_bytes: hold,
+                    ..EngineOptions::default()
+                };
+                let (_store, e) = over_store_with(&dir, budget, None, opts);
+                assert_eq!(
+                    run(&e, &prompt),
+                    reference,
+                    "{case}: budget {budget}, expert outputs held {hold}"
+                );
+            }
+        }
+    }
+}

@@ -19,7 +19,7 @@ use crate::config::{ModelConfig, QkNorm};
 use crate::kv::KvCache;
 use crate::model::linear::Linear;
 use crate::model::mla::{self, MlaAttention};
-use crate::model::moe::{self, ExpertDims, Experts};
+use crate::model::moe::{ExpertDims, Experts};
 use crate::model::plan::{self, PagePlan, PerToken, Stage};
 use crate::model::rope;
 use crate::model::sweep::{LayerLease, Sweep};
@@ -411,10 +411,10 @@ impl<B: Backend> Model for Llama<B> {
                 + m.qk_nope_head_dim * m.kv_lora_rank
         });
         // The shared experts' input, gate, up and output; the routed experts' outputs
-        // held to be added in order (at most `HELD_OUTPUT_BYTES`).
+        // held to be added in order (at most `EXPERT_HOLD_BYTES`).
         let shared = cfg.moe.as_ref().map_or(0, |m| {
             tokens * (h + m.shared_intermediate_size * 2 + h)
-                + (tokens * m.top_k * h).min(moe::HELD_OUTPUT_BYTES / 4)
+                + (tokens * m.top_k * h).min(crate::model::sweep::EXPERT_HOLD_BYTES / 4)
         });
         let floats = tokens * (h + cfg.rotary_dim)
             + 2 * chunk * per_chunk

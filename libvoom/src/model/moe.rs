@@ -16,11 +16,6 @@ use crate::model::sweep::{LayerLease, Sweep};
 use crate::model::weights::{Dim, Leased, Matrix, Vector, WeightFinder};
 use crate::VoomError;
 
-/// Outputs of a layer's routed experts held at most, to compute the experts in the
-/// order their pages are ready rather than ascending ([`Experts::run`]): a decode
-/// step's (top_k rows of `hidden_size` floats) always fit, a long prompt's may not.
-pub(super) const HELD_OUTPUT_BYTES: usize = 32 << 20;
-
 /// One SwiGLU expert (routed or shared).
 pub(super) struct Expert {
     gate: Matrix,
@@ -342,7 +337,8 @@ impl Experts {
         // load) and added in that order after; else each is added as it is computed,
         // ascending.
         let picks: usize = to.iter().map(Vec::len).sum();
-        let any_order = picks * h * std::mem::size_of::<f32>() <= HELD_OUTPUT_BYTES;
+        let any_order =
+            lw.expert_hold() > 0 && picks * h * std::mem::size_of::<f32>() <= lw.expert_hold();
         let mut held: Vec<Option<Vec<f32>>> = vec![None; to.len()];
         let add = |out: &mut Vec<Vec<f32>>, rows: &[(usize, usize, f32)], y: &[f32]| {
             for (i, &(c, r, weight)) in rows.iter().enumerate() {

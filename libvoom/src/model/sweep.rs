@@ -143,6 +143,8 @@ pub struct Sweep<'a> {
     /// Whether the model predicts the next layer's experts and hints them
     /// ([`Sweep::predicts_experts`]).
     expert_prefetch: Cell<bool>,
+    /// Bytes of a layer's expert outputs that may be held ([`Sweep::set_expert_hold`]).
+    expert_hold: Cell<usize>,
     /// Slot bytes of one position's routed experts, the largest of any layer.
     expert_batch: u64,
 }
@@ -190,6 +192,7 @@ impl<'a> Sweep<'a> {
             waited: Cell::new(Duration::ZERO),
             routes: RefCell::new(Vec::new()),
             expert_prefetch: Cell::new(false),
+            expert_hold: Cell::new(EXPERT_HOLD_BYTES),
             expert_batch: expert,
         }
     }
@@ -201,6 +204,14 @@ impl<'a> Sweep<'a> {
 
     /// Asks the model to predict each layer of experts' picks a layer early and hint
     /// them ([`Sweep::hint_experts`]); off by default. Never changes a result.
+    /// Bytes of a layer's routed experts' outputs that may be held so that the
+    /// experts compute in the order their pages are ready
+    /// ([`LayerLease::experts`]' `any_order`), at most [`EXPERT_HOLD_BYTES`] (what
+    /// scratch budgets count); 0: ascending order.
+    pub fn set_expert_hold(&self, bytes: usize) {
+        self.expert_hold.set(bytes.min(EXPERT_HOLD_BYTES));
+    }
+
     pub fn set_expert_prefetch(&self, on: bool) {
         self.expert_prefetch.set(on);
     }
@@ -439,6 +450,10 @@ fn acquire_timed(
     r
 }
 
+/// The most bytes of a layer's routed experts' outputs held to compute them in the
+/// order their pages are ready: a decode step's always fit, a long prompt's may not.
+pub const EXPERT_HOLD_BYTES: usize = 32 << 20;
+
 /// A layer being computed: its pages, leased whole or step by step.
 pub struct LayerLease<'a> {
     sweep: &'a Sweep<'a>,
@@ -469,6 +484,12 @@ impl LayerLease<'_> {
 }
 
 impl LayerLease<'_> {
+    /// Bytes of the layer's routed experts' outputs that may be held
+    /// ([`Sweep::set_expert_hold`]).
+    pub fn expert_hold(&self) -> usize {
+        self.sweep.expert_hold.get()
+    }
+
     /// Leases the routed experts `chosen` (indices into the layer's
     /// [`Stage::experts`](super::plan::Stage::experts), ascending, each once) and runs
     /// `f` on each with the leases holding it. Experts are leased one at a time; when
