@@ -586,6 +586,24 @@ impl PageSource for DaemonSource {
         }
     }
 
+    /// Asks a daemon that knows `Resident` (since 1.6) whether its cache holds every
+    /// one of `ids`; an older daemon, or a failed request (the acquire that follows
+    /// reports any error), answers `true`: the caller keeps its order.
+    fn ready(&self, ids: &[PageId]) -> bool {
+        if ids.is_empty() || self.client.version().minor < 6 {
+            return true;
+        }
+        match self.client.request(&Message::Resident {
+            model: self.model,
+            pages: ids.to_vec(),
+        }) {
+            Ok(Message::ResidentPages { resident }) if resident.len() == ids.len() => {
+                resident.iter().all(|&r| r)
+            }
+            _ => true,
+        }
+    }
+
     /// Sends `ReadAhead` (since 1.5) to a daemon that knows it; an older one reads
     /// each body when its page loads, as before.
     fn read_ahead(&self, ids: &[PageId]) {

@@ -259,6 +259,7 @@ fn model_of(m: &Message) -> Option<ModelId> {
         Message::Acquire { model, .. }
         | Message::Prefetch { model, .. }
         | Message::ReadAhead { model, .. }
+        | Message::Resident { model, .. }
         | Message::Stage { model, .. }
         | Message::Unstage { model }
         | Message::ManifestPath { model }
@@ -717,6 +718,20 @@ impl Daemon {
                 let pages: Vec<u32> = pages.iter().map(|p| p.0).collect();
                 self.store.read_ahead(model.0, &pages);
                 return Some(Message::Ack);
+            }
+            Message::Resident { model, pages } => {
+                let cache = self.store.cache();
+                return Some(Message::ResidentPages {
+                    resident: pages
+                        .iter()
+                        .map(|p| {
+                            cache.resident(crate::cache::PageKey {
+                                model: model.0,
+                                page: p.0,
+                            })
+                        })
+                        .collect(),
+                });
             }
             Message::Stats => {
                 return Some(Message::StatsReply {

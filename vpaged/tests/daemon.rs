@@ -659,3 +659,20 @@ fn the_planners_fast_tier_set_is_kept_as_its_pages_are_read() {
     );
     assert_eq!(after.primary_bytes, before.primary_bytes);
 }
+
+/// `Resident` (protocol 1.6) through the client: a page is ready once the daemon's
+/// cache holds it, and a list is ready only when all of it is.
+#[test]
+fn the_daemon_says_which_pages_are_ready() {
+    let d = tempfile::tempdir().unwrap();
+    let (m, _) = model(d.path(), 0);
+    let daemon = start(d.path(), "4MiB");
+    let c = DaemonClient::connect(&daemon.socket, "engine").unwrap();
+    assert!(c.version().minor >= 6, "{:?}", c.version());
+    let s = DaemonSource::open(Arc::clone(&c), &m).unwrap();
+    assert!(!s.ready(&[PageId(1)]));
+    drop(s.acquire(PageId(1)).unwrap());
+    assert!(s.ready(&[PageId(1)]));
+    assert!(!s.ready(&[PageId(1), PageId(2)]));
+    assert!(s.ready(&[]));
+}

@@ -54,6 +54,11 @@ fn message() -> impl Strategy<Value = Message> {
             model: ModelId(m),
             pages
         }),
+        (any::<u32>(), pages()).prop_map(|(m, pages)| Message::Resident {
+            model: ModelId(m),
+            pages
+        }),
+        vec(any::<bool>(), 0..200).prop_map(|resident| Message::ResidentPages { resident }),
         Just(Message::Stats),
         Just(Message::Close),
         (any::<u32>(), any::<u64>()).prop_map(|(m, max_bytes)| Message::Stage {
@@ -273,4 +278,26 @@ fn a_no_reply_frame_decodes_and_the_flag_is_the_frames_not_the_messages() {
         Message::decode(&acquire).is_err(),
         "NO_REPLY on an Acquire is refused"
     );
+}
+
+/// A `ResidentPages` flag is 0 or 1; anything else is malformed, naming the field.
+#[test]
+fn resident_flags_are_zero_or_one() {
+    use vpaged::protocol::Frame;
+    let good = Message::ResidentPages {
+        resident: vec![true, false],
+    }
+    .to_frame(3)
+    .unwrap();
+    assert_eq!(
+        Message::decode(&good).unwrap(),
+        Message::ResidentPages {
+            resident: vec![true, false]
+        }
+    );
+    let mut payload = good.payload.clone();
+    payload[4] = 2;
+    let bad = Frame { payload, ..good };
+    let e = Message::decode(&bad).unwrap_err();
+    assert!(e.to_string().contains("resident"), "{e}");
 }

@@ -16,7 +16,7 @@ use crate::PageId;
 pub const PROTOCOL_MAJOR: u16 = 1;
 /// Protocol minor version: additions that older peers of the same major can ignore
 /// (new messages are only sent to a peer that announced a minor that knows them).
-pub const PROTOCOL_MINOR: u16 = 5;
+pub const PROTOCOL_MINOR: u16 = 6;
 /// The version this build speaks.
 pub const PROTOCOL_VERSION: Version = Version {
     major: PROTOCOL_MAJOR,
@@ -62,6 +62,7 @@ pub mod msg_type {
     pub const PIN: u16 = 0x000B;
     pub const KEEP_FAST: u16 = 0x000C;
     pub const READ_AHEAD: u16 = 0x000D;
+    pub const RESIDENT: u16 = 0x000E;
     pub const ERROR: u16 = 0x8000;
     pub const WELCOME: u16 = 0x8001;
     pub const MODEL_OPENED: u16 = 0x8002;
@@ -69,6 +70,7 @@ pub mod msg_type {
     pub const ACK: u16 = 0x8004;
     pub const STATS_REPLY: u16 = 0x8005;
     pub const MANIFEST_AT: u16 = 0x8006;
+    pub const RESIDENT_PAGES: u16 = 0x8007;
 }
 
 /// A protocol version.
@@ -195,6 +197,13 @@ pub enum Message {
         model: ModelId,
         pages: Vec<PageId>,
     },
+    /// Which of these pages the cache holds resident and complete now (since 1.6): a
+    /// hint for an engine free to take them in any order (a layer's routed experts).
+    /// Reply: `ResidentPages`, one flag per page in request order.
+    Resident {
+        model: ModelId,
+        pages: Vec<PageId>,
+    },
     /// Drop one lease on each of these pages. Reply: `Ack` or `Error`.
     Release {
         model: ModelId,
@@ -260,6 +269,10 @@ pub enum Message {
     },
     /// Success without data (Prefetch, Release, Close).
     Ack,
+    /// Reply to `Resident` (since 1.6): per page asked, whether it is resident.
+    ResidentPages {
+        resident: Vec<bool>,
+    },
     /// The path of a model's page manifest file (reply to `ManifestPath`).
     ManifestAt {
         path: String,
@@ -285,6 +298,8 @@ impl Message {
             Message::Acquire { .. } => ACQUIRE,
             Message::Prefetch { .. } => PREFETCH,
             Message::ReadAhead { .. } => READ_AHEAD,
+            Message::Resident { .. } => RESIDENT,
+            Message::ResidentPages { .. } => RESIDENT_PAGES,
             Message::Release { .. } => RELEASE,
             Message::Stats => STATS,
             Message::Close => CLOSE,
@@ -329,6 +344,7 @@ impl Message {
             Message::Acquire { model, pages }
             | Message::Prefetch { model, pages }
             | Message::ReadAhead { model, pages }
+            | Message::Resident { model, pages }
             | Message::Release { model, pages }
             | Message::Pin { model, pages } => {
                 w.u32(model.0);
@@ -347,6 +363,12 @@ impl Message {
                 w.count("pages", pages.len())?;
                 for p in pages {
                     w.u32(p.0);
+                }
+            }
+            Message::ResidentPages { resident } => {
+                w.count("resident", resident.len())?;
+                for &r in resident {
+                    w.u16(u16::from(r));
                 }
             }
             Message::Stats | Message::Close | Message::Ack => {}
@@ -463,7 +485,7 @@ impl Message {
                 check_path(name, &path)?;
                 Message::OpenModel { path }
             }
-            ACQUIRE | PREFETCH | RELEASE | PIN | READ_AHEAD => {
+            ACQUIRE | PREFETCH | RELEASE | PIN | READ_AHEAD | RESIDENT => {
                 let model = ModelId(r.u32("model")?);
                 let n = r.count("pages", 4)?;
                 let mut pages = Vec::with_capacity(n);
@@ -474,6 +496,7 @@ impl Message {
                     ACQUIRE => Message::Acquire { model, pages },
                     PREFETCH => Message::Prefetch { model, pages },
                     READ_AHEAD => Message::ReadAhead { model, pages },
+                    RESIDENT => Message::Resident { model, pages },
                     PIN => Message::Pin { model, pages },
                     _ => Message::Release { model, pages },
                 }
@@ -518,6 +541,24 @@ impl Message {
                 let path = r.str("path", MAX_PATH_LEN)?;
                 check_path(name, &path)?;
                 Message::ManifestAt { path }
+            }
+            RESIDENT_PAGES => {
+                let n = r.count("resident", 2)?;
+                let mut resident = Vec::with_capacity(n);
+                for _ in 0..n {
+                    resident.push(match r.u16("resident")? {
+                        0 => false,
+                        1 => true,
+                        v => {
+                            return Err(ProtocolError::InvalidValue {
+                                message: name,
+                                field: "resident",
+                                detail: format!("{v}, not 0 or 1"),
+                            })
+                        }
+                    });
+                }
+                Message::ResidentPages { resident }
             }
             ACK => Message::Ack,
             WELCOME => Message::Welcome {
@@ -585,6 +626,8 @@ pub fn type_name(t: u16) -> Option<&'static str> {
         PIN => "Pin",
         KEEP_FAST => "KeepFast",
         READ_AHEAD => "ReadAhead",
+        RESIDENT => "Resident",
+        RESIDENT_PAGES => "ResidentPages",
         MANIFEST_AT => "ManifestAt",
         ERROR => "Error",
         WELCOME => "Welcome",
