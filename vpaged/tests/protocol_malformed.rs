@@ -30,7 +30,7 @@ fn decode(t: u16, payload: Vec<u8>) -> ProtocolError {
 
 #[test]
 fn unknown_message_type() {
-    for t in [0u16, 0x000e, 0x7fff, 0x8007, 0xffff] {
+    for t in [0u16, 0x000f, 0x7fff, 0x8008, 0xffff] {
         let e = decode(t, vec![]);
         assert!(
             matches!(e, ProtocolError::UnknownMessageType { msg_type } if msg_type == t),
