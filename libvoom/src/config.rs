@@ -652,10 +652,8 @@ impl ModelConfig {
             (Arch::Glm4Moe, None) => Some(0.5),
             (_, p) => p,
         };
-        let rotary_dim = match (&mla, partial) {
-            (Some(m), _) => m.qk_rope_head_dim,
-            (None, None) => head_dim,
-            (None, Some(f)) if arch == Arch::Glm4Moe => {
+        let rotary_dim = match partial {
+            Some(f) if arch == Arch::Glm4Moe => {
                 if !(f > 0.0 && f <= 1.0) {
                     return Err(err(format!(
                         "'partial_rotary_factor' {f} must be in (0, 1]"
@@ -664,15 +662,14 @@ impl ModelConfig {
                 // transformers: int(head_dim * partial_rotary_factor).
                 (head_dim as f64 * f) as usize
             }
-            (None, Some(f)) => {
-                if f != 1.0 {
-                    return Err(err(format!(
-                        "unsupported partial_rotary_factor {f} for {}",
-                        arch.name()
-                    )));
-                }
-                head_dim
+            Some(f) if f != 1.0 => {
+                return Err(err(format!(
+                    "unsupported partial_rotary_factor {f} for {}",
+                    arch.name()
+                )));
             }
+            // MLA rotates its qk_rope_head_dim part; the others the whole head.
+            _ => mla.as_ref().map_or(head_dim, |m| m.qk_rope_head_dim),
         };
         let mla = mla.map(|mut m| {
             // transformers: yarn_apply_mscale(rope_parameters, qk_head_dim ** -0.5), in
@@ -1230,29 +1227,14 @@ fn yarn_inv_freq(
 
 /// Multi-head latent attention's widths (transformers' DeepseekV3Config defaults
 /// where a key is absent; `q_lora_rank` null means a plain `q_proj`), each in range
-/// before anything adds them.
+/// before anything adds them. (A `partial_rotary_factor` is refused with the other
+/// families', where the rotary dimensions are chosen.)
 fn mla(hf: &HfConfig) -> Result<Mla, String> {
     let m = mla_widths(hf)?;
     within("kv_lora_rank", m.kv_lora_rank, 1, limits::WIDTH)?;
     within("qk_nope_head_dim", m.qk_nope_head_dim, 0, limits::HEAD_DIM)?;
     within("qk_rope_head_dim", m.qk_rope_head_dim, 2, limits::HEAD_DIM)?;
     within("v_head_dim", m.v_head_dim, 1, limits::HEAD_DIM)?;
-    if let Some(f) = hf.partial_rotary_factor.filter(|&f| f != 1.0) {
-        return Err(format!(
-            "unsupported partial_rotary_factor {f} for deepseek_v3"
-        ));
-    }
-    if let Some(f) = hf
-        .rope_parameters
-        .as_ref()
-        .and_then(|p| p.get("partial_rotary_factor"))
-        .and_then(Value::as_f64)
-        .filter(|&f| f != 1.0)
-    {
-        return Err(format!(
-            "unsupported partial_rotary_factor {f} for deepseek_v3"
-        ));
-    }
     Ok(m)
 }
 

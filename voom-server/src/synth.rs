@@ -88,18 +88,28 @@ fn random_bf16(rng: &mut Rng, n: usize, scale: f32, offset: f32) -> Vec<u8> {
 /// `$VOOM_HOME/bench` (named by its shape), written once and reused.
 pub fn bench_model(gb: f64) -> Result<std::path::PathBuf> {
     let shape = SynthShape::of_size(gb);
-    let dir = crate::store::voom_home()?.join("bench").join(format!(
-        "llama-synthetic-{}l-{}h",
-        shape.layers, shape.hidden
-    ));
-    if !dir.join("config.json").exists() {
-        eprintln!(
-            "voom bench: writing a synthetic Llama ({} layers, {:.2} GB BF16) to {}",
+    bench_dir(
+        &format!("llama-synthetic-{}l-{}h", shape.layers, shape.hidden),
+        &format!(
+            "a synthetic Llama ({} layers, {:.2} GB BF16)",
             shape.layers,
-            shape.params() as f64 * 2.0 / 1e9,
-            dir.display()
-        );
-        write_llama(&dir, shape, 0x5eed)?;
+            shape.params() as f64 * 2.0 / 1e9
+        ),
+        |dir| write_llama(dir, shape, 0x5eed),
+    )
+}
+
+/// `$VOOM_HOME/bench/NAME`, written by `write` (announced as `what`) unless it holds
+/// a checkpoint already.
+fn bench_dir(
+    name: &str,
+    what: &str,
+    write: impl FnOnce(&Path) -> Result<()>,
+) -> Result<std::path::PathBuf> {
+    let dir = crate::store::voom_home()?.join("bench").join(name);
+    if !dir.join("config.json").exists() {
+        eprintln!("voom bench: writing {what} to {}", dir.display());
+        write(&dir)?;
     }
     Ok(dir)
 }
@@ -163,21 +173,16 @@ impl SynthMoeShape {
 /// `$VOOM_HOME/bench` (named by its shape), written once and reused.
 pub fn bench_moe_model(gb: f64) -> Result<std::path::PathBuf> {
     let shape = SynthMoeShape::of_size(gb);
-    let dir = crate::store::voom_home()?.join("bench").join(format!(
-        "qwen3moe-synthetic-{}l-{}e",
-        shape.layers, shape.experts
-    ));
-    if !dir.join("config.json").exists() {
-        eprintln!(
-            "voom bench: writing a synthetic Qwen3-MoE ({} layers of {} experts, {:.2} GB BF16) to {}",
+    bench_dir(
+        &format!("qwen3moe-synthetic-{}l-{}e", shape.layers, shape.experts),
+        &format!(
+            "a synthetic Qwen3-MoE ({} layers of {} experts, {:.2} GB BF16)",
             shape.layers,
             shape.experts,
-            shape.params() as f64 * 2.0 / 1e9,
-            dir.display()
-        );
-        write_qwen3_moe(&dir, shape, 0x5eed)?;
-    }
-    Ok(dir)
+            shape.params() as f64 * 2.0 / 1e9
+        ),
+        |dir| write_qwen3_moe(dir, shape, 0x5eed),
+    )
 }
 
 /// The tensors of a synthetic checkpoint, drawn in order from one generator (so a

@@ -590,18 +590,31 @@ impl PageSource for DaemonSource {
     /// one of `ids`; an older daemon, or a failed request (the acquire that follows
     /// reports any error), answers `true`: the caller keeps its order.
     fn ready(&self, ids: &[PageId]) -> bool {
-        if ids.is_empty() || self.client.version().minor < 6 {
-            return true;
+        self.ready_each(&[ids])[0]
+    }
+
+    /// [`PageSource::ready`] of each group, in one `Resident` request.
+    fn ready_each(&self, groups: &[&[PageId]]) -> Vec<bool> {
+        let all: Vec<PageId> = groups.iter().flat_map(|g| g.iter().copied()).collect();
+        if all.is_empty() || self.client.version().minor < 6 {
+            return vec![true; groups.len()];
         }
-        match self.client.request(&Message::Resident {
+        let resident = match self.client.request(&Message::Resident {
             model: self.model,
-            pages: ids.to_vec(),
+            pages: all.clone(),
         }) {
-            Ok(Message::ResidentPages { resident }) if resident.len() == ids.len() => {
-                resident.iter().all(|&r| r)
-            }
-            _ => true,
-        }
+            Ok(Message::ResidentPages { resident }) if resident.len() == all.len() => resident,
+            _ => return vec![true; groups.len()],
+        };
+        let mut at = 0;
+        groups
+            .iter()
+            .map(|g| {
+                let r = resident[at..at + g.len()].iter().all(|&r| r);
+                at += g.len();
+                r
+            })
+            .collect()
     }
 
     /// Sends `ReadAhead` (since 1.5) to a daemon that knows it; an older one reads

@@ -134,6 +134,12 @@ pub trait PageSource: Send + Sync {
         true
     }
 
+    /// [`ready`](Self::ready) of each group of pages, in one call (one round trip
+    /// where the source is remote).
+    fn ready_each(&self, groups: &[&[PageId]]) -> Vec<bool> {
+        groups.iter().map(|g| self.ready(g)).collect()
+    }
+
     /// Hint that these pages will be acquired after the ones hinted by
     /// [`prefetch`](Self::prefetch), in this order: a source whose pages load in two
     /// stages (a vpack body read, then decoded into a cache slot) may read their

@@ -2212,15 +2212,19 @@ mod tests {
         std::fs::create_dir_all(dir).unwrap();
         let a: Vec<u8> = (0..=255u8).cycle().take(8192).collect();
         let b: Vec<u8> = (0..64u8).map(|x| x.wrapping_mul(13)).collect();
-        voom_formats::safetensors::write(
-            &dir.join("model.safetensors"),
+        write_checkpoint(
+            dir,
             &[
                 ("a", DType::BF16, &[64, 64], &a),
                 ("b", DType::F32, &[16], &b),
             ],
-            &BTreeMap::new(),
-        )
-        .unwrap();
+        );
+    }
+
+    /// `dir/model.safetensors` of `tensors`, and its page manifest.
+    fn write_checkpoint(dir: &Path, tensors: &[(&str, DType, &[usize], &[u8])]) {
+        voom_formats::safetensors::write(&dir.join("model.safetensors"), tensors, &BTreeMap::new())
+            .unwrap();
         Manifest::build(&Checkpoint::open(dir).unwrap(), &mut |_, _| {})
             .unwrap()
             .save(dir)
@@ -2353,20 +2357,14 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let page = |seed: u8| -> Vec<u8> { (0..256).map(|i| (i as u8) ^ seed).collect() };
         let (t, e1, e2) = (page(1), page(2), page(3));
-        voom_formats::safetensors::write(
-            &dir.join("model.safetensors"),
+        write_checkpoint(
+            &dir,
             &[
                 ("trunk", DType::F32, &[64], &t),
                 ("expert.1", DType::F32, &[64], &e1),
                 ("expert.2", DType::F32, &[64], &e2),
             ],
-            &BTreeMap::new(),
-        )
-        .unwrap();
-        Manifest::build(&Checkpoint::open(&dir).unwrap(), &mut |_, _| {})
-            .unwrap()
-            .save(&dir)
-            .unwrap();
+        );
         let s = Store::new(StoreConfig {
             cache_bytes: SLOT_ALIGN,
             fast_tier: Some((d.path().join("fast"), 1 << 20)),
@@ -2776,19 +2774,13 @@ mod tests {
         // New weights, same shapes, re-hashed: a new model with the new digest.
         let a_new: Vec<u8> = (0..8192u32).map(|i| (i % 7) as u8).collect();
         let b: Vec<u8> = (0..64u8).map(|x| x.wrapping_mul(13)).collect();
-        voom_formats::safetensors::write(
-            &dir.join("model.safetensors"),
+        write_checkpoint(
+            &dir,
             &[
                 ("a", DType::BF16, &[64, 64], &a_new),
                 ("b", DType::F32, &[16], &b),
             ],
-            &BTreeMap::new(),
-        )
-        .unwrap();
-        Manifest::build(&Checkpoint::open(&dir).unwrap(), &mut |_, _| {})
-            .unwrap()
-            .save(&dir)
-            .unwrap();
+        );
         let new = s.open_model(&dir).unwrap();
         assert_ne!(new, old);
         let m_new = s.model(new).unwrap();

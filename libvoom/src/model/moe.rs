@@ -365,9 +365,11 @@ impl Experts {
             }
             Ok(())
         })?;
-        for e in chosen.iter().copied().filter(|_| any_order) {
-            let y = held[e].take().expect("every expert chosen was computed");
-            add(&mut out, &to[e], &y);
+        if any_order {
+            for &e in &chosen {
+                let y = held[e].take().expect("every expert chosen was computed");
+                add(&mut out, &to[e], &y);
+            }
         }
         if let Some(shared) = &self.shared {
             let w = lw.step(shared_step)?;

@@ -513,32 +513,31 @@ impl LayerLease<'_> {
             s.prefetch_experts(self.li, chosen, 2 * s.walk.largest_page + s.expert_batch);
         }
         let mut left = chosen.to_vec();
-        // Which of `left` were ready when last asked: asked again only after a wait,
-        // so a layer of many experts asks the source a few times, not once per pick.
+        // Which of `left` were ready when last asked (in one call): asked again only
+        // after a wait, so a layer asks the source a few times, not once per pick.
         let ask = |left: &[usize]| -> Vec<bool> {
-            left.iter()
-                .map(|&e| any_order && s.source.ready(&stage.experts()[e]))
-                .collect()
+            if !any_order {
+                return vec![false; left.len()];
+            }
+            let groups: Vec<&[PageId]> = left.iter().map(|&e| &stage.experts()[e][..]).collect();
+            s.source.ready_each(&groups)
         };
         let mut ready = ask(&left);
         while !left.is_empty() {
-            let next = match ready.iter().position(|&r| r) {
-                Some(i) => i,
-                None => {
-                    // Wait for the first left; then see what landed meanwhile.
-                    let e = left.remove(0);
-                    ready.remove(0);
-                    let lease = s.acquire(&stage.experts()[e])?;
-                    f(e, &lease)?;
-                    drop(lease);
-                    ready = ask(&left);
-                    continue;
-                }
+            // The first ready one, else the first left (waiting for it).
+            let (i, waits) = match ready.iter().position(|&r| r) {
+                Some(i) => (i, false),
+                None => (0, true),
             };
-            ready.remove(next);
-            let e = left.remove(next);
+            ready.remove(i);
+            let e = left.remove(i);
             let lease = s.acquire(&stage.experts()[e])?;
             f(e, &lease)?;
+            drop(lease);
+            if waits {
+                // See what landed meanwhile.
+                ready = ask(&left);
+            }
         }
         Ok(())
     }

@@ -148,17 +148,28 @@ pub fn matmul_isa(
         unsafe { compute_rows(isa, dt, x, n, &w, rows, dst) }
     };
     let macs = w.rows.saturating_mul(w.cols).saturating_mul(n);
-    if pool.threads() == 1 || macs < PARALLEL_MIN_MACS {
-        job(0..w.rows);
-    } else {
-        // A few chunks per thread (dynamic balance on a shared VM), in whole tiles.
-        let grain = w
-            .rows
-            .div_ceil(pool.threads() * CHUNKS_PER_THREAD)
-            .next_multiple_of(ROW_GRANULE);
-        pool.for_each_chunk_grain(w.rows, grain, job);
-    }
+    split(pool, w.rows, macs, ROW_GRANULE, job);
     Ok(())
+}
+
+/// Runs `job` over `0..items` on the caller when the work (`macs`) is small or the
+/// pool has one thread, else in a few chunks per thread (dynamic balance on a shared
+/// VM) of whole `granule`s.
+fn split(
+    pool: &ThreadPool,
+    items: usize,
+    macs: usize,
+    granule: usize,
+    job: impl Fn(Range<usize>) + Sync,
+) {
+    if pool.threads() == 1 || macs < PARALLEL_MIN_MACS {
+        job(0..items);
+    } else {
+        let grain = items
+            .div_ceil(pool.threads() * CHUNKS_PER_THREAD)
+            .next_multiple_of(granule);
+        pool.for_each_chunk_grain(items, grain, job);
+    }
 }
 
 /// `out[t][c] = Σ_r x[t][r] · w[r][c]` (the weight's rows contracted: `x` is
@@ -199,23 +210,17 @@ pub fn matmul_t_isa(
             }
         }
     };
-    let macs = k.saturating_mul(c).saturating_mul(n);
-    if pool.threads() == 1 || macs < PARALLEL_MIN_MACS {
-        job(0..c);
-    } else {
-        let grain = c
-            .div_ceil(pool.threads() * CHUNKS_PER_THREAD)
-            .next_multiple_of(8);
-        pool.for_each_chunk_grain(c, grain, job);
-    }
+    split(pool, c, k.saturating_mul(c).saturating_mul(n), 8, job);
     Ok(())
 }
 
-/// [`axpy`] with an explicit instruction set (the same bits on each).
+/// [`axpy`] with an explicit instruction set (the same bits on each). The caller
+/// checked that the lengths are equal and, for AVX2, that the CPU has it.
 fn axpy_isa(isa: Isa, y: &mut [f32], a: f32, x: &[f32]) {
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx2 {
-        // SAFETY: the caller checked the CPU has AVX2 (assert_isa); equal lengths.
+        // SAFETY: the caller checked the CPU has AVX2 (assert_isa, or Isa::detect)
+        // and that the lengths are equal.
         return unsafe { avx2::axpy(y, a, x) };
     }
     let _ = isa;
@@ -412,14 +417,7 @@ pub fn weighted_sum_isa(isa: Isa, p: &[f32], values: &[f32], stride: usize, out:
 /// If the lengths differ (a caller bug).
 pub fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
     assert_eq!(y.len(), x.len(), "axpy on slices of different lengths");
-    #[cfg(target_arch = "x86_64")]
-    if Isa::detect() == Isa::Avx2 {
-        // SAFETY: features checked; equal lengths checked.
-        return unsafe { avx2::axpy(y, a, x) };
-    }
-    for (yi, &xi) in y.iter_mut().zip(x) {
-        *yi = a.mul_add(xi, *yi);
-    }
+    axpy_isa(Isa::detect(), y, a, x);
 }
 
 /// Reads weight element `i` (of a `DT` buffer) as f32, exactly.
