@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use vpaged::{EmbeddedStore, PageId, PageSource, VerifyMode};
+use vpaged::{EmbeddedStore, PageId, PageSource, SourceCacheStats, VerifyMode};
 
 use crate::backend::BackendKind;
 use crate::config::ModelConfig;
@@ -113,6 +113,8 @@ pub struct Generation {
     /// The page cache's traffic during this generation, for sources with a cache
     /// of their own (`None` for memory-mapped files, whose caching is the OS's).
     pub pages: Option<PageTraffic>,
+    /// The part of `pages` from the first sampled id on (what decode asked).
+    pub decode_pages: Option<PageTraffic>,
     /// Seconds of `prefill_secs` and of `decode_secs` the forward passes spent
     /// waiting for pages (the rest computed). Memory-mapped pages fault inside the
     /// computation, so their waits count as computing.
@@ -145,6 +147,25 @@ pub struct PageTraffic {
 }
 
 impl PageTraffic {
+    /// The traffic between two readings of a source's cache counters (`None` unless
+    /// both were read).
+    pub fn between(a: Option<&SourceCacheStats>, b: Option<&SourceCacheStats>) -> Option<Self> {
+        let (a, b) = (a?, b?);
+        Some(PageTraffic {
+            hits: b.hits.saturating_sub(a.hits),
+            misses: b.misses.saturating_sub(a.misses),
+            bytes_loaded: b.bytes_loaded.saturating_sub(a.bytes_loaded),
+            inflight_waits: b.inflight_waits.saturating_sub(a.inflight_waits),
+            prefetch_loads: b.prefetch_loads.saturating_sub(a.prefetch_loads),
+            prefetch_skipped: b.prefetch_skipped.saturating_sub(a.prefetch_skipped),
+            unused_evictions: b.unused_evictions.saturating_sub(a.unused_evictions),
+            bodies_read_ahead: b.bodies_read_ahead.saturating_sub(a.bodies_read_ahead),
+            fast_tier_bytes: b.fast_tier_bytes.saturating_sub(a.fast_tier_bytes),
+            primary_bytes: b.primary_bytes.saturating_sub(a.primary_bytes),
+            nas_bytes: b.nas_bytes.saturating_sub(a.nas_bytes),
+        })
+    }
+
     /// Hits over all demand requests (0 with none).
     pub fn hit_ratio(&self) -> f64 {
         let all = self.hits + self.misses;
@@ -601,6 +622,7 @@ impl Engine {
             logits: Vec::new(),
             constraint_secs: 0.0,
             pages: None,
+            decode_pages: None,
             prefill_page_wait_secs: 0.0,
             decode_page_wait_secs: 0.0,
         };
@@ -620,6 +642,7 @@ impl Engine {
         out.prefill_secs = t0.elapsed().as_secs_f64();
         out.prefill_page_wait_secs = waited.as_secs_f64();
         let mut waited = Duration::ZERO;
+        let at_decode = self.source.cache_stats();
         let t1 = Instant::now();
         loop {
             let step = out.ids.len();
@@ -671,22 +694,9 @@ impl Engine {
         }
         out.decode_secs = t1.elapsed().as_secs_f64();
         out.decode_page_wait_secs = waited.as_secs_f64();
-        out.pages = match (before, self.source.cache_stats()) {
-            (Some(a), Some(b)) => Some(PageTraffic {
-                hits: b.hits.saturating_sub(a.hits),
-                misses: b.misses.saturating_sub(a.misses),
-                bytes_loaded: b.bytes_loaded.saturating_sub(a.bytes_loaded),
-                inflight_waits: b.inflight_waits.saturating_sub(a.inflight_waits),
-                prefetch_loads: b.prefetch_loads.saturating_sub(a.prefetch_loads),
-                prefetch_skipped: b.prefetch_skipped.saturating_sub(a.prefetch_skipped),
-                unused_evictions: b.unused_evictions.saturating_sub(a.unused_evictions),
-                bodies_read_ahead: b.bodies_read_ahead.saturating_sub(a.bodies_read_ahead),
-                fast_tier_bytes: b.fast_tier_bytes.saturating_sub(a.fast_tier_bytes),
-                primary_bytes: b.primary_bytes.saturating_sub(a.primary_bytes),
-                nas_bytes: b.nas_bytes.saturating_sub(a.nas_bytes),
-            }),
-            _ => None,
-        };
+        let end = self.source.cache_stats();
+        out.pages = PageTraffic::between(before.as_ref(), end.as_ref());
+        out.decode_pages = PageTraffic::between(at_decode.as_ref(), end.as_ref());
         // One line per generation (VOOM_LOG=libvoom=info shows it).
         tracing::info!(
             model = %self.name,

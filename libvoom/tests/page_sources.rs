@@ -654,6 +654,52 @@ fn a_pass_reads_only_the_experts_its_router_picks() {
     }
 }
 
+/// A generation reports its page traffic over decode apart: the part of the whole
+/// generation's counters from the first sampled id on, what the store counted over
+/// the decode passes alone.
+#[test]
+fn decode_traffic_is_the_decode_passes_part() {
+    let (_d, dir) = fixture_copy("qwen3_moe_fused_sparse_step");
+    let [_, _, below] = budgets(&dir);
+    let (store, e) = over_store(&dir, below, 0, None);
+    let params = libvoom::engine::GenerateParams {
+        max_new_tokens: 6,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let prompt = [5u32, 9, 300, 17];
+    let before = store.cache_stats();
+    let g = e
+        .generate(&prompt, &params, &mut |_| {
+            std::ops::ControlFlow::Continue(())
+        })
+        .unwrap();
+    let after = store.cache_stats();
+    let all = g.pages.expect("a page cache counts");
+    let decode = g.decode_pages.expect("a page cache counts decode");
+    assert_eq!(all.bytes_loaded, after.bytes_loaded - before.bytes_loaded);
+    assert_eq!(
+        all.hits + all.misses,
+        after.hits + after.misses - before.hits - before.misses
+    );
+    // Five decode passes below one layer's experts: each loads pages, and the
+    // prompt's pass loaded some too.
+    assert!(
+        decode.bytes_loaded > 0 && decode.bytes_loaded < all.bytes_loaded,
+        "{decode:?} {all:?}"
+    );
+    assert!(decode.hits + decode.misses < all.hits + all.misses);
+
+    // Replayed alone, the prompt's pass loads what the generation's counters less
+    // decode's say it did (the same pages, the same budget, a cold store).
+    let (store, e) = over_store(&dir, below, 0, None);
+    let before = store.cache_stats();
+    let mut kv = e.new_kv();
+    e.forward_all(&mut kv, &prompt).unwrap();
+    let prompt_loaded = store.cache_stats().bytes_loaded - before.bytes_loaded;
+    assert_eq!(prompt_loaded, all.bytes_loaded - decode.bytes_loaded);
+}
+
 /// The routing trace of a pass does not depend on how its positions are chunked:
 /// each layer of experts reads, once, every expert any position picked.
 #[test]

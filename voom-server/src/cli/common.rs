@@ -690,25 +690,32 @@ pub fn result_json(
         "memory": crate::memory::snapshot(),
         "peak_rss_bytes": crate::memory::peak_resident_bytes(),
         // The page cache's traffic in this generation (sources with a cache).
-        "page_cache": g.pages.map(|p| serde_json::json!({
-            "hits": p.hits,
-            "misses": p.misses,
-            "hit_ratio": p.hit_ratio(),
-            "bytes_loaded": p.bytes_loaded,
-            "inflight_waits": p.inflight_waits,
-            "prefetch_loads": p.prefetch_loads,
-            "prefetch_skipped": p.prefetch_skipped,
-            "unused_evictions": p.unused_evictions,
-            "bodies_read_ahead": p.bodies_read_ahead,
-            // Bytes read from each tier in this generation.
-            "bytes_read": {
-                "fast_tier": p.fast_tier_bytes,
-                "primary": p.primary_bytes,
-                "nas": p.nas_bytes,
-            },
-        })),
+        "page_cache": g.pages.as_ref().map(traffic_json),
+        // Its part from the first sampled id on (decode).
+        "decode_page_cache": g.decode_pages.as_ref().map(traffic_json),
         // Bytes read from storage by this process in all (the weights it streamed).
         "storage_read_bytes": crate::memory::storage_read_bytes(),
+    })
+}
+
+/// A page cache's traffic as the JSON reports print it.
+fn traffic_json(p: &libvoom::engine::PageTraffic) -> serde_json::Value {
+    serde_json::json!({
+        "hits": p.hits,
+        "misses": p.misses,
+        "hit_ratio": p.hit_ratio(),
+        "bytes_loaded": p.bytes_loaded,
+        "inflight_waits": p.inflight_waits,
+        "prefetch_loads": p.prefetch_loads,
+        "prefetch_skipped": p.prefetch_skipped,
+        "unused_evictions": p.unused_evictions,
+        "bodies_read_ahead": p.bodies_read_ahead,
+        // Bytes read from each tier.
+        "bytes_read": {
+            "fast_tier": p.fast_tier_bytes,
+            "primary": p.primary_bytes,
+            "nas": p.nas_bytes,
+        },
     })
 }
 

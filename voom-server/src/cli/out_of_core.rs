@@ -211,35 +211,32 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
         .zip(bound)
         .map(|(r, b)| b / r.max(f64::MIN_POSITIVE));
     // What the CPUs allow: the same decode with the whole model in memory (no
-    // ceiling; the OS page cache warmed by a first run), where the machine has room
-    // for it twice. Reads that overlapped compute perfectly could reach at most the
-    // lower of this and the storage bound.
-    let compute = if crate::memory::available().bytes > 2 * model_bytes {
-        let args = |tokens: usize| -> Vec<String> {
-            let mut v = generate_args(&dir, &prompt, tokens, a.threads, context);
-            v.push("--memory-mapped".into());
-            v
-        };
-        let run = |tokens: usize| -> Option<f64> {
-            let o = std::process::Command::new(&voom)
-                .args(args(tokens))
-                .output()
-                .ok()?;
-            let line = String::from_utf8_lossy(&o.stdout)
-                .lines()
-                .last()?
-                .to_string();
-            let v: Value = serde_json::from_str(&line).ok()?;
-            v["timing"]["decode_tokens_per_sec"].as_f64()
-        };
-        run(2).and_then(|_| run(a.decode_tokens))
-    } else {
-        None
+    // ceiling), where the machine has room for it twice: every file read through the
+    // OS page cache, then the decode. Reads that overlapped compute perfectly could
+    // reach at most the lower of this and the storage bound. Measured around each run
+    // as the storage is: this virtual machine's cores computed the same decode at 16
+    // and at 29 tok/s minutes apart. (Warmed by a two-token run instead, a mixture of
+    // experts still read every expert those tokens had not routed, and the figure was
+    // half the rate the machine computed at.)
+    let compute_now = || -> Option<f64> {
+        if crate::memory::available().bytes <= 2 * model_bytes {
+            return None;
+        }
+        warm_page_cache(&files);
+        let mut args = generate_args(&dir, &prompt, a.decode_tokens, a.threads, context);
+        args.push("--memory-mapped".into());
+        let o = std::process::Command::new(&voom)
+            .args(&args)
+            .output()
+            .ok()?;
+        let line = String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .last()?
+            .to_string();
+        let v: Value = serde_json::from_str(&line).ok()?;
+        v["timing"]["decode_tokens_per_sec"].as_f64()
     };
-    let overlap_bound = |storage: Option<f64>| match (storage, compute) {
-        (Some(s), Some(c)) => Some(s.min(c)),
-        (s, c) => s.or(c),
-    };
+    let compute = compute_now();
     let mut results = Vec::new();
     let runs: Vec<(usize, &String)> = (0..a.repeat.max(1))
         .flat_map(|round| a.configs.iter().map(move |c| (round, c)))
@@ -250,6 +247,9 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
         let near = direct::read_bandwidth(&files, probe_bytes, bw.chunk, bw.mode, bw.readers)
             .map(|b| b.bytes_per_sec())
             .unwrap_or(storage_bps);
+        // And what the cores compute at, just before (the OS page cache is dropped
+        // again below).
+        let compute_before = compute_now();
         // Bytes per token a configuration must read: the packed bodies' for vpack.
         let scale = if cfg == "vpack" {
             pack_ratio.unwrap_or(1.0)
@@ -317,6 +317,15 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
             .map(|b| b.bytes_per_sec())
             .ok();
         let around = after.map_or(near, |after| (near + after) / 2.0);
+        let compute_after = compute_now();
+        let compute_around = match (compute_before, compute_after) {
+            (Some(b), Some(a)) => Some((b + a) / 2.0),
+            (b, a) => b.or(a),
+        };
+        let overlap_bound = |storage: Option<f64>| match (storage, compute_around) {
+            (Some(s), Some(c)) => Some(s.min(c)),
+            (s, c) => s.or(c),
+        };
         let around_bound = (non_resident > 0).then(|| around / (non_resident as f64 * scale));
         let stdout = String::from_utf8_lossy(&out.stdout);
         let line = stdout.lines().last().unwrap_or("");
@@ -370,6 +379,23 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
             a.decode_tokens - 1,
             (non_resident as f64 * scale) as u64,
         );
+        // What the page cache loaded over decode: the routed bytes (and any trunk the
+        // plan streams) that were not resident when a pass asked for them, the bytes
+        // the issue's bound is taken on; what the device read against them (above 1:
+        // read amplification; vpack reads bodies smaller than the pages they decode
+        // to), and decode against the storage bound for them around the run.
+        if let (true, Some(loaded)) = (
+            experts.is_object(),
+            r["decode_page_cache"]["bytes_loaded"].as_f64(),
+        ) {
+            let per_token = loaded / (a.decode_tokens - 1).max(1) as f64;
+            experts["loaded_bytes_per_token"] = json!(per_token);
+            experts["device_read_over_loaded"] = json!(decode_device["bytes_per_pass"]
+                .as_f64()
+                .map(|read| read / per_token.max(1.0)));
+            experts["ratio_to_storage_bound_of_loaded_around"] =
+                json!(decode_tps * per_token * scale / around.max(1.0));
+        }
         // Peak memory against what the plan set aside: the process, KV, scratch and
         // read buffers, and the page cache (one batch of experts streams through it).
         let plan_needs = &r["memory_budget"]["needs"];
@@ -395,6 +421,7 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
             "ratio_to_storage_bound_before": near_bound.map(|b| decode_tps / b),
             "storage_bytes_per_sec_after": after,
             "ratio_to_storage_bound_around": around_bound.map(|b| decode_tps / b),
+            "compute_bound_around": compute_around,
             "ratio_to_overlap_bound_around": overlap_bound(around_bound).map(|b| decode_tps / b),
             "page_source": r["page_source"],
             "memory_plan": r["memory_budget"],
@@ -545,10 +572,6 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
     print_report(&report)
 }
 
-/// How the memory planner places a mixture of experts under the budget: what it
-/// streams per token (every routed expert counted: it pins none), the routed experts'
-/// share of a token's reads, and the room it leaves the page cache to keep the
-/// experts its admission picks.
 /// `voom generate` of `prompt` (ids) on `model`, decoding `tokens` past any eos with
 /// `threads` compute threads and a context of `context`, its report as JSON.
 fn generate_args(
@@ -575,6 +598,22 @@ fn generate_args(
     ]
 }
 
+/// Reads every byte of `files` through the OS page cache, so that a memory-mapped run
+/// after it finds the whole model in memory. Errors are left to that run.
+fn warm_page_cache(files: &[PathBuf]) {
+    use std::io::Read;
+    let mut buf = vec![0u8; 8 << 20];
+    for f in files {
+        if let Ok(mut file) = std::fs::File::open(f) {
+            while matches!(file.read(&mut buf), Ok(n) if n > 0) {}
+        }
+    }
+}
+
+/// How the memory planner places a mixture of experts under the budget: what it
+/// streams per token (every routed expert counted: it pins none), the routed experts'
+/// share of a token's reads, and the room it leaves the page cache to keep the
+/// experts its admission picks.
 struct MoePlan {
     streamed_per_token: u64,
     routed_per_token: u64,
@@ -712,8 +751,9 @@ fn print_report(r: &Value) -> Result<()> {
     )?;
     if let Some(c) = r["compute_bound_tokens_per_sec"].as_f64() {
         vpaged::outln!(
-            "  compute bound: {c:.3} tok/s (the same decode from memory, no ceiling): reads that \
-             overlapped compute perfectly reach at most the lower of the two"
+            "  compute bound: {c:.3} tok/s (the same decode from memory, no ceiling; measured again \
+             around each run): reads that overlapped compute perfectly reach at most the lower \
+             of the two"
         )?;
     }
     if let Some(v) = r["vpack"].as_object() {
@@ -831,7 +871,7 @@ fn print_report(r: &Value) -> Result<()> {
                 "  {:<6} {:>5}: device read {} per decode token, {} of what it could not keep \
                  resident ({}: the trunk streamed and the experts the LFU-admit replay \
                  misses); {} of that bound around the run ({} of the lower of it and the \
-                 compute bound), {} at the device's rate; experts routed {} per token; the page cache's hit ratio {:.1}%; the trace replayed \
+                 compute bound, {} tok/s around the run), {} at the device's rate; experts routed {} per token; the page cache's hit ratio {:.1}%; the trace replayed \
                  through {} of experts: {}",
                 run["config"].as_str().unwrap_or(""),
                 run["round"],
@@ -840,12 +880,27 @@ fn print_report(r: &Value) -> Result<()> {
                 f(&x["non_resident_bytes_per_token"]),
                 ratio("ratio_to_storage_bound_around"),
                 ratio("ratio_to_overlap_bound_around"),
+                run["compute_bound_around"]
+                    .as_f64()
+                    .map_or("-".into(), |c| format!("{c:.1}")),
                 ratio("ratio_to_device_rate_bound"),
                 f(&x["routed_bytes_per_token"]),
                 100.0 * run["page_cache"]["hit_ratio"].as_f64().unwrap_or(0.0),
                 b(&x["replay_cache_bytes"]),
                 replays
             )?;
+            if x["loaded_bytes_per_token"].is_number() {
+                vpaged::outln!(
+                    "  {:<6} {:>5}: the page cache loaded {} per decode token (the routed experts \
+                     it did not hold when asked, and the trunk streamed): the device read {} of \
+                     that; decode at {} of the storage bound for it around the run",
+                    run["config"].as_str().unwrap_or(""),
+                    run["round"],
+                    f(&x["loaded_bytes_per_token"]),
+                    ratio("device_read_over_loaded"),
+                    ratio("ratio_to_storage_bound_of_loaded_around"),
+                )?;
+            }
             let mem = &run["memory"];
             if mem.is_object() {
                 vpaged::outln!(

@@ -197,6 +197,7 @@ mod tests {
             logits: Vec::new(),
             constraint_secs: 0.0,
             pages: None,
+            decode_pages: None,
         });
         let s = m.render(&[]);
         assert!(
