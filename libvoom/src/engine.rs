@@ -12,7 +12,7 @@ use crate::backend::BackendKind;
 use crate::config::ModelConfig;
 use crate::constrain::{ConstrainError, TokenConstraint, TokenMask};
 use crate::kv::KvCache;
-use crate::model::{self, Logits, Model, Sweep, Walk};
+use crate::model::{self, Logits, Model, SeqPass, Sweep, Walk};
 use crate::sampler::{Sampler, SamplingParams};
 use crate::text::Tokenizer;
 use crate::VoomError;
@@ -456,23 +456,53 @@ impl Engine {
         want: Logits,
         waited: &mut Duration,
     ) -> Result<Vec<f32>, VoomError> {
-        self.check_pass(kv, tokens)?;
-        let start = kv.len();
+        let mut seqs = [SeqPass { tokens, kv, want }];
+        let mut out = self.forward_batch_timed(&mut seqs, waited)?;
+        Ok(out.pop().expect("one sequence, one result"))
+    }
+
+    /// One forward pass over several sequences, in one sweep of the weights
+    /// ([`Model::forward_batch`]): each sequence's `tokens` after what its `kv`
+    /// holds, its logits as its `want` asks. Each position's logits bits are the ones
+    /// it gets computed alone. Checked and committed as one pass: on `Err` every
+    /// sequence's KV is as it was.
+    pub fn forward_batch(&self, seqs: &mut [SeqPass<'_>]) -> Result<Vec<Vec<f32>>, VoomError> {
+        self.forward_batch_timed(seqs, &mut Duration::default())
+    }
+
+    /// [`Engine::forward_batch`], adding the time the pass waited for pages to
+    /// `waited`. The source's check that the bytes computed on were the verified
+    /// pages ([`PageSource::check_reads`]) runs after the pass, failed or not: when
+    /// the pass failed for another reason than the store, the check's error (bytes
+    /// that were not the pages) is the one reported.
+    fn forward_batch_timed(
+        &self,
+        seqs: &mut [SeqPass<'_>],
+        waited: &mut Duration,
+    ) -> Result<Vec<Vec<f32>>, VoomError> {
+        if seqs.is_empty() {
+            return Err(VoomError::Request("no sequences to compute".into()));
+        }
+        for s in seqs.iter() {
+            self.check_pass(s.kv, s.tokens)?;
+        }
+        let starts: Vec<usize> = seqs.iter().map(|s| s.kv.len()).collect();
         let chunk = self.opts.prefill_chunk.max(1);
+        let positions: usize = seqs.iter().map(|s| s.tokens.len()).sum();
         let sweep = Sweep::new(
             self.source.as_ref(),
             self.model.plan(),
             self.opts.prefetch_depth,
             self.stream_room,
             &self.walk,
-            tokens.len().div_ceil(chunk),
+            seqs.iter().map(|s| s.tokens.len().div_ceil(chunk)).sum(),
         );
         sweep.set_expert_prefetch(self.opts.expert_prefetch);
         sweep.set_expert_hold(self.opts.expert_hold_bytes);
-        let pass = self.model.forward(&sweep, tokens, chunk, kv, want);
+        let pass = self.model.forward_batch(&sweep, seqs, chunk);
         *waited += sweep.waited();
         if pass.is_ok() {
-            self.trace_pass(&sweep, tokens.len());
+            self.trace_pass(&sweep, positions);
         }
         // Every lease of the pass is dropped by now.
         sweep.finish();
@@ -484,11 +514,15 @@ impl Engine {
         };
         match r {
             Ok(logits) => {
-                kv.commit(tokens.len());
+                for s in seqs.iter_mut() {
+                    s.kv.commit(s.tokens.len());
+                }
                 Ok(logits)
             }
             Err(e) => {
-                kv.truncate(start);
+                for (s, &start) in seqs.iter_mut().zip(&starts) {
+                    s.kv.truncate(start);
+                }
                 Err(e)
             }
         }

@@ -175,6 +175,120 @@ fn logits_bits_do_not_depend_on_chunking_threads_or_backend() {
     }
 }
 
+/// Batch invariance across sequences: several sequences of different lengths and
+/// histories, computed in one pass (`Engine::forward_batch`), each get the logits
+/// bits they get alone, and each KV cache then continues as a solo one does.
+#[test]
+fn a_batch_of_sequences_gives_each_its_solo_bits() {
+    use libvoom::model::{Logits, SeqPass};
+    for case in cases() {
+        let dir = fixtures().join(&case);
+        let reference: Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+                .unwrap();
+        let prompts: Vec<Vec<u32>> = reference["prompts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| ids(&p["prompt_ids"]))
+            .collect();
+        for chunk in [3, 256] {
+            let e = Engine::open(
+                &dir,
+                EngineOptions {
+                    prefill_chunk: chunk,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+            // Sequence i has its prompt's first half in its cache already (the first
+            // none), and computes the rest; then one more token each, batched again.
+            let (mut solo, mut batched): (Vec<_>, Vec<_>) =
+                prompts.iter().map(|_| (e.new_kv(), e.new_kv())).unzip();
+            let split: Vec<usize> = prompts
+                .iter()
+                .enumerate()
+                .map(|(i, p)| if i == 0 { 0 } else { p.len() / 2 })
+                .collect();
+            for ((p, &at), (s, b)) in prompts
+                .iter()
+                .zip(&split)
+                .zip(solo.iter_mut().zip(batched.iter_mut()))
+            {
+                if at > 0 {
+                    e.prefill(s, &p[..at]).unwrap();
+                    e.prefill(b, &p[..at]).unwrap();
+                }
+            }
+            let wants: Vec<Logits> = (0..prompts.len())
+                .map(|i| {
+                    if i % 2 == 0 {
+                        Logits::All
+                    } else {
+                        Logits::Last
+                    }
+                })
+                .collect();
+            let alone: Vec<Vec<f32>> = prompts
+                .iter()
+                .zip(&split)
+                .zip(solo.iter_mut())
+                .zip(&wants)
+                .map(|(((p, &at), kv), want)| match want {
+                    Logits::All => e.forward_all(kv, &p[at..]).unwrap(),
+                    Logits::Last => e.prefill(kv, &p[at..]).unwrap(),
+                })
+                .collect();
+            let mut seqs: Vec<SeqPass<'_>> = prompts
+                .iter()
+                .zip(&split)
+                .zip(batched.iter_mut())
+                .zip(&wants)
+                .map(|(((p, &at), kv), &want)| SeqPass {
+                    tokens: &p[at..],
+                    kv,
+                    want,
+                })
+                .collect();
+            let together = e.forward_batch(&mut seqs).unwrap();
+            drop(seqs);
+            for (i, (a, t)) in alone.iter().zip(&together).enumerate() {
+                assert_eq!(
+                    bits(a),
+                    bits(t),
+                    "{case}: sequence {i} (chunk {chunk}) differs batched"
+                );
+            }
+            // The caches hold the same: one more token each, batched and alone.
+            let next: Vec<[u32; 1]> = (0..prompts.len())
+                .map(|i| [(i as u32 * 31 + 7) % 200])
+                .collect();
+            let alone: Vec<Vec<f32>> = solo
+                .iter_mut()
+                .zip(&next)
+                .map(|(kv, t)| e.prefill(kv, t).unwrap())
+                .collect();
+            let mut seqs: Vec<SeqPass<'_>> = batched
+                .iter_mut()
+                .zip(&next)
+                .map(|(kv, t)| SeqPass {
+                    tokens: t,
+                    kv,
+                    want: Logits::Last,
+                })
+                .collect();
+            let together = e.forward_batch(&mut seqs).unwrap();
+            for (i, (a, t)) in alone.iter().zip(&together).enumerate() {
+                assert_eq!(
+                    bits(a),
+                    bits(t),
+                    "{case}: sequence {i}'s next token differs batched"
+                );
+            }
+        }
+    }
+}
+
 fn bits(x: &[f32]) -> Vec<u32> {
     x.iter().map(|v| v.to_bits()).collect()
 }

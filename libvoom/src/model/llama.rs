@@ -24,7 +24,7 @@ use crate::model::plan::{self, PagePlan, PerToken, Stage};
 use crate::model::rope;
 use crate::model::sweep::{LayerLease, Sweep};
 use crate::model::weights::{Dim, Table, Vector, WeightFinder};
-use crate::model::{Logits, Model};
+use crate::model::{Logits, Model, SeqPass};
 use crate::VoomError;
 
 struct Layer {
@@ -427,46 +427,52 @@ impl<B: Backend> Model for Llama<B> {
         (floats * std::mem::size_of::<f32>()) as u64
     }
 
-    fn forward(
+    fn forward_batch(
         &self,
         sweep: &Sweep<'_>,
-        tokens: &[u32],
+        seqs: &mut [SeqPass<'_>],
         chunk: usize,
-        kv: &mut KvCache,
-        want: Logits,
-    ) -> Result<Vec<f32>, VoomError> {
+    ) -> Result<Vec<Vec<f32>>, VoomError> {
         let (b, cfg) = (&self.backend, &self.cfg);
-        let n = tokens.len();
-        let pos0 = kv.len();
         let h = cfg.hidden_size;
-        // The positions in chunks: each layer computes every chunk in turn, so the
-        // pass reads the weights once however many chunks there are.
-        let chunk = chunk.clamp(1, n);
-        let ranges: Vec<std::ops::Range<usize>> = (0..n)
-            .step_by(chunk)
-            .map(|s| s..(s + chunk).min(n))
-            .collect();
-
-        let mut xs: Vec<B::Act> = ranges.iter().map(|r| b.zeros(r.len(), h)).collect();
-        self.embed_rows(sweep, tokens, &ranges, &mut xs)?;
-        let tables: Vec<_> = ranges
+        // Every sequence's positions in chunks: each layer computes every chunk of
+        // every sequence in turn, so the pass reads the weights once however many
+        // chunks and sequences there are. A chunk holds one sequence's positions.
+        let chunk = chunk.max(1);
+        let mut chunks: Vec<(usize, std::ops::Range<usize>)> = Vec::new();
+        for (si, seq) in seqs.iter().enumerate() {
+            let n = seq.tokens.len();
+            chunks.extend((0..n).step_by(chunk).map(|s| (si, s..(s + chunk).min(n))));
+        }
+        let chunk_tokens: Vec<&[u32]> = chunks
             .iter()
-            .map(|r| rope::table(&self.inv_freq, self.rope_factor, pos0 + r.start, r.len()))
+            .map(|(si, r)| &seqs[*si].tokens[r.clone()])
+            .collect();
+        let mut xs: Vec<B::Act> = chunks.iter().map(|(_, r)| b.zeros(r.len(), h)).collect();
+        self.embed_rows(sweep, &chunk_tokens, &mut xs)?;
+        let tables: Vec<_> = chunks
+            .iter()
+            .map(|(si, r)| {
+                let pos0 = seqs[*si].kv.len();
+                rope::table(&self.inv_freq, self.rope_factor, pos0 + r.start, r.len())
+            })
             .collect();
 
-        let mut full = Scratch::new(b, cfg, chunk);
-        let mut rest: Option<Scratch<B>> = None;
+        let mut scratch: Vec<(usize, Scratch<B>)> = Vec::new();
         for (li, layer) in self.layers.iter().enumerate() {
             let lw = sweep.layer(li)?;
             // A layer of experts routes every chunk before any expert is leased, so
             // that each expert picked is read once per pass, however many chunks.
             let mut routed = Vec::new();
-            for (x, table) in xs.iter_mut().zip(&tables) {
+            for ((x, table), (si, _)) in xs.iter_mut().zip(&tables).zip(&chunks) {
+                let kv = &mut *seqs[*si].kv;
                 let rows = b.shape(x).0;
-                let s = if rows == chunk {
-                    &mut full
-                } else {
-                    rest.get_or_insert_with(|| Scratch::new(b, cfg, rows))
+                let s = match scratch.iter().position(|(r, _)| *r == rows) {
+                    Some(i) => &mut scratch[i].1,
+                    None => {
+                        scratch.push((rows, Scratch::new(b, cfg, rows)));
+                        &mut scratch.last_mut().expect("just pushed").1
+                    }
                 };
                 match &layer.attn {
                     Attention::Gqa { .. } => self.attention(&lw, li, layer, x, table, kv, s)?,
@@ -510,9 +516,9 @@ impl<B: Backend> Model for Llama<B> {
             }
         }
 
-        // Final norm and LM head on the rows whose logits are wanted. A head stored in
-        // row parts is leased a bounded batch of parts at a time, the final norm with
-        // the first.
+        // Final norm and LM head on the rows whose logits are wanted: per sequence,
+        // its last position's or all of them. A head stored in row parts is leased a
+        // bounded batch of parts at a time, the final norm with the first.
         let head = &self.lm_head;
         let norm =
             plan::slot_bytes(self.final_norm.len as u64 * self.final_norm.dtype.size() as u64);
@@ -520,11 +526,12 @@ impl<B: Backend> Model for Llama<B> {
         let mut first = vec![self.final_norm.page];
         first.extend(&batches[0]);
         let w = sweep.tail(&first)?;
-        let last = xs.len() - 1;
-        let mut normed = Vec::new();
-        for (i, x) in xs.into_iter().enumerate() {
-            let rows = match want {
-                Logits::Last if i < last => continue,
+        // Each wanted chunk's normed rows, with the sequence they belong to.
+        let mut normed: Vec<(usize, B::Act)> = Vec::new();
+        for (i, (x, (si, _))) in xs.into_iter().zip(&chunks).enumerate() {
+            let last_of_seq = chunks.get(i + 1).is_none_or(|(next, _)| next != si);
+            let rows = match seqs[*si].want {
+                Logits::Last if !last_of_seq => continue,
                 Logits::Last => {
                     let r = b.shape(&x).0;
                     b.rows(&x, r - 1..r)?
@@ -533,23 +540,33 @@ impl<B: Backend> Model for Llama<B> {
             };
             let mut hn = b.zeros(b.shape(&rows).0, h);
             b.rms_norm(&rows, w.vector(&self.final_norm), cfg.rms_norm_eps, &mut hn)?;
-            normed.push(hn);
+            normed.push((*si, hn));
         }
+        let v = cfg.vocab_size;
+        let mut out: Vec<Vec<f32>> = seqs
+            .iter()
+            .map(|s| {
+                let rows = match s.want {
+                    Logits::Last => 1,
+                    Logits::All => s.tokens.len(),
+                };
+                vec![0.0f32; rows * v]
+            })
+            .collect();
         if let [(_, whole)] = w.table(head).parts[..] {
-            let mut out = Vec::new();
-            for hn in &normed {
-                let mut logits = b.zeros(b.shape(hn).0, cfg.vocab_size);
+            let mut at = vec![0usize; seqs.len()];
+            for (si, hn) in &normed {
+                let mut logits = b.zeros(b.shape(hn).0, v);
                 b.matmul(hn, whole, &mut logits)?;
-                out.extend(b.download_owned(logits));
+                let got = b.download_owned(logits);
+                out[*si][at[*si]..at[*si] + got.len()].copy_from_slice(&got);
+                at[*si] += got.len();
             }
             return Ok(out);
         }
         // Each part's logits are the same elements computed the same way (one
         // accumulation order per output element, whatever rows a call has), put in
         // place.
-        let v = cfg.vocab_size;
-        let total: usize = normed.iter().map(|hn| b.shape(hn).0).sum();
-        let mut out = vec![0.0f32; total * v];
         sweep.hint(&head.pages()[batches[0].len()..]);
         let mut w = Some(w);
         for batch in &batches {
@@ -558,20 +575,20 @@ impl<B: Backend> Model for Llama<B> {
                 None => sweep.lease(batch)?,
             };
             let view = lease.table(head);
-            let mut at = 0;
-            for hn in &normed {
+            let mut at = vec![0usize; seqs.len()];
+            for (si, hn) in &normed {
                 let m = b.shape(hn).0;
                 for (first, part) in &view.parts {
                     let mut logits = b.zeros(m, part.rows);
                     b.matmul(hn, *part, &mut logits)?;
                     let got = b.download_owned(logits);
                     for t in 0..m {
-                        let dst = (at + t) * v + first;
-                        out[dst..dst + part.rows]
+                        let dst = (at[*si] + t) * v + first;
+                        out[*si][dst..dst + part.rows]
                             .copy_from_slice(&got[t * part.rows..(t + 1) * part.rows]);
                     }
                 }
-                at += m;
+                at[*si] += m;
             }
         }
         Ok(out)
@@ -617,16 +634,16 @@ impl<B: Backend> Llama<B> {
     fn embed_rows(
         &self,
         sweep: &Sweep<'_>,
-        tokens: &[u32],
-        ranges: &[std::ops::Range<usize>],
+        chunks: &[&[u32]],
         xs: &mut [B::Act],
     ) -> Result<(), VoomError> {
         let b = &self.backend;
         let t = &self.embed;
+        let tokens: Vec<u32> = chunks.iter().flat_map(|c| c.iter().copied()).collect();
         if let Some(&id) = tokens.iter().find(|&&id| id as usize >= t.rows) {
             return Err(KernelError::RowOutOfRange { id, rows: t.rows }.into());
         }
-        let needed = t.pages_for(tokens);
+        let needed = t.pages_for(&tokens);
         // Each part as the cache holds it (a slot), so that many small parts
         // cannot add up to more room than the bound.
         let batches = t.batches(&needed, sweep.lease_bound());
@@ -636,8 +653,8 @@ impl<B: Backend> Llama<B> {
         for batch in &batches {
             let w = sweep.lease(batch)?;
             let view = w.table(t);
-            for (x, r) in xs.iter_mut().zip(ranges) {
-                b.embed(&view, &tokens[r.clone()], x)?;
+            for (x, c) in xs.iter_mut().zip(chunks) {
+                b.embed(&view, c, x)?;
             }
         }
         Ok(())

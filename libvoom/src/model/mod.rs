@@ -88,7 +88,37 @@ pub trait Model: Send + Sync {
         chunk: usize,
         kv: &mut KvCache,
         want: Logits,
-    ) -> Result<Vec<f32>, VoomError>;
+    ) -> Result<Vec<f32>, VoomError> {
+        let mut seqs = [SeqPass { tokens, kv, want }];
+        let mut out = self.forward_batch(sweep, &mut seqs, chunk)?;
+        Ok(out.pop().expect("one sequence, one result"))
+    }
+
+    /// [`Model::forward`] for several sequences in one sweep of the weights: each
+    /// layer computes every sequence's new positions (in chunks of at most `chunk`,
+    /// each chunk one sequence's) against that sequence's own KV cache, so the bytes
+    /// read are one pass's whatever the number of sequences (a mixture of experts
+    /// reads each expert any position picked, once). Returns each sequence's logits,
+    /// in order. A position's logits bits do not depend on the other sequences, on
+    /// the chunking, nor on how many positions a pass computes (batch invariance:
+    /// verifying drafted tokens and batching requests are exact because of it).
+    ///
+    /// The same caller's checks and KV protocol as [`Model::forward`], per sequence;
+    /// the sequences' KV caches are distinct.
+    fn forward_batch(
+        &self,
+        sweep: &Sweep<'_>,
+        seqs: &mut [SeqPass<'_>],
+        chunk: usize,
+    ) -> Result<Vec<Vec<f32>>, VoomError>;
+}
+
+/// One sequence's part of a forward pass ([`Model::forward_batch`]).
+pub struct SeqPass<'a> {
+    /// Its new tokens, at positions `kv.len()..`.
+    pub tokens: &'a [u32],
+    pub kv: &'a mut KvCache,
+    pub want: Logits,
 }
 
 /// Loads the architecture `cfg` names from `source` on backend `kind` with
