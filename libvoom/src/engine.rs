@@ -14,6 +14,7 @@ use crate::constrain::{ConstrainError, TokenConstraint, TokenMask};
 use crate::kv::KvCache;
 use crate::model::{self, Logits, Model, SeqPass, Sweep, Walk};
 use crate::sampler::{Sampler, SamplingParams};
+use crate::speculate::{Adaptive, Drafter, SpecReport};
 use crate::text::Tokenizer;
 use crate::VoomError;
 
@@ -59,7 +60,7 @@ impl Default for EngineOptions {
     }
 }
 
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct GenerateParams {
     pub max_new_tokens: usize,
     pub sampling: SamplingParams,
@@ -67,6 +68,29 @@ pub struct GenerateParams {
     pub ignore_eos: bool,
     /// Keep the logits of every generated step (for conformance tests and tools).
     pub record_logits: bool,
+    /// With a drafter ([`Decoding::drafter`]): the most tokens one pass verifies
+    /// beyond the one it computes.
+    pub max_draft: usize,
+    /// Whether the draft length adapts to measured acceptance and pass times
+    /// ([`Adaptive`], stopping where drafting does not pay), or is always
+    /// `max_draft` (as far as the tokens wanted and the context allow).
+    pub adaptive_draft: bool,
+}
+
+/// The longest draft a pass verifies by default.
+pub const MAX_DRAFT: usize = 8;
+
+impl Default for GenerateParams {
+    fn default() -> Self {
+        GenerateParams {
+            max_new_tokens: 0,
+            sampling: SamplingParams::default(),
+            ignore_eos: false,
+            record_logits: false,
+            max_draft: MAX_DRAFT,
+            adaptive_draft: true,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -120,6 +144,21 @@ pub struct Generation {
     /// computation, so their waits count as computing.
     pub prefill_page_wait_secs: f64,
     pub decode_page_wait_secs: f64,
+    /// Forward passes of decode (one sweep of the weights each): the generated ids
+    /// less one without speculation, fewer with it.
+    pub decode_passes: usize,
+    /// What speculation did, when a drafter ran.
+    pub speculation: Option<SpecReport>,
+}
+
+/// How a generation decodes beyond its parameters: a constraint on what it may
+/// generate, a drafter proposing tokens to verify several per pass. Neither changes
+/// the ids or logits a constraint-free, drafter-free run would give for the same
+/// constraint: the drafter changes only how many passes it takes.
+#[derive(Default)]
+pub struct Decoding<'a> {
+    pub constraint: Option<&'a mut dyn TokenConstraint>,
+    pub drafter: Option<&'a mut dyn Drafter>,
 }
 
 /// What a generation asked of its source's page cache.
@@ -560,7 +599,7 @@ impl Engine {
         params: &GenerateParams,
         on_token: &mut dyn FnMut(u32) -> ControlFlow<()>,
     ) -> Result<Generation, VoomError> {
-        self.generate_inner(prompt, params, None, on_token)
+        self.generate_inner(prompt, params, Decoding::default(), on_token)
     }
 
     /// Generates after `prompt` what `constraint` allows (see
@@ -583,7 +622,31 @@ impl Engine {
         constraint: &mut dyn TokenConstraint,
         on_token: &mut dyn FnMut(u32) -> ControlFlow<()>,
     ) -> Result<Generation, VoomError> {
-        self.generate_inner(prompt, params, Some(constraint), on_token)
+        self.generate_inner(
+            prompt,
+            params,
+            Decoding {
+                constraint: Some(constraint),
+                drafter: None,
+            },
+            on_token,
+        )
+    }
+
+    /// Generates after `prompt` as [`Engine::generate`] or, with a constraint,
+    /// [`Engine::generate_constrained`] do, with `decoding`'s drafter (if any)
+    /// proposing tokens that each pass verifies beside the one it computes
+    /// ([`crate::speculate`]): the ids and recorded logits are the same bits, greedy
+    /// or sampled, in fewer passes where the proposals are kept.
+    /// [`Generation::speculation`] reports what the drafter did.
+    pub fn generate_with(
+        &self,
+        prompt: &[u32],
+        params: &GenerateParams,
+        decoding: Decoding<'_>,
+        on_token: &mut dyn FnMut(u32) -> ControlFlow<()>,
+    ) -> Result<Generation, VoomError> {
+        self.generate_inner(prompt, params, decoding, on_token)
     }
 
     /// Chooses the next token among those `constraint` allows: masks (scratch
@@ -631,9 +694,13 @@ impl Engine {
         &self,
         prompt: &[u32],
         params: &GenerateParams,
-        mut constraint: Option<&mut dyn TokenConstraint>,
+        decoding: Decoding<'_>,
         on_token: &mut dyn FnMut(u32) -> ControlFlow<()>,
     ) -> Result<Generation, VoomError> {
+        let Decoding {
+            mut constraint,
+            mut drafter,
+        } = decoding;
         if prompt.is_empty() {
             return Err(VoomError::Request("the prompt is empty".into()));
         }
@@ -659,6 +726,11 @@ impl Engine {
             decode_pages: None,
             prefill_page_wait_secs: 0.0,
             decode_page_wait_secs: 0.0,
+            decode_passes: 0,
+            speculation: drafter.as_ref().map(|d| SpecReport {
+                drafter: d.name(),
+                ..SpecReport::default()
+            }),
         };
         if params.max_new_tokens == 0 {
             return Ok(out);
@@ -678,6 +750,15 @@ impl Engine {
         let mut waited = Duration::ZERO;
         let at_decode = self.source.cache_stats();
         let t1 = Instant::now();
+        // Speculation: proposals the last pass computed beyond the last committed
+        // token, each with the logits that follow it. Their positions are in `kv`.
+        let mut ahead: std::collections::VecDeque<(u32, Vec<f32>)> = Default::default();
+        // The proposals of the last pass compared with the ids picked so far, and of
+        // them the ones kept.
+        let (mut compared, mut kept) = (0usize, 0usize);
+        let mut adapt = Adaptive::new(params.max_draft);
+        // The prompt and the ids so far, for the drafter.
+        let mut context: Vec<u32> = prompt.to_vec();
         loop {
             let step = out.ids.len();
             let id = match constraint.as_deref_mut() {
@@ -693,6 +774,30 @@ impl Engine {
                 out.logits.push(std::mem::take(&mut logits));
             }
             out.ids.push(id);
+            context.push(id);
+            // A proposal computed for this step is kept when it is the id picked,
+            // and the logits after it are the next step's; otherwise it and every
+            // one after it leave the cache.
+            let mut have_next = false;
+            if let Some((proposed, _)) = ahead.front() {
+                compared += 1;
+                if *proposed == id {
+                    kept += 1;
+                    logits = ahead.pop_front().expect("a front").1;
+                    have_next = true;
+                } else {
+                    kv.truncate(kv.len() - ahead.len());
+                    ahead.clear();
+                }
+                if ahead.is_empty() {
+                    adapt.observe_verify(compared, kept);
+                    if let Some(r) = out.speculation.as_mut() {
+                        r.drafted += compared;
+                        r.accepted += kept;
+                    }
+                    (compared, kept) = (0, 0);
+                }
+            }
             let mut complete = false;
             if let Some(c) = constraint.as_deref_mut() {
                 // An end-of-sequence id is the engine's, never passed to the constraint.
@@ -703,28 +808,85 @@ impl Engine {
                     out.constraint_secs += tc.elapsed().as_secs_f64();
                 }
             }
-            if on_token(id).is_break() {
-                out.finish = FinishReason::Stopped;
+            // The positions plain decoding would have computed by now: the prompt
+            // and every id but this one.
+            let computed = prompt.len() + out.ids.len() - 1;
+            let stop = if on_token(id).is_break() {
+                Some(FinishReason::Stopped)
+            } else if (!params.ignore_eos || constraint.is_some()) && self.eos.contains(&id) {
+                Some(FinishReason::Eos)
+            } else if complete {
+                Some(FinishReason::Complete)
+            } else if out.ids.len() >= params.max_new_tokens {
+                Some(FinishReason::Length)
+            } else if computed + 1 > kv.capacity() {
+                Some(FinishReason::ContextFull)
+            } else {
+                None
+            };
+            if let Some(finish) = stop {
+                out.finish = finish;
+                // The cache holds what plain decoding's would: nothing proposed.
+                if compared > 0 {
+                    adapt.observe_verify(compared, kept);
+                    if let Some(r) = out.speculation.as_mut() {
+                        r.drafted += compared;
+                        r.accepted += kept;
+                    }
+                }
+                kv.truncate(kv.len().min(computed));
                 break;
             }
-            if (!params.ignore_eos || constraint.is_some()) && self.eos.contains(&id) {
-                out.finish = FinishReason::Eos;
-                break;
+            if have_next {
+                continue;
             }
-            if complete {
-                out.finish = FinishReason::Complete;
-                break;
+            // Checked before the next token is sampled and emitted. With a drafter,
+            // the pass computes `id` and the proposals after it: at most the ids
+            // still wanted after this one, and the context's room.
+            let room = (params.max_new_tokens - out.ids.len()).min(kv.capacity() - computed - 1);
+            let proposals = match drafter.as_deref_mut() {
+                Some(d) => match if params.adaptive_draft {
+                    adapt.next_k(room)
+                } else {
+                    room.min(params.max_draft)
+                } {
+                    0 => Vec::new(),
+                    k => {
+                        let td = Instant::now();
+                        let mut p = d.propose(&context, k)?;
+                        // At most k, and none past the vocabulary.
+                        let vocab = self.config().vocab_size;
+                        let valid = p.iter().take(k).take_while(|&&t| (t as usize) < vocab);
+                        p.truncate(valid.count());
+                        adapt.observe_draft(p.len(), td.elapsed().as_secs_f64());
+                        p
+                    }
+                },
+                None => Vec::new(),
+            };
+            let mut tokens = Vec::with_capacity(1 + proposals.len());
+            tokens.push(id);
+            tokens.extend(&proposals);
+            let want = if proposals.is_empty() {
+                Logits::Last
+            } else {
+                Logits::All
+            };
+            let tp = Instant::now();
+            let rows = self.forward_checked(&mut kv, &tokens, want, &mut waited)?;
+            adapt.observe_pass(tokens.len(), tp.elapsed().as_secs_f64());
+            out.decode_passes += 1;
+            let v = self.config().vocab_size;
+            let mut rows = rows.chunks_exact(v).map(<[f32]>::to_vec);
+            logits = rows.next().expect("a pass returns a row per position");
+            ahead.extend(proposals.iter().copied().zip(rows));
+            if let Some(r) = out.speculation.as_mut() {
+                r.passes += 1;
+                r.verify_passes += usize::from(!proposals.is_empty());
+                if let Some(why) = adapt.stopped() {
+                    r.stopped.get_or_insert_with(|| why.to_string());
+                }
             }
-            if out.ids.len() >= params.max_new_tokens {
-                out.finish = FinishReason::Length;
-                break;
-            }
-            if kv.len() + 1 > kv.capacity() {
-                out.finish = FinishReason::ContextFull;
-                break;
-            }
-            // Checked before the next token is sampled and emitted.
-            logits = self.forward_checked(&mut kv, &[id], Logits::Last, &mut waited)?;
         }
         out.decode_secs = t1.elapsed().as_secs_f64();
         out.decode_page_wait_secs = waited.as_secs_f64();

@@ -17,18 +17,23 @@
 //!   window, KV and scratch).
 //! - [`kv`]: the KV cache (the layout backends attend over; [`backend::kv`]).
 //! - [`sampler`]: greedy, temperature, top-k, top-p, seeded.
-//! - [`engine`]: prefill + decode loop with stop conditions.
+//! - [`draft`]: a smaller model as a drafter.
+//! - [`speculate`]: drafters and the draft-length controller of speculative decoding.
+//! - [`engine`]: prefill + decode loop with stop conditions, batched passes,
+//!   speculative decoding.
 //! - [`import`]: GGUF to Hugging Face layout.
 
 pub mod backend;
 pub mod config;
 pub mod constrain;
+pub mod draft;
 pub mod engine;
 pub mod error;
 pub mod import;
 pub mod model;
 pub mod placement;
 pub mod sampler;
+pub mod speculate;
 pub mod text;
 
 pub use backend::kv;

@@ -253,7 +253,7 @@ impl SamplingArgs {
                 seed: self.seed,
             },
             ignore_eos: self.ignore_eos,
-            record_logits: false,
+            ..GenerateParams::default()
         }
     }
 }

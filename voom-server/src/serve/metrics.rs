@@ -198,6 +198,8 @@ mod tests {
             constraint_secs: 0.0,
             pages: None,
             decode_pages: None,
+            decode_passes: 19,
+            speculation: None,
         });
         let s = m.render(&[]);
         assert!(

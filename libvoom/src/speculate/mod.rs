@@ -1,0 +1,62 @@
+//! Several tokens per sweep of the weights, exactly: speculative decoding.
+//!
+//! A [`Drafter`] proposes the tokens it expects to follow; the engine computes the
+//! last committed token and the proposals in one forward pass (one sweep of the
+//! weights), then picks each next token from that pass's logits as plain decoding
+//! would (the same sampler, the same constraint, in the same order) and keeps
+//! proposals as long as they equal what it picked. Batch invariance makes every
+//! position's logits bits the ones a one-token pass gives, and the sampler draws one
+//! random number per token it picks, so the committed ids and logits are those of
+//! plain decoding, greedy or sampled. Rejected positions are cut from the KV cache.
+//!
+//! [`Adaptive`] chooses how many tokens to draft from what it measures: the
+//! acceptance, the seconds a pass of n positions takes, and the seconds drafting
+//! takes; it stops drafting for the request when no draft length beats plain
+//! decoding. Drafters: [`lookup::PromptLookup`] (n-gram matches against the prompt
+//! and the output so far) and a smaller model ([`crate::draft::DraftModel`]).
+
+pub mod adapt;
+pub mod lookup;
+
+pub use adapt::Adaptive;
+
+use crate::VoomError;
+
+/// Proposes the tokens expected to follow a context.
+pub trait Drafter: Send {
+    /// What the reports call it ("prompt-lookup", "draft-model:NAME").
+    fn name(&self) -> String;
+
+    /// Up to `k` tokens expected to follow `context` (the prompt and the tokens
+    /// committed so far, the last of which the target has not computed yet). Fewer,
+    /// or none, where it has no good guess. Called with a context that extends the
+    /// previous call's committed part: what it proposed and was not kept is not in it.
+    fn propose(&mut self, context: &[u32], k: usize) -> Result<Vec<u32>, VoomError>;
+}
+
+/// What speculation did for one generation: which drafter ran, what it proposed and
+/// what was kept.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct SpecReport {
+    pub drafter: String,
+    /// Tokens proposed and verified, and of them the ones kept.
+    pub drafted: usize,
+    pub accepted: usize,
+    /// Decode passes of the target (one sweep of the weights each), and of them the
+    /// ones that verified at least one proposal.
+    pub passes: usize,
+    pub verify_passes: usize,
+    /// Why drafting stopped before the end, if it did.
+    pub stopped: Option<String>,
+}
+
+impl SpecReport {
+    /// Proposals kept over proposals verified (0 with none).
+    pub fn acceptance(&self) -> f64 {
+        if self.drafted == 0 {
+            0.0
+        } else {
+            self.accepted as f64 / self.drafted as f64
+        }
+    }
+}

@@ -1,0 +1,513 @@
+//! Speculative decoding (`libvoom::speculate`, `Engine::generate_with`): whatever a
+//! drafter proposes, the ids and every recorded logits bit equal plain decoding's,
+//! greedy, sampled and constrained, through the paths where proposals are all kept,
+//! some kept and none kept; proposals that are kept save passes; a draft model
+//! with another tokenizer is an error naming both.
+
+use std::ops::ControlFlow;
+use std::path::{Path, PathBuf};
+
+use libvoom::constrain::{ConstrainError, TokenConstraint, TokenMask};
+use libvoom::draft::DraftModel;
+use libvoom::engine::{Decoding, Engine, EngineOptions, FinishReason, GenerateParams, Generation};
+use libvoom::sampler::SamplingParams;
+use libvoom::speculate::lookup::PromptLookup;
+use libvoom::speculate::Drafter;
+use libvoom::VoomError;
+use serde_json::Value;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny")
+}
+
+fn cases() -> Vec<String> {
+    let index: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixtures().join("index.json")).unwrap())
+            .unwrap();
+    index["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["name"].as_str().unwrap().to_string())
+        .collect()
+}
+
+fn prompt_of(dir: &Path, i: usize) -> Vec<u32> {
+    let reference: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+            .unwrap();
+    reference["prompts"][i]["prompt_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+fn bits(rows: &[Vec<f32>]) -> Vec<Vec<u32>> {
+    rows.iter()
+        .map(|r| r.iter().map(|v| v.to_bits()).collect())
+        .collect()
+}
+
+/// How a scripted drafter's proposals relate to the run they are checked against.
+#[derive(Clone, Copy, Debug)]
+enum Script {
+    /// The plain run's next ids: every proposal kept.
+    All,
+    /// Never the plain run's next id: none kept.
+    None,
+    /// The plain run's next ids for the first `context length % 3`, then wrong.
+    Some,
+}
+
+/// A drafter that knows the plain run's output (`truth`: prompt and ids) and proposes
+/// by its script, so that each verification path is taken on purpose.
+struct Scripted {
+    truth: Vec<u32>,
+    script: Script,
+    vocab: u32,
+}
+
+impl Drafter for Scripted {
+    fn name(&self) -> String {
+        format!("scripted-{:?}", self.script)
+    }
+
+    fn propose(&mut self, context: &[u32], k: usize) -> Result<Vec<u32>, VoomError> {
+        assert_eq!(
+            context,
+            &self.truth[..context.len()],
+            "the drafter is given the committed ids only"
+        );
+        let right = match self.script {
+            Script::All => k,
+            Script::None => 0,
+            Script::Some => context.len() % 3,
+        };
+        Ok((0..k)
+            .map(|i| {
+                let t = self
+                    .truth
+                    .get(context.len() + i)
+                    .copied()
+                    .unwrap_or(i as u32 % self.vocab);
+                if i < right {
+                    t
+                } else {
+                    (t + 1) % self.vocab
+                }
+            })
+            .collect())
+    }
+}
+
+fn generate<'a>(
+    e: &Engine,
+    prompt: &[u32],
+    params: &GenerateParams,
+    constraint: Option<&'a mut dyn TokenConstraint>,
+    drafter: Option<&'a mut dyn Drafter>,
+) -> Generation {
+    let mut streamed = Vec::new();
+    let g = e
+        .generate_with(
+            prompt,
+            params,
+            Decoding {
+                constraint,
+                drafter,
+            },
+            &mut |id| {
+                streamed.push(id);
+                ControlFlow::Continue(())
+            },
+        )
+        .unwrap();
+    assert_eq!(
+        streamed, g.ids,
+        "every committed id is streamed, once, in order"
+    );
+    g
+}
+
+fn check_same(case: &str, what: &str, plain: &Generation, spec: &Generation) {
+    assert_eq!(
+        plain.ids, spec.ids,
+        "{case} {what}: ids differ from plain decoding"
+    );
+    assert_eq!(plain.finish, spec.finish, "{case} {what}: finish differs");
+    assert_eq!(
+        bits(&plain.logits),
+        bits(&spec.logits),
+        "{case} {what}: logits bits differ from plain decoding"
+    );
+}
+
+/// Every architecture, every path, a fixed draft length and the adaptive one:
+/// plain greedy's ids and logits bits. Kept proposals save passes; none kept costs
+/// none.
+#[test]
+fn every_verification_path_gives_plain_greedy_ids_and_bits() {
+    for case in cases() {
+        let dir = fixtures().join(&case);
+        let e = Engine::open(&dir, EngineOptions::default()).unwrap();
+        let prompt = prompt_of(&dir, 1);
+        let vocab = e.config().vocab_size as u32;
+        for adaptive_draft in [false, true] {
+            let params = GenerateParams {
+                max_new_tokens: 14,
+                ignore_eos: true,
+                record_logits: true,
+                max_draft: 4,
+                adaptive_draft,
+                ..Default::default()
+            };
+            let plain = generate(&e, &prompt, &params, None, None);
+            assert_eq!(plain.decode_passes, plain.ids.len() - 1);
+            let mut truth = prompt.clone();
+            truth.extend(&plain.ids);
+            for script in [Script::All, Script::None, Script::Some] {
+                let mut d = Scripted {
+                    truth: truth.clone(),
+                    script,
+                    vocab,
+                };
+                let spec = generate(&e, &prompt, &params, None, Some(&mut d));
+                let what = format!("{script:?} (adaptive {adaptive_draft})");
+                check_same(&case, &what, &plain, &spec);
+                let r = spec.speculation.clone().expect("a report");
+                assert_eq!(r.drafter, d.name());
+                assert_eq!(r.passes, spec.decode_passes);
+                match script {
+                    Script::All => {
+                        assert_eq!(r.accepted, r.drafted, "{case} {what}: {r:?}");
+                        if !adaptive_draft {
+                            // 13 ids after the first, 5 a pass: 3 passes.
+                            assert_eq!(spec.decode_passes, 3, "{case} {what}: {r:?}");
+                        }
+                        assert!(spec.decode_passes < plain.decode_passes, "{case} {what}");
+                    }
+                    Script::None => {
+                        assert_eq!(r.accepted, 0, "{case} {what}: {r:?}");
+                        assert_eq!(spec.decode_passes, plain.decode_passes, "{case} {what}");
+                    }
+                    Script::Some => {
+                        if !adaptive_draft {
+                            assert!(
+                                r.accepted > 0 && r.accepted < r.drafted,
+                                "{case} {what}: {r:?}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Sampled decoding: the sampler draws one number per token it picks, and picks
+/// from the same logits bits, so a drafted run samples plain decoding's ids.
+#[test]
+fn sampled_runs_are_plain_sampled_runs() {
+    for case in [
+        "llama_gqa_untied",
+        "qwen3_moe_fused_sparse_step",
+        "deepseek_v3_mla_yarn",
+    ] {
+        let dir = fixtures().join(case);
+        let e = Engine::open(&dir, EngineOptions::default()).unwrap();
+        let prompt = prompt_of(&dir, 0);
+        let vocab = e.config().vocab_size as u32;
+        for seed in [1, 7] {
+            let params = GenerateParams {
+                max_new_tokens: 16,
+                ignore_eos: true,
+                record_logits: true,
+                adaptive_draft: false,
+                max_draft: 3,
+                sampling: SamplingParams {
+                    temperature: 0.9,
+                    top_p: 0.95,
+                    top_k: 50,
+                    seed,
+                },
+            };
+            let plain = generate(&e, &prompt, &params, None, None);
+            let mut truth = prompt.clone();
+            truth.extend(&plain.ids);
+            for script in [Script::All, Script::Some] {
+                let mut d = Scripted {
+                    truth: truth.clone(),
+                    script,
+                    vocab,
+                };
+                let spec = generate(&e, &prompt, &params, None, Some(&mut d));
+                check_same(
+                    case,
+                    &format!("sampled, seed {seed}, {script:?}"),
+                    &plain,
+                    &spec,
+                );
+            }
+            let mut lookup = PromptLookup::default();
+            let spec = generate(&e, &prompt, &params, None, Some(&mut lookup));
+            check_same(
+                case,
+                &format!("sampled, seed {seed}, prompt lookup"),
+                &plain,
+                &spec,
+            );
+        }
+    }
+}
+
+/// A constraint (here: even ids only, complete after `left` of them) sees the ids
+/// plain decoding commits, in order, and proposals it would not allow are simply
+/// not kept.
+struct EvenIds {
+    left: usize,
+    accepted: Vec<u32>,
+}
+
+impl TokenConstraint for EvenIds {
+    fn fill_mask(&mut self, _step: usize, mask: &mut TokenMask) -> Result<(), ConstrainError> {
+        for id in (0..mask.len() as u32).step_by(2) {
+            mask.allow(id);
+        }
+        Ok(())
+    }
+
+    fn may_stop(&mut self, _step: usize) -> Result<bool, ConstrainError> {
+        Ok(false)
+    }
+
+    fn accept(&mut self, _step: usize, id: u32) -> Result<(), ConstrainError> {
+        assert_eq!(id % 2, 0, "only allowed ids are accepted");
+        self.accepted.push(id);
+        self.left -= 1;
+        Ok(())
+    }
+
+    fn is_complete(&self) -> bool {
+        self.left == 0
+    }
+}
+
+#[test]
+fn constrained_runs_are_plain_constrained_runs() {
+    for case in [
+        "llama_gqa_untied",
+        "mixtral_block_sparse",
+        "glm4_moe_partial_rotary_shared",
+    ] {
+        let dir = fixtures().join(case);
+        let e = Engine::open(&dir, EngineOptions::default()).unwrap();
+        let prompt = prompt_of(&dir, 2);
+        let vocab = e.config().vocab_size as u32;
+        let params = GenerateParams {
+            max_new_tokens: 30,
+            record_logits: true,
+            adaptive_draft: false,
+            max_draft: 5,
+            ..Default::default()
+        };
+        let mut c = EvenIds {
+            left: 11,
+            accepted: Vec::new(),
+        };
+        let plain = generate(&e, &prompt, &params, Some(&mut c), None);
+        assert_eq!(plain.finish, FinishReason::Complete);
+        let mut truth = prompt.clone();
+        truth.extend(&plain.ids);
+        for script in [Script::All, Script::Some, Script::None] {
+            let mut d = Scripted {
+                truth: truth.clone(),
+                script,
+                vocab,
+            };
+            let mut c2 = EvenIds {
+                left: 11,
+                accepted: Vec::new(),
+            };
+            let spec = generate(&e, &prompt, &params, Some(&mut c2), Some(&mut d));
+            check_same(case, &format!("constrained, {script:?}"), &plain, &spec);
+            assert_eq!(
+                c.accepted, c2.accepted,
+                "{case}: the constraint saw other ids"
+            );
+        }
+    }
+}
+
+/// At the ends: the tokens wanted and the context's room bound the proposals, and
+/// the run stops where plain decoding does, for the same reason.
+#[test]
+fn runs_stop_where_plain_runs_do() {
+    let dir = fixtures().join("qwen2_bias_tied");
+    let prompt = prompt_of(&dir, 0);
+    for (max_context, max_new) in [
+        (prompt.len() + 6, 40),
+        (prompt.len() + 40, 7),
+        (prompt.len() + 2, 9),
+    ] {
+        let e = Engine::open(
+            &dir,
+            EngineOptions {
+                max_context: Some(max_context),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let params = GenerateParams {
+            max_new_tokens: max_new,
+            ignore_eos: true,
+            record_logits: true,
+            adaptive_draft: false,
+            max_draft: 8,
+            ..Default::default()
+        };
+        let plain = generate(&e, &prompt, &params, None, None);
+        let mut truth = prompt.clone();
+        truth.extend(&plain.ids);
+        truth.extend(std::iter::repeat_n(3, 20));
+        let mut d = Scripted {
+            truth,
+            script: Script::All,
+            vocab: e.config().vocab_size as u32,
+        };
+        let spec = generate(&e, &prompt, &params, None, Some(&mut d));
+        check_same(
+            "qwen2_bias_tied",
+            &format!("context {max_context}, {max_new} wanted"),
+            &plain,
+            &spec,
+        );
+    }
+}
+
+/// A model drafting for itself proposes what the target picks: every proposal kept.
+/// Another checkpoint with the same vocabulary proposes other tokens: the target's
+/// ids all the same. Another tokenizer is an error naming both models.
+#[test]
+fn draft_models_keep_the_target_exact() {
+    let target_dir = fixtures().join("llama_gqa_untied");
+    let target = Engine::open(&target_dir, EngineOptions::default()).unwrap();
+    let prompt = prompt_of(&target_dir, 2);
+    let params = GenerateParams {
+        max_new_tokens: 12,
+        ignore_eos: true,
+        record_logits: true,
+        adaptive_draft: false,
+        max_draft: 4,
+        ..Default::default()
+    };
+    let plain = generate(&target, &prompt, &params, None, None);
+    let itself = Engine::open(&target_dir, EngineOptions::default()).unwrap();
+    let mut d = DraftModel::new(itself, &target).unwrap();
+    assert_eq!(d.name(), "draft-model:llama_gqa_untied");
+    let spec = generate(&target, &prompt, &params, None, Some(&mut d));
+    check_same("llama_gqa_untied", "drafting for itself", &plain, &spec);
+    let r = spec.speculation.unwrap();
+    assert_eq!(r.accepted, r.drafted, "{r:?}");
+    assert_eq!(spec.decode_passes, 3);
+
+    let other = Engine::open(
+        &fixtures().join("qwen2_bias_tied"),
+        EngineOptions::default(),
+    )
+    .unwrap();
+    let mut d = DraftModel::new(other, &target).unwrap();
+    let spec = generate(&target, &prompt, &params, None, Some(&mut d));
+    check_same(
+        "llama_gqa_untied",
+        "drafted by qwen2_bias_tied",
+        &plain,
+        &spec,
+    );
+
+    let small_vocab =
+        Engine::open(&fixtures().join("llama_sharded"), EngineOptions::default()).unwrap();
+    let e = DraftModel::new(small_vocab, &target)
+        .err()
+        .expect("another vocabulary");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("llama_sharded")
+            && msg.contains("llama_gqa_untied")
+            && msg.contains("tokenizer"),
+        "{msg}"
+    );
+}
+
+fn smollm2_dir() -> Option<PathBuf> {
+    match std::env::var_os("VOOM_SMOLLM2_DIR") {
+        Some(d) if Path::new(&d).join("config.json").exists() => Some(PathBuf::from(d)),
+        _ => {
+            if std::env::var("VOOM_REQUIRE_SMOLLM2").as_deref() == Ok("1") {
+                panic!("VOOM_REQUIRE_SMOLLM2=1 but VOOM_SMOLLM2_DIR does not hold the model");
+            }
+            eprintln!("skipping: set VOOM_SMOLLM2_DIR (scripts/test does)");
+            None
+        }
+    }
+}
+
+/// A real model asked to repeat a passage: prompt lookup proposes the passage, the
+/// model's own picks keep most of it, and the output is plain decoding's. A
+/// tokenizer-less checkpoint cannot draft for it.
+#[test]
+fn prompt_lookup_on_a_real_model_saves_passes_exactly() {
+    let Some(dir) = smollm2_dir() else { return };
+    let e = Engine::open(
+        &dir,
+        EngineOptions {
+            threads: 2,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let tok = e.tokenizer().unwrap();
+    let passage = "fn area(w: u32, h: u32) -> u32 {\n    let a = w * h;\n    a\n}\n";
+    let text = tok
+        .chat_template()
+        .unwrap()
+        .render(
+            &[serde_json::json!({"role": "user", "content":
+                format!("Copy this code exactly, nothing else:\n{passage}")})],
+            None,
+            true,
+            None,
+        )
+        .unwrap();
+    let prompt = tok.encode(&text, false).unwrap();
+    let params = GenerateParams {
+        max_new_tokens: 40,
+        record_logits: true,
+        ..Default::default()
+    };
+    let plain = generate(&e, &prompt, &params, None, None);
+    let mut lookup = PromptLookup::default();
+    let spec = generate(&e, &prompt, &params, None, Some(&mut lookup));
+    check_same("smollm2", "prompt lookup", &plain, &spec);
+    let r = spec.speculation.unwrap();
+    eprintln!(
+        "prompt lookup: {} ids in {} passes (plain {}): {r:?}",
+        spec.ids.len(),
+        spec.decode_passes,
+        plain.decode_passes
+    );
+    assert!(r.accepted > 0, "{r:?}: {:?}", tok.decode(&plain.ids, false));
+    assert!(spec.decode_passes < plain.decode_passes, "{r:?}");
+
+    let tiny = Engine::open(
+        &fixtures().join("llama_gqa_untied"),
+        EngineOptions::default(),
+    )
+    .unwrap();
+    let err = DraftModel::new(tiny, &e)
+        .err()
+        .expect("no tokenizer")
+        .to_string();
+    assert!(err.contains("tokenizer"), "{err}");
+}
