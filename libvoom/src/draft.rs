@@ -3,6 +3,8 @@
 //! target keeps what agrees with its own picks. Its proposals change how many passes
 //! the target takes, never what it generates.
 
+use std::sync::Arc;
+
 use crate::engine::Engine;
 use crate::kv::KvCache;
 use crate::sampler::argmax;
@@ -11,7 +13,7 @@ use crate::VoomError;
 
 /// A draft model: an engine over a smaller checkpoint with the target's tokenizer.
 pub struct DraftModel {
-    engine: Engine,
+    engine: Arc<Engine>,
     kv: KvCache,
     /// The ids whose positions `kv` holds.
     seen: Vec<u32>,
@@ -23,7 +25,7 @@ impl DraftModel {
     /// `draft` as the drafter of `target`: an error naming both unless they share
     /// a tokenizer (the same vocabulary, added tokens included), or, for checkpoints
     /// without one, the same vocabulary size.
-    pub fn new(draft: Engine, target: &Engine) -> Result<Self, VoomError> {
+    pub fn new(draft: Arc<Engine>, target: &Engine) -> Result<Self, VoomError> {
         let same = match (draft.tokenizer(), target.tokenizer()) {
             (Some(d), Some(t)) => d.inner().get_vocab(true) == t.inner().get_vocab(true),
             (None, None) => draft.config().vocab_size == target.config().vocab_size,
@@ -38,7 +40,7 @@ impl DraftModel {
                 "the draft model {} ({}) does not share the tokenizer of {} ({}): its \
                  proposals would be other tokens",
                 draft.name(),
-                describe(&draft),
+                describe(draft.as_ref()),
                 target.name(),
                 describe(target)
             )));
@@ -54,6 +56,17 @@ impl DraftModel {
 
     pub fn engine(&self) -> &Engine {
         &self.engine
+    }
+
+    /// Another drafter over the same draft engine with a cache of its own (one per
+    /// request; the tokenizers were checked once).
+    pub fn fresh(&self) -> DraftModel {
+        DraftModel {
+            engine: Arc::clone(&self.engine),
+            kv: self.engine.new_kv(),
+            seen: Vec::new(),
+            target_vocab: self.target_vocab,
+        }
     }
 }
 

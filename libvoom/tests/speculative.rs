@@ -403,7 +403,7 @@ fn draft_models_keep_the_target_exact() {
         ..Default::default()
     };
     let plain = generate(&target, &prompt, &params, None, None);
-    let itself = Engine::open(&target_dir, EngineOptions::default()).unwrap();
+    let itself = std::sync::Arc::new(Engine::open(&target_dir, EngineOptions::default()).unwrap());
     let mut d = DraftModel::new(itself, &target).unwrap();
     assert_eq!(d.name(), "draft-model:llama_gqa_untied");
     let spec = generate(&target, &prompt, &params, None, Some(&mut d));
@@ -417,7 +417,7 @@ fn draft_models_keep_the_target_exact() {
         EngineOptions::default(),
     )
     .unwrap();
-    let mut d = DraftModel::new(other, &target).unwrap();
+    let mut d = DraftModel::new(std::sync::Arc::new(other), &target).unwrap();
     let spec = generate(&target, &prompt, &params, None, Some(&mut d));
     check_same(
         "llama_gqa_untied",
@@ -425,10 +425,14 @@ fn draft_models_keep_the_target_exact() {
         &plain,
         &spec,
     );
+    // A fresh drafter over the same engine (a server's next request) likewise.
+    let mut again = d.fresh();
+    let spec = generate(&target, &prompt, &params, None, Some(&mut again));
+    check_same("llama_gqa_untied", "a fresh drafter", &plain, &spec);
 
     let small_vocab =
         Engine::open(&fixtures().join("llama_sharded"), EngineOptions::default()).unwrap();
-    let e = DraftModel::new(small_vocab, &target)
+    let e = DraftModel::new(std::sync::Arc::new(small_vocab), &target)
         .err()
         .expect("another vocabulary");
     let msg = e.to_string();
@@ -505,7 +509,7 @@ fn prompt_lookup_on_a_real_model_saves_passes_exactly() {
         EngineOptions::default(),
     )
     .unwrap();
-    let err = DraftModel::new(tiny, &e)
+    let err = DraftModel::new(std::sync::Arc::new(tiny), &e)
         .err()
         .expect("no tokenizer")
         .to_string();

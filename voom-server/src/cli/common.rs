@@ -7,7 +7,10 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use libvoom::engine::{Engine, EngineOptions, GenerateParams, Generation};
+use libvoom::draft::DraftModel;
+use libvoom::engine::{Decoding, Engine, EngineOptions, GenerateParams, Generation, MAX_DRAFT};
+use libvoom::speculate::lookup::PromptLookup;
+use libvoom::speculate::Drafter;
 use libvoom::sampler::SamplingParams;
 use libvoom::text::StreamDecoder;
 use vpaged::store::{Store, StoreConfig, StoreSource};
@@ -254,6 +257,81 @@ impl SamplingArgs {
             },
             ignore_eos: self.ignore_eos,
             ..GenerateParams::default()
+        }
+    }
+}
+
+/// Speculative decoding: a drafter proposes tokens that each pass of the model
+/// verifies beside the one it computes. The output is the same ids (greedy, sampled
+/// or constrained); where proposals are kept it takes fewer passes, each one sweep
+/// of the weights.
+#[derive(Args, Debug, Clone, Default)]
+pub struct SpecArgs {
+    /// Draft with a smaller model of the same tokenizer (a directory or a name in the
+    /// local store); it runs beside the model, memory-mapped.
+    #[arg(long, value_name = "MODEL", env = "VOOM_DRAFT", conflicts_with = "prompt_lookup")]
+    pub draft: Option<String>,
+    /// Draft by prompt lookup: the tokens that followed the last few tokens where
+    /// they occurred earlier in the prompt or the output (no second model; strong on
+    /// edits, summaries and tool outputs).
+    #[arg(long, env = "VOOM_PROMPT_LOOKUP")]
+    pub prompt_lookup: bool,
+    /// The most tokens a pass verifies beyond the one it computes.
+    #[arg(long, default_value_t = MAX_DRAFT, env = "VOOM_MAX_DRAFT")]
+    pub max_draft: usize,
+    /// Draft --max-draft tokens every pass, instead of a length that follows the
+    /// measured acceptance and pass times (and stops drafting where that does not pay).
+    #[arg(long)]
+    pub fixed_draft: bool,
+}
+
+/// What [`SpecArgs`] asks for, opened: a drafter is made per generation from it.
+pub enum Speculation {
+    Off,
+    PromptLookup,
+    DraftModel(DraftModel),
+}
+
+impl SpecArgs {
+    /// Opens the drafter for `target` (a draft model: its engine, with `target`'s
+    /// threads and backend; an error if its tokenizer is another).
+    pub fn open(&self, target: &Engine, engine: &EngineArgs) -> Result<Speculation> {
+        if self.max_draft == 0 && (self.draft.is_some() || self.prompt_lookup) {
+            bail!("--max-draft must be at least 1 to draft");
+        }
+        if self.prompt_lookup {
+            return Ok(Speculation::PromptLookup);
+        }
+        let Some(name) = &self.draft else {
+            return Ok(Speculation::Off);
+        };
+        let dir = resolve_model(name, false).with_context(|| format!("--draft {name}"))?;
+        let opts = EngineOptions {
+            threads: target.threads(),
+            backend: engine.backend.unwrap_or_default(),
+            max_context: Some(target.max_context()),
+            ..EngineOptions::default()
+        };
+        let draft = Engine::open(&dir, opts)
+            .with_context(|| format!("--draft: opening {}", dir.display()))?;
+        let d = DraftModel::new(Arc::new(draft), target).context("--draft")?;
+        Ok(Speculation::DraftModel(d))
+    }
+
+    /// Sets the draft length in `params`.
+    pub fn apply(&self, params: &mut GenerateParams) {
+        params.max_draft = self.max_draft;
+        params.adaptive_draft = !self.fixed_draft;
+    }
+}
+
+impl Speculation {
+    /// A drafter for one generation (none when off).
+    pub fn drafter(&self) -> Option<Box<dyn Drafter>> {
+        match self {
+            Speculation::Off => None,
+            Speculation::PromptLookup => Some(Box::new(PromptLookup::default())),
+            Speculation::DraftModel(d) => Some(Box::new(d.fresh())),
         }
     }
 }
@@ -599,9 +677,11 @@ pub fn generate_streaming(
     engine: &Engine,
     ids: &[u32],
     params: &GenerateParams,
+    spec: &Speculation,
     stream: bool,
     on_token: &mut dyn FnMut(),
 ) -> Result<(Generation, String)> {
+    let mut drafter = spec.drafter();
     let mut text = String::new();
     let show = |piece: &str| -> std::io::Result<()> {
         if stream {
@@ -615,7 +695,11 @@ pub fn generate_streaming(
         Some(tok) => {
             let mut dec = StreamDecoder::new(tok, true);
             let mut err: Option<anyhow::Error> = None;
-            let g = engine.generate(ids, params, &mut |id| {
+            let d = Decoding {
+                constraint: None,
+                drafter: drafter.as_deref_mut().map(|d| d as &mut dyn Drafter),
+            };
+            let g = engine.generate_with(ids, params, d, &mut |id| {
                 on_token();
                 if eos.contains(&id) && !params.ignore_eos {
                     return ControlFlow::Continue(());
@@ -641,10 +725,16 @@ pub fn generate_streaming(
             text.push_str(&rest);
             g
         }
-        None => engine.generate(ids, params, &mut |_| {
-            on_token();
-            ControlFlow::Continue(())
-        })?,
+        None => {
+            let d = Decoding {
+                constraint: None,
+                drafter: drafter.as_deref_mut().map(|d| d as &mut dyn Drafter),
+            };
+            engine.generate_with(ids, params, d, &mut |_| {
+                on_token();
+                ControlFlow::Continue(())
+            })?
+        }
     };
     show("\n")?;
     Ok((g, text))
@@ -684,6 +774,19 @@ pub fn result_json(
             "prefill_page_wait_secs": g.prefill_page_wait_secs,
             "decode_page_wait_secs": g.decode_page_wait_secs,
         },
+        // Forward passes of decode, and what a drafter did (speculative decoding).
+        "decode_passes": g.decode_passes,
+        "speculation": g.speculation.as_ref().map(|r| serde_json::json!({
+            "drafter": r.drafter,
+            "drafted": r.drafted,
+            "accepted": r.accepted,
+            "acceptance": r.acceptance(),
+            "passes": r.passes,
+            "verify_passes": r.verify_passes,
+            // Ids decoded per pass (the first id comes from the prompt's pass).
+            "tokens_per_pass": (g.ids.len().saturating_sub(1)) as f64 / r.passes.max(1) as f64,
+            "stopped": r.stopped,
+        })),
         "threads": engine.threads(),
         // This process's memory at the end (Linux): private bytes against the
         // daemon's shared arena.

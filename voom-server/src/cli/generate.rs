@@ -3,7 +3,7 @@
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
-use super::common::{self, EngineArgs, SamplingArgs};
+use super::common::{self, EngineArgs, SamplingArgs, SpecArgs};
 
 #[derive(Args, Debug)]
 pub struct GenerateArgs {
@@ -31,6 +31,8 @@ pub struct GenerateArgs {
     pub expert_trace: Option<std::path::PathBuf>,
     #[command(flatten)]
     pub sampling: SamplingArgs,
+    #[command(flatten)]
+    pub spec: SpecArgs,
     #[command(flatten)]
     pub engine: EngineArgs,
 }
@@ -66,7 +68,9 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     if ids.is_empty() {
         bail!("the prompt is empty");
     }
-    let params = a.sampling.params();
+    let mut params = a.sampling.params();
+    a.spec.apply(&mut params);
+    let spec = a.spec.open(&engine, &a.engine)?;
     if let Some(path) = &a.expert_trace {
         if engine.config().moe.is_none() {
             bail!(
@@ -90,7 +94,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
             at_decode = device.as_ref().and_then(|d| d.read());
         }
     };
-    let (g, text) = common::generate_streaming(&engine, &ids, &params, !a.json, &mut mark)?;
+    let (g, text) = common::generate_streaming(&engine, &ids, &params, &spec, !a.json, &mut mark)?;
     if let (Some(path), Some(trace)) = (&a.expert_trace, engine.take_expert_trace()) {
         let mut f = std::io::BufWriter::new(
             std::fs::File::create(path)
@@ -116,8 +120,18 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         };
         vpaged::outln!("{out}")?;
     } else {
+        let spec = g.speculation.as_ref().map_or(String::new(), |r| {
+            format!(
+                "; {}: {}/{} proposals kept, {} passes for {} ids",
+                r.drafter,
+                r.accepted,
+                r.drafted,
+                r.passes,
+                g.ids.len().saturating_sub(1)
+            )
+        });
         eprintln!(
-            "[{} prompt tokens, {:.1} tok/s prefill; {} generated, {:.1} tok/s decode; {}]",
+            "[{} prompt tokens, {:.1} tok/s prefill; {} generated, {:.1} tok/s decode; {}{spec}]",
             g.prompt_tokens,
             g.prefill_tokens_per_sec(),
             g.ids.len(),

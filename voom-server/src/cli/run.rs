@@ -5,7 +5,7 @@ use std::io::{BufRead, Write};
 use anyhow::Result;
 use clap::Args;
 
-use super::common::{self, EngineArgs, SamplingArgs};
+use super::common::{self, EngineArgs, SamplingArgs, SpecArgs};
 
 #[derive(Args, Debug)]
 pub struct RunArgs {
@@ -22,13 +22,17 @@ pub struct RunArgs {
     #[command(flatten)]
     pub sampling: SamplingArgs,
     #[command(flatten)]
+    pub spec: SpecArgs,
+    #[command(flatten)]
     pub engine: EngineArgs,
 }
 
 pub fn run(a: RunArgs) -> Result<()> {
     let dir = common::resolve_model(&a.model, true)?;
     let engine = common::open_engine(&dir, &a.engine)?;
-    let params = a.sampling.params();
+    let mut params = a.sampling.params();
+    a.spec.apply(&mut params);
+    let spec = a.spec.open(&engine, &a.engine)?;
     let mut messages = Vec::new();
     if let Some(s) = &a.system {
         messages.push(serde_json::json!({"role": "system", "content": s}));
@@ -43,7 +47,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         } else {
             common::text_ids(&engine, p)?
         };
-        let (g, text) = common::generate_streaming(&engine, &ids, &params, !a.json, &mut || {})?;
+        let (g, text) = common::generate_streaming(&engine, &ids, &params, &spec, !a.json, &mut || {})?;
         if a.json {
             vpaged::outln!("{}", common::result_json(&engine, &ids, &g, &text))?;
         }
@@ -74,7 +78,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         } else {
             common::text_ids(&engine, &line)?
         };
-        match common::generate_streaming(&engine, &ids, &params, true, &mut || {}) {
+        match common::generate_streaming(&engine, &ids, &params, &spec, true, &mut || {}) {
             Ok((_, text)) => {
                 messages.push(serde_json::json!({"role": "assistant", "content": text}))
             }
