@@ -51,7 +51,7 @@ def voom_bin() -> Path:
 class _Server:
     """A `voom serve` child process on a temporary models dir."""
 
-    def __init__(self) -> None:
+    def __init__(self, extra_args: list[str] | None = None) -> None:
         binary = voom_bin()
         if not binary.is_file():
             raise pytest.UsageError(
@@ -65,7 +65,7 @@ class _Server:
         if "VOOM_HOME" in os.environ:
             env["VOOM_HOME"] = os.environ["VOOM_HOME"]
         self.proc = subprocess.Popen(
-            [str(binary), "serve", "--port", "0", "--models-dir", self.tmp],
+            [str(binary), "serve", "--port", "0", "--models-dir", self.tmp, *(extra_args or [])],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
@@ -159,6 +159,22 @@ def client(openai_base_url: str):
     import openai
 
     return openai.OpenAI(base_url=openai_base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def start_server():
+    """Starts another `voom serve` on the same fixture with extra arguments; returns
+    its root URL. Each is stopped at the end of the session."""
+    started: list[_Server] = []
+
+    def start(extra_args: list[str]) -> str:
+        s = _Server(extra_args)
+        started.append(s)
+        return s.base_url
+
+    yield start
+    for s in started:
+        s.stop()
 
 
 @pytest.fixture(autouse=True)

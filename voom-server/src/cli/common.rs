@@ -9,9 +9,9 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use libvoom::draft::DraftModel;
 use libvoom::engine::{Decoding, Engine, EngineOptions, GenerateParams, Generation, MAX_DRAFT};
+use libvoom::sampler::SamplingParams;
 use libvoom::speculate::lookup::PromptLookup;
 use libvoom::speculate::Drafter;
-use libvoom::sampler::SamplingParams;
 use libvoom::text::StreamDecoder;
 use vpaged::store::{Store, StoreConfig, StoreSource};
 
@@ -269,7 +269,12 @@ impl SamplingArgs {
 pub struct SpecArgs {
     /// Draft with a smaller model of the same tokenizer (a directory or a name in the
     /// local store); it runs beside the model, memory-mapped.
-    #[arg(long, value_name = "MODEL", env = "VOOM_DRAFT", conflicts_with = "prompt_lookup")]
+    #[arg(
+        long,
+        value_name = "MODEL",
+        env = "VOOM_DRAFT",
+        conflicts_with = "prompt_lookup"
+    )]
     pub draft: Option<String>,
     /// Draft by prompt lookup: the tokens that followed the last few tokens where
     /// they occurred earlier in the prompt or the output (no second model; strong on

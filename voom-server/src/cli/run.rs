@@ -47,7 +47,8 @@ pub fn run(a: RunArgs) -> Result<()> {
         } else {
             common::text_ids(&engine, p)?
         };
-        let (g, text) = common::generate_streaming(&engine, &ids, &params, &spec, !a.json, &mut || {})?;
+        let (g, text) =
+            common::generate_streaming(&engine, &ids, &params, &spec, !a.json, &mut || {})?;
         if a.json {
             vpaged::outln!("{}", common::result_json(&engine, &ids, &g, &text))?;
         }

@@ -1207,6 +1207,8 @@ mod tests {
             queue_secs: 0.0,
             prefill_secs: 0.0,
             decode_secs: 0.0,
+            decode_passes: 0,
+            speculation: None,
         }
     }
 

@@ -77,6 +77,9 @@ pub struct Outcome {
     pub queue_secs: f64,
     pub prefill_secs: f64,
     pub decode_secs: f64,
+    /// Forward passes of decode, and what a drafter did (speculative decoding).
+    pub decode_passes: usize,
+    pub speculation: Option<libvoom::speculate::SpecReport>,
 }
 
 impl Outcome {
@@ -86,6 +89,15 @@ impl Outcome {
             "queue_secs": self.queue_secs,
             "prefill_secs": self.prefill_secs,
             "decode_secs": self.decode_secs,
+            "decode_passes": self.decode_passes,
+            "speculation": self.speculation.as_ref().map(|r| serde_json::json!({
+                "drafter": r.drafter,
+                "drafted": r.drafted,
+                "accepted": r.accepted,
+                "acceptance": r.acceptance(),
+                "passes": r.passes,
+                "stopped": r.stopped,
+            })),
         })
     }
 }

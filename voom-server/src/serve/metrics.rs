@@ -27,6 +27,10 @@ pub struct Metrics {
     generations: AtomicU64,
     /// Requests refused with 429 because the queue was full.
     pub rejected_queue_full: AtomicU64,
+    /// Forward passes of decode; proposals a drafter made and of them those kept.
+    decode_passes: AtomicU64,
+    drafted: AtomicU64,
+    draft_accepted: AtomicU64,
 }
 
 impl Metrics {
@@ -61,6 +65,13 @@ impl Metrics {
             .fetch_add(us(g.prefill_page_wait_secs), Ordering::Relaxed);
         self.decode_wait_us
             .fetch_add(us(g.decode_page_wait_secs), Ordering::Relaxed);
+        self.decode_passes
+            .fetch_add(g.decode_passes as u64, Ordering::Relaxed);
+        if let Some(r) = &g.speculation {
+            self.drafted.fetch_add(r.drafted as u64, Ordering::Relaxed);
+            self.draft_accepted
+                .fetch_add(r.accepted as u64, Ordering::Relaxed);
+        }
     }
 
     /// The Prometheus exposition; `extra` lines (already formatted) are appended.
@@ -87,7 +98,7 @@ impl Metrics {
         let prompt = load(&self.prompt_tokens);
         let prefill_s = load(&self.prefill_us) as f64 / 1e6;
         let secs = |a: &AtomicU64| load(a) as f64 / 1e6;
-        let rows: [(&str, &str, &str, f64); 12] = [
+        let rows: [(&str, &str, &str, f64); 15] = [
             (
                 "voom_prompt_tokens_total",
                 "counter",
@@ -164,6 +175,24 @@ impl Metrics {
                 "Requests refused with 429 because the engine's queue was full.",
                 load(&self.rejected_queue_full) as f64,
             ),
+            (
+                "voom_decode_passes_total",
+                "counter",
+                "Forward passes of decode (one sweep of the weights each).",
+                load(&self.decode_passes) as f64,
+            ),
+            (
+                "voom_draft_tokens_total",
+                "counter",
+                "Tokens a drafter proposed and a pass verified (speculative decoding).",
+                load(&self.drafted) as f64,
+            ),
+            (
+                "voom_draft_tokens_accepted_total",
+                "counter",
+                "Of the proposed tokens, those kept.",
+                load(&self.draft_accepted) as f64,
+            ),
         ];
         for (name, ty, help, v) in rows {
             let _ = writeln!(s, "# HELP {name} {help}\n# TYPE {name} {ty}\n{name} {v}");
@@ -198,8 +227,15 @@ mod tests {
             constraint_secs: 0.0,
             pages: None,
             decode_pages: None,
-            decode_passes: 19,
-            speculation: None,
+            decode_passes: 7,
+            speculation: Some(libvoom::speculate::SpecReport {
+                drafter: "prompt-lookup".into(),
+                drafted: 15,
+                accepted: 12,
+                passes: 7,
+                verify_passes: 5,
+                stopped: None,
+            }),
         });
         let s = m.render(&[]);
         assert!(
@@ -209,6 +245,9 @@ mod tests {
         assert!(s.contains("voom_completion_tokens_total 20"));
         assert!(s.contains("voom_decode_tokens_per_second 10"));
         assert!(s.contains("voom_decode_page_wait_seconds_total 0.25"));
+        assert!(s.contains("voom_decode_passes_total 7\n"));
+        assert!(s.contains("voom_draft_tokens_total 15\n"));
+        assert!(s.contains("voom_draft_tokens_accepted_total 12\n"));
         assert!(s.contains("voom_prefill_page_wait_seconds_total 0\n"));
         assert!(s.contains("# TYPE voom_queue_depth gauge"));
     }

@@ -105,6 +105,8 @@ pub struct ServeArgs {
     #[arg(long = "cors-origin", env = "VOOM_CORS_ORIGINS", value_delimiter = ',')]
     pub cors_origins: Vec<String>,
     #[command(flatten)]
+    pub spec: crate::cli::common::SpecArgs,
+    #[command(flatten)]
     pub engine: EngineArgs,
 }
 
@@ -350,8 +352,13 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     // Resolved once (flag > env > profile > default): every engine the worker opens
     // uses, and every response reports, these settings.
     let resolved = a.engine.pin_profile()?;
-    let worker = Worker::spawn(a.engine.clone(), Arc::clone(&metrics), a.max_queue)
-        .context("starting the engine thread")?;
+    let worker = Worker::spawn(
+        a.engine.clone(),
+        a.spec.clone(),
+        Arc::clone(&metrics),
+        a.max_queue,
+    )
+    .context("starting the engine thread")?;
     let profile = Profile {
         name: resolved.name.clone(),
         digest: resolved.digest.clone(),

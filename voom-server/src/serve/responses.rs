@@ -1157,6 +1157,8 @@ mod tests {
             queue_secs: 0.0,
             prefill_secs: 0.0,
             decode_secs: 0.0,
+            decode_passes: 0,
+            speculation: None,
         };
         let v = shape.object(status(&o), output_items(&o, "msg_1"), Some(&o));
         for key in [

@@ -18,7 +18,8 @@ use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Instant;
 
-use libvoom::engine::{Engine, FinishReason};
+use libvoom::engine::{Decoding, Engine, FinishReason};
+use libvoom::speculate::Drafter;
 use libvoom::text::StreamDecoder;
 use serde_json::Value;
 use vpaged::PageSource;
@@ -32,7 +33,7 @@ use super::stop::StopScanner;
 use super::tools::{
     adopt_streamed, is_number_overflow, text_after, CallGate, CallPiece, CallStreamer,
 };
-use crate::cli::common::EngineArgs;
+use crate::cli::common::{EngineArgs, SpecArgs, Speculation};
 
 /// The engine loaded now.
 struct Resident {
@@ -52,6 +53,7 @@ pub struct Worker {
 impl Worker {
     pub fn spawn(
         engine_args: EngineArgs,
+        spec: SpecArgs,
         metrics: Arc<Metrics>,
         max_queue: usize,
     ) -> std::io::Result<Worker> {
@@ -59,6 +61,8 @@ impl Worker {
         let resident = Arc::new(Mutex::new(None));
         let state = WorkerState {
             engine_args,
+            spec,
+            speculation: Speculation::Off,
             engine: None,
             metrics: Arc::clone(&metrics),
             resident: Arc::clone(&resident),
@@ -128,6 +132,10 @@ impl Worker {
 
 struct WorkerState {
     engine_args: EngineArgs,
+    /// Speculative decoding as `voom serve` was asked, and its drafter for the
+    /// resident engine.
+    spec: SpecArgs,
+    speculation: Speculation,
     engine: Option<Engine>,
     metrics: Arc<Metrics>,
     resident: Arc<Mutex<Option<Resident>>>,
@@ -181,6 +189,7 @@ impl WorkerState {
         if !same {
             // Drop the old engine first: one model's pages resident at a time.
             self.engine = None;
+            self.speculation = Speculation::Off;
             *self.resident.lock().unwrap_or_else(|e| e.into_inner()) = None;
             let t = Instant::now();
             let e = crate::cli::common::open_engine(&meta.dir, &self.engine_args)
@@ -192,6 +201,15 @@ impl WorkerState {
                 e.source().describe()
             );
             self.metrics.model_loads.fetch_add(1, Ordering::Relaxed);
+            // A draft model drafts for the models that share its tokenizer; the others
+            // decode plainly.
+            self.speculation = match self.spec.open(&e, &self.engine_args) {
+                Ok(s) => s,
+                Err(err) => {
+                    tracing::warn!("model {}: no speculative decoding: {err:#}", meta.id);
+                    Speculation::Off
+                }
+            };
             self.engine = Some(e);
             *self.resident.lock().unwrap_or_else(|e| e.into_inner()) = Some(Resident {
                 model: meta.id.clone(),
@@ -205,7 +223,12 @@ impl WorkerState {
     fn serve(&mut self, mut job: Job) -> Result<Option<Outcome>, ApiError> {
         let started = Instant::now();
         let queue_secs = (started - job.enqueued).as_secs_f64();
-        let engine = self.engine_for(&job.request.meta)?;
+        self.engine_for(&job.request.meta)?;
+        // A drafter of its own per request; the draft length as `voom serve` was asked.
+        let mut drafter = self.speculation.drafter();
+        let mut params = job.request.params.clone();
+        self.spec.apply(&mut params);
+        let engine = self.engine.as_ref().expect("loaded above");
         let tok = engine.tokenizer().ok_or_else(|| {
             ApiError::internal(format!(
                 "model '{}' has no tokenizer.json",
@@ -301,16 +324,15 @@ impl WorkerState {
         };
         let grammar_param = job.request.grammar.as_ref().map(|g| g.param);
         let mut matcher = job.request.grammar.take().map(|g| g.matcher);
-        let g = match matcher.as_mut() {
-            Some(m) => engine.generate_constrained(
-                &job.request.prompt_ids,
-                &job.request.params,
-                m,
-                &mut on_token,
-            ),
-            None => engine.generate(&job.request.prompt_ids, &job.request.params, &mut on_token),
-        }
-        .map_err(|e| ApiError::engine(&job.request.meta.id, &e, grammar_param))?;
+        let decoding = Decoding {
+            constraint: matcher
+                .as_mut()
+                .map(|m| m as &mut dyn libvoom::constrain::TokenConstraint),
+            drafter: drafter.as_deref_mut().map(|d| d as &mut dyn Drafter),
+        };
+        let g = engine
+            .generate_with(&job.request.prompt_ids, &params, decoding, &mut on_token)
+            .map_err(|e| ApiError::engine(&job.request.meta.id, &e, grammar_param))?;
         if let Some(e) = failure {
             return Err(e);
         }
@@ -440,6 +462,8 @@ impl WorkerState {
             queue_secs,
             prefill_secs: g.prefill_secs,
             decode_secs: g.decode_secs,
+            decode_passes: g.decode_passes,
+            speculation: g.speculation,
         }))
     }
 }
