@@ -351,3 +351,76 @@ pub fn write_llama(dir: &Path, shape: SynthShape, seed: u64) -> Result<()> {
     });
     t.write(dir, &config)
 }
+
+/// A draft model for speculative decoding made from `src` itself: its first `layers`
+/// decoder layers, its embedding, final norm and head (the checkpoint's own tensors,
+/// copied), and its tokenizer: the target's vocabulary by construction, a third or a
+/// quarter of its bytes per token. Written under `$VOOM_HOME/bench` once and reused.
+/// (No smaller model of the same family is on this machine; this is the drafter the
+/// layer-skipping self-speculative methods start from, untrained to exit early, so
+/// its proposals are kept less often than a trained draft model's.)
+pub fn first_layers_draft(src: &Path, layers: usize) -> Result<std::path::PathBuf> {
+    let name = src
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "model".into());
+    let dir = crate::store::voom_home()?
+        .join("bench")
+        .join(format!("{name}-first-{layers}-layers"));
+    if dir.join("model.safetensors").exists() && dir.join("config.json").exists() {
+        return Ok(dir);
+    }
+    let mut config: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(src.join("config.json"))
+            .with_context(|| format!("reading {}/config.json", src.display()))?,
+    )?;
+    let total = config["num_hidden_layers"].as_u64().unwrap_or(0) as usize;
+    if layers == 0 || layers >= total {
+        anyhow::bail!(
+            "a draft of {layers} layers from {} ({total} layers): give fewer layers than it has, at least one",
+            src.display()
+        );
+    }
+    config["num_hidden_layers"] = serde_json::json!(layers);
+    let ckpt = voom_formats::Checkpoint::open(src)
+        .with_context(|| format!("opening {}", src.display()))?;
+    let keep = |n: &str| match n.strip_prefix("model.layers.") {
+        Some(rest) => rest
+            .split('.')
+            .next()
+            .and_then(|i| i.parse::<usize>().ok())
+            .is_some_and(|i| i < layers),
+        None => true,
+    };
+    let tensors: Vec<(&str, DType, &[usize], &[u8])> = ckpt
+        .tensors()
+        .filter(|(n, _)| keep(n))
+        .map(|(n, loc)| {
+            let bytes = ckpt.tensor_bytes(n).expect("listed tensors have bytes");
+            (n, loc.info.dtype, loc.info.shape.as_slice(), bytes)
+        })
+        .collect();
+    let tmp = dir.with_extension("partial");
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp)?;
+    let mut meta = BTreeMap::new();
+    meta.insert("format".to_string(), "pt".to_string());
+    voom_formats::safetensors::write(&tmp.join("model.safetensors"), &tensors, &meta)?;
+    std::fs::write(
+        tmp.join("config.json"),
+        serde_json::to_string_pretty(&config)?,
+    )?;
+    for f in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+        "special_tokens_map.json",
+    ] {
+        if src.join(f).exists() {
+            std::fs::copy(src.join(f), tmp.join(f))?;
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::rename(&tmp, &dir)?;
+    Ok(dir)
+}

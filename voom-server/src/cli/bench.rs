@@ -64,6 +64,9 @@ pub enum BenchSub {
     /// Decode a model several times larger than a memory ceiling (a memory cgroup),
     /// against the storage bound and plain memory mapping, measured in the same run.
     OutOfCore(super::out_of_core::OutOfCoreArgs),
+    /// Speculative decoding: the same prompts with no drafter, prompt lookup and a
+    /// draft model, resident and out of core (a memory cgroup), in one run.
+    Spec(super::spec_bench::SpecBenchArgs),
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -77,8 +80,10 @@ fn median(v: &mut [f64]) -> f64 {
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {
-    if let Some(BenchSub::OutOfCore(o)) = a.sub {
-        return super::out_of_core::run(o);
+    match a.sub {
+        Some(BenchSub::OutOfCore(o)) => return super::out_of_core::run(o),
+        Some(BenchSub::Spec(s)) => return super::spec_bench::run(s),
+        None => {}
     }
     if a.runs == 0 || a.prompt_tokens == 0 || a.decode_tokens < 2 {
         bail!("--runs and --prompt-tokens must be positive and --decode-tokens at least 2");

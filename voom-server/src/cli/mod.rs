@@ -10,3 +10,4 @@ pub mod plan;
 pub mod profiles;
 pub mod pull;
 pub mod run;
+pub mod spec_bench;
