@@ -4,7 +4,7 @@
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use vpaged::{EmbeddedStore, PageId, PageSource, SourceCacheStats, VerifyMode};
 
@@ -14,9 +14,12 @@ use crate::constrain::{ConstrainError, TokenConstraint, TokenMask};
 use crate::kv::KvCache;
 use crate::model::{self, Logits, Model, SeqPass, Sweep, Walk};
 use crate::sampler::{Sampler, SamplingParams};
-use crate::speculate::{Adaptive, Drafter, SpecReport};
+use crate::speculate::{Drafter, SpecReport};
 use crate::text::Tokenizer;
 use crate::VoomError;
+
+mod sequence;
+pub use sequence::Sequence;
 
 #[derive(Debug, Clone)]
 pub struct EngineOptions {
@@ -697,199 +700,24 @@ impl Engine {
         decoding: Decoding<'_>,
         on_token: &mut dyn FnMut(u32) -> ControlFlow<()>,
     ) -> Result<Generation, VoomError> {
-        let Decoding {
-            mut constraint,
-            mut drafter,
-        } = decoding;
-        if prompt.is_empty() {
-            return Err(VoomError::Request("the prompt is empty".into()));
+        let mut s = Sequence::new(self, prompt, params, decoding)?;
+        if s.finished() {
+            return Ok(s.into_generation());
         }
-        params.sampling.validate().map_err(VoomError::Request)?;
-        if prompt.len() >= self.max_context() {
-            return Err(VoomError::Request(format!(
-                "the prompt has {} tokens; the context limit is {}",
-                prompt.len(),
-                self.max_context()
-            )));
-        }
-        let mut kv = self.new_kv();
-        let mut sampler = Sampler::new(params.sampling.clone());
-        let mut out = Generation {
-            ids: Vec::new(),
-            finish: FinishReason::Length,
-            prompt_tokens: prompt.len(),
-            prefill_secs: 0.0,
-            decode_secs: 0.0,
-            logits: Vec::new(),
-            constraint_secs: 0.0,
-            pages: None,
-            decode_pages: None,
-            prefill_page_wait_secs: 0.0,
-            decode_page_wait_secs: 0.0,
-            decode_passes: 0,
-            speculation: drafter.as_ref().map(|d| SpecReport {
-                drafter: d.name(),
-                ..SpecReport::default()
-            }),
-        };
-        if params.max_new_tokens == 0 {
-            return Ok(out);
-        }
-        if constraint.as_deref().is_some_and(|c| c.is_complete()) {
-            // Nothing may be generated: no need to compute the prompt.
-            out.finish = FinishReason::Complete;
-            return Ok(out);
-        }
-        let mut scratch = ConstrainScratch::default();
         let before = self.source.cache_stats();
-        let t0 = Instant::now();
-        let mut waited = Duration::ZERO;
-        let mut logits = self.prefill_timed(&mut kv, prompt, &mut waited)?;
-        out.prefill_secs = t0.elapsed().as_secs_f64();
-        out.prefill_page_wait_secs = waited.as_secs_f64();
-        let mut waited = Duration::ZERO;
-        let at_decode = self.source.cache_stats();
-        let t1 = Instant::now();
-        // Speculation: proposals the last pass computed beyond the last committed
-        // token, each with the logits that follow it. Their positions are in `kv`.
-        let mut ahead: std::collections::VecDeque<(u32, Vec<f32>)> = Default::default();
-        // The proposals of the last pass compared with the ids picked so far, and of
-        // them the ones kept.
-        let (mut compared, mut kept) = (0usize, 0usize);
-        let mut adapt = Adaptive::new(params.max_draft);
-        // The prompt and the ids so far, for the drafter.
-        let mut context: Vec<u32> = prompt.to_vec();
-        loop {
-            let step = out.ids.len();
-            let id = match constraint.as_deref_mut() {
-                None => sampler.sample(&logits),
-                Some(c) => {
-                    let tc = Instant::now();
-                    let id = self.pick_constrained(c, step, &logits, &mut sampler, &mut scratch)?;
-                    out.constraint_secs += tc.elapsed().as_secs_f64();
-                    id
-                }
-            };
-            if params.record_logits {
-                out.logits.push(std::mem::take(&mut logits));
+        let mut at_decode = None;
+        while !s.finished() {
+            let prefilling = s.prefilling();
+            // Alone, the prompt is one pass.
+            self.step(&mut [&mut s], usize::MAX, &mut |_, id| on_token(id))?;
+            if let Some(e) = s.take_error() {
+                return Err(e);
             }
-            out.ids.push(id);
-            context.push(id);
-            // A proposal computed for this step is kept when it is the id picked,
-            // and the logits after it are the next step's; otherwise it and every
-            // one after it leave the cache.
-            let mut have_next = false;
-            if let Some((proposed, _)) = ahead.front() {
-                compared += 1;
-                if *proposed == id {
-                    kept += 1;
-                    logits = ahead.pop_front().expect("a front").1;
-                    have_next = true;
-                } else {
-                    kv.truncate(kv.len() - ahead.len());
-                    ahead.clear();
-                }
-                if ahead.is_empty() {
-                    adapt.observe_verify(compared, kept);
-                    if let Some(r) = out.speculation.as_mut() {
-                        r.drafted += compared;
-                        r.accepted += kept;
-                    }
-                    (compared, kept) = (0, 0);
-                }
-            }
-            let mut complete = false;
-            if let Some(c) = constraint.as_deref_mut() {
-                // An end-of-sequence id is the engine's, never passed to the constraint.
-                if !self.eos.contains(&id) {
-                    let tc = Instant::now();
-                    c.accept(step, id)?;
-                    complete = c.is_complete();
-                    out.constraint_secs += tc.elapsed().as_secs_f64();
-                }
-            }
-            // The positions plain decoding would have computed by now: the prompt
-            // and every id but this one.
-            let computed = prompt.len() + out.ids.len() - 1;
-            let stop = if on_token(id).is_break() {
-                Some(FinishReason::Stopped)
-            } else if (!params.ignore_eos || constraint.is_some()) && self.eos.contains(&id) {
-                Some(FinishReason::Eos)
-            } else if complete {
-                Some(FinishReason::Complete)
-            } else if out.ids.len() >= params.max_new_tokens {
-                Some(FinishReason::Length)
-            } else if computed + 1 > kv.capacity() {
-                Some(FinishReason::ContextFull)
-            } else {
-                None
-            };
-            if let Some(finish) = stop {
-                out.finish = finish;
-                // The cache holds what plain decoding's would: nothing proposed.
-                if compared > 0 {
-                    adapt.observe_verify(compared, kept);
-                    if let Some(r) = out.speculation.as_mut() {
-                        r.drafted += compared;
-                        r.accepted += kept;
-                    }
-                }
-                kv.truncate(kv.len().min(computed));
-                break;
-            }
-            if have_next {
-                continue;
-            }
-            // Checked before the next token is sampled and emitted. With a drafter,
-            // the pass computes `id` and the proposals after it: at most the ids
-            // still wanted after this one, and the context's room.
-            let room = (params.max_new_tokens - out.ids.len()).min(kv.capacity() - computed - 1);
-            let proposals = match drafter.as_deref_mut() {
-                Some(d) => match if params.adaptive_draft {
-                    adapt.next_k(room)
-                } else {
-                    room.min(params.max_draft)
-                } {
-                    0 => Vec::new(),
-                    k => {
-                        let td = Instant::now();
-                        let mut p = d.propose(&context, k)?;
-                        // At most k, and none past the vocabulary.
-                        let vocab = self.config().vocab_size;
-                        let valid = p.iter().take(k).take_while(|&&t| (t as usize) < vocab);
-                        p.truncate(valid.count());
-                        adapt.observe_draft(p.len(), td.elapsed().as_secs_f64());
-                        p
-                    }
-                },
-                None => Vec::new(),
-            };
-            let mut tokens = Vec::with_capacity(1 + proposals.len());
-            tokens.push(id);
-            tokens.extend(&proposals);
-            let want = if proposals.is_empty() {
-                Logits::Last
-            } else {
-                Logits::All
-            };
-            let tp = Instant::now();
-            let rows = self.forward_checked(&mut kv, &tokens, want, &mut waited)?;
-            adapt.observe_pass(tokens.len(), tp.elapsed().as_secs_f64());
-            out.decode_passes += 1;
-            let v = self.config().vocab_size;
-            let mut rows = rows.chunks_exact(v).map(<[f32]>::to_vec);
-            logits = rows.next().expect("a pass returns a row per position");
-            ahead.extend(proposals.iter().copied().zip(rows));
-            if let Some(r) = out.speculation.as_mut() {
-                r.passes += 1;
-                r.verify_passes += usize::from(!proposals.is_empty());
-                if let Some(why) = adapt.stopped() {
-                    r.stopped.get_or_insert_with(|| why.to_string());
-                }
+            if prefilling && !s.prefilling() {
+                at_decode = self.source.cache_stats();
             }
         }
-        out.decode_secs = t1.elapsed().as_secs_f64();
-        out.decode_page_wait_secs = waited.as_secs_f64();
+        let mut out = s.into_generation();
         let end = self.source.cache_stats();
         out.pages = PageTraffic::between(before.as_ref(), end.as_ref());
         out.decode_pages = PageTraffic::between(at_decode.as_ref(), end.as_ref());
