@@ -377,37 +377,41 @@ fn listening_beyond_loopback_without_an_api_key_is_refused() {
 
 #[test]
 fn a_full_queue_is_429_with_retry_after_in_the_endpoints_dialect() {
-    let mut s = Server::start(&["--max-queue", "1"]);
-    // A long generation holds the engine; one request waits; the next is refused.
+    let mut s = Server::start(&["--max-queue", "1", "--max-batch", "2"]);
+    // Two long generations fill the batch; one request waits; the next is refused.
     let long = json!({"model": MODEL, "prompt": [12], "max_tokens": 2000,
                       "temperature": 0, "stream": true});
     let text = long.to_string();
-    let mut running = connect(s.addr);
-    running
-        .write_all(head("POST", "/v1/completions", s.addr, Some(text.len())).as_bytes())
-        .unwrap();
-    running.write_all(text.as_bytes()).unwrap();
-    let t = Instant::now();
-    while s.metric("voom_engine_busy") < 1.0 {
-        assert!(
-            t.elapsed() < Duration::from_secs(30),
-            "the first request never ran"
-        );
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    let mut waiting = connect(s.addr);
-    waiting
-        .write_all(head("POST", "/v1/completions", s.addr, Some(text.len())).as_bytes())
-        .unwrap();
-    waiting.write_all(text.as_bytes()).unwrap();
-    let t = Instant::now();
-    while s.metric("voom_queue_depth") < 1.0 {
-        assert!(
-            t.elapsed() < Duration::from_secs(30),
-            "the second never queued"
-        );
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    let send = |s: &Server| {
+        let mut c = connect(s.addr);
+        c.write_all(head("POST", "/v1/completions", s.addr, Some(text.len())).as_bytes())
+            .unwrap();
+        c.write_all(text.as_bytes()).unwrap();
+        c
+    };
+    let wait_for = |s: &mut Server, metric: &str, at_least: f64, what: &str| {
+        let t = Instant::now();
+        while s.metric(metric) < at_least {
+            assert!(t.elapsed() < Duration::from_secs(30), "{what}");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    };
+    let running = send(&s);
+    wait_for(
+        &mut s,
+        "voom_engine_busy",
+        1.0,
+        "the first request never ran",
+    );
+    let beside = send(&s);
+    wait_for(
+        &mut s,
+        "voom_engine_busy",
+        2.0,
+        "the second never joined the batch",
+    );
+    let waiting = send(&s);
+    wait_for(&mut s, "voom_queue_depth", 1.0, "the third never queued");
     let r = s.post_json("/v1/chat/completions", &chat("Hello", 4));
     assert_eq!(r.status, 429, "{}", r.text());
     assert_eq!(r.json()["error"]["code"], "rate_limit_exceeded");
@@ -426,8 +430,9 @@ fn a_full_queue_is_429_with_retry_after_in_the_endpoints_dialect() {
     assert_eq!(r.json()["error"]["type"], "rate_limit_error");
     assert!(r.header("retry-after").is_some());
     assert_eq!(s.metric("voom_requests_rejected_queue_full_total"), 2.0);
-    // The clients leave: the engine drops both at its next token.
+    // The clients leave: the engine drops each at its next token.
     drop(running);
+    drop(beside);
     drop(waiting);
     let t = Instant::now();
     while s.metric("voom_queue_depth") > 0.0 || s.metric("voom_engine_busy") > 0.0 {

@@ -227,6 +227,25 @@ pub trait TokenConstraint {
     fn is_complete(&self) -> bool;
 }
 
+/// A constraint borrowed is a constraint.
+impl<T: TokenConstraint + ?Sized> TokenConstraint for &mut T {
+    fn fill_mask(&mut self, step: usize, mask: &mut TokenMask) -> Result<(), ConstrainError> {
+        (**self).fill_mask(step, mask)
+    }
+
+    fn may_stop(&mut self, step: usize) -> Result<bool, ConstrainError> {
+        (**self).may_stop(step)
+    }
+
+    fn accept(&mut self, step: usize, id: u32) -> Result<(), ConstrainError> {
+        (**self).accept(step, id)
+    }
+
+    fn is_complete(&self) -> bool {
+        (**self).is_complete()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

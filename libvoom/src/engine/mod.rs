@@ -700,7 +700,7 @@ impl Engine {
         decoding: Decoding<'_>,
         on_token: &mut dyn FnMut(u32) -> ControlFlow<()>,
     ) -> Result<Generation, VoomError> {
-        let mut s = Sequence::new(self, prompt, params, decoding)?;
+        let mut s = self.sequence(prompt, params, decoding)?;
         if s.finished() {
             return Ok(s.into_generation());
         }

@@ -33,8 +33,8 @@ enum State {
 pub struct Sequence<'a> {
     prompt: Vec<u32>,
     params: GenerateParams,
-    constraint: Option<&'a mut dyn TokenConstraint>,
-    drafter: Option<&'a mut dyn Drafter>,
+    constraint: Option<Box<dyn TokenConstraint + 'a>>,
+    drafter: Option<Box<dyn Drafter + 'a>>,
     kv: KvCache,
     sampler: Sampler,
     scratch: ConstrainScratch,
@@ -66,7 +66,8 @@ impl<'a> Sequence<'a> {
         engine: &Engine,
         prompt: &[u32],
         params: &GenerateParams,
-        decoding: Decoding<'a>,
+        constraint: Option<Box<dyn TokenConstraint + 'a>>,
+        drafter: Option<Box<dyn Drafter + 'a>>,
     ) -> Result<Self, VoomError> {
         if prompt.is_empty() {
             return Err(VoomError::Request("the prompt is empty".into()));
@@ -79,10 +80,6 @@ impl<'a> Sequence<'a> {
                 engine.max_context()
             )));
         }
-        let Decoding {
-            constraint,
-            drafter,
-        } = decoding;
         let out = Generation {
             ids: Vec::new(),
             finish: FinishReason::Length,
@@ -371,7 +368,29 @@ impl Engine {
         params: &GenerateParams,
         decoding: Decoding<'a>,
     ) -> Result<Sequence<'a>, VoomError> {
-        Sequence::new(self, prompt, params, decoding)
+        let Decoding {
+            constraint,
+            drafter,
+        } = decoding;
+        Sequence::new(
+            self,
+            prompt,
+            params,
+            constraint.map(|c| Box::new(c) as Box<dyn TokenConstraint + 'a>),
+            drafter.map(|d| Box::new(d) as Box<dyn Drafter + 'a>),
+        )
+    }
+
+    /// [`Engine::sequence`] owning its constraint and drafter (a server keeps them
+    /// with the sequence).
+    pub fn sequence_owned<'a>(
+        &self,
+        prompt: &[u32],
+        params: &GenerateParams,
+        constraint: Option<Box<dyn TokenConstraint + 'a>>,
+        drafter: Option<Box<dyn Drafter + 'a>>,
+    ) -> Result<Sequence<'a>, VoomError> {
+        Sequence::new(self, prompt, params, constraint, drafter)
     }
 
     /// One pass over every unfinished sequence of `seqs`, in one sweep of the

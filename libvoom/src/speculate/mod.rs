@@ -34,6 +34,17 @@ pub trait Drafter: Send {
     fn propose(&mut self, context: &[u32], k: usize) -> Result<Vec<u32>, VoomError>;
 }
 
+/// A drafter borrowed is a drafter.
+impl<T: Drafter + ?Sized> Drafter for &mut T {
+    fn name(&self) -> String {
+        (**self).name()
+    }
+
+    fn propose(&mut self, context: &[u32], k: usize) -> Result<Vec<u32>, VoomError> {
+        (**self).propose(context, k)
+    }
+}
+
 /// What speculation did for one generation: which drafter ran, what it proposed and
 /// what was kept.
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]

@@ -18,8 +18,10 @@ pub struct Metrics {
     decode_wait_us: AtomicU64,
     /// Requests queued for the engine, not yet started.
     pub queue_depth: AtomicUsize,
-    /// 1 while the engine runs a request.
+    /// Requests the engine computes now (its batch).
     pub busy: AtomicUsize,
+    /// The most requests computed together so far.
+    pub batch_peak: AtomicUsize,
     pub model_loads: AtomicU64,
     /// Requests whose client went away before they finished.
     pub cancelled: AtomicU64,
@@ -98,7 +100,7 @@ impl Metrics {
         let prompt = load(&self.prompt_tokens);
         let prefill_s = load(&self.prefill_us) as f64 / 1e6;
         let secs = |a: &AtomicU64| load(a) as f64 / 1e6;
-        let rows: [(&str, &str, &str, f64); 15] = [
+        let rows: [(&str, &str, &str, f64); 16] = [
             (
                 "voom_prompt_tokens_total",
                 "counter",
@@ -154,8 +156,14 @@ impl Metrics {
             (
                 "voom_engine_busy",
                 "gauge",
-                "1 while the engine runs a request.",
+                "Requests the engine computes now (its batch; 0 when idle).",
                 self.busy.load(Ordering::Relaxed) as f64,
+            ),
+            (
+                "voom_batch_peak",
+                "gauge",
+                "The most requests computed together (in one sweep of the weights per step) so far.",
+                self.batch_peak.load(Ordering::Relaxed) as f64,
             ),
             (
                 "voom_model_loads_total",

@@ -26,6 +26,7 @@ pub mod ids;
 pub mod job;
 pub mod metrics;
 pub mod openai;
+pub mod output;
 pub mod prepare;
 pub mod request;
 pub mod responses;
@@ -41,7 +42,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use axum::extract::{Request, State};
 use axum::http::{HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
@@ -83,6 +84,15 @@ pub struct ServeArgs {
     /// Requests that may wait for the engine; beyond them, 429 with Retry-After.
     #[arg(long, env = "VOOM_MAX_QUEUE", default_value_t = 32)]
     pub max_queue: usize,
+    /// Requests computed together, one sweep of the weights per step for all of
+    /// them (continuous batching; each gets the ids it gets alone). 1: one at a time.
+    #[arg(long, env = "VOOM_MAX_BATCH", default_value_t = 8)]
+    pub max_batch: usize,
+    /// Prompt positions a step computes beside the decoding requests' ids (a new
+    /// request's prompt is computed over several steps, its chunks interleaved with
+    /// the others' decoding).
+    #[arg(long, env = "VOOM_BATCH_PREFILL_TOKENS", default_value_t = 256)]
+    pub batch_prefill_tokens: usize,
     /// The API key every request must carry (`Authorization: Bearer KEY` or
     /// `x-api-key: KEY`). Required to listen beyond loopback.
     #[arg(long, env = "VOOM_API_KEY", hide_env_values = true)]
@@ -352,9 +362,16 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     // Resolved once (flag > env > profile > default): every engine the worker opens
     // uses, and every response reports, these settings.
     let resolved = a.engine.pin_profile()?;
+    if a.max_batch == 0 {
+        bail!("--max-batch must be at least 1");
+    }
     let worker = Worker::spawn(
         a.engine.clone(),
         a.spec.clone(),
+        worker::Batching {
+            max_batch: a.max_batch,
+            prefill_room: a.batch_prefill_tokens,
+        },
         Arc::clone(&metrics),
         a.max_queue,
     )

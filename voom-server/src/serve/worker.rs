@@ -1,38 +1,32 @@
-//! The engine worker: one engine resident at a time, on a thread of its own, running
-//! one request at a time in arrival order (a FIFO queue: fair, and a queued request
-//! waits rather than fails). A request for another model swaps the engine.
+//! The engine worker: one engine resident at a time, on a thread of its own. It
+//! batches: the requests for the resident model run together, at most `max_batch`
+//! at once, each step computing every one's next positions in one sweep of the
+//! weights (`Engine::step`: a decoding request's last id and any proposals, and up
+//! to `prefill_room` prompt positions of the requests still prefilling). A request
+//! joins and leaves between steps, in arrival order (a FIFO queue: fair, and a
+//! queued request waits rather than fails). Each request's ids and logits bits are
+//! the ones it gets alone. A request for another model waits until the batch
+//! drains, then swaps the engine; the requests behind it wait for it.
 //!
 //! A request's output goes back over a channel as text pieces, already cut at its
-//! stop sequences. When the client goes away its receiver is dropped: the next token
-//! notices, generation stops and the engine moves on at once; a request whose client
-//! left while it was queued is skipped.
-//!
-//! Constrained requests run through `Engine::generate_constrained` with the job's
-//! compiled grammar. Requests with tools have their output held back and parsed at
-//! the end: the text without the calls goes out as one piece, the calls in the
-//! outcome. JSON output (a response format) streams as it comes and is validated
-//! against its schema at the end.
+//! stop sequences ([`super::output`]). When the client goes away its receiver is
+//! dropped: its next id notices, its sequence stops and its slot frees at once,
+//! the others going on; a request whose client left while it was queued is skipped.
 
-use std::ops::ControlFlow;
 use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Instant;
 
-use libvoom::engine::{Decoding, Engine, FinishReason};
-use libvoom::speculate::Drafter;
-use libvoom::text::StreamDecoder;
-use serde_json::Value;
+use libvoom::constrain::TokenConstraint;
+use libvoom::engine::{Engine, Sequence};
+use tokio::sync::mpsc::UnboundedSender;
 use vpaged::PageSource;
 
 use super::catalog::ModelMeta;
 use super::error::{ApiError, Kind};
-use super::ids::new_id;
-use super::job::{Event, Finish, Job, Outcome};
+use super::job::{Event, Job};
 use super::metrics::Metrics;
-use super::stop::StopScanner;
-use super::tools::{
-    adopt_streamed, is_number_overflow, text_after, CallGate, CallPiece, CallStreamer,
-};
+use super::output::{Ended, Output};
 use crate::cli::common::{EngineArgs, SpecArgs, Speculation};
 
 /// The engine loaded now.
@@ -54,6 +48,7 @@ impl Worker {
     pub fn spawn(
         engine_args: EngineArgs,
         spec: SpecArgs,
+        batching: Batching,
         metrics: Arc<Metrics>,
         max_queue: usize,
     ) -> std::io::Result<Worker> {
@@ -66,6 +61,7 @@ impl Worker {
             engine: None,
             metrics: Arc::clone(&metrics),
             resident: Arc::clone(&resident),
+            batching,
         };
         std::thread::Builder::new()
             .name("voom-engine".into())
@@ -139,24 +135,55 @@ struct WorkerState {
     engine: Option<Engine>,
     metrics: Arc<Metrics>,
     resident: Arc<Mutex<Option<Resident>>>,
+    batching: Batching,
+}
+
+/// How many requests share a sweep, and how many prompt positions a sweep computes
+/// beside the decode steps.
+#[derive(Debug, Clone, Copy)]
+pub struct Batching {
+    pub max_batch: usize,
+    pub prefill_room: usize,
 }
 
 impl WorkerState {
     fn run(mut self, rx: mpsc::Receiver<Job>) {
-        while let Ok(job) = rx.recv() {
-            self.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
+        let mut next: Option<Job> = None;
+        loop {
+            let job = match next.take() {
+                Some(j) => j,
+                None => match rx.recv() {
+                    Ok(j) => {
+                        self.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
+                        j
+                    }
+                    Err(_) => break,
+                },
+            };
             if job.events.is_closed() {
                 // The client left while the request was queued.
                 self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
                 continue;
             }
-            self.metrics.busy.store(1, Ordering::Relaxed);
-            let events = job.events.clone();
-            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.serve(job)));
-            let event = match r {
-                Ok(Ok(Some(outcome))) => Some(Event::Done(outcome)),
-                Ok(Ok(None)) => None,
-                Ok(Err(e)) => Some(Event::Failed(e)),
+            if let Err(e) = self.engine_for(&job.request.meta) {
+                let _ = job.events.send(Event::Failed(e));
+                continue;
+            }
+            let engine = self.engine.take().expect("loaded above");
+            let speculation = std::mem::replace(&mut self.speculation, Speculation::Off);
+            // The senders of the requests in the batch, so that a panic still answers
+            // each of them.
+            let mut live: Vec<UnboundedSender<Event>> = Vec::new();
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                self.batch(&engine, &speculation, job, &rx, &mut live)
+            }));
+            self.metrics.busy.store(0, Ordering::Relaxed);
+            match r {
+                Ok(other) => {
+                    next = other;
+                    self.engine = Some(engine);
+                    self.speculation = speculation;
+                }
                 Err(panic) => {
                     let what = panic
                         .downcast_ref::<String>()
@@ -165,17 +192,164 @@ impl WorkerState {
                         .unwrap_or_default();
                     tracing::error!("the engine panicked: {what}");
                     // The engine's state is unknown after a panic: load it afresh.
-                    self.engine = None;
+                    drop(engine);
                     *self.resident.lock().unwrap_or_else(|e| e.into_inner()) = None;
-                    Some(Event::Failed(ApiError::internal(format!(
-                        "the engine failed: {what}"
-                    ))))
+                    for tx in live {
+                        let _ = tx.send(Event::Failed(ApiError::internal(format!(
+                            "the engine failed: {what}"
+                        ))));
+                    }
                 }
-            };
-            // Idle before the client hears the end, so /metrics never lags the reply.
-            self.metrics.busy.store(0, Ordering::Relaxed);
-            if let Some(e) = event {
-                let _ = events.send(e);
+            }
+        }
+    }
+
+    /// Runs `first` and every request for the same model that arrives while the
+    /// batch runs (at most `max_batch` at once), one sweep of the weights per step
+    /// for all of them, until none is left. Returns a request for another model that
+    /// arrived meanwhile: requests after it wait for it (arrival order is kept).
+    fn batch(
+        &self,
+        engine: &Engine,
+        speculation: &Speculation,
+        first: Job,
+        rx: &mpsc::Receiver<Job>,
+        live: &mut Vec<UnboundedSender<Event>>,
+    ) -> Option<Job> {
+        let model = first.request.meta.dir.clone();
+        let mut running: Vec<(Output<'_>, Sequence<'static>)> = Vec::new();
+        let mut other: Option<Job> = None;
+        let mut first = Some(first);
+        loop {
+            // Requests join between steps.
+            while running.len() < self.batching.max_batch {
+                let job = match first.take() {
+                    Some(j) => j,
+                    None if other.is_some() => break,
+                    None => match rx.try_recv() {
+                        Ok(j) => {
+                            self.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
+                            j
+                        }
+                        Err(_) => break,
+                    },
+                };
+                if job.events.is_closed() {
+                    self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
+                if job.request.meta.dir != model {
+                    other = Some(job);
+                    break;
+                }
+                let events = job.events.clone();
+                match self.admit(engine, speculation, job) {
+                    Ok(r) => {
+                        live.push(events);
+                        running.push(r);
+                    }
+                    Err((job, e)) => {
+                        let _ = job.events.send(Event::Failed(e));
+                    }
+                }
+            }
+            if running.is_empty() {
+                return other;
+            }
+            self.metrics.busy.store(running.len(), Ordering::Relaxed);
+            self.metrics
+                .batch_peak
+                .fetch_max(running.len(), Ordering::Relaxed);
+            let (outs, seqs): (Vec<_>, Vec<_>) = running.iter_mut().map(|(o, s)| (o, s)).unzip();
+            let mut outs = outs;
+            let mut seqs = seqs;
+            let stepped = engine.step(&mut seqs, self.batching.prefill_room, &mut |i, id| {
+                outs[i].on_token(id)
+            });
+            if let Err(e) = stepped {
+                // The pass failed (the store, a corrupt page): every request in it
+                // fails with the error.
+                for (o, _) in running.drain(..) {
+                    let err = ApiError::engine(&o.job.request.meta.id, &e, o.grammar_param);
+                    let _ = o.job.events.send(Event::Failed(err));
+                }
+                live.clear();
+                continue;
+            }
+            // A request whose client left stops at its next id; finished ones answer.
+            let mut i = 0;
+            while i < running.len() {
+                if !running[i].1.finished() {
+                    i += 1;
+                    continue;
+                }
+                let (o, mut s) = running.swap_remove(i);
+                live.retain(|tx| !tx.same_channel(&o.job.events));
+                let events = o.job.events.clone();
+                if let Some(e) = s.take_error() {
+                    let err = ApiError::engine(&o.job.request.meta.id, &e, o.grammar_param);
+                    let _ = events.send(Event::Failed(err));
+                    continue;
+                }
+                let g = s.into_generation();
+                self.metrics.record_generation(&g);
+                match o.finish(&g) {
+                    Ok(Ended::Done(outcome)) => {
+                        let _ = events.send(Event::Done(*outcome));
+                    }
+                    Ok(Ended::Gone) => {
+                        self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(e) => {
+                        let _ = events.send(Event::Failed(e));
+                    }
+                }
+            }
+        }
+    }
+
+    /// A request's output side and sequence, ready to join the batch (or, with the
+    /// job back, why it cannot run).
+    #[allow(clippy::result_large_err)]
+    fn admit<'e>(
+        &self,
+        engine: &'e Engine,
+        speculation: &Speculation,
+        mut job: Job,
+    ) -> Result<(Output<'e>, Sequence<'static>), (Job, ApiError)> {
+        let Some(tok) = engine.tokenizer() else {
+            let e = ApiError::internal(format!(
+                "model '{}' has no tokenizer.json",
+                job.request.meta.id
+            ));
+            return Err((job, e));
+        };
+        let eos = engine.eos_ids().to_vec();
+        if let Some(g) = job.request.grammar.as_ref().filter(|g| g.eos != eos) {
+            // The grammar leaves the eos ids to the engine: both must mean the same ids.
+            let e = ApiError::internal(format!(
+                "the grammar for model '{}' was compiled with end-of-sequence ids {:?}, but the engine stops on {:?}",
+                job.request.meta.id, g.eos, eos
+            ));
+            return Err((job, e));
+        }
+        // A drafter of its own per request; the draft length as `voom serve` was asked.
+        let mut params = job.request.params.clone();
+        self.spec.apply(&mut params);
+        let grammar = job.request.grammar.take();
+        let grammar_param = grammar.as_ref().map(|g| g.param);
+        let matcher = grammar.map(|g| Box::new(g.matcher) as Box<dyn TokenConstraint>);
+        let seq = engine.sequence_owned(
+            &job.request.prompt_ids,
+            &params,
+            matcher,
+            speculation.drafter(),
+        );
+        match seq {
+            Ok(seq) => Ok((Output::new(job, tok, eos, grammar_param), seq)),
+            Err(e) => {
+                let e = ApiError::engine(&job.request.meta.id, &e, grammar_param);
+                Err((job, e))
             }
         }
     }
@@ -217,253 +391,5 @@ impl WorkerState {
             });
         }
         Ok(self.engine.as_ref().expect("set above"))
-    }
-
-    /// Runs one job. `Ok(None)`: the client went away.
-    fn serve(&mut self, mut job: Job) -> Result<Option<Outcome>, ApiError> {
-        let started = Instant::now();
-        let queue_secs = (started - job.enqueued).as_secs_f64();
-        self.engine_for(&job.request.meta)?;
-        // A drafter of its own per request; the draft length as `voom serve` was asked.
-        let mut drafter = self.speculation.drafter();
-        let mut params = job.request.params.clone();
-        self.spec.apply(&mut params);
-        let engine = self.engine.as_ref().expect("loaded above");
-        let tok = engine.tokenizer().ok_or_else(|| {
-            ApiError::internal(format!(
-                "model '{}' has no tokenizer.json",
-                job.request.meta.id
-            ))
-        })?;
-        let eos = engine.eos_ids().to_vec();
-        if let Some(g) = job.request.grammar.as_ref().filter(|g| g.eos != eos) {
-            // The grammar leaves the eos ids to the engine: both must mean the same ids.
-            return Err(ApiError::internal(format!(
-                "the grammar for model '{}' was compiled with end-of-sequence ids {:?}, but the engine stops on {:?}",
-                job.request.meta.id, g.eos, eos
-            )));
-        }
-        // With tools, text streams until a call may be starting (CallGate); from there
-        // on output is held back, because calls are only known at the end. Forced
-        // calls are streamed as they are written instead (CallStreamer): the grammar
-        // admits only valid ones.
-        let mut gate = job
-            .request
-            .tools
-            .as_ref()
-            .map(|t| CallGate::new(t.format, t.forced));
-        let mut calls = job
-            .request
-            .tools
-            .as_ref()
-            .filter(|t| t.forced)
-            .map(|t| CallStreamer::new(t.format));
-        let mut call_ids: Vec<String> = Vec::new();
-        let keep_special = job
-            .request
-            .tools
-            .as_ref()
-            .is_some_and(|t| t.format.keep_special_tokens);
-        let mut dec = StreamDecoder::new(tok, !keep_special);
-        // Stop sequences cut text. A forced call is no text (its grammar ends it), so
-        // they do not apply there: a `stop` of "\n" or "Observation:", as agent loops
-        // pass, would otherwise cut every call.
-        let forced = job.request.tools.as_ref().is_some_and(|t| t.forced);
-        let mut out = StopScanner::new(if forced { &[] } else { &job.request.stop });
-        let mut text = String::new();
-        let mut gone = false;
-        let mut failure = None;
-        let mut send = |piece: &str, text: &mut String| -> bool {
-            if piece.is_empty() {
-                return true;
-            }
-            text.push_str(piece);
-            for p in calls.as_mut().map(|c| c.push(piece)).unwrap_or_default() {
-                let ev = match p {
-                    CallPiece::Start { index, name } => {
-                        let id = new_id("call_");
-                        call_ids.push(id.clone());
-                        Event::CallStart { index, id, name }
-                    }
-                    CallPiece::Args { index, text } => Event::CallArgs { index, text },
-                };
-                if job.events.send(ev).is_err() {
-                    return false;
-                }
-            }
-            let emit = match gate.as_mut() {
-                Some(g) => g.push(piece),
-                None => piece.to_string(),
-            };
-            if emit.is_empty() {
-                return !job.events.is_closed();
-            }
-            job.events.send(Event::Text(emit)).is_ok()
-        };
-        let mut on_token = |id| {
-            if eos.contains(&id) && !job.request.params.ignore_eos {
-                return ControlFlow::Continue(());
-            }
-            let piece = match dec.push(id) {
-                Ok(p) => p,
-                Err(e) => {
-                    failure = Some(ApiError::internal(format!("detokenizing: {e}")));
-                    return ControlFlow::Break(());
-                }
-            };
-            let (emit, stopped) = out.push(&piece);
-            if !send(&emit, &mut text) {
-                gone = true;
-                return ControlFlow::Break(());
-            }
-            if stopped {
-                ControlFlow::Break(())
-            } else {
-                ControlFlow::Continue(())
-            }
-        };
-        let grammar_param = job.request.grammar.as_ref().map(|g| g.param);
-        let mut matcher = job.request.grammar.take().map(|g| g.matcher);
-        let decoding = Decoding {
-            constraint: matcher
-                .as_mut()
-                .map(|m| m as &mut dyn libvoom::constrain::TokenConstraint),
-            drafter: drafter.as_deref_mut().map(|d| d as &mut dyn Drafter),
-        };
-        let g = engine
-            .generate_with(&job.request.prompt_ids, &params, decoding, &mut on_token)
-            .map_err(|e| ApiError::engine(&job.request.meta.id, &e, grammar_param))?;
-        if let Some(e) = failure {
-            return Err(e);
-        }
-        if gone {
-            // The work was done even though nobody reads it: count it.
-            self.metrics.record_generation(&g);
-            self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
-            return Ok(None);
-        }
-        let mut finish = match &out.stopped {
-            Some(s) => Finish::StopSequence(s.clone()),
-            None => {
-                let rest = dec
-                    .finish()
-                    .map_err(|e| ApiError::internal(format!("detokenizing: {e}")))?;
-                let (emit, _) = out.push(&rest);
-                let tail = if out.stopped.is_some() {
-                    emit
-                } else {
-                    emit + &out.flush()
-                };
-                if !send(&tail, &mut text) {
-                    self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
-                    return Ok(None);
-                }
-                match (&out.stopped, g.finish) {
-                    (Some(s), _) => Finish::StopSequence(s.clone()),
-                    // A grammar's output is complete: as final as an end of sequence.
-                    (None, FinishReason::Eos | FinishReason::Complete) => Finish::Eos,
-                    (None, _) => Finish::Length,
-                }
-            }
-        };
-        let mut tool_calls = Vec::new();
-        let mut streamed_calls = 0;
-        if let Some(tp) = &job.request.tools {
-            let raw = std::mem::take(&mut text);
-            let parsed = tp.parse(&raw);
-            if tp.forced
-                && finish == Finish::Eos
-                && (parsed.calls.is_empty() || !parsed.rejected.is_empty())
-                && !parsed.unrepresentable
-            {
-                // The grammar admits only well-formed calls with valid arguments.
-                return Err(ApiError::internal(format!(
-                    "the forced tool call output did not parse ({}): {raw:?}",
-                    parsed.rejected.join("; ")
-                )));
-            }
-            if !parsed.rejected.is_empty() {
-                tracing::debug!("tool calls left as text: {}", parsed.rejected.join("; "));
-            }
-            tool_calls = parsed.calls;
-            if let Some(cs) = &calls {
-                streamed_calls =
-                    adopt_streamed(cs, &call_ids, &mut tool_calls, finish == Finish::Eos).or_else(
-                        |e| {
-                            if parsed.unrepresentable {
-                                Ok(0)
-                            } else {
-                                Err(e)
-                            }
-                        },
-                    )?;
-            }
-            // What was streamed is text before the first call; the rest of the content
-            // follows it. Forced calls stream as calls: the output is only calls, and
-            // what is left (a call cut by the token limit) is not text.
-            let streamed = gate.as_ref().map_or(0, |g| g.streamed);
-            let sent = raw.get(..streamed).unwrap_or(&raw);
-            let rest = if streamed_calls > 0 {
-                String::new()
-            } else {
-                text_after(sent, &parsed.content).ok_or_else(|| {
-                    ApiError::internal("tool-call parsing changed text that was already streamed")
-                })?
-            };
-            text = format!("{sent}{rest}");
-            if !rest.is_empty() && job.events.send(Event::Text(rest)).is_err() {
-                self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
-                return Ok(None);
-            }
-            if !tool_calls.is_empty() && finish == Finish::Eos {
-                finish = Finish::ToolCalls;
-            }
-        }
-        if let Some(validator) = &job.request.json_schema {
-            // Complete JSON output (not cut by a limit or a stop sequence, not calls)
-            // must satisfy the schema the grammar enforced.
-            if finish == Finish::Eos {
-                match serde_json::from_str::<Value>(&text) {
-                    Ok(v) => validator.validate(&v).map_err(|e| {
-                        ApiError::internal(format!("the constrained output {e}: {text:?}"))
-                    })?,
-                    // Valid JSON whose number overflows an f64 (`1e400`): serde_json
-                    // cannot hold it, so it cannot be checked; the grammar admitted it.
-                    Err(e) if is_number_overflow(&e) => {
-                        tracing::warn!("JSON output not validated: a number beyond f64 ({e})")
-                    }
-                    Err(e) => {
-                        return Err(ApiError::internal(format!(
-                            "the constrained output is not JSON ({e}): {text:?}"
-                        )))
-                    }
-                }
-            }
-        }
-        self.metrics.record_generation(&g);
-        tracing::info!(
-            "generated: model {} prompt {} tokens, completion {} tokens ({:?}); queue {:.3}s prefill {:.3}s decode {:.3}s ({:.1} tok/s)",
-            job.request.meta.id,
-            g.prompt_tokens,
-            g.ids.len(),
-            finish,
-            queue_secs,
-            g.prefill_secs,
-            g.decode_secs,
-            g.decode_tokens_per_sec()
-        );
-        Ok(Some(Outcome {
-            finish,
-            prompt_tokens: g.prompt_tokens,
-            completion_tokens: g.ids.len(),
-            text,
-            tool_calls,
-            streamed_calls,
-            queue_secs,
-            prefill_secs: g.prefill_secs,
-            decode_secs: g.decode_secs,
-            decode_passes: g.decode_passes,
-            speculation: g.speculation,
-        }))
     }
 }
