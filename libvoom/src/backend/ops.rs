@@ -118,6 +118,10 @@ pub trait Backend: Send + Sync {
     /// A copy of rows `range` of `x`.
     fn rows(&self, x: &Self::Act, range: Range<usize>) -> Result<Self::Act, KernelError>;
 
+    /// `parts` one after the other, as one activation (every part with the same
+    /// columns).
+    fn stack(&self, parts: &[Self::Act]) -> Result<Self::Act, KernelError>;
+
     /// Gathers rows `ids` of `table` (an embedding) into `out` (`ids.len() × cols`),
     /// widened exactly to f32: row `t` of `out` from the part holding row `ids[t]`.
     /// Rows of `out` whose id no part given holds are left as they are, so a table

@@ -435,26 +435,58 @@ impl<B: Backend> Model for Llama<B> {
     ) -> Result<Vec<Vec<f32>>, VoomError> {
         let (b, cfg) = (&self.backend, &self.cfg);
         let h = cfg.hidden_size;
-        // Every sequence's positions in chunks: each layer computes every chunk of
-        // every sequence in turn, so the pass reads the weights once however many
-        // chunks and sequences there are. A chunk holds one sequence's positions.
+        // Every sequence's positions in chunks of at most `chunk` rows: each layer
+        // computes every chunk in turn, so the pass reads the weights once however
+        // many chunks and sequences there are. Where every layer's attention is
+        // grouped-query, the pieces of several sequences share a chunk (decode steps
+        // of a batch: one product per weight for all of them), each piece attending
+        // against its own sequence's cache; a sequence's pieces stay in order.
         let chunk = chunk.max(1);
-        let mut chunks: Vec<(usize, std::ops::Range<usize>)> = Vec::new();
+        let pack = self
+            .layers
+            .iter()
+            .all(|l| matches!(l.attn, Attention::Gqa { .. }));
+        let mut chunks: Vec<Vec<Piece>> = Vec::new();
+        let mut rows_in_last = 0;
         for (si, seq) in seqs.iter().enumerate() {
             let n = seq.tokens.len();
-            chunks.extend((0..n).step_by(chunk).map(|s| (si, s..(s + chunk).min(n))));
+            for start in (0..n).step_by(chunk) {
+                let len = (start + chunk).min(n) - start;
+                if !pack || chunks.is_empty() || rows_in_last + len > chunk {
+                    chunks.push(Vec::new());
+                    rows_in_last = 0;
+                }
+                chunks.last_mut().expect("pushed above").push(Piece {
+                    seq: si,
+                    positions: start..start + len,
+                    rows: rows_in_last..rows_in_last + len,
+                });
+                rows_in_last += len;
+            }
         }
-        let chunk_tokens: Vec<&[u32]> = chunks
+        let chunk_tokens: Vec<Vec<u32>> = chunks
             .iter()
-            .map(|(si, r)| &seqs[*si].tokens[r.clone()])
+            .map(|c| {
+                c.iter()
+                    .flat_map(|p| seqs[p.seq].tokens[p.positions.clone()].iter().copied())
+                    .collect()
+            })
             .collect();
-        let mut xs: Vec<B::Act> = chunks.iter().map(|(_, r)| b.zeros(r.len(), h)).collect();
-        self.embed_rows(sweep, &chunk_tokens, &mut xs)?;
-        let tables: Vec<_> = chunks
+        let token_refs: Vec<&[u32]> = chunk_tokens.iter().map(Vec::as_slice).collect();
+        let mut xs: Vec<B::Act> = chunk_tokens.iter().map(|t| b.zeros(t.len(), h)).collect();
+        self.embed_rows(sweep, &token_refs, &mut xs)?;
+        // Each chunk's rotary table: its pieces' positions, one after the other.
+        let tables: Vec<RopeTable> = chunks
             .iter()
-            .map(|(si, r)| {
-                let pos0 = seqs[*si].kv.len();
-                rope::table(&self.inv_freq, self.rope_factor, pos0 + r.start, r.len())
+            .map(|c| {
+                let parts: Vec<RopeTable> = c
+                    .iter()
+                    .map(|p| {
+                        let pos0 = seqs[p.seq].kv.len() + p.positions.start;
+                        rope::table(&self.inv_freq, self.rope_factor, pos0, p.positions.len())
+                    })
+                    .collect();
+                rope::concat(parts)
             })
             .collect();
 
@@ -464,8 +496,7 @@ impl<B: Backend> Model for Llama<B> {
             // A layer of experts routes every chunk before any expert is leased, so
             // that each expert picked is read once per pass, however many chunks.
             let mut routed = Vec::new();
-            for ((x, table), (si, _)) in xs.iter_mut().zip(&tables).zip(&chunks) {
-                let kv = &mut *seqs[*si].kv;
+            for ((x, table), pieces) in xs.iter_mut().zip(&tables).zip(&chunks) {
                 let rows = b.shape(x).0;
                 let s = match scratch.iter().position(|(r, _)| *r == rows) {
                     Some(i) => &mut scratch[i].1,
@@ -475,18 +506,31 @@ impl<B: Backend> Model for Llama<B> {
                     }
                 };
                 match &layer.attn {
-                    Attention::Gqa { .. } => self.attention(&lw, li, layer, x, table, kv, s)?,
-                    Attention::Mla(m) => m.forward(
-                        b,
-                        cfg,
-                        cfg.mla.as_ref().expect("an MLA layer has an MLA config"),
-                        &lw,
-                        li,
-                        &layer.attn_norm,
-                        x,
-                        table,
-                        kv,
-                    )?,
+                    Attention::Gqa { .. } => {
+                        let mut kvs: Vec<(std::ops::Range<usize>, &mut KvCache)> = Vec::new();
+                        let mut taken: Vec<Option<&mut KvCache>> =
+                            seqs.iter_mut().map(|s| Some(&mut *s.kv)).collect();
+                        for p in pieces {
+                            let kv = taken[p.seq].take().expect("a sequence once a chunk");
+                            kvs.push((p.rows.clone(), kv));
+                        }
+                        self.attention(&lw, li, layer, x, table, &mut kvs, s)?
+                    }
+                    Attention::Mla(m) => {
+                        // Not packed: the chunk is one sequence's.
+                        let kv = &mut *seqs[pieces[0].seq].kv;
+                        m.forward(
+                            b,
+                            cfg,
+                            cfg.mla.as_ref().expect("an MLA layer has an MLA config"),
+                            &lw,
+                            li,
+                            &layer.attn_norm,
+                            x,
+                            table,
+                            kv,
+                        )?
+                    }
                 }
                 let step = layer.mlp_step();
                 match &layer.mlp {
@@ -526,21 +570,27 @@ impl<B: Backend> Model for Llama<B> {
         let mut first = vec![self.final_norm.page];
         first.extend(&batches[0]);
         let w = sweep.tail(&first)?;
-        // Each wanted chunk's normed rows, with the sequence they belong to.
+        // The wanted rows of each piece, normed, with the sequence they belong to:
+        // every position's, or a sequence's last (in its last piece).
         let mut normed: Vec<(usize, B::Act)> = Vec::new();
-        for (i, (x, (si, _))) in xs.into_iter().zip(&chunks).enumerate() {
-            let last_of_seq = chunks.get(i + 1).is_none_or(|(next, _)| next != si);
-            let rows = match seqs[*si].want {
-                Logits::Last if !last_of_seq => continue,
-                Logits::Last => {
-                    let r = b.shape(&x).0;
-                    b.rows(&x, r - 1..r)?
-                }
-                Logits::All => x,
-            };
-            let mut hn = b.zeros(b.shape(&rows).0, h);
-            b.rms_norm(&rows, w.vector(&self.final_norm), cfg.rms_norm_eps, &mut hn)?;
-            normed.push((*si, hn));
+        for (x, pieces) in xs.iter().zip(&chunks) {
+            for p in pieces {
+                let n = seqs[p.seq].tokens.len();
+                let rows = match seqs[p.seq].want {
+                    Logits::Last if p.positions.end < n => continue,
+                    Logits::Last => p.rows.end - 1..p.rows.end,
+                    Logits::All => p.rows.clone(),
+                };
+                let picked = b.rows(x, rows)?;
+                let mut hn = b.zeros(b.shape(&picked).0, h);
+                b.rms_norm(
+                    &picked,
+                    w.vector(&self.final_norm),
+                    cfg.rms_norm_eps,
+                    &mut hn,
+                )?;
+                normed.push((p.seq, hn));
+            }
         }
         let v = cfg.vocab_size;
         let mut out: Vec<Vec<f32>> = seqs
@@ -593,6 +643,14 @@ impl<B: Backend> Model for Llama<B> {
         }
         Ok(out)
     }
+}
+
+/// A sequence's positions in a chunk: `positions` of its new tokens, at `rows` of
+/// the chunk.
+struct Piece {
+    seq: usize,
+    positions: std::ops::Range<usize>,
+    rows: std::ops::Range<usize>,
 }
 
 /// One chunk's activations inside a layer.
@@ -662,7 +720,9 @@ impl<B: Backend> Llama<B> {
 
     /// The attention half of decoder layer `li` on one chunk of positions `x` (in
     /// place, its residual added), after the chunks before it: their keys and values
-    /// are in `kv` already.
+    /// are in the caches already. `pieces`: the chunk's rows of each sequence in it,
+    /// with that sequence's cache; the projections compute every row at once, each
+    /// piece attends against its own cache.
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
@@ -671,7 +731,7 @@ impl<B: Backend> Llama<B> {
         layer: &Layer,
         x: &mut B::Act,
         table: &RopeTable,
-        kv: &mut KvCache,
+        pieces: &mut [(std::ops::Range<usize>, &mut KvCache)],
         s: &mut Scratch<B>,
     ) -> Result<(), VoomError> {
         let (b, cfg) = (&self.backend, &self.cfg);
@@ -727,7 +787,21 @@ impl<B: Backend> Llama<B> {
             head_dim: hd,
             window: cfg.sliding_window[li],
         };
-        b.attention(&s.q, &s.k, &s.v, kv, li, &shape, &mut s.att)?;
+        match pieces {
+            [(_, kv)] => b.attention(&s.q, &s.k, &s.v, kv, li, &shape, &mut s.att)?,
+            _ => {
+                let mut outs = Vec::with_capacity(pieces.len());
+                for (rows, kv) in pieces.iter_mut() {
+                    let q = b.rows(&s.q, rows.clone())?;
+                    let k = b.rows(&s.k, rows.clone())?;
+                    let v = b.rows(&s.v, rows.clone())?;
+                    let mut att = b.zeros(rows.len(), b.shape(&s.att).1);
+                    b.attention(&q, &k, &v, kv, li, &shape, &mut att)?;
+                    outs.push(att);
+                }
+                s.att = b.stack(&outs)?;
+            }
+        }
         {
             let w = lw.step(STEP_O)?;
             o.apply(b, &w, &s.att, &mut s.o)?;

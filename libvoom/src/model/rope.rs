@@ -34,3 +34,20 @@ pub fn table(inv_freq: &[f32], factor: f32, pos0: usize, n: usize) -> RopeTable 
     }
     RopeTable { half, cos, sin }
 }
+
+/// Tables one after the other, as one (the positions of several sequences' rows
+/// in one chunk). One table is returned as it is.
+pub fn concat(mut parts: Vec<RopeTable>) -> RopeTable {
+    if parts.len() == 1 {
+        return parts.pop().expect("one part");
+    }
+    let half = parts.first().map_or(0, |p| p.half);
+    let mut cos = Vec::new();
+    let mut sin = Vec::new();
+    for p in parts {
+        debug_assert_eq!(p.half, half, "tables of one model");
+        cos.extend(p.cos);
+        sin.extend(p.sin);
+    }
+    RopeTable { half, cos, sin }
+}

@@ -125,6 +125,25 @@ impl Backend for CpuBackend {
         Ok(Rows::from_vec(range.len(), c, data).expect("length is rows × cols"))
     }
 
+    fn stack(&self, parts: &[Rows]) -> Result<Rows, KernelError> {
+        let c = parts.first().map_or(0, Rows::cols);
+        let rows: usize = parts.iter().map(Rows::rows).sum();
+        let mut data = Vec::with_capacity(rows * c);
+        for p in parts {
+            if p.cols() != c {
+                return Err(KernelError::ActivationLen {
+                    what: "stacked part",
+                    n: p.rows(),
+                    per_token: c,
+                    expected: p.rows() * c,
+                    actual: p.rows() * p.cols(),
+                });
+            }
+            data.extend_from_slice(p.as_slice());
+        }
+        Ok(Rows::from_vec(rows, c, data).expect("length is rows × cols"))
+    }
+
     fn embed(&self, table: &TableView<'_>, ids: &[u32], out: &mut Rows) -> Result<(), KernelError> {
         table.check()?;
         check_shape("embedding output", out, ids.len(), table.cols)?;
