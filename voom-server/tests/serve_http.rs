@@ -637,7 +637,9 @@ fn send_only(addr: SocketAddr, path: &str, body: &Value) -> TcpStream {
 
 #[test]
 fn a_client_that_leaves_before_its_answer_frees_the_engine() {
-    let s = Server::start(&[]);
+    // One request at a time, so that B waits in the queue while A runs (batched,
+    // it would join A's steps).
+    let s = Server::start(&["--max-batch", "1"]);
     // Non-streaming, gone while its request runs.
     let c = send_only(s.addr, "/v1/completions", &long_completion(false));
     let t = Instant::now();
