@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use crate::engine::Engine;
 use crate::kv::KvCache;
-use crate::sampler::argmax;
-use crate::speculate::Drafter;
+use crate::sampler::{argmax, Sampler, SamplingParams};
+use crate::speculate::{Drafter, SampledProposal};
 use crate::VoomError;
 
 /// A draft model: an engine over a smaller checkpoint with the target's tokenizer.
@@ -19,6 +19,9 @@ pub struct DraftModel {
     seen: Vec<u32>,
     /// The target's vocabulary: proposals stop before an id past it.
     target_vocab: usize,
+    /// Its own sampler for speculative sampling (seeded from the request's seed),
+    /// made at the first sampled proposal.
+    sampler: Option<Sampler>,
 }
 
 impl DraftModel {
@@ -51,6 +54,7 @@ impl DraftModel {
             kv,
             seen: Vec::new(),
             target_vocab: target.config().vocab_size,
+            sampler: None,
         })
     }
 
@@ -66,6 +70,7 @@ impl DraftModel {
             kv: self.engine.new_kv(),
             seen: Vec::new(),
             target_vocab: self.target_vocab,
+            sampler: None,
         }
     }
 }
@@ -79,6 +84,45 @@ impl Drafter for DraftModel {
     /// shares with the last call's: the ids the target kept), then decodes `k`
     /// tokens greedily. Fewer where its context is full.
     fn propose(&mut self, context: &[u32], k: usize) -> Result<Vec<u32>, VoomError> {
+        Ok(self
+            .decode(context, k, None)?
+            .into_iter()
+            .map(|(t, _)| t)
+            .collect())
+    }
+
+    /// As `propose`, each id drawn from its distribution under `sampling` (the
+    /// target's parameters; its own generator, seeded from the request's seed).
+    fn propose_sampled(
+        &mut self,
+        context: &[u32],
+        k: usize,
+        sampling: &SamplingParams,
+    ) -> Result<Option<Vec<SampledProposal>>, VoomError> {
+        if sampling.is_greedy() {
+            return Ok(None);
+        }
+        let mut sampler = self.sampler.take().unwrap_or_else(|| {
+            Sampler::new(SamplingParams {
+                seed: sampling.seed ^ 0x5eed_d4af_7000_0001,
+                ..sampling.clone()
+            })
+        });
+        let out = self.decode(context, k, Some(&mut sampler));
+        self.sampler = Some(sampler);
+        Ok(Some(out?))
+    }
+}
+
+impl DraftModel {
+    /// Up to `k` ids after `context`: greedy, or drawn by `sampler` (each with its
+    /// distribution; empty for greedy picks).
+    fn decode(
+        &mut self,
+        context: &[u32],
+        k: usize,
+        mut sampler: Option<&mut Sampler>,
+    ) -> Result<Vec<SampledProposal>, VoomError> {
         if context.is_empty() || k == 0 {
             return Ok(Vec::new());
         }
@@ -101,11 +145,17 @@ impl Drafter for DraftModel {
         self.seen.extend_from_slice(&context[common..]);
         let mut out = Vec::with_capacity(k);
         loop {
-            let t = argmax(&logits);
+            let (t, q) = match sampler.as_deref_mut() {
+                Some(s) => {
+                    let q = s.distribution(&logits);
+                    (s.draw(&q), q)
+                }
+                None => (argmax(&logits), Vec::new()),
+            };
             if t as usize >= self.target_vocab {
                 break;
             }
-            out.push(t);
+            out.push((t, q));
             if out.len() == k {
                 break;
             }

@@ -232,6 +232,7 @@ fn sampled_runs_are_plain_sampled_runs() {
                     top_k: 50,
                     seed,
                 },
+                speculative_sampling: false,
             };
             let plain = generate(&e, &prompt, &params, None, None);
             let mut truth = prompt.clone();
@@ -514,4 +515,78 @@ fn prompt_lookup_on_a_real_model_saves_passes_exactly() {
         .expect("no tokenizer")
         .to_string();
     assert!(err.contains("tokenizer"), "{err}");
+}
+
+/// Speculative sampling, asked for, with a draft model that samples: a model
+/// drafting for itself draws from the target's own distribution, so every proposal
+/// is kept (min(1, p/q) = 1), where the exact scheme keeps a greedy proposal only
+/// when the plain draw is it. Greedy runs stay plain greedy; fixed-id drafters
+/// (prompt lookup) stay exact. (That its ids follow the target's distribution for
+/// any draft is the sampler's test,
+/// `verified_proposals_come_out_with_the_targets_probabilities`.)
+#[test]
+fn speculative_sampling_keeps_a_sampling_drafts_proposals() {
+    let dir = fixtures().join("qwen3_qk_norm_eos_list");
+    let e = Engine::open(&dir, EngineOptions::default()).unwrap();
+    let draft = std::sync::Arc::new(Engine::open(&dir, EngineOptions::default()).unwrap());
+    let prompt = prompt_of(&dir, 1);
+    let vocab = e.config().vocab_size as u32;
+    let sampled = GenerateParams {
+        max_new_tokens: 30,
+        ignore_eos: true,
+        adaptive_draft: false,
+        max_draft: 4,
+        sampling: SamplingParams {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 20,
+            seed: 9,
+        },
+        ..Default::default()
+    };
+    let run = |speculative_sampling: bool, drafter: &mut dyn Drafter| {
+        let params = GenerateParams {
+            speculative_sampling,
+            ..sampled.clone()
+        };
+        let g = generate(&e, &prompt, &params, None, Some(drafter));
+        assert_eq!(g.ids.len(), 30);
+        assert!(g.ids.iter().all(|&t| t < vocab));
+        g
+    };
+    let plain = generate(&e, &prompt, &sampled, None, None);
+    let mut d = DraftModel::new(std::sync::Arc::clone(&draft), &e).unwrap();
+    let exact = run(false, &mut d.fresh());
+    assert_eq!(
+        exact.ids, plain.ids,
+        "without speculative sampling: plain draws"
+    );
+    let exact = exact.speculation.unwrap();
+    assert_eq!(exact.scheme, "exact");
+    assert!(exact.accepted < exact.drafted, "{exact:?}");
+    let ss = run(true, &mut d).speculation.unwrap();
+    assert_eq!(ss.scheme, "speculative-sampling");
+    assert_eq!(ss.accepted, ss.drafted, "{ss:?}");
+    assert!(ss.passes < exact.passes, "{ss:?} against {exact:?}");
+    // Prompt lookup proposes fixed ids: checked the exact way.
+    let mut lookup = PromptLookup::default();
+    let r = run(true, &mut lookup);
+    assert_eq!(r.ids, plain.ids);
+    assert_eq!(r.speculation.unwrap().scheme, "exact");
+    // Greedy: plain greedy, whatever is asked.
+    let greedy = GenerateParams {
+        sampling: SamplingParams::default(),
+        speculative_sampling: true,
+        record_logits: true,
+        ..sampled.clone()
+    };
+    let plain = generate(&e, &prompt, &greedy, None, None);
+    let mut d2 = d.fresh();
+    let g = generate(&e, &prompt, &greedy, None, Some(&mut d2));
+    check_same(
+        "qwen3_qk_norm_eos_list",
+        "greedy, speculative sampling",
+        &plain,
+        &g,
+    );
 }

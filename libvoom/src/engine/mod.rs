@@ -78,6 +78,12 @@ pub struct GenerateParams {
     /// ([`Adaptive`], stopping where drafting does not pay), or is always
     /// `max_draft` (as far as the tokens wanted and the context allow).
     pub adaptive_draft: bool,
+    /// With a drafter that samples (a draft model) and sampling (temperature > 0, no
+    /// constraint): speculative sampling. Proposals are drawn from the draft's
+    /// distribution and kept with probability min(1, p/q), else an id is drawn
+    /// from max(0, p - q): the target's distribution exactly, more proposals kept,
+    /// but not plain sampling's draws. Off: a sampled run draws plain decoding's ids.
+    pub speculative_sampling: bool,
 }
 
 /// The longest draft a pass verifies by default.
@@ -92,6 +98,7 @@ impl Default for GenerateParams {
             record_logits: false,
             max_draft: MAX_DRAFT,
             adaptive_draft: true,
+            speculative_sampling: false,
         }
     }
 }

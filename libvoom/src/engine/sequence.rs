@@ -23,10 +23,15 @@ enum State {
     Prompt {
         done: usize,
     },
-    /// The last picked id and the proposals after it.
-    Tokens(Vec<u32>),
+    /// The last picked id and the proposals after it (with the distributions they
+    /// were drawn from, under speculative sampling).
+    Tokens(Vec<u32>, Vec<Vec<(u32, f64)>>),
     Done,
 }
+
+/// A proposal a pass computed: its id, the logits that follow it, and the
+/// distribution it was drawn from (speculative sampling).
+type Ahead = (u32, Vec<f32>, Option<Vec<(u32, f64)>>);
 
 /// One generation in progress: its KV cache, sampler, constraint and drafter, and
 /// the ids so far.
@@ -46,7 +51,7 @@ pub struct Sequence<'a> {
     logits: Vec<f32>,
     /// Proposals the last pass computed beyond the last picked id, each with the
     /// logits that follow it; their positions are in `kv`.
-    ahead: VecDeque<(u32, Vec<f32>)>,
+    ahead: VecDeque<Ahead>,
     /// Of the last pass's proposals, those compared with a picked id and those kept.
     compared: usize,
     kept: usize,
@@ -95,6 +100,7 @@ impl<'a> Sequence<'a> {
             decode_passes: 0,
             speculation: drafter.as_ref().map(|d| SpecReport {
                 drafter: d.name(),
+                scheme: "exact".into(),
                 ..SpecReport::default()
             }),
         };
@@ -163,7 +169,7 @@ impl<'a> Sequence<'a> {
                 let end = (done + prompt_room.max(1)).min(self.prompt.len());
                 Some((*done..end, Logits::Last))
             }
-            State::Tokens(t) => Some((
+            State::Tokens(t, _) => Some((
                 0..t.len(),
                 if t.len() > 1 {
                     Logits::All
@@ -201,13 +207,16 @@ impl<'a> Sequence<'a> {
                 self.decode_started = Some(Instant::now());
                 self.logits = rows;
             }
-            State::Tokens(tokens) => {
+            State::Tokens(tokens, qs) => {
                 self.waited_decode += waited;
                 self.adapt.observe_pass(tokens.len(), secs);
                 self.out.decode_passes += 1;
                 let mut rows = rows.chunks_exact(v).map(<[f32]>::to_vec);
                 self.logits = rows.next().expect("a pass returns a row per position");
-                self.ahead.extend(tokens[1..].iter().copied().zip(rows));
+                let mut qs = qs.into_iter();
+                for (&t, row) in tokens[1..].iter().zip(rows) {
+                    self.ahead.push_back((t, row, qs.next()));
+                }
                 if let Some(r) = self.out.speculation.as_mut() {
                     r.passes += 1;
                     r.verify_passes += usize::from(tokens.len() > 1);
@@ -232,7 +241,11 @@ impl<'a> Sequence<'a> {
         loop {
             let step = self.out.ids.len();
             let id = match self.constraint.as_deref_mut() {
-                None => self.sampler.sample(&self.logits),
+                None => match self.ahead.front() {
+                    // Speculative sampling: a proposal drawn from the draft's q.
+                    Some((proposed, _, Some(q))) => self.sampler.verify(&self.logits, *proposed, q),
+                    _ => self.sampler.sample(&self.logits),
+                },
                 Some(c) => {
                     let tc = Instant::now();
                     let id = engine.pick_constrained(
@@ -255,7 +268,7 @@ impl<'a> Sequence<'a> {
             // and the logits after it are the next step's; otherwise it and every
             // one after it leave the cache.
             let mut have_next = false;
-            if let Some((proposed, _)) = self.ahead.front() {
+            if let Some((proposed, _, _)) = self.ahead.front() {
                 self.compared += 1;
                 if *proposed == id {
                     self.kept += 1;
@@ -317,6 +330,7 @@ impl<'a> Sequence<'a> {
             let room =
                 (params.max_new_tokens - self.out.ids.len()).min(self.kv.capacity() - computed - 1);
             let mut tokens = vec![id];
+            let mut qs = Vec::new();
             if let Some(d) = self.drafter.as_deref_mut() {
                 let k = if params.adaptive_draft {
                     self.adapt.next_k(room)
@@ -325,16 +339,35 @@ impl<'a> Sequence<'a> {
                 };
                 if k > 0 {
                     let td = Instant::now();
-                    let p = d.propose(&self.context, k)?;
+                    let sampled = if params.speculative_sampling
+                        && !params.sampling.is_greedy()
+                        && self.constraint.is_none()
+                    {
+                        d.propose_sampled(&self.context, k, &params.sampling)?
+                    } else {
+                        None
+                    };
+                    let p: Vec<u32> = match sampled {
+                        Some(s) => {
+                            if let Some(r) = self.out.speculation.as_mut() {
+                                r.scheme = "speculative-sampling".into();
+                            }
+                            let (ids, q): (Vec<u32>, Vec<_>) = s.into_iter().unzip();
+                            qs = q;
+                            ids
+                        }
+                        None => d.propose(&self.context, k)?,
+                    };
                     // At most k, and none past the vocabulary.
                     let vocab = engine.config().vocab_size;
                     let valid = p.iter().take(k).take_while(|&&t| (t as usize) < vocab);
                     tokens.extend(valid);
+                    qs.truncate(tokens.len() - 1);
                     self.adapt
                         .observe_draft(tokens.len() - 1, td.elapsed().as_secs_f64());
                 }
             }
-            self.state = State::Tokens(tokens);
+            self.state = State::Tokens(tokens, qs);
             return Ok(());
         }
     }
@@ -408,7 +441,7 @@ impl Engine {
         prompt_room: usize,
         on_token: &mut dyn FnMut(usize, u32) -> ControlFlow<()>,
     ) -> Result<(), VoomError> {
-        let decoding = seqs.iter().any(|s| matches!(s.state, State::Tokens(_)));
+        let decoding = seqs.iter().any(|s| matches!(s.state, State::Tokens(..)));
         let mut room = if decoding {
             prompt_room
         } else {
@@ -435,7 +468,7 @@ impl Engine {
             .iter()
             .map(|(i, r, _)| match &seqs[*i].state {
                 State::Prompt { .. } => seqs[*i].prompt[r.clone()].to_vec(),
-                State::Tokens(t) => t.clone(),
+                State::Tokens(t, _) => t.clone(),
                 State::Done => unreachable!("planned sequences are unfinished"),
             })
             .collect();

@@ -20,7 +20,12 @@ pub mod lookup;
 
 pub use adapt::Adaptive;
 
+use crate::sampler::SamplingParams;
 use crate::VoomError;
+
+/// A proposal drawn from a drafter's own distribution, with that distribution (the
+/// candidates and their probabilities), for speculative sampling.
+pub type SampledProposal = (u32, Vec<(u32, f64)>);
 
 /// Proposes the tokens expected to follow a context.
 pub trait Drafter: Send {
@@ -32,6 +37,22 @@ pub trait Drafter: Send {
     /// or none, where it has no good guess. Called with a context that extends the
     /// previous call's committed part: what it proposed and was not kept is not in it.
     fn propose(&mut self, context: &[u32], k: usize) -> Result<Vec<u32>, VoomError>;
+
+    /// For speculative sampling (asked for by the request): up to `k` ids drawn one
+    /// after another from the drafter's own distribution under `sampling`, each with
+    /// the distribution it was drawn from. `None` (the default): this drafter
+    /// proposes fixed ids only, which [`Drafter::propose`] gives and the engine
+    /// checks the exact way (for them that keeps as many as speculative sampling
+    /// would).
+    fn propose_sampled(
+        &mut self,
+        context: &[u32],
+        k: usize,
+        sampling: &SamplingParams,
+    ) -> Result<Option<Vec<SampledProposal>>, VoomError> {
+        let _ = (context, k, sampling);
+        Ok(None)
+    }
 }
 
 /// A drafter borrowed is a drafter.
@@ -43,6 +64,15 @@ impl<T: Drafter + ?Sized> Drafter for &mut T {
     fn propose(&mut self, context: &[u32], k: usize) -> Result<Vec<u32>, VoomError> {
         (**self).propose(context, k)
     }
+
+    fn propose_sampled(
+        &mut self,
+        context: &[u32],
+        k: usize,
+        sampling: &SamplingParams,
+    ) -> Result<Option<Vec<SampledProposal>>, VoomError> {
+        (**self).propose_sampled(context, k, sampling)
+    }
 }
 
 /// What speculation did for one generation: which drafter ran, what it proposed and
@@ -50,6 +80,10 @@ impl<T: Drafter + ?Sized> Drafter for &mut T {
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct SpecReport {
     pub drafter: String,
+    /// How proposals were checked: `exact` (each id drawn as plain decoding draws
+    /// it: plain decoding's ids) or `speculative-sampling` (asked for, with a
+    /// drafter that samples: the target's distribution, other draws).
+    pub scheme: String,
     /// Tokens proposed and verified, and of them the ones kept.
     pub drafted: usize,
     pub accepted: usize,

@@ -288,13 +288,20 @@ pub struct SpecArgs {
     /// measured acceptance and pass times (and stops drafting where that does not pay).
     #[arg(long)]
     pub fixed_draft: bool,
+    /// Sampled runs with a draft model: speculative sampling (the draft samples its
+    /// proposals; each is kept with probability min(1, p/q), else an id is drawn
+    /// from what is left of the model's distribution). The same distribution as
+    /// plain sampling, not the same draws, and more proposals kept. Without it a
+    /// sampled run draws exactly plain decoding's ids.
+    #[arg(long)]
+    pub speculative_sampling: bool,
 }
 
 /// What [`SpecArgs`] asks for, opened: a drafter is made per generation from it.
 pub enum Speculation {
     Off,
     PromptLookup,
-    DraftModel(DraftModel),
+    DraftModel(Box<DraftModel>),
 }
 
 impl SpecArgs {
@@ -320,13 +327,14 @@ impl SpecArgs {
         let draft = Engine::open(&dir, opts)
             .with_context(|| format!("--draft: opening {}", dir.display()))?;
         let d = DraftModel::new(Arc::new(draft), target).context("--draft")?;
-        Ok(Speculation::DraftModel(d))
+        Ok(Speculation::DraftModel(Box::new(d)))
     }
 
     /// Sets the draft length in `params`.
     pub fn apply(&self, params: &mut GenerateParams) {
         params.max_draft = self.max_draft;
         params.adaptive_draft = !self.fixed_draft;
+        params.speculative_sampling = self.speculative_sampling;
     }
 }
 
@@ -783,6 +791,7 @@ pub fn result_json(
         "decode_passes": g.decode_passes,
         "speculation": g.speculation.as_ref().map(|r| serde_json::json!({
             "drafter": r.drafter,
+            "scheme": r.scheme,
             "drafted": r.drafted,
             "accepted": r.accepted,
             "acceptance": r.acceptance(),

@@ -92,6 +92,7 @@ impl Outcome {
             "decode_passes": self.decode_passes,
             "speculation": self.speculation.as_ref().map(|r| serde_json::json!({
                 "drafter": r.drafter,
+                "scheme": r.scheme,
                 "drafted": r.drafted,
                 "accepted": r.accepted,
                 "acceptance": r.acceptance(),

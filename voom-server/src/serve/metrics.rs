@@ -238,6 +238,7 @@ mod tests {
             decode_passes: 7,
             speculation: Some(libvoom::speculate::SpecReport {
                 drafter: "prompt-lookup".into(),
+                scheme: "exact".into(),
                 drafted: 15,
                 accepted: 12,
                 passes: 7,
