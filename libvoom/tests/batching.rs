@@ -3,36 +3,17 @@
 //! constraint, draft, or stop early, each get the ids, logits bits and stop reason
 //! they get alone.
 
+mod common;
+
 use std::ops::ControlFlow;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use libvoom::constrain::{ConstrainError, TokenConstraint, TokenMask};
 use libvoom::engine::{Decoding, Engine, EngineOptions, FinishReason, GenerateParams, Generation};
 use libvoom::sampler::SamplingParams;
 use libvoom::speculate::lookup::PromptLookup;
-use serde_json::Value;
 
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny")
-}
-
-fn prompt_of(dir: &Path, i: usize) -> Vec<u32> {
-    let reference: Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
-            .unwrap();
-    reference["prompts"][i]["prompt_ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
-
-fn bits(rows: &[Vec<f32>]) -> Vec<Vec<u32>> {
-    rows.iter()
-        .map(|r| r.iter().map(|v| v.to_bits()).collect())
-        .collect()
-}
+use common::{bits, fixtures, prompt_of};
 
 /// Only ids that are multiples of `m`, complete after `left` of them.
 struct Multiples {

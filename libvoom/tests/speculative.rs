@@ -4,8 +4,9 @@
 //! some kept and none kept; proposals that are kept save passes; a draft model
 //! with another tokenizer is an error naming both.
 
+mod common;
+
 use std::ops::ControlFlow;
-use std::path::{Path, PathBuf};
 
 use libvoom::constrain::{ConstrainError, TokenConstraint, TokenMask};
 use libvoom::draft::DraftModel;
@@ -14,41 +15,8 @@ use libvoom::sampler::SamplingParams;
 use libvoom::speculate::lookup::PromptLookup;
 use libvoom::speculate::Drafter;
 use libvoom::VoomError;
-use serde_json::Value;
 
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny")
-}
-
-fn cases() -> Vec<String> {
-    let index: Value =
-        serde_json::from_str(&std::fs::read_to_string(fixtures().join("index.json")).unwrap())
-            .unwrap();
-    index["cases"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| c["name"].as_str().unwrap().to_string())
-        .collect()
-}
-
-fn prompt_of(dir: &Path, i: usize) -> Vec<u32> {
-    let reference: Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
-            .unwrap();
-    reference["prompts"][i]["prompt_ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
-
-fn bits(rows: &[Vec<f32>]) -> Vec<Vec<u32>> {
-    rows.iter()
-        .map(|r| r.iter().map(|v| v.to_bits()).collect())
-        .collect()
-}
+use common::{bits, cases, fixtures, prompt_of, smollm2_dir};
 
 /// How a scripted drafter's proposals relate to the run they are checked against.
 #[derive(Clone, Copy, Debug)]
@@ -443,19 +411,6 @@ fn draft_models_keep_the_target_exact() {
             && msg.contains("tokenizer"),
         "{msg}"
     );
-}
-
-fn smollm2_dir() -> Option<PathBuf> {
-    match std::env::var_os("VOOM_SMOLLM2_DIR") {
-        Some(d) if Path::new(&d).join("config.json").exists() => Some(PathBuf::from(d)),
-        _ => {
-            if std::env::var("VOOM_REQUIRE_SMOLLM2").as_deref() == Ok("1") {
-                panic!("VOOM_REQUIRE_SMOLLM2=1 but VOOM_SMOLLM2_DIR does not hold the model");
-            }
-            eprintln!("skipping: set VOOM_SMOLLM2_DIR (scripts/test does)");
-            None
-        }
-    }
 }
 
 /// A real model asked to repeat a passage: prompt lookup proposes the passage, the

@@ -789,18 +789,14 @@ pub fn result_json(
         },
         // Forward passes of decode, and what a drafter did (speculative decoding).
         "decode_passes": g.decode_passes,
-        "speculation": g.speculation.as_ref().map(|r| serde_json::json!({
-            "drafter": r.drafter,
-            "scheme": r.scheme,
-            "drafted": r.drafted,
-            "accepted": r.accepted,
-            "acceptance": r.acceptance(),
-            "passes": r.passes,
-            "verify_passes": r.verify_passes,
+        "speculation": g.speculation.as_ref().map(|r| {
+            let mut v = speculation_json(r);
             // Ids decoded per pass (the first id comes from the prompt's pass).
-            "tokens_per_pass": (g.ids.len().saturating_sub(1)) as f64 / r.passes.max(1) as f64,
-            "stopped": r.stopped,
-        })),
+            v["tokens_per_pass"] = serde_json::json!(
+                g.ids.len().saturating_sub(1) as f64 / r.passes.max(1) as f64
+            );
+            v
+        }),
         "threads": engine.threads(),
         // This process's memory at the end (Linux): private bytes against the
         // daemon's shared arena.
@@ -812,6 +808,20 @@ pub fn result_json(
         "decode_page_cache": g.decode_pages.as_ref().map(traffic_json),
         // Bytes read from storage by this process in all (the weights it streamed).
         "storage_read_bytes": crate::memory::storage_read_bytes(),
+    })
+}
+
+/// What a drafter did, as the CLI's and the server's reports print it.
+pub fn speculation_json(r: &libvoom::speculate::SpecReport) -> serde_json::Value {
+    serde_json::json!({
+        "drafter": r.drafter,
+        "scheme": r.scheme,
+        "drafted": r.drafted,
+        "accepted": r.accepted,
+        "acceptance": r.acceptance(),
+        "passes": r.passes,
+        "verify_passes": r.verify_passes,
+        "stopped": r.stopped,
     })
 }
 

@@ -90,15 +90,7 @@ impl Outcome {
             "prefill_secs": self.prefill_secs,
             "decode_secs": self.decode_secs,
             "decode_passes": self.decode_passes,
-            "speculation": self.speculation.as_ref().map(|r| serde_json::json!({
-                "drafter": r.drafter,
-                "scheme": r.scheme,
-                "drafted": r.drafted,
-                "accepted": r.accepted,
-                "acceptance": r.acceptance(),
-                "passes": r.passes,
-                "stopped": r.stopped,
-            })),
+            "speculation": self.speculation.as_ref().map(crate::cli::common::speculation_json),
         })
     }
 }

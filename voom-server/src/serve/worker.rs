@@ -151,20 +151,16 @@ impl WorkerState {
         let mut next: Option<Job> = None;
         loop {
             let job = match next.take() {
+                Some(j) if j.events.is_closed() => {
+                    self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
                 Some(j) => j,
-                None => match rx.recv() {
-                    Ok(j) => {
-                        self.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
-                        j
-                    }
-                    Err(_) => break,
+                None => match self.next_job(&rx, true) {
+                    Some(j) => j,
+                    None => break,
                 },
             };
-            if job.events.is_closed() {
-                // The client left while the request was queued.
-                self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
-                continue;
-            }
             if let Err(e) = self.engine_for(&job.request.meta) {
                 let _ = job.events.send(Event::Failed(e));
                 continue;
@@ -226,18 +222,11 @@ impl WorkerState {
                 let job = match first.take() {
                     Some(j) => j,
                     None if other.is_some() => break,
-                    None => match rx.try_recv() {
-                        Ok(j) => {
-                            self.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
-                            j
-                        }
-                        Err(_) => break,
+                    None => match self.next_job(rx, false) {
+                        Some(j) => j,
+                        None => break,
                     },
                 };
-                if job.events.is_closed() {
-                    self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
-                    continue;
-                }
                 if job.request.meta.dir != model {
                     other = Some(job);
                     break;
@@ -305,6 +294,24 @@ impl WorkerState {
                     }
                 }
             }
+        }
+    }
+
+    /// The next queued request whose client is still there (one whose client left
+    /// while it waited is counted cancelled and skipped). `wait`: blocks for one
+    /// (`None`: the queue is closed); else only one already queued.
+    fn next_job(&self, rx: &mpsc::Receiver<Job>, wait: bool) -> Option<Job> {
+        loop {
+            let job = if wait {
+                rx.recv().ok()?
+            } else {
+                rx.try_recv().ok()?
+            };
+            self.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
+            if !job.events.is_closed() {
+                return Some(job);
+            }
+            self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
         }
     }
 

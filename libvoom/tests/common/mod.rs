@@ -1,0 +1,59 @@
+//! Helpers shared by libvoom's integration tests over the committed fixtures.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+/// The tiny random-weights checkpoints of every architecture (tests/fixtures/tiny).
+pub fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny")
+}
+
+/// The fixture cases the index lists.
+pub fn cases() -> Vec<String> {
+    let index: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixtures().join("index.json")).unwrap())
+            .unwrap();
+    index["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["name"].as_str().unwrap().to_string())
+        .collect()
+}
+
+/// Prompt `i` of a fixture's reference.
+pub fn prompt_of(dir: &Path, i: usize) -> Vec<u32> {
+    let reference: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+            .unwrap();
+    reference["prompts"][i]["prompt_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+/// Each row's float bits.
+pub fn bits(rows: &[Vec<f32>]) -> Vec<Vec<u32>> {
+    rows.iter()
+        .map(|r| r.iter().map(|v| v.to_bits()).collect())
+        .collect()
+}
+
+/// SmolLM2-135M-Instruct from `VOOM_SMOLLM2_DIR`; `None` (with a line saying so)
+/// without it, unless `VOOM_REQUIRE_SMOLLM2=1` (scripts/test), which fails.
+pub fn smollm2_dir() -> Option<PathBuf> {
+    match std::env::var_os("VOOM_SMOLLM2_DIR") {
+        Some(d) if Path::new(&d).join("config.json").exists() => Some(PathBuf::from(d)),
+        _ => {
+            if std::env::var("VOOM_REQUIRE_SMOLLM2").as_deref() == Ok("1") {
+                panic!("VOOM_REQUIRE_SMOLLM2=1 but VOOM_SMOLLM2_DIR does not hold the model");
+            }
+            eprintln!("skipping: set VOOM_SMOLLM2_DIR (scripts/test does)");
+            None
+        }
+    }
+}
