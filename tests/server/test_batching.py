@@ -84,8 +84,9 @@ def test_a_client_that_leaves_mid_batch_does_not_disturb_the_others(client, base
     reqs = requests_mix(model)[:3]
     alone = [answer(client, r) for r in reqs]
     cancelled_before = metric(base_url, "voom_requests_cancelled_total")
-    # Token 12 alone leads the fixture to no end-of-sequence for 2000 tokens.
-    leaver = dict(model=model, prompt=[12], max_tokens=2000, temperature=0, stream=True)
+    # Token 12 alone leads the fixture to no end-of-sequence for 2000 tokens; 1500 of
+    # them leave room in the 2048-position context for the others to join it.
+    leaver = dict(model=model, prompt=[12], max_tokens=1500, temperature=0, stream=True)
     left = threading.Event()
 
     def leave() -> None:

@@ -378,8 +378,9 @@ fn listening_beyond_loopback_without_an_api_key_is_refused() {
 #[test]
 fn a_full_queue_is_429_with_retry_after_in_the_endpoints_dialect() {
     let mut s = Server::start(&["--max-queue", "1", "--max-batch", "2"]);
-    // Two long generations fill the batch; one request waits; the next is refused.
-    let long = json!({"model": MODEL, "prompt": [12], "max_tokens": 2000,
+    // Two long generations fill the batch (both fit in the 2048-position context);
+    // one request waits; the next is refused.
+    let long = json!({"model": MODEL, "prompt": [12], "max_tokens": 1000,
                       "temperature": 0, "stream": true});
     let text = long.to_string();
     let send = |s: &Server| {
@@ -443,4 +444,44 @@ fn a_full_queue_is_429_with_retry_after_in_the_endpoints_dialect() {
         std::thread::sleep(Duration::from_millis(5));
     }
     s.assert_healthy();
+}
+
+/// Batched requests stay within the KV cache the memory planner reserved (the
+/// engine's context): requests that can each reach most of a 96-position context
+/// run one at a time, and all succeed; requests that reach a fifth of it share
+/// steps.
+#[test]
+fn a_batch_stays_within_the_context_it_was_planned_for() {
+    let s = Server::start(&["--max-context", "96"]);
+    let run = |max_tokens: u64| {
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..4)
+                .map(|_| {
+                    scope.spawn(|| {
+                        s.post_json(
+                            "/v1/completions",
+                            &json!({"model": MODEL, "prompt": [12], "max_tokens": max_tokens,
+                                    "temperature": 0}),
+                        )
+                    })
+                })
+                .collect();
+            for h in handles {
+                let r = h.join().unwrap();
+                assert_eq!(r.status, 200, "{}", r.text());
+                assert_eq!(r.json()["usage"]["completion_tokens"], max_tokens);
+            }
+        });
+    };
+    run(60);
+    assert_eq!(
+        s.metric("voom_batch_peak"),
+        1.0,
+        "two requests of 61 positions ran together"
+    );
+    run(18);
+    assert!(
+        s.metric("voom_batch_peak") >= 2.0,
+        "requests of 19 positions did not share steps"
+    );
 }

@@ -213,6 +213,15 @@ impl WorkerState {
         live: &mut Vec<UnboundedSender<Event>>,
     ) -> Option<Job> {
         let model = first.request.meta.dir.clone();
+        // The KV cache the memory planner reserved is the engine's context: the
+        // positions a request can reach (its prompt and max_tokens) are reserved when
+        // it joins, and a request that does not fit beside those running waits
+        // (arrival order kept) until enough of them end.
+        let context = engine.max_context();
+        let reach = |job: &Job| {
+            (job.request.prompt_ids.len() + job.request.params.max_new_tokens).min(context)
+        };
+        let mut reserved = 0usize;
         let mut running: Vec<(Output<'_>, Sequence<'static>)> = Vec::new();
         let mut other: Option<Job> = None;
         let mut first = Some(first);
@@ -231,10 +240,16 @@ impl WorkerState {
                     other = Some(job);
                     break;
                 }
+                if !running.is_empty() && reserved + reach(&job) > context {
+                    first = Some(job);
+                    break;
+                }
                 let events = job.events.clone();
+                let positions = reach(&job);
                 match self.admit(engine, speculation, job) {
                     Ok(r) => {
                         live.push(events);
+                        reserved += positions;
                         running.push(r);
                     }
                     Err((job, e)) => {
@@ -258,6 +273,7 @@ impl WorkerState {
             if let Err(e) = stepped {
                 // The pass failed (the store, a corrupt page): every request in it
                 // fails with the error.
+                reserved = 0;
                 for (o, _) in running.drain(..) {
                     let err = ApiError::engine(&o.job.request.meta.id, &e, o.grammar_param);
                     let _ = o.job.events.send(Event::Failed(err));
@@ -273,6 +289,7 @@ impl WorkerState {
                     continue;
                 }
                 let (o, mut s) = running.swap_remove(i);
+                reserved -= reach(&o.job);
                 live.retain(|tx| !tx.same_channel(&o.job.events));
                 let events = o.job.events.clone();
                 if let Some(e) = s.take_error() {
