@@ -1098,3 +1098,56 @@ fn a_mixture_of_experts_streams_its_experts_and_keeps_the_hot_ones() {
     );
     assert!(pages["hit_ratio"].as_f64().unwrap() > 0.5, "{pages}");
 }
+
+/// `voom generate` drafts when asked: `--prompt-lookup` and `--draft MODEL` give the
+/// transformers reference's ids, `--json` says which drafter ran and what it kept;
+/// a draft model of another vocabulary is an error naming both models.
+#[test]
+fn generate_drafts_and_keeps_the_reference_ids() {
+    let case = "llama_tied_legacy_rope_eos";
+    let r = reference(case);
+    let p = &r["prompts"][1];
+    let ids = id_list(&p["prompt_ids"]);
+    let max_new = r["generation"]["max_new_tokens"].to_string();
+    let run = |extra: &[&str]| {
+        let o = voom()
+            .args(["generate", "--model"])
+            .arg(tiny(case))
+            .args(["--prompt-ids", &ids, "--max-new-tokens", &max_new, "--json"])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{extra:?}: {}", stderr(&o));
+        last_json(&o)
+    };
+    let plain = run(&[]);
+    assert_eq!(plain["ids"], p["generated_ids"]);
+    assert!(plain["speculation"].is_null());
+    let lookup = run(&["--prompt-lookup", "--fixed-draft", "--max-draft", "3"]);
+    assert_eq!(lookup["ids"], p["generated_ids"]);
+    let s = &lookup["speculation"];
+    assert_eq!(s["drafter"], "prompt-lookup", "{s}");
+    assert_eq!(s["scheme"], "exact");
+    assert_eq!(s["passes"], lookup["decode_passes"]);
+    // The checkpoint drafting for itself: every proposal kept.
+    let dir = tiny(case);
+    let itself = run(&["--draft", dir.to_str().unwrap(), "--fixed-draft"]);
+    assert_eq!(itself["ids"], p["generated_ids"]);
+    let s = &itself["speculation"];
+    assert_eq!(s["drafter"], format!("draft-model:{case}"));
+    assert_eq!(s["accepted"], s["drafted"], "{s}");
+    // Another vocabulary (384 ids against this model's 320).
+    let o = voom()
+        .args(["generate", "--model"])
+        .arg(tiny(case))
+        .args(["--prompt-ids", &ids, "--draft"])
+        .arg(tiny("llama_gqa_untied"))
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    let e = stderr(&o);
+    assert!(
+        e.contains("--draft") && e.contains("llama_gqa_untied") && e.contains(case),
+        "{e}"
+    );
+}
