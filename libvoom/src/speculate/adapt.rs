@@ -8,9 +8,12 @@
 //! A pass's seconds are measured per number of positions and fitted as
 //! `t(n) = t(1) + (n - 1) * per_position`: out of core the sweep of the weights
 //! dominates and extra positions cost little; resident, each position costs its
-//! share of compute. Until a pass of more than one position was seen, extra
-//! positions are taken as free, so that the first proposals get verified and
-//! measured.
+//! share of compute. The first pass is plain, the second drafts two ids (what an
+//! extra position costs is measured on a short pass), then the fit decides.
+
+/// The draft length that measures what an extra position costs, before any wider
+/// pass was seen.
+const PROBE: usize = 2;
 
 /// The draft-length controller of one generation.
 #[derive(Debug, Clone)]
@@ -133,10 +136,14 @@ impl Adaptive {
         if self.stopped.is_some() || room == 0 {
             return 0;
         }
-        // A plain pass first, to measure what drafting must beat.
+        // A plain pass first, to measure what drafting must beat; then a short draft,
+        // to measure what a position costs before drafting long.
         let Some(plain) = self.pass_secs(1) else {
             return 0;
         };
+        if self.pass[1..].iter().all(|m| m.get().is_none()) {
+            return room.min(PROBE);
+        }
         let per_draft = self.draft.get().unwrap_or(0.0);
         let rate = |k: usize| {
             let secs = self.pass_secs(k + 1).unwrap_or(plain) + per_draft * k as f64;
@@ -169,11 +176,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_plain_pass_comes_first_then_free_positions_draft_the_most() {
+    fn a_plain_pass_then_a_short_draft_then_the_fit() {
         let mut a = Adaptive::new(6);
         assert_eq!(a.next_k(10), 0, "nothing measured yet");
         a.observe_pass(1, 1.0);
-        // Extra positions taken as free until measured: the longest draft.
+        // What an extra position costs is measured on a short draft first.
+        assert_eq!(a.next_k(10), PROBE);
+        assert_eq!(a.next_k(1), 1, "no more than the room");
+        // Positions nearly free (out of core): the longest draft.
+        a.observe_pass(PROBE + 1, 1.01);
+        a.observe_verify(PROBE, PROBE);
         assert_eq!(a.next_k(10), 6);
         assert_eq!(a.next_k(3), 3, "no more than the room");
     }
