@@ -6,6 +6,7 @@ mod common;
 
 use std::io::Write;
 use std::net::SocketAddr;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -483,5 +484,41 @@ fn a_batch_stays_within_the_context_it_was_planned_for() {
     assert!(
         s.metric("voom_batch_peak") >= 2.0,
         "requests of 19 positions did not share steps"
+    );
+}
+
+/// `voom serve --draft MODEL`: a draft that shares the model's tokenizer drafts for
+/// every request (the answers are the plain server's, and say so); one that does
+/// not is refused for that model with a warning naming both, and the model is
+/// served plainly.
+#[test]
+fn a_draft_model_drafts_where_it_shares_the_tokenizer_and_is_refused_elsewhere() {
+    let body = json!({"model": MODEL, "prompt": [12], "max_tokens": 24, "temperature": 0});
+    let plain = Server::start(&[]).post_json("/v1/completions", &body);
+    assert_eq!(plain.status, 200, "{}", plain.text());
+    let same = fixture();
+    let s = Server::start(&["--draft", same.to_str().unwrap(), "--fixed-draft"]);
+    let r = s.post_json("/v1/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let (a, b) = (r.json(), plain.json());
+    assert_eq!(a["choices"][0]["text"], b["choices"][0]["text"]);
+    let spec = &a["voom"]["timings"]["speculation"];
+    assert_eq!(spec["drafter"], "draft-model:tiny_chat", "{spec}");
+    assert_eq!(
+        spec["accepted"], spec["drafted"],
+        "the model drafting for itself: {spec}"
+    );
+
+    let other =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny/llama_gqa_untied");
+    let s = Server::start(&["--draft", other.to_str().unwrap()]);
+    let r = s.post_json("/v1/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["choices"][0]["text"], b["choices"][0]["text"]);
+    assert!(r.json()["voom"]["timings"]["speculation"].is_null());
+    let log = s.log.lock().unwrap().clone();
+    assert!(
+        log.contains("no speculative decoding") && log.contains("llama_gqa_untied"),
+        "{log}"
     );
 }
