@@ -366,5 +366,31 @@ fn print_report(r: &Value) -> Result<()> {
             vpaged::outln!("      drafting stopped: {why}")?;
         }
     }
+    // The targets, against this run's figures.
+    let find = |placement: &str, prompt: &str, drafter: &str| {
+        r["runs"].as_array().into_iter().flatten().find(|x| {
+            x["placement"] == placement && x["prompt"] == prompt && x["drafter"] == drafter
+        })
+    };
+    if let Some(x) = find("out-of-core", "edit", "prompt-lookup") {
+        if let Some(v) = x["ids_per_pass"].as_f64() {
+            vpaged::outln!(
+                "  target: out of core, prompt lookup on the edit commits at least 3 ids a sweep: {v:.2} ({})",
+                if v >= 3.0 { "met" } else { "not met" }
+            )?;
+        }
+    }
+    for placement in ["out-of-core", "resident"] {
+        for prompt in ["edit", "free"] {
+            if let Some(v) =
+                find(placement, prompt, "draft-model").and_then(|x| x["speedup"].as_f64())
+            {
+                vpaged::outln!(
+                    "  target: a draft model of the same family at least doubles tokens/s ({placement}, {prompt}): {v:.2}x ({})",
+                    if v >= 2.0 { "met" } else { "not met" }
+                )?;
+            }
+        }
+    }
     Ok(())
 }
