@@ -609,7 +609,7 @@ impl Engine {
         params: &GenerateParams,
         on_token: &mut dyn FnMut(u32) -> ControlFlow<()>,
     ) -> Result<Generation, VoomError> {
-        self.generate_inner(prompt, params, Decoding::default(), on_token)
+        self.generate_with(prompt, params, Decoding::default(), on_token)
     }
 
     /// Generates after `prompt` what `constraint` allows (see
@@ -632,7 +632,7 @@ impl Engine {
         constraint: &mut dyn TokenConstraint,
         on_token: &mut dyn FnMut(u32) -> ControlFlow<()>,
     ) -> Result<Generation, VoomError> {
-        self.generate_inner(
+        self.generate_with(
             prompt,
             params,
             Decoding {
@@ -641,22 +641,6 @@ impl Engine {
             },
             on_token,
         )
-    }
-
-    /// Generates after `prompt` as [`Engine::generate`] or, with a constraint,
-    /// [`Engine::generate_constrained`] do, with `decoding`'s drafter (if any)
-    /// proposing tokens that each pass verifies beside the one it computes
-    /// ([`crate::speculate`]): the ids and recorded logits are the same bits, greedy
-    /// or sampled, in fewer passes where the proposals are kept.
-    /// [`Generation::speculation`] reports what the drafter did.
-    pub fn generate_with(
-        &self,
-        prompt: &[u32],
-        params: &GenerateParams,
-        decoding: Decoding<'_>,
-        on_token: &mut dyn FnMut(u32) -> ControlFlow<()>,
-    ) -> Result<Generation, VoomError> {
-        self.generate_inner(prompt, params, decoding, on_token)
     }
 
     /// Chooses the next token among those `constraint` allows: masks (scratch
@@ -700,7 +684,13 @@ impl Engine {
         Ok(scratch.ids[k])
     }
 
-    fn generate_inner(
+    /// Generates after `prompt` as [`Engine::generate`] or, with a constraint,
+    /// [`Engine::generate_constrained`] do, with `decoding`'s drafter (if any)
+    /// proposing tokens that each pass verifies beside the one it computes
+    /// ([`crate::speculate`]): the ids and recorded logits are the same bits, greedy
+    /// or sampled, in fewer passes where the proposals are kept.
+    /// [`Generation::speculation`] reports what the drafter did.
+    pub fn generate_with(
         &self,
         prompt: &[u32],
         params: &GenerateParams,

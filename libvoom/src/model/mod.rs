@@ -71,40 +71,23 @@ pub trait Model: Send + Sync {
         )
     }
 
-    /// Computes `tokens` at positions `kv.len()..` and returns the logits `want`
-    /// asks for (`vocab_size` floats per position), reading weights through `sweep`
-    /// once: each layer computes the positions `chunk` at a time (bounding the
-    /// activations) before the next layer is leased, so a long prompt costs one sweep
-    /// of the weights, not one per chunk. The result does not depend on `chunk`.
+    /// Computes each sequence's `tokens` at positions `kv.len()..` (its own KV
+    /// cache) and returns the logits its `want` asks for (`vocab_size` floats per
+    /// position), reading weights through `sweep` once: each layer computes every
+    /// sequence's positions, `chunk` at a time at most (bounding the activations),
+    /// before the next layer is leased. So a long prompt costs one sweep of the
+    /// weights, not one per chunk, and several sequences cost one sweep, not one
+    /// each (a mixture of experts reads each expert any position picked, once).
+    /// Returns each sequence's logits, in order. A position's logits bits do not
+    /// depend on the other sequences, on the chunking, nor on how many positions a
+    /// pass computes (batch invariance: verifying drafted tokens and batching
+    /// requests are exact because of it).
     ///
-    /// The caller has checked that `tokens` is not empty, that each id is in the
-    /// vocabulary and that the positions fit `kv`'s capacity. Each layer appends the
-    /// new positions' keys and values to `kv` without committing them: the caller
-    /// commits after a pass that succeeded and truncates after one that failed.
-    fn forward(
-        &self,
-        sweep: &Sweep<'_>,
-        tokens: &[u32],
-        chunk: usize,
-        kv: &mut KvCache,
-        want: Logits,
-    ) -> Result<Vec<f32>, VoomError> {
-        let mut seqs = [SeqPass { tokens, kv, want }];
-        let mut out = self.forward_batch(sweep, &mut seqs, chunk)?;
-        Ok(out.pop().expect("one sequence, one result"))
-    }
-
-    /// [`Model::forward`] for several sequences in one sweep of the weights: each
-    /// layer computes every sequence's new positions (in chunks of at most `chunk`,
-    /// each chunk one sequence's) against that sequence's own KV cache, so the bytes
-    /// read are one pass's whatever the number of sequences (a mixture of experts
-    /// reads each expert any position picked, once). Returns each sequence's logits,
-    /// in order. A position's logits bits do not depend on the other sequences, on
-    /// the chunking, nor on how many positions a pass computes (batch invariance:
-    /// verifying drafted tokens and batching requests are exact because of it).
-    ///
-    /// The same caller's checks and KV protocol as [`Model::forward`], per sequence;
-    /// the sequences' KV caches are distinct.
+    /// The caller has checked, per sequence, that `tokens` is not empty, that each id
+    /// is in the vocabulary and that the positions fit `kv`'s capacity; the caches
+    /// are distinct. Each layer appends the new positions' keys and values to `kv`
+    /// without committing them: the caller commits after a pass that succeeded and
+    /// truncates after one that failed.
     fn forward_batch(
         &self,
         sweep: &Sweep<'_>,

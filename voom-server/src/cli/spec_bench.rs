@@ -1,6 +1,7 @@
 //! `voom bench spec`: speculative decoding measured. The same prompts decode with no
 //! drafter, with prompt lookup and with a draft model, resident and out of core (a
-//! memory cgroup below the model's size, the page cache dropped before each run), in
+//! memory cgroup below the model's size, the page cache dropped before each run;
+//! resident runs find the model's and the draft's files in the OS page cache), in
 //! one run: tokens/s, ids committed per pass of the target (one sweep of the weights
 //! each), acceptance, bytes the device read per committed id, and whether the ids
 //! equal the plain run's (they must: speculation is exact).
@@ -105,18 +106,24 @@ pub fn run(a: SpecBenchArgs) -> Result<()> {
         bail!("--max-draft must be positive and --max-new-tokens at least 2");
     }
     let dir = common::resolve_model(&a.model, true)?;
-    let model_bytes = voom_formats::Checkpoint::open(&dir)
-        .with_context(|| format!("opening {}", dir.display()))?
-        .total_bytes();
+    let ckpt = voom_formats::Checkpoint::open(&dir)
+        .with_context(|| format!("opening {}", dir.display()))?;
+    let model_bytes = ckpt.total_bytes();
+    // The files a resident run reads (the draft model's added below).
+    let mut files: Vec<PathBuf> = ckpt.files.iter().map(|f| f.path.clone()).collect();
+    drop(ckpt);
     let draft = match (&a.draft, a.draft_layers) {
         (Some(d), _) => Some(common::resolve_model(d, false)?),
         (None, 0) => None,
         (None, n) => Some(synth::first_layers_draft(&dir, n)?),
     };
     let draft_bytes = match &draft {
-        Some(d) => voom_formats::Checkpoint::open(d)
-            .with_context(|| format!("opening {}", d.display()))?
-            .total_bytes(),
+        Some(d) => {
+            let c = voom_formats::Checkpoint::open(d)
+                .with_context(|| format!("opening {}", d.display()))?;
+            files.extend(c.files.iter().map(|f| f.path.clone()));
+            c.total_bytes()
+        }
         None => 0,
     };
     let budget = a.budget;
@@ -148,6 +155,9 @@ pub fn run(a: SpecBenchArgs) -> Result<()> {
                 eprintln!("voom bench spec: out-of-core runs skipped: no memory cgroup ({why})");
                 continue;
             }
+        } else {
+            // Resident: the model's and the draft's files in the OS page cache.
+            cgroup::warm_page_cache(&files);
         }
         for prompt in &a.prompts {
             let text = prompt_text(prompt)?;
@@ -186,12 +196,8 @@ pub fn run(a: SpecBenchArgs) -> Result<()> {
                     let out = c.command(&voom, &args).output()?;
                     child_report(&out, &args).map(|r| r.with_peak(c.peak()))
                 } else {
-                    // Resident: a first run warms the OS page cache.
                     let out = std::process::Command::new(&voom).args(&args).output()?;
-                    child_report(&out, &args).and_then(|_| {
-                        let out = std::process::Command::new(&voom).args(&args).output()?;
-                        child_report(&out, &args)
-                    })
+                    child_report(&out, &args)
                 };
                 let r = match r {
                     Ok(r) => r,
