@@ -107,8 +107,9 @@ pub struct Moe {
     /// Rows of each expert's gate and up projections.
     pub expert_intermediate_size: usize,
     pub norm_topk_prob: bool,
-    /// Per layer: whether its MLP is the mixture (else a dense MLP of
-    /// `intermediate_size`).
+    /// Per layer, the decoder's and then the extra ones
+    /// ([`ModelConfig::extra_layers`]): whether its MLP is the mixture (else a dense
+    /// MLP of `intermediate_size`).
     pub sparse: Vec<bool>,
     pub scoring: Scoring,
     /// The routed experts' weights are multiplied by it (1 where a family has none).
@@ -925,6 +926,24 @@ impl ModelConfig {
         }
     }
 
+    /// The config of extra layer `j` (multi-token prediction, stored as decoder layer
+    /// `num_layers + j`) computed on its own: one layer, with that layer's mixture
+    /// flag and attention window, and none extra. `None` past the extra layers.
+    pub fn extra_layer(&self, j: usize) -> Option<ModelConfig> {
+        if j >= self.extra_layers {
+            return None;
+        }
+        let at = self.num_layers + j;
+        let mut cfg = self.clone();
+        cfg.num_layers = 1;
+        cfg.extra_layers = 0;
+        if let Some(m) = cfg.moe.as_mut() {
+            m.sparse = vec![m.sparse[at]];
+        }
+        cfg.sliding_window = vec![self.sliding_window.get(at).copied().flatten()];
+        Some(cfg)
+    }
+
     /// Inverse frequencies of the rotary embedding, `rotary_dim / 2` of them,
     /// computed as transformers computes them in float32 (with the `llama3` or `yarn`
     /// scaling).
@@ -1027,11 +1046,12 @@ impl ModelConfig {
                 1,
                 limits::WIDTH,
             )?;
-            if m.sparse.len() != self.num_layers {
+            if m.sparse.len() != self.num_layers + self.extra_layers {
                 return Err(format!(
-                    "{} expert-layer flags for {} layers ('num_hidden_layers')",
+                    "{} expert-layer flags for {} layers ('num_hidden_layers') and {} extra",
                     m.sparse.len(),
-                    self.num_layers
+                    self.num_layers,
+                    self.extra_layers
                 ));
             }
         }
@@ -1347,6 +1367,9 @@ fn moe(
 /// dense first layers. A routing option these do not compute is an error naming it.
 fn grouped_moe(hf: &HfConfig, arch: Arch, num_layers: usize) -> Result<Moe, String> {
     let ds = arch == Arch::DeepseekV3;
+    // The multi-token-prediction layers after the decoder's follow the same rule.
+    let extra = hf.num_nextn_predict_layers.unwrap_or(0);
+    within("num_nextn_predict_layers", extra, 0, limits::LAYERS)?;
     if let Some(f) = hf.scoring_func.as_deref().filter(|&f| f != "sigmoid") {
         return Err(format!(
             "unsupported 'scoring_func' '{f}' for {} (supported: sigmoid)",
@@ -1416,7 +1439,7 @@ fn grouped_moe(hf: &HfConfig, arch: Arch, num_layers: usize) -> Result<Moe, Stri
         top_k,
         expert_intermediate_size: inter,
         norm_topk_prob: hf.norm_topk_prob.unwrap_or(true),
-        sparse: (0..num_layers).map(|i| i >= first_dense).collect(),
+        sparse: (0..num_layers + extra).map(|i| i >= first_dense).collect(),
         scoring: Scoring::SigmoidGroups {
             n_group,
             topk_group,
@@ -1759,6 +1782,15 @@ mod tests {
             "use_cache": true, "v_head_dim": 128, "vocab_size": 129280}"#;
         let c = parse(ds).unwrap();
         assert_eq!((c.head_dim, c.rotary_dim, c.extra_layers), (192, 64, 1));
+        // Layer 61, the prediction layer, has experts as the decoder's last does.
+        let moe = c.moe.as_ref().unwrap();
+        assert_eq!(moe.sparse.len(), 62);
+        assert!(moe.sparse[61] && !moe.sparse[2] && moe.sparse[3]);
+        let mtp = c.extra_layer(0).unwrap();
+        assert_eq!((mtp.num_layers, mtp.extra_layers), (1, 0));
+        assert_eq!(mtp.moe.as_ref().unwrap().sparse, vec![true]);
+        assert_eq!(mtp.sliding_window, vec![None]);
+        assert!(c.extra_layer(1).is_none());
         let m = c.mla.as_ref().unwrap();
         assert_eq!(
             (m.q_lora_rank, m.kv_lora_rank, m.v_head_dim),

@@ -18,6 +18,7 @@
 //! - [`kv`]: the KV cache (the layout backends attend over; [`backend::kv`]).
 //! - [`sampler`]: greedy, temperature, top-k, top-p, seeded.
 //! - [`draft`]: a smaller model as a drafter.
+//! - [`mtp`]: the checkpoint's multi-token-prediction layer as a drafter.
 //! - [`speculate`]: drafters and the draft-length controller of speculative decoding.
 //! - [`engine`]: prefill + decode loop with stop conditions, batched passes,
 //!   speculative decoding.
@@ -31,6 +32,7 @@ pub mod engine;
 pub mod error;
 pub mod import;
 pub mod model;
+pub mod mtp;
 pub mod placement;
 pub mod sampler;
 pub mod speculate;

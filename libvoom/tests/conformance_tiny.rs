@@ -244,11 +244,7 @@ fn a_batch_of_sequences_gives_each_its_solo_bits() {
                 .zip(&split)
                 .zip(batched.iter_mut())
                 .zip(&wants)
-                .map(|(((p, &at), kv), &want)| SeqPass {
-                    tokens: &p[at..],
-                    kv,
-                    want,
-                })
+                .map(|(((p, &at), kv), &want)| SeqPass::new(&p[at..], kv, want))
                 .collect();
             let together = e.forward_batch(&mut seqs).unwrap();
             drop(seqs);
@@ -271,11 +267,7 @@ fn a_batch_of_sequences_gives_each_its_solo_bits() {
             let mut seqs: Vec<SeqPass<'_>> = batched
                 .iter_mut()
                 .zip(&next)
-                .map(|(kv, t)| SeqPass {
-                    tokens: t,
-                    kv,
-                    want: Logits::Last,
-                })
+                .map(|(kv, t)| SeqPass::new(t, kv, Logits::Last))
                 .collect();
             let together = e.forward_batch(&mut seqs).unwrap();
             for (i, (a, t)) in alone.iter().zip(&together).enumerate() {

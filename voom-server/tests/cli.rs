@@ -1099,6 +1099,46 @@ fn a_mixture_of_experts_streams_its_experts_and_keeps_the_hot_ones() {
     assert!(pages["hit_ratio"].as_f64().unwrap() > 0.5, "{pages}");
 }
 
+/// `voom generate --mtp` drafts with the checkpoint's multi-token-prediction layer:
+/// transformers' ids, `--json` naming the drafter; a model without the layer is an
+/// error saying why.
+#[test]
+fn generate_drafts_with_the_prediction_layer() {
+    let case = "glm4_moe_partial_rotary_shared_mtp";
+    let dir = tiny("../tiny_mtp").join(case);
+    let r: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference_mtp.json")).unwrap())
+            .unwrap();
+    let s = &r["sequences"][2];
+    let ids = id_list(&s["prompt_ids"]);
+    let n = s["generated_ids"].as_array().unwrap().len().to_string();
+    let o = voom()
+        .args(["generate", "--model"])
+        .arg(&dir)
+        .args(["--prompt-ids", &ids, "--max-new-tokens", &n, "--json"])
+        .args(["--mtp", "--fixed-draft", "--max-draft", "3"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let g = last_json(&o);
+    assert_eq!(g["ids"], s["generated_ids"]);
+    let spec = &g["speculation"];
+    assert_eq!(spec["drafter"], format!("mtp:{case}"), "{spec}");
+    assert!(spec["drafted"].as_u64().unwrap() > 0, "{spec}");
+    let o = voom()
+        .args(["generate", "--model"])
+        .arg(tiny("llama_gqa_untied"))
+        .args(["--prompt-ids", "5,6", "--mtp"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    let e = stderr(&o);
+    assert!(
+        e.contains("--mtp") && e.contains("no multi-token-prediction layers"),
+        "{e}"
+    );
+}
+
 /// `voom generate` drafts when asked: `--prompt-lookup` and `--draft MODEL` give the
 /// transformers reference's ids, `--json` says which drafter ran and what it kept;
 /// a draft model of another vocabulary is an error naming both models.

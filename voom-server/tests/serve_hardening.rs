@@ -522,3 +522,89 @@ fn a_draft_model_drafts_where_it_shares_the_tokenizer_and_is_refused_elsewhere()
         "{log}"
     );
 }
+
+/// The multi-token-prediction fixture (glm4_moe with its layer) widened to the chat
+/// fixture's vocabulary (each table's rows repeated), with the chat fixture's
+/// tokenizer: a model the server can serve whose checkpoint holds the layer.
+fn prediction_layer_model(to: &Path) {
+    use voom_formats::dtype::DType;
+    let src = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures/tiny_mtp/glm4_moe_partial_rotary_shared_mtp");
+    copy_dir(&src, to);
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(fixture().join(f), to.join(f)).unwrap();
+    }
+    let vocab = 768;
+    let path = to.join("config.json");
+    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    cfg["vocab_size"] = json!(vocab);
+    std::fs::write(&path, cfg.to_string()).unwrap();
+    let path = to.join("model.safetensors");
+    let st = voom_formats::safetensors::SafetensorsFile::open(&path).unwrap();
+    let tables = [
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+        "model.layers.3.embed_tokens.weight",
+        "model.layers.3.shared_head.head.weight",
+    ];
+    let kept: Vec<(String, DType, Vec<usize>, Vec<u8>)> = st
+        .header
+        .tensors
+        .iter()
+        .map(|t| {
+            let mut bytes = st.tensor_bytes(t).to_vec();
+            let mut shape = t.shape.clone();
+            if tables.contains(&t.name.as_str()) {
+                let have = bytes.clone();
+                while bytes.len() < have.len() * vocab / shape[0] {
+                    bytes.extend_from_slice(&have);
+                }
+                shape[0] = vocab;
+            }
+            (t.name.clone(), t.dtype, shape, bytes)
+        })
+        .collect();
+    drop(st);
+    let specs: Vec<(&str, DType, &[usize], &[u8])> = kept
+        .iter()
+        .map(|(n, d, s, b)| (n.as_str(), *d, s.as_slice(), b.as_slice()))
+        .collect();
+    voom_formats::safetensors::write(&path, &specs, &std::collections::BTreeMap::new()).unwrap();
+}
+
+/// `voom serve --mtp`: a model whose checkpoint holds a multi-token-prediction layer
+/// drafts with it for every request (the plain server's answers, and they say so);
+/// a model without one is served plainly, with a warning saying why.
+#[test]
+fn the_prediction_layer_drafts_where_the_checkpoint_has_one() {
+    let body =
+        json!({"model": "glm-mtp", "prompt": [12, 40, 7], "max_tokens": 16, "temperature": 0});
+    let start = |extra: &[&str]| {
+        let models = tempfile::tempdir().unwrap();
+        prediction_layer_model(&models.path().join("glm-mtp"));
+        copy_dir(&fixture(), &models.path().join(MODEL));
+        Server::start_over(models, extra)
+    };
+    let plain = start(&[]).post_json("/v1/completions", &body);
+    assert_eq!(plain.status, 200, "{}", plain.text());
+    let s = start(&["--mtp", "--fixed-draft", "--max-draft", "3"]);
+    let r = s.post_json("/v1/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let (a, b) = (r.json(), plain.json());
+    assert_eq!(a["choices"][0]["text"], b["choices"][0]["text"]);
+    let spec = &a["voom"]["timings"]["speculation"];
+    assert_eq!(spec["drafter"], "mtp:glm-mtp", "{spec}");
+    assert!(spec["drafted"].as_u64().unwrap() > 0, "{spec}");
+    // The chat fixture (llama) has no such layer.
+    let r = s.post_json(
+        "/v1/completions",
+        &json!({"model": MODEL, "prompt": [12], "max_tokens": 4, "temperature": 0}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(r.json()["voom"]["timings"]["speculation"].is_null());
+    let log = s.log.lock().unwrap().clone();
+    assert!(
+        log.contains("no speculative decoding") && log.contains("no multi-token-prediction layers"),
+        "{log}"
+    );
+}

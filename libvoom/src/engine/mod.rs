@@ -256,6 +256,8 @@ pub struct Engine {
     /// The plan's walk with the planner's pins left out (they take none of that
     /// room), which every pass's sweep follows.
     walk: Walk,
+    /// The multi-token-prediction layer's walk, where the model has one.
+    mtp_walk: Option<Walk>,
     /// The routing trace being recorded ([`Engine::record_expert_trace`]).
     trace: std::sync::Mutex<Option<Vec<vpaged::expert_trace::TracePass>>>,
 }
@@ -331,6 +333,7 @@ impl Engine {
         let model = model::load(cfg, source.as_ref(), &name, opts.backend, opts.threads)?;
         let (stream_room, pinned) = place_in(source.as_ref(), model.as_ref());
         let walk = Walk::new(model.plan(), &pinned);
+        let mtp_walk = model.mtp().ok().map(|m| Walk::new(m.plan(), &pinned));
         let tokenizer = if dir.join("tokenizer.json").exists() {
             Some(Tokenizer::from_dir(dir)?)
         } else {
@@ -347,6 +350,7 @@ impl Engine {
             opts,
             stream_room,
             walk,
+            mtp_walk,
             trace: std::sync::Mutex::new(None),
         })
     }
@@ -505,7 +509,7 @@ impl Engine {
         want: Logits,
         waited: &mut Duration,
     ) -> Result<Vec<f32>, VoomError> {
-        let mut seqs = [SeqPass { tokens, kv, want }];
+        let mut seqs = [SeqPass::new(tokens, kv, want)];
         let mut out = self.forward_batch_timed(&mut seqs, waited)?;
         Ok(out.pop().expect("one sequence, one result"))
     }
@@ -529,6 +533,48 @@ impl Engine {
         seqs: &mut [SeqPass<'_>],
         waited: &mut Duration,
     ) -> Result<Vec<Vec<f32>>, VoomError> {
+        self.pass(self.model.as_ref(), &self.walk, seqs, waited)
+    }
+
+    /// Why this engine's model has no multi-token-prediction layer to draft with
+    /// ([`crate::mtp::MtpDrafter`]), or `Ok`.
+    pub fn check_mtp(&self) -> Result<(), VoomError> {
+        self.model.mtp().map(|_| ()).map_err(|why| {
+            VoomError::Request(format!(
+                "model {} cannot draft with multi-token prediction: {why}",
+                self.name
+            ))
+        })
+    }
+
+    /// A fresh KV cache for the multi-token-prediction layer of one sequence.
+    pub fn new_mtp_kv(&self) -> Result<KvCache, VoomError> {
+        self.check_mtp()?;
+        let m = self.model.mtp().expect("checked");
+        Ok(m.new_kv(self.max_context()))
+    }
+
+    /// A pass of the multi-token-prediction layer ([`crate::model::Model::mtp`]) over
+    /// several sequences, each with its [`SeqPass::hidden_in`]: checked and committed
+    /// as [`Engine::forward_batch`]'s, over the same page source.
+    pub fn mtp_forward(&self, seqs: &mut [SeqPass<'_>]) -> Result<Vec<Vec<f32>>, VoomError> {
+        self.check_mtp()?;
+        let (m, walk) = match (self.model.mtp(), &self.mtp_walk) {
+            (Ok(m), Some(w)) => (m, w),
+            _ => unreachable!("a model with a multi-token-prediction layer has its walk"),
+        };
+        self.pass(m, walk, seqs, &mut Duration::default())
+    }
+
+    /// One checked pass of `model` (this engine's, or its multi-token-prediction
+    /// layer's) following `walk`; only the decoder's passes join the routing trace.
+    fn pass(
+        &self,
+        model: &dyn Model,
+        walk: &Walk,
+        seqs: &mut [SeqPass<'_>],
+        waited: &mut Duration,
+    ) -> Result<Vec<Vec<f32>>, VoomError> {
         if seqs.is_empty() {
             return Err(VoomError::Request("no sequences to compute".into()));
         }
@@ -540,17 +586,17 @@ impl Engine {
         let positions: usize = seqs.iter().map(|s| s.tokens.len()).sum();
         let sweep = Sweep::new(
             self.source.as_ref(),
-            self.model.plan(),
+            model.plan(),
             self.opts.prefetch_depth,
             self.stream_room,
-            &self.walk,
+            walk,
             seqs.iter().map(|s| s.tokens.len().div_ceil(chunk)).sum(),
         );
         sweep.set_expert_prefetch(self.opts.expert_prefetch);
         sweep.set_expert_hold(self.opts.expert_hold_bytes);
-        let pass = self.model.forward_batch(&sweep, seqs, chunk);
+        let pass = model.forward_batch(&sweep, seqs, chunk);
         *waited += sweep.waited();
-        if pass.is_ok() {
+        if pass.is_ok() && std::ptr::addr_eq(model, self.model.as_ref()) {
             self.trace_pass(&sweep, positions);
         }
         // Every lease of the pass is dropped by now.

@@ -56,6 +56,10 @@ pub struct Sequence<'a> {
     compared: usize,
     kept: usize,
     adapt: Adaptive,
+    /// The model's hidden states of positions `hidden_from..`, computed for a
+    /// drafter that reads them and not yet handed to it.
+    hidden: Vec<f32>,
+    hidden_from: usize,
     started: Instant,
     decode_started: Option<Instant>,
     waited_prefill: Duration,
@@ -120,6 +124,8 @@ impl<'a> Sequence<'a> {
             compared: 0,
             kept: 0,
             adapt: Adaptive::new(params.max_draft),
+            hidden: Vec::new(),
+            hidden_from: 0,
             started: Instant::now(),
             decode_started: None,
             waited_prefill: Duration::ZERO,
@@ -159,6 +165,25 @@ impl<'a> Sequence<'a> {
     /// Its generation: final once [`Sequence::finished`].
     pub fn into_generation(self) -> Generation {
         self.out
+    }
+
+    /// Whether its passes compute the model's hidden states: for a drafter that
+    /// reads them, while it may still draft.
+    fn wants_hidden(&self) -> bool {
+        self.drafter.as_deref().is_some_and(|d| d.wants_hidden()) && self.adapt.stopped().is_none()
+    }
+
+    /// Keeps the hidden states a pass computed for positions `start..`.
+    fn keep_hidden(&mut self, start: usize, rows: Vec<f32>) {
+        if rows.is_empty() {
+            return;
+        }
+        if self.hidden.is_empty() {
+            self.hidden_from = start;
+            self.hidden = rows;
+        } else {
+            self.hidden.extend_from_slice(&rows);
+        }
     }
 
     /// The positions its next pass computes: at most `prompt_room` of the prompt
@@ -332,6 +357,15 @@ impl<'a> Sequence<'a> {
             let mut tokens = vec![id];
             let mut qs = Vec::new();
             if let Some(d) = self.drafter.as_deref_mut() {
+                // The hidden states of the positions kept (the cache's), once each.
+                if !self.hidden.is_empty() {
+                    let h = engine.config().hidden_size;
+                    let kept = self.kv.len().saturating_sub(self.hidden_from);
+                    let rows = kept.min(self.hidden.len() / h);
+                    d.observe_hidden(self.hidden_from, &self.hidden[..rows * h]);
+                    self.hidden.clear();
+                    self.hidden_from = self.kv.len();
+                }
                 let k = if params.adaptive_draft {
                     self.adapt.next_k(room)
                 } else {
@@ -474,6 +508,13 @@ impl Engine {
             .collect();
         let t0 = Instant::now();
         let mut waited = Duration::ZERO;
+        // Where each planned sequence's pass starts, and its hidden states (for a
+        // drafter that reads them).
+        let starts: Vec<usize> = plan.iter().map(|(i, _, _)| seqs[*i].kv.len()).collect();
+        let mut hidden: Vec<Option<Vec<f32>>> = plan
+            .iter()
+            .map(|(i, _, _)| seqs[*i].wants_hidden().then(Vec::new))
+            .collect();
         let rows = {
             // Each planned sequence's KV cache, in plan order.
             let mut kvs: Vec<Option<&mut KvCache>> =
@@ -481,17 +522,26 @@ impl Engine {
             let mut passes: Vec<SeqPass<'_>> = plan
                 .iter()
                 .zip(&tokens)
-                .map(|((i, _, want), t)| SeqPass {
-                    tokens: t,
-                    kv: kvs[*i].take().expect("a sequence is planned once"),
-                    want: *want,
+                .zip(hidden.iter_mut())
+                .map(|(((i, _, want), t), h)| SeqPass {
+                    hidden_out: h.as_mut(),
+                    ..SeqPass::new(
+                        t,
+                        kvs[*i].take().expect("a sequence is planned once"),
+                        *want,
+                    )
                 })
                 .collect();
             self.forward_batch_timed(&mut passes, &mut waited)?
         };
         let secs = t0.elapsed().as_secs_f64();
-        for ((i, range, _), rows) in plan.into_iter().zip(rows) {
+        for ((((i, range, _), rows), start), h) in
+            plan.into_iter().zip(rows).zip(starts).zip(hidden)
+        {
             let s = &mut *seqs[i];
+            if let Some(h) = h {
+                s.keep_hidden(start, h);
+            }
             if let Err(e) = s.absorb(self, range.len(), rows, secs, waited, &mut |id| {
                 on_token(i, id)
             }) {

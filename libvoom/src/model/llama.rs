@@ -11,6 +11,7 @@
 //! over the backend's ops. The sweep leases the pages.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use vpaged::{PageId, PageSource};
 
@@ -129,11 +130,47 @@ const STEP_V: usize = 2;
 const STEP_O: usize = 3;
 const GQA_STEPS: usize = 4;
 
+/// What the first layer of a model reads.
+enum Input {
+    /// The tokens' embedding rows (a decoder).
+    Embed,
+    /// Multi-token prediction (DeepSeek-V3, GLM-4.5: `num_nextn_predict_layers`):
+    /// position `i` reads the embedding of the token after it (zeros at position 0,
+    /// as vLLM computes it), normed by `enorm`, beside the hidden state of position
+    /// `i` before it ([`SeqPass::hidden_in`]) normed by `hnorm`, the two joined and
+    /// projected by `eh_proj` to the hidden width.
+    Fuse {
+        enorm: Vector,
+        hnorm: Vector,
+        eh_proj: Linear,
+    },
+}
+
+impl Input {
+    /// The fusion's pages (`None` for embedding rows alone).
+    fn pages(&self) -> Option<Vec<PageId>> {
+        match self {
+            Input::Embed => None,
+            Input::Fuse {
+                enorm,
+                hnorm,
+                eh_proj,
+            } => {
+                let mut v = vec![enorm.page, hnorm.page];
+                v.extend(eh_proj.pages());
+                Some(v)
+            }
+        }
+    }
+}
+
 /// A Llama-family model on backend `B`.
 pub struct Llama<B: Backend> {
     cfg: ModelConfig,
-    backend: B,
+    /// Shared with its multi-token-prediction layer's model (one thread pool).
+    backend: Arc<B>,
     embed: Table,
+    input: Input,
     final_norm: Vector,
     lm_head: Table,
     layers: Vec<Layer>,
@@ -141,6 +178,8 @@ pub struct Llama<B: Backend> {
     /// What rotary cos and sin are multiplied by (YaRN's attention factor).
     rope_factor: f32,
     plan: PagePlan,
+    /// Its first multi-token-prediction layer as a model, or why it has none.
+    mtp: Result<Box<Llama<B>>, String>,
 }
 
 /// The tensor dimensions a config implies, each naming its config.json keys.
@@ -195,6 +234,10 @@ impl<B: Backend> Llama<B> {
     /// every tensor's shape (each mismatch names the config.json key it contradicts:
     /// `vocab_size`, `hidden_size`, `num_attention_heads × head_dim`, ...). Only then
     /// is anything sized by the config.
+    ///
+    /// Multi-token-prediction layers (`num_nextn_predict_layers`) the checkpoint
+    /// holds are loaded as [`Model::mtp`]; the decoder runs without them, and one
+    /// that does not load leaves the model without it ([`Model::mtp_error`]).
     pub fn load(
         cfg: ModelConfig,
         source: &dyn PageSource,
@@ -206,7 +249,7 @@ impl<B: Backend> Llama<B> {
         let f = WeightFinder::new(source, model);
         let in_checkpoint = f.layer_count()?;
         // Multi-token-prediction layers follow the decoder's (DeepSeek-V3 stores its
-        // one as layer 61 of 61): present or left out, they are not run here.
+        // one as layer 61 of 61).
         if in_checkpoint != cfg.num_layers && in_checkpoint != cfg.num_layers + cfg.extra_layers {
             let extra = if cfg.extra_layers > 0 {
                 format!(
@@ -225,10 +268,6 @@ impl<B: Backend> Llama<B> {
             ));
         }
         let d = ConfigDims::of(&cfg, &config)?;
-        let experts = ExpertDims::of(&cfg);
-        let linear = |name: &str, rows: &Dim, cols: &Dim, bias: bool| {
-            Linear::load(&f, name, rows, cols, bias)
-        };
         let embed = f.table("model.embed_tokens.weight", &d.vocab, &d.hidden)?;
         let lm_head = if cfg.tie_word_embeddings {
             embed.clone()
@@ -237,44 +276,97 @@ impl<B: Backend> Llama<B> {
         };
         let final_norm = f.vector("model.norm.weight", &d.hidden)?;
         // As many as the checkpoint has (checked above).
-        let mut layers = Vec::with_capacity(cfg.num_layers);
-        for i in 0..cfg.num_layers {
-            let p = format!("model.layers.{i}");
-            let a = format!("{p}.self_attn");
-            let m = format!("{p}.mlp");
-            let attn = match &cfg.mla {
-                Some(mla) => Attention::Mla(MlaAttention::load(&f, &cfg, mla, &a)?),
-                None => Attention::Gqa {
-                    q: linear(&format!("{a}.q_proj"), &d.q, &d.hidden, cfg.qkv_bias)?,
-                    k: linear(&format!("{a}.k_proj"), &d.kv, &d.hidden, cfg.qkv_bias)?,
-                    v: linear(&format!("{a}.v_proj"), &d.kv, &d.hidden, cfg.qkv_bias)?,
-                    o: linear(&format!("{a}.o_proj"), &d.hidden, &d.q, cfg.o_bias)?,
-                    q_norm: match cfg.qk_norm {
-                        QkNorm::None => None,
-                        QkNorm::PerHead => Some(f.vector(&format!("{a}.q_norm.weight"), &d.head)?),
-                        QkNorm::Whole => Some(f.vector(&format!("{a}.q_norm.weight"), &d.q)?),
-                    },
-                    k_norm: match cfg.qk_norm {
-                        QkNorm::None => None,
-                        QkNorm::PerHead => Some(f.vector(&format!("{a}.k_norm.weight"), &d.head)?),
-                        QkNorm::Whole => Some(f.vector(&format!("{a}.k_norm.weight"), &d.kv)?),
-                    },
-                },
+        let layers = (0..cfg.num_layers)
+            .map(|i| Layer::load(&f, &cfg, &d, i, i))
+            .collect::<Result<Vec<_>, _>>()?;
+        let backend = Arc::new(backend);
+        let mut mtp = Err(format!(
+            "the checkpoint has no multi-token-prediction layers ('num_nextn_predict_layers' is {}, and it holds {in_checkpoint} layers for 'num_hidden_layers' {})",
+            cfg.extra_layers, cfg.num_layers
+        ));
+        if cfg.extra_layers > 0 && in_checkpoint > cfg.num_layers {
+            let parts = MtpParts {
+                f: &f,
+                d: &d,
+                embed: &embed,
+                lm_head: &lm_head,
             };
-            layers.push(Layer {
-                attn_norm: f.vector(&format!("{p}.input_layernorm.weight"), &d.hidden)?,
-                attn,
-                mlp_norm: f.vector(&format!("{p}.post_attention_layernorm.weight"), &d.hidden)?,
-                mlp: match &cfg.moe {
-                    Some(moe) if moe.sparse[i] => Mlp::Moe(Experts::load(&f, moe, &experts, &p)?),
-                    _ => Mlp::Dense {
-                        gate: linear(&format!("{m}.gate_proj"), &d.inter, &d.hidden, cfg.mlp_bias)?,
-                        up: linear(&format!("{m}.up_proj"), &d.inter, &d.hidden, cfg.mlp_bias)?,
-                        down: linear(&format!("{m}.down_proj"), &d.hidden, &d.inter, cfg.mlp_bias)?,
-                    },
-                },
-            });
+            mtp = Self::load_mtp(&cfg, source, parts, Arc::clone(&backend))
+                .map(Box::new)
+                .map_err(|e| e.to_string());
         }
+        Ok(Self::assemble(
+            cfg,
+            source,
+            backend,
+            (embed, Input::Embed),
+            layers,
+            (final_norm, lm_head),
+            mtp,
+        ))
+    }
+
+    /// The first extra layer (`num_layers`) as a model of its own: that decoder
+    /// layer, reading the fusion of a token's embedding with the hidden state before
+    /// it, and its shared head. Its embedding and head are its own copies where the
+    /// checkpoint stores them, else the decoder's.
+    fn load_mtp(
+        cfg: &ModelConfig,
+        source: &dyn PageSource,
+        parts: MtpParts<'_>,
+        backend: Arc<B>,
+    ) -> Result<Self, VoomError> {
+        let MtpParts {
+            f,
+            d,
+            embed,
+            lm_head,
+        } = parts;
+        let mcfg = cfg
+            .extra_layer(0)
+            .expect("a model with extra layers has a first");
+        let at = cfg.num_layers;
+        let p = format!("model.layers.{at}");
+        let layer = Layer::load(f, &mcfg, d, at, 0)?;
+        let own = |name: &str, theirs: &Table| -> Result<Table, VoomError> {
+            let name = format!("{p}.{name}");
+            if f.has(&name) {
+                f.table(&name, &d.vocab, &d.hidden)
+            } else {
+                Ok(theirs.clone())
+            }
+        };
+        let embed = own("embed_tokens.weight", embed)?;
+        let head = own("shared_head.head.weight", lm_head)?;
+        let norm = f.vector(&format!("{p}.shared_head.norm.weight"), &d.hidden)?;
+        let both = Dim::product("hidden_size", cfg.hidden_size, "embedding and state", 2)
+            .expect("a validated hidden size doubles");
+        let fuse = Input::Fuse {
+            enorm: f.vector(&format!("{p}.enorm.weight"), &d.hidden)?,
+            hnorm: f.vector(&format!("{p}.hnorm.weight"), &d.hidden)?,
+            eh_proj: Linear::load(f, &format!("{p}.eh_proj"), &d.hidden, &both, false)?,
+        };
+        Ok(Self::assemble(
+            mcfg,
+            source,
+            backend,
+            (embed, fuse),
+            vec![layer],
+            (norm, head),
+            Err("a multi-token-prediction layer has none after it".into()),
+        ))
+    }
+
+    /// The model of these weights, with its page plan.
+    fn assemble(
+        cfg: ModelConfig,
+        source: &dyn PageSource,
+        backend: Arc<B>,
+        (embed, input): (Table, Input),
+        layers: Vec<Layer>,
+        (final_norm, lm_head): (Vector, Table),
+        mtp: Result<Box<Llama<B>>, String>,
+    ) -> Self {
         // A token reads one row of the embedding: where the source reads only what is
         // touched, that row; where it loads pages whole, the part holding it (all of a
         // table stored whole). Spread over the parts: each is read by a share of tokens.
@@ -292,9 +384,13 @@ impl<B: Backend> Llama<B> {
                 (p.page, Some(per))
             })
             .collect();
-        // Steps: the table's parts are leased in batches of at least one; the final
-        // norm with the head's first part.
-        let head: Vec<Vec<_>> = head.into_iter().map(|r| vec![r]).collect();
+        // Steps: the table's parts are leased in batches of at least one (then the
+        // fusion's weights, leased together); the final norm with the head's first
+        // part.
+        let mut head: Vec<Vec<_>> = head.into_iter().map(|r| vec![r]).collect();
+        if let Some(fusion) = input.pages() {
+            head.push(fusion.into_iter().map(|p| (p, None)).collect());
+        }
         let mut tail: Vec<Vec<_>> = lm_head.parts.iter().map(|p| vec![(p.page, None)]).collect();
         tail[0].insert(0, (final_norm.page, None));
         let plan = PagePlan {
@@ -318,16 +414,78 @@ impl<B: Backend> Llama<B> {
         };
         let inv_freq = cfg.rope_inv_freq();
         let rope_factor = cfg.rope_attention_factor();
-        Ok(Llama {
+        Llama {
             cfg,
             backend,
             embed,
+            input,
             final_norm,
             lm_head,
             layers,
             inv_freq,
             rope_factor,
             plan,
+            mtp,
+        }
+    }
+}
+
+/// The decoder's weights a multi-token-prediction layer may share.
+struct MtpParts<'a> {
+    f: &'a WeightFinder<'a>,
+    d: &'a ConfigDims,
+    embed: &'a Table,
+    lm_head: &'a Table,
+}
+
+impl Layer {
+    /// Decoder layer `at` of the checkpoint (`model.layers.{at}.*`), which is layer
+    /// `li` of `cfg` (its mixture flag).
+    fn load(
+        f: &WeightFinder<'_>,
+        cfg: &ModelConfig,
+        d: &ConfigDims,
+        at: usize,
+        li: usize,
+    ) -> Result<Layer, VoomError> {
+        let experts = ExpertDims::of(cfg);
+        let linear = |name: &str, rows: &Dim, cols: &Dim, bias: bool| {
+            Linear::load(f, name, rows, cols, bias)
+        };
+        let p = format!("model.layers.{at}");
+        let a = format!("{p}.self_attn");
+        let m = format!("{p}.mlp");
+        let attn = match &cfg.mla {
+            Some(mla) => Attention::Mla(MlaAttention::load(f, cfg, mla, &a)?),
+            None => Attention::Gqa {
+                q: linear(&format!("{a}.q_proj"), &d.q, &d.hidden, cfg.qkv_bias)?,
+                k: linear(&format!("{a}.k_proj"), &d.kv, &d.hidden, cfg.qkv_bias)?,
+                v: linear(&format!("{a}.v_proj"), &d.kv, &d.hidden, cfg.qkv_bias)?,
+                o: linear(&format!("{a}.o_proj"), &d.hidden, &d.q, cfg.o_bias)?,
+                q_norm: match cfg.qk_norm {
+                    QkNorm::None => None,
+                    QkNorm::PerHead => Some(f.vector(&format!("{a}.q_norm.weight"), &d.head)?),
+                    QkNorm::Whole => Some(f.vector(&format!("{a}.q_norm.weight"), &d.q)?),
+                },
+                k_norm: match cfg.qk_norm {
+                    QkNorm::None => None,
+                    QkNorm::PerHead => Some(f.vector(&format!("{a}.k_norm.weight"), &d.head)?),
+                    QkNorm::Whole => Some(f.vector(&format!("{a}.k_norm.weight"), &d.kv)?),
+                },
+            },
+        };
+        Ok(Layer {
+            attn_norm: f.vector(&format!("{p}.input_layernorm.weight"), &d.hidden)?,
+            attn,
+            mlp_norm: f.vector(&format!("{p}.post_attention_layernorm.weight"), &d.hidden)?,
+            mlp: match &cfg.moe {
+                Some(moe) if moe.sparse[li] => Mlp::Moe(Experts::load(f, moe, &experts, &p)?),
+                _ => Mlp::Dense {
+                    gate: linear(&format!("{m}.gate_proj"), &d.inter, &d.hidden, cfg.mlp_bias)?,
+                    up: linear(&format!("{m}.up_proj"), &d.inter, &d.hidden, cfg.mlp_bias)?,
+                    down: linear(&format!("{m}.down_proj"), &d.hidden, &d.inter, cfg.mlp_bias)?,
+                },
+            },
         })
     }
 }
@@ -347,6 +505,13 @@ impl<B: Backend> Model for Llama<B> {
 
     fn threads(&self) -> usize {
         self.backend.threads()
+    }
+
+    fn mtp(&self) -> Result<&dyn Model, &str> {
+        match &self.mtp {
+            Ok(m) => Ok(m.as_ref()),
+            Err(why) => Err(why),
+        }
     }
 
     fn kv_bytes_per_position(&self) -> u64 {
@@ -433,7 +598,7 @@ impl<B: Backend> Model for Llama<B> {
         seqs: &mut [SeqPass<'_>],
         chunk: usize,
     ) -> Result<Vec<Vec<f32>>, VoomError> {
-        let (b, cfg) = (&self.backend, &self.cfg);
+        let (b, cfg) = (&*self.backend, &self.cfg);
         let h = cfg.hidden_size;
         // Every sequence's positions in chunks of at most `chunk` rows: each layer
         // computes every chunk in turn, so the pass reads the weights once however
@@ -475,6 +640,9 @@ impl<B: Backend> Model for Llama<B> {
         let token_refs: Vec<&[u32]> = chunk_tokens.iter().map(Vec::as_slice).collect();
         let mut xs: Vec<B::Act> = chunk_tokens.iter().map(|t| b.zeros(t.len(), h)).collect();
         self.embed_rows(sweep, &token_refs, &mut xs)?;
+        if let Input::Fuse { .. } = self.input {
+            self.fuse(sweep, seqs, &chunks, &mut xs)?;
+        }
         // Each chunk's rotary table: its pieces' positions, one after the other.
         let tables: Vec<RopeTable> = chunks
             .iter()
@@ -575,6 +743,25 @@ impl<B: Backend> Model for Llama<B> {
         let mut normed: Vec<(usize, B::Act)> = Vec::new();
         for (x, pieces) in xs.iter().zip(&chunks) {
             for p in pieces {
+                // Every position's hidden state, where it is asked for: a decoder's
+                // normed, a multi-token-prediction layer's as it leaves the layer.
+                if let Some(out) = seqs[p.seq].hidden_out.as_deref_mut() {
+                    let rows = b.rows(x, p.rows.clone())?;
+                    let rows = match self.input {
+                        Input::Fuse { .. } => rows,
+                        Input::Embed => {
+                            let mut hn = b.zeros(p.rows.len(), h);
+                            b.rms_norm(
+                                &rows,
+                                w.vector(&self.final_norm),
+                                cfg.rms_norm_eps,
+                                &mut hn,
+                            )?;
+                            hn
+                        }
+                    };
+                    out.extend_from_slice(&b.download_owned(rows));
+                }
                 let n = seqs[p.seq].tokens.len();
                 let rows = match seqs[p.seq].want {
                     Logits::Last if p.positions.end < n => continue,
@@ -695,7 +882,7 @@ impl<B: Backend> Llama<B> {
         chunks: &[&[u32]],
         xs: &mut [B::Act],
     ) -> Result<(), VoomError> {
-        let b = &self.backend;
+        let b = &*self.backend;
         let t = &self.embed;
         let tokens: Vec<u32> = chunks.iter().flat_map(|c| c.iter().copied()).collect();
         if let Some(&id) = tokens.iter().find(|&&id| id as usize >= t.rows) {
@@ -718,6 +905,64 @@ impl<B: Backend> Llama<B> {
         Ok(())
     }
 
+    /// A multi-token-prediction layer's input ([`Input::Fuse`]): each chunk's
+    /// embedding rows `xs` (zeros at position 0), normed, joined with the hidden
+    /// states its sequences' [`SeqPass::hidden_in`] give for the same positions,
+    /// normed, and projected to the hidden width, in place.
+    fn fuse(
+        &self,
+        sweep: &Sweep<'_>,
+        seqs: &[SeqPass<'_>],
+        chunks: &[Vec<Piece>],
+        xs: &mut [B::Act],
+    ) -> Result<(), VoomError> {
+        let (b, cfg) = (&*self.backend, &self.cfg);
+        let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
+        let Input::Fuse {
+            enorm,
+            hnorm,
+            eh_proj,
+        } = &self.input
+        else {
+            unreachable!("a fusion on a model of one")
+        };
+        let pages = self.input.pages().expect("a fusion has pages");
+        let w = sweep.lease(&pages)?;
+        for (x, pieces) in xs.iter_mut().zip(chunks) {
+            let rows = b.shape(x).0;
+            let mut emb = b.download(x);
+            let mut before = Vec::with_capacity(rows * h);
+            for p in pieces {
+                let seq = &seqs[p.seq];
+                let n = seq.tokens.len();
+                let hidden = seq.hidden_in.filter(|s| s.len() == n * h).ok_or_else(|| {
+                    VoomError::Request(format!(
+                        "a multi-token-prediction pass of {n} positions needs {} floats of hidden states, got {}",
+                        n * h,
+                        seq.hidden_in.map_or(0, <[f32]>::len)
+                    ))
+                })?;
+                before.extend_from_slice(&hidden[p.positions.start * h..p.positions.end * h]);
+                if seq.kv.len() + p.positions.start == 0 {
+                    emb[p.rows.start * h..(p.rows.start + 1) * h].fill(0.0);
+                }
+            }
+            let (e, hs) = (b.upload(rows, h, &emb)?, b.upload(rows, h, &before)?);
+            let (mut en, mut hn) = (b.zeros(rows, h), b.zeros(rows, h));
+            b.rms_norm(&e, w.vector(enorm), eps, &mut en)?;
+            b.rms_norm(&hs, w.vector(hnorm), eps, &mut hn)?;
+            let (en, hn) = (b.download_owned(en), b.download_owned(hn));
+            let mut both = Vec::with_capacity(rows * 2 * h);
+            for r in 0..rows {
+                both.extend_from_slice(&en[r * h..(r + 1) * h]);
+                both.extend_from_slice(&hn[r * h..(r + 1) * h]);
+            }
+            let both = b.upload(rows, 2 * h, &both)?;
+            eh_proj.apply(b, &w, &both, x)?;
+        }
+        Ok(())
+    }
+
     /// The attention half of decoder layer `li` on one chunk of positions `x` (in
     /// place, its residual added), after the chunks before it: their keys and values
     /// are in the caches already. `pieces`: the chunk's rows of each sequence in it,
@@ -734,7 +979,7 @@ impl<B: Backend> Llama<B> {
         pieces: &mut [(std::ops::Range<usize>, &mut KvCache)],
         s: &mut Scratch<B>,
     ) -> Result<(), VoomError> {
-        let (b, cfg) = (&self.backend, &self.cfg);
+        let (b, cfg) = (&*self.backend, &self.cfg);
         let (hd, eps) = (cfg.head_dim, cfg.rms_norm_eps);
         let Attention::Gqa {
             q,
@@ -822,7 +1067,7 @@ impl<B: Backend> Llama<B> {
         x: &mut B::Act,
         s: &mut Scratch<B>,
     ) -> Result<(), VoomError> {
-        let (b, eps) = (&self.backend, self.cfg.rms_norm_eps);
+        let (b, eps) = (&*self.backend, self.cfg.rms_norm_eps);
         {
             let w = lw.step(step)?;
             b.rms_norm(x, w.vector(&layer.mlp_norm), eps, &mut s.xn)?;
@@ -862,7 +1107,7 @@ impl<B: Backend> Llama<B> {
                 Mlp::Dense { .. } => None,
             });
         match next {
-            Some((n, l, e)) => e.hint_picks(&self.backend, &self.cfg, sweep, n, &l.mlp_norm, xs),
+            Some((n, l, e)) => e.hint_picks(&*self.backend, &self.cfg, sweep, n, &l.mlp_norm, xs),
             None => Ok(()),
         }
     }

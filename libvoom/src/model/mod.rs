@@ -94,6 +94,16 @@ pub trait Model: Send + Sync {
         seqs: &mut [SeqPass<'_>],
         chunk: usize,
     ) -> Result<Vec<Vec<f32>>, VoomError>;
+
+    /// Its first multi-token-prediction layer (DeepSeek-V3, GLM-4.5:
+    /// `num_nextn_predict_layers`) as a model of its own, with its own plan and a KV
+    /// cache of one layer ([`Model::new_kv`]): each position reads a token and the
+    /// hidden state before it ([`SeqPass::hidden_in`], `hidden_size` floats a
+    /// position: the decoder's [`SeqPass::hidden_out`], or its own) and gives the
+    /// logits of the token two ahead. `Err`: why there is none.
+    fn mtp(&self) -> Result<&dyn Model, &str> {
+        Err("the architecture has no multi-token-prediction layers")
+    }
 }
 
 /// One sequence's part of a forward pass ([`Model::forward_batch`]).
@@ -102,6 +112,28 @@ pub struct SeqPass<'a> {
     pub tokens: &'a [u32],
     pub kv: &'a mut KvCache,
     pub want: Logits,
+    /// For a multi-token-prediction model ([`Model::mtp`]), and only for one: the
+    /// hidden state each position reads, `hidden_size` floats per token.
+    pub hidden_in: Option<&'a [f32]>,
+    /// Where to append every new position's hidden state, `hidden_size` floats
+    /// each: a decoder's after its final norm (what its multi-token-prediction layer
+    /// reads), a multi-token-prediction model's before its head's norm (what its next
+    /// step reads).
+    pub hidden_out: Option<&'a mut Vec<f32>>,
+}
+
+impl<'a> SeqPass<'a> {
+    /// `tokens` after what `kv` holds, with the logits `want` asks for, and no hidden
+    /// states in or out.
+    pub fn new(tokens: &'a [u32], kv: &'a mut KvCache, want: Logits) -> Self {
+        SeqPass {
+            tokens,
+            kv,
+            want,
+            hidden_in: None,
+            hidden_out: None,
+        }
+    }
 }
 
 /// Loads the architecture `cfg` names from `source` on backend `kind` with

@@ -13,7 +13,8 @@
 //! acceptance, the seconds a pass of n positions takes, and the seconds drafting
 //! takes; it stops drafting for the request when no draft length beats plain
 //! decoding. Drafters: [`lookup::PromptLookup`] (n-gram matches against the prompt
-//! and the output so far) and a smaller model ([`crate::draft::DraftModel`]).
+//! and the output so far), a smaller model ([`crate::draft::DraftModel`]) and the
+//! checkpoint's own multi-token-prediction layer ([`crate::mtp::MtpDrafter`]).
 
 pub mod adapt;
 pub mod lookup;
@@ -53,6 +54,21 @@ pub trait Drafter: Send {
         let _ = (context, k, sampling);
         Ok(None)
     }
+
+    /// Whether it reads the model's hidden states (multi-token prediction): then
+    /// the sequence's passes compute them ([`crate::model::SeqPass::hidden_out`])
+    /// and [`Drafter::observe_hidden`] hears them.
+    fn wants_hidden(&self) -> bool {
+        false
+    }
+
+    /// The model's hidden states of positions `first..` (`hidden_size` floats
+    /// each), committed since the last call: every computed position's once, in
+    /// order, before the [`Drafter::propose`] that follows it. The default ignores
+    /// them.
+    fn observe_hidden(&mut self, first: usize, hidden: &[f32]) {
+        let _ = (first, hidden);
+    }
 }
 
 /// A drafter borrowed is a drafter.
@@ -72,6 +88,14 @@ impl<T: Drafter + ?Sized> Drafter for &mut T {
         sampling: &SamplingParams,
     ) -> Result<Option<Vec<SampledProposal>>, VoomError> {
         (**self).propose_sampled(context, k, sampling)
+    }
+
+    fn wants_hidden(&self) -> bool {
+        (**self).wants_hidden()
+    }
+
+    fn observe_hidden(&mut self, first: usize, hidden: &[f32]) {
+        (**self).observe_hidden(first, hidden)
     }
 }
 

@@ -9,6 +9,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use libvoom::draft::DraftModel;
 use libvoom::engine::{Decoding, Engine, EngineOptions, GenerateParams, Generation, MAX_DRAFT};
+use libvoom::mtp::MtpDrafter;
 use libvoom::sampler::SamplingParams;
 use libvoom::speculate::lookup::PromptLookup;
 use libvoom::speculate::Drafter;
@@ -279,8 +280,13 @@ pub struct SpecArgs {
     /// Draft by prompt lookup: the tokens that followed the last few tokens where
     /// they occurred earlier in the prompt or the output (no second model; strong on
     /// edits, summaries and tool outputs).
-    #[arg(long, env = "VOOM_PROMPT_LOOKUP")]
+    #[arg(long, env = "VOOM_PROMPT_LOOKUP", conflicts_with = "mtp")]
     pub prompt_lookup: bool,
+    /// Draft with the checkpoint's own multi-token-prediction layer (DeepSeek-V3,
+    /// GLM-4.5: `num_nextn_predict_layers`), computed beside the model on the same
+    /// pages: no second model.
+    #[arg(long, env = "VOOM_MTP", conflicts_with = "draft")]
+    pub mtp: bool,
     /// The most tokens a pass verifies beyond the one it computes.
     #[arg(long, default_value_t = MAX_DRAFT, env = "VOOM_MAX_DRAFT")]
     pub max_draft: usize,
@@ -302,17 +308,23 @@ pub enum Speculation {
     Off,
     PromptLookup,
     DraftModel(Box<DraftModel>),
+    /// The model's own multi-token-prediction layer.
+    Mtp,
 }
 
 impl SpecArgs {
     /// Opens the drafter for `target` (a draft model: its engine, with `target`'s
     /// threads and backend; an error if its tokenizer is another).
     pub fn open(&self, target: &Engine, engine: &EngineArgs) -> Result<Speculation> {
-        if self.max_draft == 0 && (self.draft.is_some() || self.prompt_lookup) {
+        if self.max_draft == 0 && (self.draft.is_some() || self.prompt_lookup || self.mtp) {
             bail!("--max-draft must be at least 1 to draft");
         }
         if self.prompt_lookup {
             return Ok(Speculation::PromptLookup);
+        }
+        if self.mtp {
+            target.check_mtp().context("--mtp")?;
+            return Ok(Speculation::Mtp);
         }
         let Some(name) = &self.draft else {
             return Ok(Speculation::Off);
@@ -339,13 +351,15 @@ impl SpecArgs {
 }
 
 impl Speculation {
-    /// A drafter for one generation (none when off).
-    pub fn drafter(&self) -> Option<Box<dyn Drafter>> {
-        match self {
+    /// A drafter for one generation of `engine` (the engine it was opened for;
+    /// none when off).
+    pub fn drafter<'e>(&self, engine: &'e Engine) -> Result<Option<Box<dyn Drafter + 'e>>> {
+        Ok(match self {
             Speculation::Off => None,
             Speculation::PromptLookup => Some(Box::new(PromptLookup::default())),
             Speculation::DraftModel(d) => Some(Box::new(d.fresh())),
-        }
+            Speculation::Mtp => Some(Box::new(MtpDrafter::new(engine)?)),
+        })
     }
 }
 
@@ -694,7 +708,7 @@ pub fn generate_streaming(
     stream: bool,
     on_token: &mut dyn FnMut(),
 ) -> Result<(Generation, String)> {
-    let mut drafter = spec.drafter();
+    let mut drafter = spec.drafter(engine)?;
     let mut text = String::new();
     let show = |piece: &str| -> std::io::Result<()> {
         if stream {

@@ -109,6 +109,13 @@ pub fn run(a: SpecBenchArgs) -> Result<()> {
     let ckpt = voom_formats::Checkpoint::open(&dir)
         .with_context(|| format!("opening {}", dir.display()))?;
     let model_bytes = ckpt.total_bytes();
+    // A checkpoint with a multi-token-prediction layer drafts with it too.
+    let cfg = libvoom::config::ModelConfig::from_dir(&dir)
+        .with_context(|| format!("opening {}", dir.display()))?;
+    let has_mtp = cfg.extra_layers > 0
+        && ckpt
+            .get(&format!("model.layers.{}.eh_proj.weight", cfg.num_layers))
+            .is_some();
     // The files a resident run reads (the draft model's added below).
     let mut files: Vec<PathBuf> = ckpt.files.iter().map(|f| f.path.clone()).collect();
     drop(ckpt);
@@ -142,6 +149,9 @@ pub fn run(a: SpecBenchArgs) -> Result<()> {
             "draft-model",
             vec!["--draft".into(), d.display().to_string()],
         ));
+    }
+    if has_mtp {
+        drafters.push(("mtp", vec!["--mtp".into()]));
     }
     let mut runs = Vec::new();
     for placement in &a.placements {

@@ -222,7 +222,7 @@ impl WorkerState {
             (job.request.prompt_ids.len() + job.request.params.max_new_tokens).min(context)
         };
         let mut reserved = 0usize;
-        let mut running: Vec<(Output<'_>, Sequence<'static>)> = Vec::new();
+        let mut running: Vec<(Output<'_>, Sequence<'_>)> = Vec::new();
         let mut other: Option<Job> = None;
         let mut first = Some(first);
         loop {
@@ -340,7 +340,7 @@ impl WorkerState {
         engine: &'e Engine,
         speculation: &Speculation,
         mut job: Job,
-    ) -> Result<(Output<'e>, Sequence<'static>), (Job, ApiError)> {
+    ) -> Result<(Output<'e>, Sequence<'e>), (Job, ApiError)> {
         let Some(tok) = engine.tokenizer() else {
             let e = ApiError::internal(format!(
                 "model '{}' has no tokenizer.json",
@@ -363,12 +363,14 @@ impl WorkerState {
         let grammar = job.request.grammar.take();
         let grammar_param = grammar.as_ref().map(|g| g.param);
         let matcher = grammar.map(|g| Box::new(g.matcher) as Box<dyn TokenConstraint>);
-        let seq = engine.sequence_owned(
-            &job.request.prompt_ids,
-            &params,
-            matcher,
-            speculation.drafter(),
-        );
+        let drafter = match speculation.drafter(engine) {
+            Ok(d) => d,
+            Err(e) => {
+                let e = ApiError::internal(format!("cannot draft: {e:#}"));
+                return Err((job, e));
+            }
+        };
+        let seq = engine.sequence_owned(&job.request.prompt_ids, &params, matcher, drafter);
         match seq {
             Ok(seq) => Ok((Output::new(job, tok, eos, grammar_param), seq)),
             Err(e) => {

@@ -86,6 +86,11 @@ impl Server {
                 .save(&dir)
                 .unwrap();
         }
+        Self::start_over(models, extra)
+    }
+
+    /// A server over the models in `models` (one directory per model id).
+    pub fn start_over(models: tempfile::TempDir, extra: &[&str]) -> Server {
         let mut child = voom()
             .args(["serve", "--port", "0", "--models-dir"])
             .arg(models.path())
