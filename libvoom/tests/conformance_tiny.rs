@@ -128,7 +128,8 @@ fn single_threaded_and_chunked_prefill_match_transformers_too() {
 }
 
 /// Batch invariance (DESIGN.md invariant 6): a position's logits are bit-identical
-/// whatever the prefill chunk size, the thread count and the backend.
+/// whatever the prefill chunk size, the thread count, the KV cache's page size and
+/// the backend.
 #[test]
 fn logits_bits_do_not_depend_on_chunking_threads_or_backend() {
     for case in cases() {
@@ -139,15 +140,24 @@ fn logits_bits_do_not_depend_on_chunking_threads_or_backend() {
         let prompt = ids(&reference["prompts"][2]["prompt_ids"]);
         let mut seen: Option<Vec<u32>> = None;
         let runs = BackendKind::available().into_iter().flat_map(|backend| {
-            [(1, 1), (2, 3), (3, 256), (2, 5)].map(|(threads, chunk)| (threads, chunk, backend))
+            // (threads, prefill chunk, KV page positions)
+            [
+                (1, 1, 1),
+                (2, 3, 3),
+                (3, 256, 128),
+                (2, 5, 1 << 20),
+                (1, 7, 16),
+            ]
+            .map(|(threads, chunk, page)| (threads, chunk, page, backend))
         });
-        for (threads, chunk, backend) in runs {
+        for (threads, chunk, page, backend) in runs {
             let e = Engine::open(
                 &dir,
                 EngineOptions {
                     threads,
                     prefill_chunk: chunk,
                     backend,
+                    kv_page_positions: page,
                     ..Default::default()
                 },
             )
@@ -161,14 +171,14 @@ fn logits_bits_do_not_depend_on_chunking_threads_or_backend() {
             assert_eq!(
                 bits(&all[all.len() - v..]),
                 bits(&last),
-                "{case}: all-positions and last-position logits differ (threads {threads}, chunk {chunk}, {backend})"
+                "{case}: all-positions and last-position logits differ (threads {threads}, chunk {chunk}, KV pages of {page}, {backend})"
             );
             let b = bits(&all);
             match &seen {
                 None => seen = Some(b),
                 Some(s) => assert_eq!(
                     s, &b,
-                    "{case}: logits bits change with threads {threads}, chunk {chunk}, {backend}"
+                    "{case}: logits bits change with threads {threads}, chunk {chunk}, KV pages of {page}, {backend}"
                 ),
             }
         }

@@ -46,6 +46,9 @@ pub struct EngineOptions {
     /// [`crate::model::sweep::EXPERT_HOLD_BYTES`]; 0 computes them in ascending order.
     /// Results do not depend on it.
     pub expert_hold_bytes: usize,
+    /// Positions per page of the KV cache ([`crate::kv::KvCache`]). Results do not
+    /// depend on it.
+    pub kv_page_positions: usize,
 }
 
 impl Default for EngineOptions {
@@ -59,6 +62,7 @@ impl Default for EngineOptions {
             backend: BackendKind::best(),
             expert_prefetch: false,
             expert_hold_bytes: crate::model::sweep::EXPERT_HOLD_BYTES,
+            kv_page_positions: crate::kv::DEFAULT_PAGE_POSITIONS,
         }
     }
 }
@@ -452,7 +456,8 @@ impl Engine {
 
     /// A fresh KV cache for one sequence.
     pub fn new_kv(&self) -> KvCache {
-        self.model.new_kv(self.max_context())
+        self.model
+            .new_kv(self.max_context(), self.opts.kv_page_positions)
     }
 
     /// Runs `tokens` after what `kv` holds and returns the last position's logits.
@@ -551,7 +556,7 @@ impl Engine {
     pub fn new_mtp_kv(&self) -> Result<KvCache, VoomError> {
         self.check_mtp()?;
         let m = self.model.mtp().expect("checked");
-        Ok(m.new_kv(self.max_context()))
+        Ok(m.new_kv(self.max_context(), self.opts.kv_page_positions))
     }
 
     /// A pass of the multi-token-prediction layer ([`crate::model::Model::mtp`]) over

@@ -523,16 +523,17 @@ impl<B: Backend> Model for Llama<B> {
         (cfg.num_layers * width * std::mem::size_of::<f32>()) as u64
     }
 
-    fn new_kv(&self, capacity: usize) -> KvCache {
+    fn new_kv(&self, capacity: usize, page: usize) -> KvCache {
         let cfg = &self.cfg;
         let width = match &cfg.mla {
             Some(m) => mla::cache_width(m),
             None => cfg.num_kv_heads * cfg.head_dim,
         };
-        KvCache::new(
+        KvCache::with_page(
             cfg.num_layers,
             width,
             capacity.min(cfg.max_position_embeddings),
+            page,
         )
     }
 

@@ -61,13 +61,15 @@ pub trait Model: Send + Sync {
     /// (last-position logits).
     fn scratch_bytes(&self, tokens: usize, chunk: usize, context: usize) -> u64;
 
-    /// An empty KV cache for one sequence, holding at most `capacity` positions.
-    fn new_kv(&self, capacity: usize) -> KvCache {
+    /// An empty KV cache for one sequence, holding at most `capacity` positions, in
+    /// pages of `page` positions.
+    fn new_kv(&self, capacity: usize, page: usize) -> KvCache {
         let cfg = self.config();
-        KvCache::new(
+        KvCache::with_page(
             cfg.num_layers,
             cfg.num_kv_heads * cfg.head_dim,
             capacity.min(cfg.max_position_embeddings),
+            page,
         )
     }
 

@@ -1,14 +1,60 @@
 //! Causal (optionally sliding-window) grouped-query attention over the f32 KV
-//! layout of [`crate::kv::KvCache`], one fixed loop per output row.
+//! layout of [`crate::kv::KvCache`] (its pages read in place), one fixed loop per
+//! output row: a key's score and a value's term are the same whatever page holds
+//! them, and values are summed in position order across pages.
 
-use super::matmul::{attention_scores_isa, weighted_sum_isa, Isa};
+use super::matmul::{attention_scores_isa, weighted_sum_add_isa, Isa};
 use super::ops;
 use super::threads::ThreadPool;
 use crate::backend::{AttentionShape, LatentShape};
+use crate::kv::KvView;
+
+/// `s[j - lo] = q · key_j * scale` for `j` in `lo..lo + s.len()`, the keys at
+/// `offset` floats into each position of `pages`.
+#[allow(clippy::too_many_arguments)]
+fn scores_paged(
+    isa: Isa,
+    q: &[f32],
+    pages: &[&[f32]],
+    view: &KvView<'_>,
+    offset: usize,
+    lo: usize,
+    scale: f32,
+    s: &mut [f32],
+) {
+    let stride = view.width;
+    let mut at = 0;
+    for (p, from, n) in view.segments(lo, lo + s.len()) {
+        let keys = &pages[p][from * stride + offset..];
+        attention_scores_isa(isa, q, keys, stride, scale, &mut s[at..at + n]);
+        at += n;
+    }
+}
+
+/// `out = Σ_j p[j - lo] · value_j` in increasing `j` from zero, the values at
+/// `offset` floats into each position of `pages`.
+fn weighted_sum_paged(
+    isa: Isa,
+    p: &[f32],
+    pages: &[&[f32]],
+    view: &KvView<'_>,
+    offset: usize,
+    lo: usize,
+    out: &mut [f32],
+) {
+    let stride = view.width;
+    out.fill(0.0);
+    let mut at = 0;
+    for (pg, from, n) in view.segments(lo, lo + p.len()) {
+        let values = &pages[pg][from * stride + offset..];
+        weighted_sum_add_isa(isa, &p[at..at + n], values, stride, out);
+        at += n;
+    }
+}
 
 /// Attention of `n` new queries `q` (`n × heads·head_dim`) at positions
-/// `pos0..pos0+n` over the cached keys and values `kc`, `vc` of positions
-/// `0..pos0+n` (`kv_heads·head_dim` floats each), into `out` (`n × heads·head_dim`).
+/// `pos0..pos0+n` over the cached keys and values `kv` of positions `0..pos0+n`
+/// (`kv_heads·head_dim` floats each), into `out` (`n × heads·head_dim`).
 /// The caller checked every length.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn attend(
@@ -16,8 +62,7 @@ pub(super) fn attend(
     pool: &ThreadPool,
     shape: &AttentionShape,
     q: &[f32],
-    kc: &[f32],
-    vc: &[f32],
+    kv: &KvView<'_>,
     pos0: usize,
     n: usize,
     out: &mut [f32],
@@ -25,7 +70,7 @@ pub(super) fn attend(
     let hd = shape.head_dim;
     let heads = shape.heads;
     let group = heads / shape.kv_heads;
-    let (qd, kvd) = (heads * hd, shape.kv_heads * hd);
+    let qd = heads * hd;
     let scale = (hd as f32).powf(-0.5);
     let window = shape.window;
     // One task per (token, head): each output row is computed by one fixed loop.
@@ -41,8 +86,7 @@ pub(super) fn attend(
             let kvh = head / group;
             let qv = &q[t * qd + head * hd..t * qd + (head + 1) * hd];
             let s = &mut scores[..pos + 1 - lo];
-            let base = lo * kvd + kvh * hd;
-            attention_scores_isa(isa, qv, &kc[base..], kvd, scale, s);
+            scores_paged(isa, qv, &kv.k, kv, kvh * hd, lo, scale, s);
             ops::softmax_inplace(s);
             // SAFETY: each task writes only its own disjoint `hd`-sized slice of `out`
             // (row t, head `head`), and `out` outlives `for_each_chunk`, which returns
@@ -50,7 +94,7 @@ pub(super) fn attend(
             let dst = unsafe {
                 std::slice::from_raw_parts_mut(out_ptr.get().add(t * qd + head * hd), hd)
             };
-            weighted_sum_isa(isa, s, &vc[base..], kvd, dst);
+            weighted_sum_paged(isa, s, &kv.v, kv, kvh * hd, lo, dst);
         }
     });
 }
@@ -67,7 +111,7 @@ pub(super) fn attend_latent(
     pool: &ThreadPool,
     shape: &LatentShape,
     q: &[f32],
-    cache: &[f32],
+    cache: &KvView<'_>,
     pos0: usize,
     n: usize,
     out: &mut [f32],
@@ -84,7 +128,7 @@ pub(super) fn attend_latent(
             let pos = pos0 + t;
             let qv = &q[t * qd + head * w..t * qd + (head + 1) * w];
             let s = &mut scores[..pos + 1];
-            attention_scores_isa(isa, qv, cache, w, shape.scale, s);
+            scores_paged(isa, qv, &cache.k, cache, 0, 0, shape.scale, s);
             ops::softmax_inplace(s);
             // SAFETY: each task writes only its own disjoint `rank`-sized slice of
             // `out` (row t, head `head`), and `out` outlives `for_each_chunk`, which
@@ -92,7 +136,7 @@ pub(super) fn attend_latent(
             let dst = unsafe {
                 std::slice::from_raw_parts_mut(out_ptr.get().add(t * od + head * rank), rank)
             };
-            weighted_sum_isa(isa, s, cache, w, dst);
+            weighted_sum_paged(isa, s, &cache.k, cache, 0, 0, dst);
         }
     });
 }

@@ -302,13 +302,13 @@ impl Backend for CpuBackend {
         }
         let pos0 = kv.layer_len(layer);
         kv.append(layer, kv_new.as_slice(), &[])?;
-        let (cache, _) = kv.layer(layer);
+        let cache = kv.layer(layer);
         attention::attend_latent(
             self.isa,
             &self.pool,
             shape,
             q.as_slice(),
-            cache,
+            &cache,
             pos0,
             n,
             out.as_mut_slice(),
@@ -352,14 +352,13 @@ impl Backend for CpuBackend {
         }
         let pos0 = kv.layer_len(layer);
         kv.append(layer, k.as_slice(), v.as_slice())?;
-        let (kc, vc) = kv.layer(layer);
+        let view = kv.layer(layer);
         attention::attend(
             self.isa,
             &self.pool,
             shape,
             q.as_slice(),
-            kc,
-            vc,
+            &view,
             pos0,
             n,
             out.as_mut_slice(),

@@ -381,8 +381,18 @@ pub fn weighted_sum(p: &[f32], values: &[f32], stride: usize, out: &mut [f32]) {
 /// # Panics
 /// As [`weighted_sum`]; and if `isa` is [`Isa::Avx2`] on a CPU without it.
 pub fn weighted_sum_isa(isa: Isa, p: &[f32], values: &[f32], stride: usize, out: &mut [f32]) {
-    assert_isa(isa);
     out.fill(0.0);
+    weighted_sum_add_isa(isa, p, values, stride, out)
+}
+
+/// [`weighted_sum_isa`] continuing from `out` as it is: `out = Σ_j fma(p[j],
+/// value_j, out)` in increasing `j`. A sum over values in several pieces (the pages
+/// of a KV cache), each added in turn, has the bits of one call over them all.
+///
+/// # Panics
+/// As [`weighted_sum`]; and if `isa` is [`Isa::Avx2`] on a CPU without it.
+pub fn weighted_sum_add_isa(isa: Isa, p: &[f32], values: &[f32], stride: usize, out: &mut [f32]) {
+    assert_isa(isa);
     let n = p.len();
     if n == 0 {
         return;
