@@ -1,55 +1,153 @@
-//! Causal (optionally sliding-window) grouped-query attention over the f32 KV
-//! layout of [`crate::kv::KvCache`] (its pages read in place), one fixed loop per
-//! output row: a key's score and a value's term are the same whatever page holds
-//! them, and values are summed in position order across pages.
+//! Causal (optionally sliding-window) grouped-query attention, and multi-head latent
+//! attention, over the f32 KV layout of [`crate::kv::KvCache`], its pages read in
+//! place.
+//!
+//! Each output row has one fixed order of arithmetic, whatever the tiling, the
+//! threads, the page size and the other rows computed with it (batch invariance):
+//! a score is [`super::matmul::dot_f32`] of the query and the key, times the scale;
+//! a row's scores go through [`softmax::softmax`]; its output is the sum of
+//! `probability × value` over the keys in increasing position from zero, one fused
+//! multiply-add per term ([`super::matmul::weighted_sum`]).
+//!
+//! The work is tiled so that a long prompt streams its keys and values from the
+//! cache once per block of queries, not once per query: a task is one head and a
+//! block of [`BLOCK_Q`] consecutive query positions; its keys are taken
+//! [`BLOCK_K`] at a time (a block small enough to stay in the first-level cache),
+//! and every row of the task computes its scores against the block (then, after the
+//! softmax, adds its terms for the block) before the next block. Only the loop
+//! order changes: each element's operations are the same, in the same order.
+
+use std::cell::RefCell;
 
 use super::matmul::{attention_scores_isa, weighted_sum_add_isa, Isa};
-use super::ops;
+use super::softmax;
 use super::threads::ThreadPool;
 use crate::backend::{AttentionShape, LatentShape};
 use crate::kv::KvView;
 
-/// `s[j - lo] = q · key_j * scale` for `j` in `lo..lo + s.len()`, the keys at
-/// `offset` floats into each position of `pages`.
-#[allow(clippy::too_many_arguments)]
-fn scores_paged(
-    isa: Isa,
-    q: &[f32],
-    pages: &[&[f32]],
-    view: &KvView<'_>,
-    offset: usize,
-    lo: usize,
-    scale: f32,
-    s: &mut [f32],
-) {
-    let stride = view.width;
-    let mut at = 0;
-    for (p, from, n) in view.segments(lo, lo + s.len()) {
-        let keys = &pages[p][from * stride + offset..];
-        attention_scores_isa(isa, q, keys, stride, scale, &mut s[at..at + n]);
-        at += n;
+/// Query positions per task.
+pub const BLOCK_Q: usize = 16;
+/// Keys a task's rows go through together.
+pub const BLOCK_K: usize = 64;
+
+thread_local! {
+    /// A task's scores, reused across tasks on a thread.
+    static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Where a task's keys and values are: pages of `view` (keys and values may be the
+/// same pages), each position's key `dk` floats from `k_off`, value `dv` floats from
+/// `v_off`.
+struct Cache<'a> {
+    view: &'a KvView<'a>,
+    keys: &'a [&'a [f32]],
+    values: &'a [&'a [f32]],
+    k_off: usize,
+    v_off: usize,
+}
+
+impl Cache<'_> {
+    /// `s[j - from] = q · key_j * scale` for `j` in `from..from + s.len()`.
+    fn scores(&self, isa: Isa, q: &[f32], from: usize, scale: f32, s: &mut [f32]) {
+        let stride = self.view.width;
+        let mut at = 0;
+        for (p, off, n) in self.view.segments(from, from + s.len()) {
+            let keys = &self.keys[p][off * stride + self.k_off..];
+            attention_scores_isa(isa, q, keys, stride, scale, &mut s[at..at + n]);
+            at += n;
+        }
+    }
+
+    /// `out += Σ_j p[j - from] · value_j` for `j` in `from..from + p.len()`, in
+    /// increasing `j`.
+    fn add_values(&self, isa: Isa, p: &[f32], from: usize, out: &mut [f32]) {
+        let stride = self.view.width;
+        let mut at = 0;
+        for (pg, off, n) in self.view.segments(from, from + p.len()) {
+            let values = &self.values[pg][off * stride + self.v_off..];
+            weighted_sum_add_isa(isa, &p[at..at + n], values, stride, out);
+            at += n;
+        }
     }
 }
 
-/// `out = Σ_j p[j - lo] · value_j` in increasing `j` from zero, the values at
-/// `offset` floats into each position of `pages`.
-fn weighted_sum_paged(
-    isa: Isa,
-    p: &[f32],
-    pages: &[&[f32]],
-    view: &KvView<'_>,
-    offset: usize,
+/// One row of a task: its query, the keys it attends (`lo..hi`), its output.
+struct Row<'a> {
+    q: &'a [f32],
     lo: usize,
-    out: &mut [f32],
+    hi: usize,
+    out: &'a mut [f32],
+}
+
+/// Attention of `rows` over `cache`, tiled over keys ([`BLOCK_K`]) as the module
+/// says, with `scores` as scratch.
+fn attend_rows(
+    isa: Isa,
+    cache: &Cache<'_>,
+    rows: &mut [Row<'_>],
+    scale: f32,
+    scores: &mut Vec<f32>,
 ) {
-    let stride = view.width;
-    out.fill(0.0);
-    let mut at = 0;
-    for (pg, from, n) in view.segments(lo, lo + p.len()) {
-        let values = &pages[pg][from * stride + offset..];
-        weighted_sum_add_isa(isa, &p[at..at + n], values, stride, out);
-        at += n;
+    let Some(lo) = rows.iter().map(|r| r.lo).min() else {
+        return;
+    };
+    let hi = rows.iter().map(|r| r.hi).max().unwrap_or(lo);
+    let width = rows.iter().map(|r| r.hi - r.lo).max().unwrap_or(0);
+    if scores.len() < rows.len() * width {
+        scores.resize(rows.len() * width, 0.0);
     }
+    // Scores, a block of keys at a time for every row.
+    let mut kb = lo;
+    while kb < hi {
+        let ke = (kb + BLOCK_K).min(hi);
+        for (i, r) in rows.iter().enumerate() {
+            let (a, b) = (kb.max(r.lo), ke.min(r.hi));
+            if a < b {
+                let s = &mut scores[i * width + (a - r.lo)..i * width + (b - r.lo)];
+                cache.scores(isa, r.q, a, scale, s);
+            }
+        }
+        kb = ke;
+    }
+    for (i, r) in rows.iter_mut().enumerate() {
+        softmax::softmax(isa, &mut scores[i * width..i * width + (r.hi - r.lo)]);
+        r.out.fill(0.0);
+    }
+    // Values, a block at a time, each row's terms in increasing position.
+    let mut kb = lo;
+    while kb < hi {
+        let ke = (kb + BLOCK_K).min(hi);
+        for (i, r) in rows.iter_mut().enumerate() {
+            let (a, b) = (kb.max(r.lo), ke.min(r.hi));
+            if a < b {
+                let p = &scores[i * width + (a - r.lo)..i * width + (b - r.lo)];
+                cache.add_values(isa, p, a, r.out);
+            }
+        }
+        kb = ke;
+    }
+}
+
+/// Runs `task(head, t0..t1, scores)` for every head and block of [`BLOCK_Q`] query
+/// positions of `n`, on the pool, the longest blocks (the last positions attend the
+/// most keys) first.
+fn for_each_task(
+    pool: &ThreadPool,
+    heads: usize,
+    n: usize,
+    task: impl Fn(usize, std::ops::Range<usize>, &mut Vec<f32>) + Sync,
+) {
+    let blocks = n.div_ceil(BLOCK_Q);
+    pool.for_each_chunk_grain(blocks * heads, 1, |range| {
+        SCORES.with(|s| {
+            let mut s = s.borrow_mut();
+            for t in range {
+                let block = blocks - 1 - t / heads;
+                let t0 = block * BLOCK_Q;
+                task(t % heads, t0..(t0 + BLOCK_Q).min(n), &mut s);
+            }
+        })
+    });
 }
 
 /// Attention of `n` new queries `q` (`n × heads·head_dim`) at positions
@@ -73,29 +171,35 @@ pub(super) fn attend(
     let qd = heads * hd;
     let scale = (hd as f32).powf(-0.5);
     let window = shape.window;
-    // One task per (token, head): each output row is computed by one fixed loop.
-    let tasks = n * heads;
     let out_ptr = SendPtr(out.as_mut_ptr());
-    let max_keys = window.map_or(pos0 + n, |w| w.min(pos0 + n));
-    pool.for_each_chunk(tasks, |range| {
-        let mut scores = vec![0f32; max_keys];
-        for task in range {
-            let (t, head) = (task / heads, task % heads);
-            let pos = pos0 + t;
-            let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
-            let kvh = head / group;
-            let qv = &q[t * qd + head * hd..t * qd + (head + 1) * hd];
-            let s = &mut scores[..pos + 1 - lo];
-            scores_paged(isa, qv, &kv.k, kv, kvh * hd, lo, scale, s);
-            ops::softmax_inplace(s);
-            // SAFETY: each task writes only its own disjoint `hd`-sized slice of `out`
-            // (row t, head `head`), and `out` outlives `for_each_chunk`, which returns
-            // only after every task has finished.
-            let dst = unsafe {
-                std::slice::from_raw_parts_mut(out_ptr.get().add(t * qd + head * hd), hd)
-            };
-            weighted_sum_paged(isa, s, &kv.v, kv, kvh * hd, lo, dst);
-        }
+    for_each_task(pool, heads, n, |head, ts, scores| {
+        let kvh = head / group;
+        let cache = Cache {
+            view: kv,
+            keys: &kv.k,
+            values: &kv.v,
+            k_off: kvh * hd,
+            v_off: kvh * hd,
+        };
+        let mut rows: Vec<Row<'_>> = ts
+            .map(|t| {
+                let pos = pos0 + t;
+                // SAFETY: each task writes only the `hd`-sized slices of `out` of its
+                // own head and query positions, disjoint from every other task's, and
+                // `out` outlives `for_each_chunk_grain`, which returns only after
+                // every task has finished.
+                let dst = unsafe {
+                    std::slice::from_raw_parts_mut(out_ptr.get().add(t * qd + head * hd), hd)
+                };
+                Row {
+                    q: &q[t * qd + head * hd..t * qd + (head + 1) * hd],
+                    lo: window.map_or(0, |w| (pos + 1).saturating_sub(w)),
+                    hi: pos + 1,
+                    out: dst,
+                }
+            })
+            .collect();
+        attend_rows(isa, &cache, &mut rows, scale, scores);
     });
 }
 
@@ -103,8 +207,7 @@ pub(super) fn attend(
 /// positions `pos0..pos0+n` over the cache vectors `cache` of positions `0..pos0+n`
 /// (`rank + rope` floats each: the latent, then the rotary key), into `out`
 /// (`n × heads·rank`): scores are dot products with whole cache vectors, values the
-/// latents. One fixed loop per output row, as [`attend`]. The caller checked every
-/// length.
+/// latents. Tiled and ordered as [`attend`]. The caller checked every length.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn attend_latent(
     isa: Isa,
@@ -119,25 +222,33 @@ pub(super) fn attend_latent(
     let (heads, rank) = (shape.heads, shape.rank);
     let w = rank + shape.rope;
     let (qd, od) = (heads * w, heads * rank);
-    let tasks = n * heads;
     let out_ptr = SendPtr(out.as_mut_ptr());
-    pool.for_each_chunk(tasks, |range| {
-        let mut scores = vec![0f32; pos0 + n];
-        for task in range {
-            let (t, head) = (task / heads, task % heads);
-            let pos = pos0 + t;
-            let qv = &q[t * qd + head * w..t * qd + (head + 1) * w];
-            let s = &mut scores[..pos + 1];
-            scores_paged(isa, qv, &cache.k, cache, 0, 0, shape.scale, s);
-            ops::softmax_inplace(s);
-            // SAFETY: each task writes only its own disjoint `rank`-sized slice of
-            // `out` (row t, head `head`), and `out` outlives `for_each_chunk`, which
-            // returns only after every task has finished.
-            let dst = unsafe {
-                std::slice::from_raw_parts_mut(out_ptr.get().add(t * od + head * rank), rank)
-            };
-            weighted_sum_paged(isa, s, &cache.k, cache, 0, 0, dst);
-        }
+    for_each_task(pool, heads, n, |head, ts, scores| {
+        let c = Cache {
+            view: cache,
+            keys: &cache.k,
+            values: &cache.k,
+            k_off: 0,
+            v_off: 0,
+        };
+        let mut rows: Vec<Row<'_>> = ts
+            .map(|t| {
+                // SAFETY: each task writes only the `rank`-sized slices of `out` of
+                // its own head and query positions, disjoint from every other task's,
+                // and `out` outlives `for_each_chunk_grain`, which returns only after
+                // every task has finished.
+                let dst = unsafe {
+                    std::slice::from_raw_parts_mut(out_ptr.get().add(t * od + head * rank), rank)
+                };
+                Row {
+                    q: &q[t * qd + head * w..t * qd + (head + 1) * w],
+                    lo: 0,
+                    hi: pos0 + t + 1,
+                    out: dst,
+                }
+            })
+            .collect();
+        attend_rows(isa, &c, &mut rows, shape.scale, scores);
     });
 }
 
@@ -151,5 +262,92 @@ unsafe impl Sync for SendPtr {}
 impl SendPtr {
     fn get(self) -> *mut f32 {
         self.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::matmul::{attention_scores_isa, weighted_sum_isa};
+    use crate::kv::KvCache;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    /// The untiled reference: one row at a time over one contiguous copy of the
+    /// cache.
+    #[allow(clippy::too_many_arguments)]
+    fn reference(
+        isa: Isa,
+        shape: &AttentionShape,
+        q: &[f32],
+        kc: &[f32],
+        vc: &[f32],
+        pos0: usize,
+        n: usize,
+    ) -> Vec<f32> {
+        let hd = shape.head_dim;
+        let (qd, kvd) = (shape.heads * hd, shape.kv_heads * hd);
+        let group = shape.heads / shape.kv_heads;
+        let scale = (hd as f32).powf(-0.5);
+        let mut out = vec![0f32; n * qd];
+        for t in 0..n {
+            for head in 0..shape.heads {
+                let pos = pos0 + t;
+                let lo = shape.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                let base = lo * kvd + (head / group) * hd;
+                let mut s = vec![0f32; pos + 1 - lo];
+                let qv = &q[t * qd + head * hd..t * qd + (head + 1) * hd];
+                attention_scores_isa(isa, qv, &kc[base..], kvd, scale, &mut s);
+                softmax::softmax(isa, &mut s);
+                let dst = &mut out[t * qd + head * hd..t * qd + (head + 1) * hd];
+                weighted_sum_isa(isa, &s, &vc[base..], kvd, dst);
+            }
+        }
+        out
+    }
+
+    /// Tiles, pages, threads and windows change no bit of any row: every output
+    /// equals the untiled one-row-at-a-time computation.
+    #[test]
+    fn tiled_paged_attention_has_the_bits_of_one_row_at_a_time() {
+        let mut rng = ChaCha8Rng::seed_from_u64(11);
+        let mut isas = vec![Isa::Portable];
+        if Isa::detect() == Isa::Avx2 {
+            isas.push(Isa::Avx2);
+        }
+        for isa in isas {
+            for (threads, page, window, pos0, n) in [
+                (1, 128, None, 0, 1),
+                (2, 7, None, 0, 3 * BLOCK_Q + 5),
+                (2, 64, Some(20), 30, 2 * BLOCK_Q),
+                (3, 1, None, 100, 1),
+                (2, 16, Some(BLOCK_K + 3), 0, 4 * BLOCK_K + 1),
+            ] {
+                let shape = AttentionShape {
+                    heads: 6,
+                    kv_heads: 2,
+                    head_dim: 12,
+                    window,
+                };
+                let (qd, kvd) = (72, 24);
+                let total = pos0 + n;
+                let mut r =
+                    |len| -> Vec<f32> { (0..len).map(|_| rng.gen_range(-2.0..2.0)).collect() };
+                let (kc, vc, q) = (r(total * kvd), r(total * kvd), r(n * qd));
+                let mut kv = KvCache::with_page(1, kvd, total, page);
+                kv.append(0, &kc, &vc).unwrap();
+                kv.commit(total);
+                let pool = ThreadPool::new(threads).unwrap();
+                let mut out = vec![0f32; n * qd];
+                attend(isa, &pool, &shape, &q, &kv.layer(0), pos0, n, &mut out);
+                let want = reference(isa, &shape, &q, &kc, &vc, pos0, n);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&out),
+                    bits(&want),
+                    "{isa:?}, {threads} threads, pages of {page}, window {window:?}, {n} queries from {pos0}"
+                );
+            }
+        }
     }
 }

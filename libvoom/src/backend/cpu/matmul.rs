@@ -407,11 +407,7 @@ pub fn weighted_sum_add_isa(isa: Isa, p: &[f32], values: &[f32], stride: usize, 
     if isa == Isa::Avx2 {
         // SAFETY: features checked (assert_isa); every value slice is in bounds
         // (asserted above).
-        unsafe {
-            for (j, &pj) in p.iter().enumerate() {
-                avx2::axpy(out, pj, &values[j * stride..j * stride + d]);
-            }
-        }
+        unsafe { avx2::weighted_sum_add(p, values, stride, out) };
         return;
     }
     for (j, &pj) in p.iter().enumerate() {
@@ -842,9 +838,161 @@ mod avx2 {
         scores: &mut [f32],
     ) {
         let d = q.len();
-        for (j, s) in scores.iter_mut().enumerate() {
-            // SAFETY: the caller's bound covers key j; features as the caller's.
-            *s = unsafe { dot_f32(q, keys.get_unchecked(j * stride..j * stride + d)) } * scale;
+        let d8 = d - d % 8;
+        let n = scores.len();
+        let mut j = 0;
+        // Eight keys at a time: the query's chunk loaded once for the eight, and the
+        // eight sums reduced together by `hsum8x` (each with `hsum`'s additions).
+        while j + 8 <= n {
+            let mut acc = [_mm256_setzero_ps(); 8];
+            let mut k = 0;
+            while k < d8 {
+                // SAFETY: k + 8 <= d8 <= q.len(); key j + u's floats k..k+8 are within
+                // the caller's bound ((n - 1) * stride + d <= keys.len()).
+                unsafe {
+                    let qv = _mm256_loadu_ps(q.as_ptr().add(k));
+                    for (u, a) in acc.iter_mut().enumerate() {
+                        let kp = keys.as_ptr().add((j + u) * stride + k);
+                        *a = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp), *a);
+                    }
+                }
+                k += 8;
+            }
+            // SAFETY: features as the caller's.
+            let sums = unsafe { hsum8x(&acc) };
+            if d8 == d {
+                // SAFETY: j + 8 <= n = scores.len().
+                unsafe {
+                    let v = _mm256_mul_ps(sums, _mm256_set1_ps(scale));
+                    _mm256_storeu_ps(scores.as_mut_ptr().add(j), v);
+                }
+            } else {
+                let mut each = [0f32; 8];
+                // SAFETY: eight floats into an array of eight.
+                unsafe { _mm256_storeu_ps(each.as_mut_ptr(), sums) };
+                for (u, &sum) in each.iter().enumerate() {
+                    let key = &keys[(j + u) * stride..(j + u) * stride + d];
+                    let mut s = sum;
+                    for kk in d8..d {
+                        s = q[kk].mul_add(key[kk], s);
+                    }
+                    scores[j + u] = s * scale;
+                }
+            }
+            j += 8;
+        }
+        for (jj, s) in scores.iter_mut().enumerate().skip(j) {
+            // SAFETY: the caller's bound covers key jj; features as the caller's.
+            *s = unsafe { dot_f32(q, keys.get_unchecked(jj * stride..jj * stride + d)) } * scale;
+        }
+    }
+
+    /// `[hsum(a[0]), ..., hsum(a[7])]`, each lane's sum with exactly `hsum`'s
+    /// additions: `h[l] = v[l] + v[l+4]`, then `(h0 + h2) + (h1 + h3)`.
+    ///
+    /// # Safety
+    /// CPU has AVX2.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn hsum8x(a: &[__m256; 8]) -> __m256 {
+        // [x.lo + x.hi | y.lo + y.hi]: the four h of x, then of y.
+        let h = |x: __m256, y: __m256| {
+            _mm256_add_ps(
+                _mm256_permute2f128_ps::<0x20>(x, y),
+                _mm256_permute2f128_ps::<0x31>(x, y),
+            )
+        };
+        let (h01, h23, h45, h67) = (h(a[0], a[1]), h(a[2], a[3]), h(a[4], a[5]), h(a[6], a[7]));
+        // [h0 + h2, h1 + h3] of each: lanes (0, 2 | 1, 3) and (4, 6 | 5, 7).
+        let q = |x: __m256, y: __m256| {
+            _mm256_add_ps(
+                _mm256_shuffle_ps::<0x44>(x, y),
+                _mm256_shuffle_ps::<0xEE>(x, y),
+            )
+        };
+        let (q0123, q4567) = (q(h01, h23), q(h45, h67));
+        // q0 + q1 of each, lanes in the order 0, 2, 4, 6 | 1, 3, 5, 7.
+        let r = _mm256_add_ps(
+            _mm256_shuffle_ps::<0x88>(q0123, q4567),
+            _mm256_shuffle_ps::<0xDD>(q0123, q4567),
+        );
+        _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7))
+    }
+
+    /// `out[i] = fma(p[j], value_j[i], out[i])` for `j` in increasing order, value `j`
+    /// at `j * stride`: [`axpy`]'s bits for each term, with up to 64 floats of `out`
+    /// held in registers across the values.
+    ///
+    /// # Safety
+    /// CPU has AVX2+FMA+F16C; `(p.len() - 1) * stride + out.len() <= values.len()`
+    /// when `p` is not empty.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn weighted_sum_add(
+        p: &[f32],
+        values: &[f32],
+        stride: usize,
+        out: &mut [f32],
+    ) {
+        let d = out.len();
+        let d8 = d - d % 8;
+        let mut c0 = 0;
+        while c0 < d8 {
+            let chunks = ((d8 - c0) / 8).min(8);
+            // SAFETY: as this function's, for floats c0..c0 + 8 * chunks <= d8.
+            unsafe {
+                match chunks {
+                    8 => wsum_block::<8>(p, values, stride, out, c0),
+                    7 => wsum_block::<7>(p, values, stride, out, c0),
+                    6 => wsum_block::<6>(p, values, stride, out, c0),
+                    5 => wsum_block::<5>(p, values, stride, out, c0),
+                    4 => wsum_block::<4>(p, values, stride, out, c0),
+                    3 => wsum_block::<3>(p, values, stride, out, c0),
+                    2 => wsum_block::<2>(p, values, stride, out, c0),
+                    _ => wsum_block::<1>(p, values, stride, out, c0),
+                }
+            }
+            c0 += 8 * chunks;
+        }
+        for (k, o) in out.iter_mut().enumerate().skip(d8) {
+            let mut y = *o;
+            for (j, &pj) in p.iter().enumerate() {
+                y = pj.mul_add(values[j * stride + k], y);
+            }
+            *o = y;
+        }
+    }
+
+    /// [`weighted_sum_add`] for the `C` chunks of eight floats of `out` from `c0`.
+    ///
+    /// # Safety
+    /// As [`weighted_sum_add`], with `c0 + 8 * C <= out.len()`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn wsum_block<const C: usize>(
+        p: &[f32],
+        values: &[f32],
+        stride: usize,
+        out: &mut [f32],
+        c0: usize,
+    ) {
+        // SAFETY: floats c0..c0 + 8 * C of `out` and of every value are in bounds
+        // (the caller's bound).
+        unsafe {
+            let o = out.as_mut_ptr().add(c0);
+            let mut acc = [_mm256_setzero_ps(); C];
+            for (c, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_loadu_ps(o.add(8 * c));
+            }
+            for (j, &pj) in p.iter().enumerate() {
+                let av = _mm256_set1_ps(pj);
+                let v = values.as_ptr().add(j * stride + c0);
+                for (c, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(av, _mm256_loadu_ps(v.add(8 * c)), *a);
+                }
+            }
+            for (c, a) in acc.iter().enumerate() {
+                _mm256_storeu_ps(o.add(8 * c), *a);
+            }
         }
     }
 
@@ -1190,9 +1338,9 @@ mod tests {
     #[test]
     fn attention_kernels_have_dot_and_axpy_bits() {
         let mut rng = ChaCha8Rng::seed_from_u64(11);
-        for d in [8usize, 13, 64] {
+        for d in [8usize, 13, 64, 72, 130, 576] {
             let stride = d + 5;
-            let n = 9;
+            let n = 19;
             let q: Vec<f32> = (0..d).map(|_| rng.gen_range(-1.0..1.0)).collect();
             let kv: Vec<f32> = (0..n * stride).map(|_| rng.gen_range(-1.0..1.0)).collect();
             let mut s = vec![0f32; n];

@@ -7,6 +7,7 @@ pub mod matmul;
 pub mod membw;
 pub mod ops;
 mod rows;
+pub mod softmax;
 pub mod threads;
 
 pub use backend::CpuBackend;

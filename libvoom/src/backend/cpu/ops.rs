@@ -113,21 +113,6 @@ pub fn sigmoid(x: &mut [f32]) {
     }
 }
 
-/// Softmax in place, f32 exponentials, f64 sum, like torch's float32 softmax
-/// (max subtracted first).
-pub fn softmax_inplace(x: &mut [f32]) {
-    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0f64;
-    for v in x.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v as f64;
-    }
-    let sum = sum as f32;
-    for v in x.iter_mut() {
-        *v /= sum;
-    }
-}
-
 /// The `k` largest values of `row` with their index, largest first; ties go to the
 /// lower index and NaN ranks below every number (so it is chosen only when fewer than
 /// `k` numbers exist). `k` past the row's length gives the whole row, ordered.
@@ -202,15 +187,6 @@ mod tests {
         assert_eq!(x[2], 0.0);
         assert_eq!(x[1], -s);
         assert_eq!(x[3], c);
-    }
-
-    #[test]
-    fn softmax_sums_to_one_and_orders() {
-        let mut x = [1.0f32, 3.0, 2.0, -1.0];
-        softmax_inplace(&mut x);
-        let s: f32 = x.iter().sum();
-        assert!((s - 1.0).abs() < 1e-6);
-        assert!(x[1] > x[2] && x[2] > x[0] && x[0] > x[3]);
     }
 
     #[test]
