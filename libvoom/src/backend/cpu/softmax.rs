@@ -30,7 +30,7 @@ const P: [f32; 6] = [
     8.333_452e-3,
     4.166_579_6e-2,
     1.666_666_5e-1,
-    5.000_000_1e-1,
+    0.5,
 ];
 
 /// `e^x` for `x <= 0` (larger `x` are not its domain; a NaN gives NaN), within 2
