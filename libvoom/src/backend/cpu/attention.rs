@@ -10,8 +10,9 @@
 //! multiply-add per term ([`super::matmul::weighted_sum`]).
 //!
 //! The work is tiled so that a long prompt streams its keys and values from the
-//! cache once per block of queries, not once per query: a task is one head and a
-//! block of [`BLOCK_Q`] consecutive query positions; its keys are taken
+//! cache once per block of queries, not once per query: a task is the heads that
+//! share a KV head (one head in multi-head latent attention) and a block of
+//! [`BLOCK_Q`] consecutive query positions; its keys are taken
 //! [`BLOCK_K`] at a time (a block small enough to stay in the first-level cache),
 //! and every row of the task computes its scores against the block (then, after the
 //! softmax, adds its terms for the block) before the next block. Only the loop
@@ -128,9 +129,9 @@ fn attend_rows(
     }
 }
 
-/// Runs `task(head, t0..t1, scores)` for every head and block of [`BLOCK_Q`] query
-/// positions of `n`, on the pool, the longest blocks (the last positions attend the
-/// most keys) first.
+/// Runs `task(head, t0..t1, scores)` for every head (or group of heads) and block
+/// of [`BLOCK_Q`] query positions of `n`, on the pool, the longest blocks (the last
+/// positions attend the most keys) first.
 fn for_each_task(
     pool: &ThreadPool,
     heads: usize,
@@ -172,8 +173,9 @@ pub(super) fn attend(
     let scale = (hd as f32).powf(-0.5);
     let window = shape.window;
     let out_ptr = SendPtr(out.as_mut_ptr());
-    for_each_task(pool, heads, n, |head, ts, scores| {
-        let kvh = head / group;
+    // A task takes the heads that share a KV head, so that each key and value it
+    // streams serves all of them.
+    for_each_task(pool, shape.kv_heads, n, |kvh, ts, scores| {
         let cache = Cache {
             view: kv,
             keys: &kv.k,
@@ -181,13 +183,15 @@ pub(super) fn attend(
             k_off: kvh * hd,
             v_off: kvh * hd,
         };
+        let heads_of = kvh * group..(kvh + 1) * group;
         let mut rows: Vec<Row<'_>> = ts
-            .map(|t| {
+            .flat_map(|t| heads_of.clone().map(move |head| (t, head)))
+            .map(|(t, head)| {
                 let pos = pos0 + t;
                 // SAFETY: each task writes only the `hd`-sized slices of `out` of its
-                // own head and query positions, disjoint from every other task's, and
-                // `out` outlives `for_each_chunk_grain`, which returns only after
-                // every task has finished.
+                // own heads and query positions, disjoint from every other task's,
+                // and `out` outlives `for_each_chunk_grain`, which returns only
+                // after every task has finished.
                 let dst = unsafe {
                     std::slice::from_raw_parts_mut(out_ptr.get().add(t * qd + head * hd), hd)
                 };
