@@ -14,6 +14,7 @@ use voom_formats::Checkpoint;
 use crate::synth;
 
 use super::common;
+use super::llama_cpp::LlamaBench;
 
 #[derive(Args, Debug)]
 #[command(args_conflicts_with_subcommands = true)]
@@ -56,6 +57,14 @@ pub struct BenchArgs {
     /// Directory of profiles (as for `voom run --profiles-dir`).
     #[arg(long)]
     pub profiles_dir: Option<PathBuf>,
+    /// llama.cpp's `llama-bench`: each run also measures it on `--llama-gguf` (the
+    /// same model as a GGUF) with the same prompt, decode length and threads, and
+    /// the figures are reported beside vOOM's with their ratio.
+    #[arg(long)]
+    pub llama_bench: Option<PathBuf>,
+    /// The GGUF `--llama-bench` runs.
+    #[arg(long)]
+    pub llama_gguf: Option<PathBuf>,
 }
 
 /// Benchmarks beside the resident one.
@@ -99,6 +108,15 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if a.synthetic_gb > 0.0 {
         dirs.push(synth::bench_model(a.synthetic_gb)?);
     }
+    let llama = match &a.llama_bench {
+        Some(b) => {
+            if dirs.len() != 1 {
+                bail!("--llama-bench compares one model: give one --model and --synthetic-gb 0");
+            }
+            Some(LlamaBench::new(b, a.llama_gguf.as_deref())?)
+        }
+        None => None,
+    };
 
     let mut results = Vec::new();
     for dir in &dirs {
@@ -199,7 +217,13 @@ pub fn run(a: BenchArgs) -> Result<()> {
             let (mut bw, mut wbw) = (Vec::new(), Vec::new());
             let mut prefill = vec![Vec::new(); engines.len()];
             let mut decode = vec![Vec::new(); engines.len()];
+            let (mut llama_prefill, mut llama_decode) = (Vec::new(), Vec::new());
             for _ in 0..a.runs {
+                if let Some(l) = &llama {
+                    let f = l.run(a.prompt_tokens, a.decode_tokens, threads)?;
+                    llama_prefill.push(f.prefill);
+                    llama_decode.push(f.decode);
+                }
                 // The bounds, measured between runs on the same threads.
                 bw.push(read_bandwidth(1 << 30, threads, 3));
                 let (mut bytes, mut secs) = (0f64, 0f64);
@@ -268,6 +292,31 @@ pub fn run(a: BenchArgs) -> Result<()> {
                         100.0 * achieved / bw_med,
                         bw_med
                     )?;
+                }
+                if let (Some(l), true) = (&llama, i == 0) {
+                    let (lp, ld) = (
+                        median(&mut llama_prefill.clone()),
+                        median(&mut llama_decode.clone()),
+                    );
+                    r["llama_cpp"] = serde_json::json!({
+                        "llama_bench": l.binary.display().to_string(),
+                        "gguf": l.gguf.display().to_string(),
+                        "prefill_tokens_per_sec": lp,
+                        "decode_tokens_per_sec": ld,
+                        "prefill_ratio": pre_med / lp,
+                        "decode_ratio": dec_med / ld,
+                    });
+                    if !a.json {
+                        vpaged::outln!(
+                            "{:<28} llama.cpp (llama-bench, same runs): prefill {:>7.1} tok/s, decode {:>6.2} tok/s at depth {}: vOOM {:.2}x prefill, {:.2}x decode",
+                            "",
+                            lp,
+                            ld,
+                            a.prompt_tokens,
+                            pre_med / lp,
+                            dec_med / ld,
+                        )?;
+                    }
                 }
                 if *label == "vpaged" {
                     // Overhead = 1 - daemon/other, on decode medians; per-run pairs

@@ -5,6 +5,7 @@ pub mod budget;
 pub mod common;
 pub mod generate;
 pub mod list;
+pub mod llama_cpp;
 pub mod out_of_core;
 pub mod plan;
 pub mod profiles;

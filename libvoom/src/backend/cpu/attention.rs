@@ -20,7 +20,7 @@
 
 use std::cell::RefCell;
 
-use super::matmul::{attention_scores_isa, weighted_sum_add_isa, Isa};
+use super::matmul::{attention_scores2_isa, attention_scores_isa, weighted_sum_add_isa, Isa};
 use super::softmax;
 use super::threads::ThreadPool;
 use crate::backend::{AttentionShape, LatentShape};
@@ -55,6 +55,20 @@ impl Cache<'_> {
         for (p, off, n) in self.view.segments(from, from + s.len()) {
             let keys = &self.keys[p][off * stride + self.k_off..];
             attention_scores_isa(isa, q, keys, stride, scale, &mut s[at..at + n]);
+            at += n;
+        }
+    }
+
+    /// [`Cache::scores`] of two queries over the same keys (each score's bits as
+    /// alone).
+    fn scores2(&self, isa: Isa, q: [&[f32]; 2], from: usize, scale: f32, s: [&mut [f32]; 2]) {
+        let stride = self.view.width;
+        let [a, b] = s;
+        let mut at = 0;
+        for (p, off, n) in self.view.segments(from, from + a.len()) {
+            let keys = &self.keys[p][off * stride + self.k_off..];
+            let pair = [&mut a[at..at + n], &mut b[at..at + n]];
+            attention_scores2_isa(isa, q, keys, stride, scale, pair);
             at += n;
         }
     }
@@ -97,16 +111,31 @@ fn attend_rows(
     if scores.len() < rows.len() * width {
         scores.resize(rows.len() * width, 0.0);
     }
-    // Scores, a block of keys at a time for every row.
+    // Scores, a block of keys at a time for every row; two rows that attend the same
+    // keys (heads of one position) together.
     let mut kb = lo;
     while kb < hi {
         let ke = (kb + BLOCK_K).min(hi);
-        for (i, r) in rows.iter().enumerate() {
+        let mut i = 0;
+        while i < rows.len() {
+            let r = &rows[i];
             let (a, b) = (kb.max(r.lo), ke.min(r.hi));
+            let paired = rows
+                .get(i + 1)
+                .is_some_and(|n| (n.lo, n.hi) == (r.lo, r.hi) && n.q.len() == r.q.len());
+            if a < b && paired {
+                let (first, second) = scores.split_at_mut((i + 1) * width);
+                let sa = &mut first[i * width + (a - r.lo)..i * width + (b - r.lo)];
+                let sb = &mut second[a - r.lo..b - r.lo];
+                cache.scores2(isa, [r.q, rows[i + 1].q], a, scale, [sa, sb]);
+                i += 2;
+                continue;
+            }
             if a < b {
                 let s = &mut scores[i * width + (a - r.lo)..i * width + (b - r.lo)];
                 cache.scores(isa, r.q, a, scale, s);
             }
+            i += 1;
         }
         kb = ke;
     }

@@ -367,6 +367,49 @@ pub fn attention_scores_isa(
     }
 }
 
+/// [`attention_scores_isa`] of two queries of one length against the same keys
+/// (into two score slices of one length): each score has the bits it has alone.
+///
+/// # Panics
+/// As [`attention_scores`]; and if the queries' or the slices' lengths differ.
+pub fn attention_scores2_isa(
+    isa: Isa,
+    q: [&[f32]; 2],
+    keys: &[f32],
+    stride: usize,
+    scale: f32,
+    scores: [&mut [f32]; 2],
+) {
+    assert_eq!(
+        q[0].len(),
+        q[1].len(),
+        "attention_scores2: queries differ in length"
+    );
+    assert_eq!(
+        scores[0].len(),
+        scores[1].len(),
+        "attention_scores2: score slices differ in length"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 && !scores[0].is_empty() {
+        assert_isa(isa);
+        let n = scores[0].len();
+        assert!(
+            (n - 1) * stride + q[0].len() <= keys.len(),
+            "attention_scores2: {n} keys of {} floats at stride {stride} exceed {} floats",
+            q[0].len(),
+            keys.len()
+        );
+        // SAFETY: features checked (assert_isa); every key slice is in bounds
+        // (asserted above); lengths equal (asserted above).
+        unsafe { avx2::attention_scores2(q, keys, stride, scale, scores) };
+        return;
+    }
+    let [a, b] = scores;
+    attention_scores_isa(isa, q[0], keys, stride, scale, a);
+    attention_scores_isa(isa, q[1], keys, stride, scale, b);
+}
+
 /// `out = Σ_j fma(p[j], value_j, out)` from `out = 0`, in increasing `j`, with the
 /// value of position `j` at `j * stride` (each element with [`axpy`]'s bits).
 ///
@@ -887,6 +930,68 @@ mod avx2 {
         }
     }
 
+    /// [`attention_scores`] of two queries against the same keys, each score with
+    /// its bits: four keys at a time, each key's chunk loaded once for both.
+    ///
+    /// # Safety
+    /// As [`attention_scores`], for both queries (of one length) and both score
+    /// slices (of one length).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn attention_scores2(
+        q: [&[f32]; 2],
+        keys: &[f32],
+        stride: usize,
+        scale: f32,
+        scores: [&mut [f32]; 2],
+    ) {
+        let d = q[0].len();
+        let d8 = d - d % 8;
+        let n = scores[0].len();
+        let [sa, sb] = scores;
+        let mut j = 0;
+        while j + 4 <= n {
+            // acc[u]: query 0 with key j + u; acc[4 + u]: query 1 with it.
+            let mut acc = [_mm256_setzero_ps(); 8];
+            let mut k = 0;
+            while k < d8 {
+                // SAFETY: k + 8 <= d8 <= the queries' length; keys j..j+4 are within
+                // the caller's bound.
+                unsafe {
+                    let qa = _mm256_loadu_ps(q[0].as_ptr().add(k));
+                    let qb = _mm256_loadu_ps(q[1].as_ptr().add(k));
+                    for u in 0..4 {
+                        let kv = _mm256_loadu_ps(keys.as_ptr().add((j + u) * stride + k));
+                        acc[u] = _mm256_fmadd_ps(qa, kv, acc[u]);
+                        acc[4 + u] = _mm256_fmadd_ps(qb, kv, acc[4 + u]);
+                    }
+                }
+                k += 8;
+            }
+            let mut each = [0f32; 8];
+            // SAFETY: features as the caller's; eight floats into an array of eight.
+            unsafe { _mm256_storeu_ps(each.as_mut_ptr(), hsum8x(&acc)) };
+            for (i, &sum) in each.iter().enumerate() {
+                let (row, u) = (i / 4, i % 4);
+                let key = &keys[(j + u) * stride..(j + u) * stride + d];
+                let mut s = sum;
+                for kk in d8..d {
+                    s = q[row][kk].mul_add(key[kk], s);
+                }
+                let out = if row == 0 { &mut *sa } else { &mut *sb };
+                out[j + u] = s * scale;
+            }
+            j += 4;
+        }
+        for jj in j..n {
+            let key = &keys[jj * stride..jj * stride + d];
+            // SAFETY: features as the caller's; equal lengths.
+            unsafe {
+                sa[jj] = dot_f32(q[0], key) * scale;
+                sb[jj] = dot_f32(q[1], key) * scale;
+            }
+        }
+    }
+
     /// `[hsum(a[0]), ..., hsum(a[7])]`, each lane's sum with exactly `hsum`'s
     /// additions: `h[l] = v[l] + v[l+4]`, then `(h0 + h2) + (h1 + h3)`.
     ///
@@ -1345,6 +1450,24 @@ mod tests {
             let kv: Vec<f32> = (0..n * stride).map(|_| rng.gen_range(-1.0..1.0)).collect();
             let mut s = vec![0f32; n];
             attention_scores(&q, &kv, stride, 0.125, &mut s);
+            // Two queries at once: each score the bits of one query alone.
+            let q2: Vec<f32> = (0..d).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            let (mut a, mut b) = (vec![0f32; n], vec![0f32; n]);
+            attention_scores2_isa(
+                Isa::detect(),
+                [&q, &q2],
+                &kv,
+                stride,
+                0.125,
+                [&mut a, &mut b],
+            );
+            let mut alone = vec![0f32; n];
+            attention_scores(&q2, &kv, stride, 0.125, &mut alone);
+            assert_eq!(a, s);
+            assert_eq!(
+                b.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                alone.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+            );
             for j in 0..n {
                 assert_eq!(
                     s[j].to_bits(),
@@ -1353,6 +1476,7 @@ mod tests {
             }
             let mut out = vec![1f32; d];
             weighted_sum(&s, &kv, stride, &mut out);
+
             let mut want = vec![0f32; d];
             for j in 0..n {
                 axpy(&mut want, s[j], &kv[j * stride..j * stride + d]);

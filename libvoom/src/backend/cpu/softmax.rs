@@ -65,7 +65,12 @@ pub fn softmax(isa: Isa, x: &mut [f32]) {
     if x.is_empty() {
         return;
     }
-    let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let m = match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as below.
+        Isa::Avx2 => unsafe { avx2::max(x) },
+        _ => x.iter().copied().fold(f32::NEG_INFINITY, f32::max),
+    };
     let mut lanes = [0f64; 8];
     let done = match isa {
         #[cfg(target_arch = "x86_64")]
@@ -80,8 +85,11 @@ pub fn softmax(isa: Isa, x: &mut [f32]) {
     }
     let l = lanes;
     let s = (((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))) as f32;
-    for v in x.iter_mut() {
-        *v /= s;
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx2 => unsafe { avx2::divide(x, s) },
+        _ => x.iter_mut().for_each(|v| *v /= s),
     }
 }
 
@@ -120,6 +128,54 @@ mod avx2 {
         let pa = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(a, bias)));
         let pb = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(b, bias)));
         _mm256_mul_ps(_mm256_mul_ps(e, pa), pb)
+    }
+
+    /// The largest value of `x`, NaNs ignored (`f32::max`'s fold: the largest of
+    /// the numbers, whatever their order, or -inf).
+    ///
+    /// # Safety
+    /// CPU has AVX2.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn max(x: &[f32]) -> f32 {
+        let n8 = x.len() - x.len() % 8;
+        let mut acc = _mm256_set1_ps(f32::NEG_INFINITY);
+        let mut j = 0;
+        while j < n8 {
+            // SAFETY: j + 8 <= n8 <= x.len(). `max_ps(v, acc)` gives `acc` where `v`
+            // is NaN, so NaNs are skipped as `f32::max` skips them.
+            acc = unsafe { _mm256_max_ps(_mm256_loadu_ps(x.as_ptr().add(j)), acc) };
+            j += 8;
+        }
+        let mut lanes = [0f32; 8];
+        // SAFETY: eight floats into an array of eight.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
+        lanes
+            .iter()
+            .chain(&x[n8..])
+            .copied()
+            .fold(f32::NEG_INFINITY, f32::max)
+    }
+
+    /// `x[j] /= s` for every `j`.
+    ///
+    /// # Safety
+    /// CPU has AVX2.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn divide(x: &mut [f32], s: f32) {
+        let n8 = x.len() - x.len() % 8;
+        let sv = _mm256_set1_ps(s);
+        let mut j = 0;
+        while j < n8 {
+            // SAFETY: j + 8 <= n8 <= x.len().
+            unsafe {
+                let p = x.as_mut_ptr().add(j);
+                _mm256_storeu_ps(p, _mm256_div_ps(_mm256_loadu_ps(p), sv));
+            }
+            j += 8;
+        }
+        for v in &mut x[n8..] {
+            *v /= s;
+        }
     }
 
     /// `x[j] = exp(x[j] - m)` for the whole chunks of eight, each added to
