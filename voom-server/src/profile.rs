@@ -47,6 +47,7 @@ pub const KEYS: &[&str] = &[
     "read_ahead_layers",
     "expert_prefetch",
     "kv_budget",
+    "prefix_cache",
     "max_context",
     "threads",
     "verify",
@@ -261,11 +262,31 @@ pub struct Settings {
     pub expert_prefetch: bool,
     /// Bytes of KV cache; bounds the context (see [`Settings::max_context_for`]).
     pub kv_budget: Option<u64>,
+    /// Bytes of prompt-prefix KV kept in memory for reuse; `None`:
+    /// [`DEFAULT_PREFIX_CACHE`] without a memory budget, none within one.
+    pub prefix_cache: Option<u64>,
     pub max_context: Option<usize>,
     /// Compute threads (0: all cores).
     pub threads: usize,
     pub verify: Verify,
     pub sampling: Sampling,
+}
+
+/// Bytes of prompt-prefix KV a process without a memory budget keeps for reuse.
+pub const DEFAULT_PREFIX_CACHE: u64 = 256 << 20;
+
+impl Settings {
+    /// Bytes of prompt-prefix KV to keep: `prefix_cache`, else
+    /// [`DEFAULT_PREFIX_CACHE`] without a memory budget and none within one (the
+    /// memory planner does not set it aside).
+    pub fn prefix_cache_bytes(&self) -> u64 {
+        self.prefix_cache
+            .unwrap_or(if self.memory_budget.is_some() {
+                0
+            } else {
+                DEFAULT_PREFIX_CACHE
+            })
+    }
 }
 
 impl Default for Settings {
@@ -286,6 +307,7 @@ impl Default for Settings {
             read_ahead_layers: vpaged::store::DEFAULT_READ_AHEAD_LAYERS,
             expert_prefetch: false,
             kv_budget: None,
+            prefix_cache: None,
             max_context: None,
             threads: 0,
             verify: Verify::FirstUse,
@@ -382,6 +404,7 @@ pub struct Overrides {
     pub read_ahead_layers: Option<usize>,
     pub expert_prefetch: Option<bool>,
     pub kv_budget: Option<u64>,
+    pub prefix_cache: Option<u64>,
     pub max_context: Option<usize>,
     pub threads: Option<usize>,
     pub verify: Option<Verify>,
@@ -418,6 +441,7 @@ const NAMES: &[(&str, &str, &str)] = &[
         "VOOM_EXPERT_PREFETCH",
     ),
     ("kv_budget", "--kv-budget", "VOOM_KV_BUDGET"),
+    ("prefix_cache", "--prefix-cache", "VOOM_PREFIX_CACHE"),
     ("max_context", "--max-context", "VOOM_MAX_CONTEXT"),
     ("threads", "--threads", "VOOM_THREADS"),
     ("verify", "--verify", "VOOM_VERIFY"),
@@ -470,6 +494,7 @@ impl Overrides {
             read_ahead_layers: read(get, "read_ahead_layers", num)?,
             expert_prefetch: read(get, "expert_prefetch", parse_bool)?,
             kv_budget: read(get, "kv_budget", parse_size)?,
+            prefix_cache: read(get, "prefix_cache", parse_size)?,
             max_context: read(get, "max_context", num)?,
             threads: read(get, "threads", num)?,
             verify: read(get, "verify", str::parse)?,
@@ -498,6 +523,7 @@ struct ProfileFile {
     read_ahead_layers: Option<usize>,
     expert_prefetch: Option<bool>,
     kv_budget: Option<vpaged::config::ByteSize>,
+    prefix_cache: Option<vpaged::config::ByteSize>,
     max_context: Option<usize>,
     threads: Option<usize>,
     verify: Option<String>,
@@ -934,6 +960,7 @@ pub fn resolve(
     pick!(read_ahead_layers, id, id);
     pick!(expert_prefetch, id, id);
     pick!(kv_budget, bytes, Some);
+    pick!(prefix_cache, bytes, Some);
     pick!(max_context, id, Some);
     pick!(threads, id, id);
     // Checked when the file was parsed.

@@ -608,3 +608,50 @@ fn the_prediction_layer_drafts_where_the_checkpoint_has_one() {
         "{log}"
     );
 }
+
+/// Prompt-prefix reuse in `voom serve`: a request that repeats or extends one
+/// computed before takes those positions from memory, says how many in
+/// `voom.timings.prefix_tokens_reused` and `/metrics`, and answers exactly as
+/// without reuse (`--prefix-cache 0`).
+#[test]
+fn repeated_and_extended_prompts_reuse_their_prefix_exactly() {
+    let prompt: Vec<u32> = (0..40).map(|i| 20 + (i * 7) % 300).collect();
+    let mut longer = prompt.clone();
+    longer.extend([5, 6, 7]);
+    let body = |p: &[u32]| json!({"model": MODEL, "prompt": p, "max_tokens": 8, "temperature": 0});
+    let plain = Server::start(&["--prefix-cache", "0"]);
+    let reused = Server::start(&[]);
+    let mut answers = Vec::new();
+    for (i, p) in [&prompt, &prompt, &longer].iter().enumerate() {
+        let a = plain.post_json("/v1/completions", &body(p));
+        let b = reused.post_json("/v1/completions", &body(p));
+        assert_eq!(
+            (a.status, b.status),
+            (200, 200),
+            "{} {}",
+            a.text(),
+            b.text()
+        );
+        let (a, b) = (a.json(), b.json());
+        assert_eq!(
+            a["choices"][0]["text"], b["choices"][0]["text"],
+            "request {i}"
+        );
+        assert_eq!(a["voom"]["timings"]["prefix_tokens_reused"], 0);
+        answers.push(
+            b["voom"]["timings"]["prefix_tokens_reused"]
+                .as_u64()
+                .unwrap(),
+        );
+    }
+    // The first computes everything; the repeat all but its last token; the
+    // extension at least the first prompt.
+    assert_eq!(answers[0], 0);
+    assert_eq!(answers[1], prompt.len() as u64 - 1);
+    assert!(answers[2] >= prompt.len() as u64, "{answers:?}");
+    assert_eq!(
+        reused.metric("voom_prefix_tokens_reused_total"),
+        (answers[1] + answers[2]) as f64
+    );
+    assert_eq!(plain.metric("voom_prefix_tokens_reused_total"), 0.0);
+}

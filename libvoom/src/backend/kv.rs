@@ -175,6 +175,22 @@ impl KvCache {
         self.k.iter().chain(&self.v).map(|x| x.floats() * 4).sum()
     }
 
+    /// Bytes it holds that are not in pages `seen` lists (closed pages by address,
+    /// added to `seen`; its open pages are its own): what it adds beside caches that
+    /// share its pages.
+    pub fn bytes_not_in(&self, seen: &mut std::collections::HashSet<usize>) -> usize {
+        let mut bytes = 0;
+        for half in self.k.iter().chain(&self.v) {
+            for p in &half.closed {
+                if seen.insert(p.as_ptr() as usize) {
+                    bytes += p.len() * 4;
+                }
+            }
+            bytes += half.open.len() * 4;
+        }
+        bytes
+    }
+
     /// Positions `layer` holds: the committed ones and those appended since.
     pub fn layer_len(&self, layer: usize) -> usize {
         self.k[layer].floats() / self.width.max(1)

@@ -18,6 +18,7 @@ use crate::speculate::{Drafter, SpecReport};
 use crate::text::Tokenizer;
 use crate::VoomError;
 
+pub mod prefix;
 mod sequence;
 pub use sequence::Sequence;
 
@@ -49,6 +50,9 @@ pub struct EngineOptions {
     /// Positions per page of the KV cache ([`crate::kv::KvCache`]). Results do not
     /// depend on it.
     pub kv_page_positions: usize,
+    /// Bytes of prompt-prefix KV kept for reuse ([`prefix::PrefixCache`]; 0: none).
+    /// Results do not depend on it.
+    pub prefix_cache_bytes: usize,
 }
 
 impl Default for EngineOptions {
@@ -63,6 +67,7 @@ impl Default for EngineOptions {
             expert_prefetch: false,
             expert_hold_bytes: crate::model::sweep::EXPERT_HOLD_BYTES,
             kv_page_positions: crate::kv::DEFAULT_PAGE_POSITIONS,
+            prefix_cache_bytes: 0,
         }
     }
 }
@@ -161,6 +166,9 @@ pub struct Generation {
     /// Forward passes of decode (one sweep of the weights each): the generated ids
     /// less one without speculation, fewer with it.
     pub decode_passes: usize,
+    /// Prompt positions taken from a prefix computed before ([`prefix`]) instead of
+    /// computed.
+    pub prefix_reused: usize,
     /// What speculation did, when a drafter ran.
     pub speculation: Option<SpecReport>,
 }
@@ -262,6 +270,8 @@ pub struct Engine {
     walk: Walk,
     /// The multi-token-prediction layer's walk, where the model has one.
     mtp_walk: Option<Walk>,
+    /// Prompt prefixes computed before ([`EngineOptions::prefix_cache_bytes`]).
+    prefixes: std::sync::Mutex<prefix::PrefixCache>,
     /// The routing trace being recorded ([`Engine::record_expert_trace`]).
     trace: std::sync::Mutex<Option<Vec<vpaged::expert_trace::TracePass>>>,
 }
@@ -344,6 +354,7 @@ impl Engine {
             None
         };
         let eos = eos_ids(dir, model.config(), tokenizer.as_ref());
+        let prefix_bytes = opts.prefix_cache_bytes;
         Ok(Engine {
             dir: dir.to_path_buf(),
             name,
@@ -355,6 +366,7 @@ impl Engine {
             stream_room,
             walk,
             mtp_walk,
+            prefixes: std::sync::Mutex::new(prefix::PrefixCache::new(prefix_bytes)),
             trace: std::sync::Mutex::new(None),
         })
     }
@@ -452,6 +464,11 @@ impl Engine {
             .max_context
             .unwrap_or(usize::MAX)
             .min(self.config().max_position_embeddings)
+    }
+
+    /// The prompt-prefix cache (its counters; [`prefix::PrefixCache`]).
+    pub fn prefixes(&self) -> std::sync::MutexGuard<'_, prefix::PrefixCache> {
+        self.prefixes.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// A fresh KV cache for one sequence.

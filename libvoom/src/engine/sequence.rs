@@ -102,6 +102,7 @@ impl<'a> Sequence<'a> {
             prefill_page_wait_secs: 0.0,
             decode_page_wait_secs: 0.0,
             decode_passes: 0,
+            prefix_reused: 0,
             speculation: drafter.as_ref().map(|d| SpecReport {
                 drafter: d.name(),
                 scheme: "exact".into(),
@@ -138,6 +139,15 @@ impl<'a> Sequence<'a> {
             // Nothing may be generated: no need to compute the prompt.
             s.out.finish = FinishReason::Complete;
             s.state = State::Done;
+        } else if !s.drafter.as_deref().is_some_and(|d| d.wants_hidden()) {
+            // The longest prefix computed before: its positions are a cold run's.
+            // (A drafter that reads hidden states needs every position's: it
+            // computes the whole prompt.)
+            if let Some(kv) = engine.prefixes().take(prompt) {
+                s.out.prefix_reused = kv.len();
+                s.state = State::Prompt { done: kv.len() };
+                s.kv = kv;
+            }
         }
         Ok(s)
     }
@@ -191,7 +201,9 @@ impl<'a> Sequence<'a> {
     fn next_tokens(&self, prompt_room: usize) -> Option<(std::ops::Range<usize>, Logits)> {
         match &self.state {
             State::Prompt { done } => {
-                let end = (done + prompt_room.max(1)).min(self.prompt.len());
+                let end = done
+                    .saturating_add(prompt_room.max(1))
+                    .min(self.prompt.len());
                 Some((*done..end, Logits::Last))
             }
             State::Tokens(t, _) => Some((
@@ -229,6 +241,7 @@ impl<'a> Sequence<'a> {
                 }
                 self.out.prefill_secs = self.started.elapsed().as_secs_f64();
                 self.out.prefill_page_wait_secs = self.waited_prefill.as_secs_f64();
+                engine.prefixes().insert(&self.prompt, &self.kv);
                 self.decode_started = Some(Instant::now());
                 self.logits = rows;
             }
@@ -344,6 +357,8 @@ impl<'a> Sequence<'a> {
                 }
                 let keep = self.kv.len().min(computed);
                 self.kv.truncate(keep);
+                // The conversation so far, for a next turn that extends it.
+                engine.prefixes().insert(&self.context[..keep], &self.kv);
                 self.finish();
                 return Ok(());
             }

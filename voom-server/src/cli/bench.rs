@@ -154,6 +154,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
                     pin_first_layers: None,
                     pin_last_layers: None,
                     kv_budget: None,
+                    prefix_cache: None,
                     resolved: None,
                 };
                 let engine = common::open_engine(dir, &args)?;

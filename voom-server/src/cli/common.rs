@@ -115,6 +115,11 @@ pub struct EngineArgs {
     /// [default: none].
     #[arg(long, value_parser = profile::parse_size)]
     pub kv_budget: Option<u64>,
+    /// Bytes of prompt-prefix KV kept in memory, so that a prompt repeating or
+    /// extending one already computed computes only what is new; 0 keeps none
+    /// [env: VOOM_PREFIX_CACHE] [default: 256MiB, none with a memory budget].
+    #[arg(long, value_parser = profile::parse_size)]
+    pub prefix_cache: Option<u64>,
     /// The profile resolved once for a long-lived process (the server), so every
     /// engine it opens uses, and reports, the same settings.
     #[arg(skip)]
@@ -176,6 +181,7 @@ impl EngineArgs {
             read_ahead_layers: self.read_ahead_layers,
             expert_prefetch: self.expert_prefetch.then_some(true),
             kv_budget: self.kv_budget,
+            prefix_cache: self.prefix_cache,
             max_context: self.max_context,
             threads: self.threads,
             verify: self.verify,
@@ -219,6 +225,7 @@ impl EngineArgs {
             max_context,
             prefetch_depth: settings.prefetch_depth,
             expert_prefetch: settings.expert_prefetch,
+            prefix_cache_bytes: settings.prefix_cache_bytes() as usize,
             ..EngineOptions::default()
         }
     }
@@ -803,6 +810,7 @@ pub fn result_json(
         },
         // Forward passes of decode, and what a drafter did (speculative decoding).
         "decode_passes": g.decode_passes,
+        "prefix_tokens_reused": g.prefix_reused,
         "speculation": g.speculation.as_ref().map(|r| {
             let mut v = speculation_json(r);
             // Ids decoded per pass (the first id comes from the prompt's pass).

@@ -1208,6 +1208,7 @@ mod tests {
             prefill_secs: 0.0,
             decode_secs: 0.0,
             decode_passes: 0,
+            prefix_reused: 0,
             speculation: None,
         }
     }

@@ -80,6 +80,8 @@ pub struct Outcome {
     /// Forward passes of decode, and what a drafter did (speculative decoding).
     pub decode_passes: usize,
     pub speculation: Option<libvoom::speculate::SpecReport>,
+    /// Prompt tokens taken from a prefix computed before (prompt-prefix reuse).
+    pub prefix_reused: usize,
 }
 
 impl Outcome {
@@ -90,6 +92,7 @@ impl Outcome {
             "prefill_secs": self.prefill_secs,
             "decode_secs": self.decode_secs,
             "decode_passes": self.decode_passes,
+            "prefix_tokens_reused": self.prefix_reused,
             "speculation": self.speculation.as_ref().map(crate::cli::common::speculation_json),
         })
     }

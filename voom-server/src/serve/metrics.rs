@@ -33,6 +33,8 @@ pub struct Metrics {
     decode_passes: AtomicU64,
     drafted: AtomicU64,
     draft_accepted: AtomicU64,
+    /// Prompt tokens taken from prefixes computed before.
+    prefix_reused: AtomicU64,
 }
 
 impl Metrics {
@@ -69,6 +71,8 @@ impl Metrics {
             .fetch_add(us(g.decode_page_wait_secs), Ordering::Relaxed);
         self.decode_passes
             .fetch_add(g.decode_passes as u64, Ordering::Relaxed);
+        self.prefix_reused
+            .fetch_add(g.prefix_reused as u64, Ordering::Relaxed);
         if let Some(r) = &g.speculation {
             self.drafted.fetch_add(r.drafted as u64, Ordering::Relaxed);
             self.draft_accepted
@@ -100,7 +104,7 @@ impl Metrics {
         let prompt = load(&self.prompt_tokens);
         let prefill_s = load(&self.prefill_us) as f64 / 1e6;
         let secs = |a: &AtomicU64| load(a) as f64 / 1e6;
-        let rows: [(&str, &str, &str, f64); 16] = [
+        let rows: [(&str, &str, &str, f64); 17] = [
             (
                 "voom_prompt_tokens_total",
                 "counter",
@@ -184,6 +188,12 @@ impl Metrics {
                 load(&self.rejected_queue_full) as f64,
             ),
             (
+                "voom_prefix_tokens_reused_total",
+                "counter",
+                "Prompt tokens taken from a prefix computed before instead of computed.",
+                load(&self.prefix_reused) as f64,
+            ),
+            (
                 "voom_decode_passes_total",
                 "counter",
                 "Forward passes of decode (one sweep of the weights each).",
@@ -236,6 +246,7 @@ mod tests {
             pages: None,
             decode_pages: None,
             decode_passes: 7,
+            prefix_reused: 40,
             speculation: Some(libvoom::speculate::SpecReport {
                 drafter: "prompt-lookup".into(),
                 scheme: "exact".into(),
@@ -255,6 +266,7 @@ mod tests {
         assert!(s.contains("voom_decode_tokens_per_second 10"));
         assert!(s.contains("voom_decode_page_wait_seconds_total 0.25"));
         assert!(s.contains("voom_decode_passes_total 7\n"));
+        assert!(s.contains("voom_prefix_tokens_reused_total 40\n"));
         assert!(s.contains("voom_draft_tokens_total 15\n"));
         assert!(s.contains("voom_draft_tokens_accepted_total 12\n"));
         assert!(s.contains("voom_prefill_page_wait_seconds_total 0\n"));

@@ -278,6 +278,7 @@ impl<'t> Output<'t> {
             decode_secs: g.decode_secs,
             decode_passes: g.decode_passes,
             speculation: g.speculation.clone(),
+            prefix_reused: g.prefix_reused,
         })))
     }
 }

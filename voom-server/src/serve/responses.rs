@@ -1158,6 +1158,7 @@ mod tests {
             prefill_secs: 0.0,
             decode_secs: 0.0,
             decode_passes: 0,
+            prefix_reused: 0,
             speculation: None,
         };
         let v = shape.object(status(&o), output_items(&o, "msg_1"), Some(&o));

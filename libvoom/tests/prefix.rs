@@ -1,0 +1,100 @@
+//! Prompt-prefix reuse (`libvoom::engine::prefix`): a prompt that repeats, extends
+//! or shares a beginning with one computed before takes those positions from the
+//! cache, and its ids and every logits bit equal a cold run's, on every attention
+//! kind (grouped-query, sliding window, latent), alone and batched.
+
+mod common;
+
+use std::ops::ControlFlow;
+
+use libvoom::engine::{Decoding, Engine, EngineOptions, GenerateParams, Generation};
+
+use common::{bits, fixtures, prompt_of};
+
+fn run(e: &Engine, prompt: &[u32], n: usize) -> Generation {
+    let params = GenerateParams {
+        max_new_tokens: n,
+        ignore_eos: true,
+        record_logits: true,
+        ..GenerateParams::default()
+    };
+    e.generate_with(prompt, &params, Decoding::default(), &mut |_| {
+        ControlFlow::Continue(())
+    })
+    .unwrap()
+}
+
+fn same(case: &str, what: &str, cold: &Generation, warm: &Generation) {
+    assert_eq!(cold.ids, warm.ids, "{case} {what}: ids");
+    assert_eq!(
+        bits(&cold.logits),
+        bits(&warm.logits),
+        "{case} {what}: logits bits"
+    );
+}
+
+#[test]
+fn reused_prefixes_give_cold_ids_and_bits() {
+    for case in [
+        "llama_gqa_untied",
+        "mistral_sliding_window",
+        "qwen3_moe_fused_sparse_step",
+        "deepseek_v3_mla_yarn",
+    ] {
+        let dir = fixtures().join(case);
+        let opts = |prefix_cache_bytes| EngineOptions {
+            prefill_chunk: 7,
+            kv_page_positions: 16,
+            prefix_cache_bytes,
+            ..EngineOptions::default()
+        };
+        let cold = Engine::open(&dir, opts(0)).unwrap();
+        let warm = Engine::open(&dir, opts(64 << 20)).unwrap();
+        let long = prompt_of(&dir, 3);
+        assert!(long.len() > 100);
+
+        // First time: nothing to reuse.
+        let a = run(&warm, &long, 6);
+        assert_eq!(a.prefix_reused, 0, "{case}");
+        same(case, "first run", &run(&cold, &long, 6), &a);
+        // The same prompt again: all but its last position reused.
+        let b = run(&warm, &long, 6);
+        assert_eq!(b.prefix_reused, long.len() - 1, "{case}");
+        same(case, "repeat", &a, &b);
+        // The next turn: the prompt, the answer, more: the conversation reused.
+        let mut next = long.clone();
+        next.extend(&a.ids[..5]);
+        next.extend([11, 12, 13]);
+        let c = run(&warm, &next, 6);
+        assert_eq!(c.prefix_reused, long.len() + 5, "{case}");
+        same(case, "extension", &run(&cold, &next, 6), &c);
+        // A prompt that shares only a beginning (across a KV page boundary).
+        let mut other = long[..40].to_vec();
+        other.extend(prompt_of(&dir, 2));
+        let d = run(&warm, &other, 6);
+        assert_eq!(d.prefix_reused, 40, "{case}");
+        same(case, "shared beginning", &run(&cold, &other, 6), &d);
+        assert!(warm.prefixes().reused_positions() > 0);
+        // Batched: sequences taking prefixes beside one that does not.
+        let params = GenerateParams {
+            max_new_tokens: 5,
+            ignore_eos: true,
+            record_logits: true,
+            ..GenerateParams::default()
+        };
+        let prompts = [long.clone(), next.clone(), prompt_of(&dir, 2)];
+        let mut seqs: Vec<_> = prompts
+            .iter()
+            .map(|p| warm.sequence(p, &params, Decoding::default()).unwrap())
+            .collect();
+        while seqs.iter().any(|s| !s.finished()) {
+            let mut batch: Vec<_> = seqs.iter_mut().filter(|s| !s.finished()).collect();
+            warm.step(&mut batch, 9, &mut |_, _| ControlFlow::Continue(()))
+                .unwrap();
+        }
+        for (p, s) in prompts.iter().zip(seqs) {
+            let g = s.into_generation();
+            same(case, "batched", &run(&cold, p, 5), &g);
+        }
+    }
+}
