@@ -76,6 +76,9 @@ pub enum BenchSub {
     /// Speculative decoding: the same prompts with no drafter, prompt lookup and a
     /// draft model, resident and out of core (a memory cgroup), in one run.
     Spec(super::spec_bench::SpecBenchArgs),
+    /// Prompt-prefix reuse: time to first token of a long agent prompt cold,
+    /// repeated, extended by a turn and after a restart, ids compared.
+    Prefix(super::prefix_bench::PrefixBenchArgs),
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -92,6 +95,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     match a.sub {
         Some(BenchSub::OutOfCore(o)) => return super::out_of_core::run(o),
         Some(BenchSub::Spec(s)) => return super::spec_bench::run(s),
+        Some(BenchSub::Prefix(p)) => return super::prefix_bench::run_bench(p),
         None => {}
     }
     if a.runs == 0 || a.prompt_tokens == 0 || a.decode_tokens < 2 {
