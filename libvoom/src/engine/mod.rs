@@ -19,6 +19,7 @@ use crate::text::Tokenizer;
 use crate::VoomError;
 
 pub mod prefix;
+pub mod snapshot;
 mod sequence;
 pub use sequence::Sequence;
 

@@ -1,0 +1,522 @@
+//! Prompt prefixes on disk: the KV of a long prefix kept as an immutable file, so
+//! that a restarted process reuses it ([`super::prefix`] is the in-memory side).
+//!
+//! A snapshot is valid only for the arithmetic that computed it: its directory is
+//! named by a key over the checkpoint's page manifest (which names every page's
+//! blake3), the KV layout (layers, floats per position) and [`ARITHMETIC`] (the
+//! version of the kernels' bits). Another model, another checkpoint version or
+//! other arithmetic has another directory, so its snapshots are never read.
+//!
+//! File format (little-endian): `VOOMKVS1`, the 32-byte key, the number of ids,
+//! layers, floats per position and halves (2: keys and values; 1: keys only) as
+//! u32, the ids (u32 each), then per layer the keys of every position and then the
+//! values (f32), then the blake3 of everything before. A file that is short, whose
+//! hash or header does not match, is deleted when read and the prefix recomputed.
+//! Files are written under a temporary name and renamed, by one writer thread, so
+//! a reader sees whole files only; a write that fails (a full disk) turns
+//! persistence off with a warning and loses nothing else. The directory is kept
+//! under a byte budget, the least recently used files deleted first.
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+
+use crate::kv::KvCache;
+
+/// The version of the kernels' arithmetic: a snapshot computed by other kernels is
+/// not this one's. Changed whenever an operation's bits change.
+pub const ARITHMETIC: &str = "voom-cpu-kv-f32/attention-2";
+
+const MAGIC: &[u8; 8] = b"VOOMKVS1";
+const HEADER: usize = 8 + 32 + 16;
+
+/// Where and how much to persist.
+#[derive(Debug, Clone)]
+pub struct DiskPrefixes {
+    /// The root directory (each model and arithmetic gets a directory under it).
+    pub dir: PathBuf,
+    /// Bytes of snapshots kept at most.
+    pub budget: u64,
+    /// Prefixes of fewer ids are not written.
+    pub min_tokens: usize,
+}
+
+/// One snapshot file.
+#[derive(Debug, Clone)]
+struct Snap {
+    path: PathBuf,
+    ids: Vec<u32>,
+    bytes: u64,
+    used: u64,
+}
+
+struct Shared {
+    index: Vec<Snap>,
+    clock: u64,
+    /// Why persistence is off, once a write failed.
+    off: Option<String>,
+}
+
+/// The snapshots of one model and arithmetic.
+pub struct SnapshotDir {
+    dir: PathBuf,
+    key: [u8; 32],
+    cfg: DiskPrefixes,
+    shared: Arc<Mutex<Shared>>,
+    writer: Mutex<Option<mpsc::Sender<Job>>>,
+}
+
+enum Job {
+    Write(Vec<u32>, KvCache),
+    Flush(mpsc::Sender<()>),
+}
+
+/// The key of a model's snapshots: its page manifest, its KV layout, the
+/// arithmetic.
+pub fn key_of(manifest: &[u8], layers: usize, width: usize) -> [u8; 32] {
+    let mut h = blake3::Hasher::new();
+    h.update(b"voom kv snapshot\0");
+    h.update(ARITHMETIC.as_bytes());
+    h.update(&(layers as u64).to_le_bytes());
+    h.update(&(width as u64).to_le_bytes());
+    h.update(manifest);
+    *h.finalize().as_bytes()
+}
+
+impl SnapshotDir {
+    /// The snapshots of `key` under `cfg.dir`, indexed from their headers (files
+    /// whose header is not a snapshot of `key` are deleted).
+    pub fn open(cfg: DiskPrefixes, key: [u8; 32]) -> std::io::Result<Self> {
+        let dir = cfg.dir.join(blake3::Hash::from(key).to_hex()[..32].to_string());
+        std::fs::create_dir_all(&dir)?;
+        let mut index = Vec::new();
+        for e in std::fs::read_dir(&dir)? {
+            let path = e?.path();
+            if path.extension().is_some_and(|x| x == "tmp") {
+                let _ = std::fs::remove_file(&path);
+                continue;
+            }
+            match read_ids(&path, &key) {
+                Ok((ids, bytes)) => index.push(Snap {
+                    path,
+                    ids,
+                    bytes,
+                    used: 0,
+                }),
+                Err(_) => {
+                    let _ = std::fs::remove_file(&path);
+                }
+            }
+        }
+        Ok(SnapshotDir {
+            dir,
+            key,
+            cfg,
+            shared: Arc::new(Mutex::new(Shared {
+                index,
+                clock: 0,
+                off: None,
+            })),
+            writer: Mutex::new(None),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Shared> {
+        self.shared.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Snapshots held, and their bytes.
+    pub fn held(&self) -> (usize, u64) {
+        let s = self.lock();
+        (s.index.len(), s.index.iter().map(|x| x.bytes).sum())
+    }
+
+    /// Why persistence is off, if it is.
+    pub fn off(&self) -> Option<String> {
+        self.lock().off.clone()
+    }
+
+    /// The longest prefix of `prompt` a snapshot holds, at most `prompt.len() - 1`
+    /// ids and at least `min`: read, checked and made a cache like `like` (its
+    /// capacity and page size). `None` when there is none, or when the file turns
+    /// out damaged (then it is deleted).
+    pub fn take(&self, prompt: &[u32], min: usize, like: &KvCache) -> Option<KvCache> {
+        let limit = prompt.len().saturating_sub(1);
+        let (path, len) = {
+            let mut s = self.lock();
+            let best = s
+                .index
+                .iter()
+                .enumerate()
+                .map(|(i, e)| {
+                    let n = e.ids.iter().zip(prompt).take_while(|(a, b)| a == b).count();
+                    (i, n.min(limit))
+                })
+                .max_by_key(|&(_, n)| n)?;
+            if best.1 < min {
+                return None;
+            }
+            s.clock += 1;
+            let clock = s.clock;
+            s.index[best.0].used = clock;
+            (s.index[best.0].path.clone(), best.1)
+        };
+        match read(&path, &self.key, like) {
+            Ok(mut kv) => {
+                kv.truncate(len);
+                Some(kv)
+            }
+            Err(why) => {
+                tracing::warn!("prefix snapshot {} is damaged ({why}): deleted", path.display());
+                let _ = std::fs::remove_file(&path);
+                self.lock().index.retain(|e| e.path != path);
+                None
+            }
+        }
+    }
+
+    /// Writes the first `ids.len()` positions of `kv` as a snapshot, on the writer
+    /// thread (unless fewer than `min_tokens`, or one holds them already).
+    pub fn save(&self, ids: &[u32], kv: &KvCache) {
+        let n = ids.len().min(kv.len());
+        if n < self.cfg.min_tokens {
+            return;
+        }
+        {
+            let s = self.lock();
+            if s.off.is_some() || s.index.iter().any(|e| e.ids.starts_with(&ids[..n])) {
+                return;
+            }
+        }
+        let mut kv = kv.clone();
+        kv.truncate(n);
+        self.send(Job::Write(ids[..n].to_vec(), kv));
+    }
+
+    /// Waits until every snapshot asked for so far is written (or failed).
+    pub fn flush(&self) {
+        let (tx, rx) = mpsc::channel();
+        self.send(Job::Flush(tx));
+        let _ = rx.recv();
+    }
+
+    fn send(&self, job: Job) {
+        let mut w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
+        let tx = w.get_or_insert_with(|| {
+            let (tx, rx) = mpsc::channel::<Job>();
+            let (dir, key, budget) = (self.dir.clone(), self.key, self.cfg.budget);
+            let shared = Arc::clone(&self.shared);
+            std::thread::Builder::new()
+                .name("voom-prefix-writer".into())
+                .spawn(move || {
+                    for job in rx {
+                        match job {
+                            Job::Flush(done) => {
+                                let _ = done.send(());
+                            }
+                            Job::Write(ids, kv) => write_one(&dir, &key, budget, &shared, &ids, &kv),
+                        }
+                    }
+                })
+                .expect("spawning the prefix writer");
+            tx
+        });
+        let _ = tx.send(job);
+    }
+}
+
+/// Writes one snapshot, then keeps the directory within `budget`.
+fn write_one(
+    dir: &Path,
+    key: &[u8; 32],
+    budget: u64,
+    shared: &Mutex<Shared>,
+    ids: &[u32],
+    kv: &KvCache,
+) {
+    let bytes = encode(key, ids, kv);
+    let mut name = blake3::Hasher::new();
+    for id in ids {
+        name.update(&id.to_le_bytes());
+    }
+    let path = dir.join(format!("{}.kv", &name.finalize().to_hex()[..32]));
+    let tmp = path.with_extension("tmp");
+    let written = std::fs::File::create(&tmp)
+        .and_then(|mut f| f.write_all(&bytes).and_then(|()| f.sync_data()))
+        .and_then(|()| std::fs::rename(&tmp, &path));
+    let mut s = shared.lock().unwrap_or_else(|e| e.into_inner());
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        let why = format!("writing {}: {e}", path.display());
+        tracing::warn!("prefix snapshots off: {why}");
+        s.off = Some(why);
+        return;
+    }
+    s.clock += 1;
+    let used = s.clock;
+    // A snapshot this one extends is no longer needed.
+    s.index.retain(|e| {
+        let stale = ids.starts_with(&e.ids);
+        if stale && e.path != path {
+            let _ = std::fs::remove_file(&e.path);
+        }
+        !stale
+    });
+    s.index.push(Snap {
+        path,
+        ids: ids.to_vec(),
+        bytes: bytes.len() as u64,
+        used,
+    });
+    while s.index.iter().map(|e| e.bytes).sum::<u64>() > budget {
+        let Some(oldest) = (0..s.index.len()).min_by_key(|&i| s.index[i].used) else {
+            break;
+        };
+        let e = s.index.remove(oldest);
+        let _ = std::fs::remove_file(&e.path);
+    }
+}
+
+/// The file's bytes.
+fn encode(key: &[u8; 32], ids: &[u32], kv: &KvCache) -> Vec<u8> {
+    let n = ids.len();
+    let width = kv.width();
+    let halves = if kv.layer(0).v.is_empty() { 1 } else { 2 };
+    let mut out = Vec::with_capacity(HEADER + 4 * n + 4 * n * width * kv.layers() * halves + 32);
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(key);
+    for x in [n, kv.layers(), width, halves] {
+        out.extend_from_slice(&(x as u32).to_le_bytes());
+    }
+    for id in ids {
+        out.extend_from_slice(&id.to_le_bytes());
+    }
+    for l in 0..kv.layers() {
+        let view = kv.layer(l);
+        for pages in [&view.k, &view.v].into_iter().take(halves) {
+            for (p, off, m) in view.segments(0, n) {
+                for x in &pages[p][off * width..(off + m) * width] {
+                    out.extend_from_slice(&x.to_le_bytes());
+                }
+            }
+        }
+    }
+    let h = blake3::hash(&out);
+    out.extend_from_slice(h.as_bytes());
+    out
+}
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+/// A snapshot's ids and size from its header (not its hash: that is checked when
+/// it is read whole).
+fn read_ids(path: &Path, key: &[u8; 32]) -> Result<(Vec<u32>, u64), String> {
+    let mut f = std::fs::File::open(path).map_err(|e| e.to_string())?;
+    let bytes = f.metadata().map_err(|e| e.to_string())?.len();
+    let mut head = [0u8; HEADER];
+    f.read_exact(&mut head).map_err(|e| e.to_string())?;
+    if &head[..8] != MAGIC || &head[8..40] != key {
+        return Err("not a snapshot of this model and arithmetic".into());
+    }
+    let n = u32_at(&head, 40) as usize;
+    let expected = expected_len(&head);
+    if bytes != expected {
+        return Err(format!("{bytes} bytes where the header says {expected}"));
+    }
+    let mut ids = vec![0u8; 4 * n];
+    f.read_exact(&mut ids).map_err(|e| e.to_string())?;
+    Ok((ids.chunks_exact(4).map(|c| u32_at(c, 0)).collect(), bytes))
+}
+
+fn expected_len(head: &[u8]) -> u64 {
+    let (n, layers, width, halves) = (
+        u32_at(head, 40) as u64,
+        u32_at(head, 44) as u64,
+        u32_at(head, 48) as u64,
+        u32_at(head, 52) as u64,
+    );
+    HEADER as u64 + 4 * n + 4 * n * width * layers * halves + 32
+}
+
+/// The snapshot at `path` as a cache like `like`, checked whole.
+fn read(path: &Path, key: &[u8; 32], like: &KvCache) -> Result<KvCache, String> {
+    let b = std::fs::read(path).map_err(|e| e.to_string())?;
+    if b.len() < HEADER + 32 || &b[..8] != MAGIC || &b[8..40] != key {
+        return Err("not a snapshot of this model and arithmetic".into());
+    }
+    if b.len() as u64 != expected_len(&b) {
+        return Err(format!("{} bytes where the header says {}", b.len(), expected_len(&b)));
+    }
+    let (body, hash) = b.split_at(b.len() - 32);
+    if blake3::hash(body).as_bytes() != hash {
+        return Err("its blake3 does not match".into());
+    }
+    let (n, layers, width, halves) = (
+        u32_at(&b, 40) as usize,
+        u32_at(&b, 44) as usize,
+        u32_at(&b, 48) as usize,
+        u32_at(&b, 52) as usize,
+    );
+    if layers != like.layers() || width != like.width() || n > like.capacity() {
+        return Err("its layout is not this model's".into());
+    }
+    let mut kv = like.clone();
+    kv.clear();
+    let floats = |at: usize, m: usize| -> Vec<f32> {
+        (0..m)
+            .map(|i| f32::from_le_bytes(b[at + 4 * i..at + 4 * i + 4].try_into().expect("four")))
+            .collect()
+    };
+    let mut at = HEADER + 4 * n;
+    for l in 0..layers {
+        let k = floats(at, n * width);
+        at += 4 * n * width;
+        let v = if halves == 2 {
+            let v = floats(at, n * width);
+            at += 4 * n * width;
+            v
+        } else {
+            Vec::new()
+        };
+        kv.append(l, &k, &v).map_err(|e| e.to_string())?;
+    }
+    kv.commit(n);
+    Ok(kv)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kv_of(n: usize, seed: f32) -> KvCache {
+        let mut kv = KvCache::with_page(3, 4, 1000, 16);
+        for l in 0..3 {
+            let k: Vec<f32> = (0..n * 4).map(|i| seed + (l * 1000 + i) as f32 * 0.5).collect();
+            let v: Vec<f32> = k.iter().map(|x| -x).collect();
+            kv.append(l, &k, &v).unwrap();
+        }
+        kv.commit(n);
+        kv
+    }
+
+    fn bits(kv: &KvCache) -> Vec<u32> {
+        let mut out = Vec::new();
+        for l in 0..kv.layers() {
+            let v = kv.layer(l);
+            for pages in [&v.k, &v.v] {
+                for (p, off, m) in v.segments(0, v.len) {
+                    out.extend(pages[p][off * 4..(off + m) * 4].iter().map(|x| x.to_bits()));
+                }
+            }
+        }
+        out
+    }
+
+    fn cfg(dir: &Path) -> DiskPrefixes {
+        DiskPrefixes {
+            dir: dir.to_path_buf(),
+            budget: 1 << 20,
+            min_tokens: 8,
+        }
+    }
+
+    #[test]
+    fn a_snapshot_comes_back_bit_for_bit_after_a_restart() {
+        let d = tempfile::tempdir().unwrap();
+        let key = key_of(b"manifest", 3, 4);
+        let ids: Vec<u32> = (0..40).collect();
+        let kv = kv_of(40, 0.25);
+        let s = SnapshotDir::open(cfg(d.path()), key).unwrap();
+        s.save(&ids, &kv);
+        s.flush();
+        assert_eq!(s.held().0, 1);
+        drop(s);
+        // A new process: indexed from the files.
+        let s = SnapshotDir::open(cfg(d.path()), key).unwrap();
+        let like = KvCache::with_page(3, 4, 1000, 7);
+        let mut prompt = ids.clone();
+        prompt.extend([99, 98]);
+        let got = s.take(&prompt, 8, &like).unwrap();
+        assert_eq!(got.len(), 40);
+        assert_eq!(bits(&got), bits(&kv));
+        // Another model or arithmetic: nothing.
+        let other = SnapshotDir::open(cfg(d.path()), key_of(b"other", 3, 4)).unwrap();
+        assert!(other.take(&prompt, 8, &like).is_none());
+        // Too short a match.
+        assert!(s.take(&[0, 1, 2, 3, 7, 7, 7, 7, 7, 7], 8, &like).is_none());
+    }
+
+    #[test]
+    fn a_damaged_or_truncated_snapshot_is_deleted_never_used() {
+        let key = key_of(b"m", 3, 4);
+        let ids: Vec<u32> = (0..20).collect();
+        for damage in ["flip", "truncate"] {
+            let d = tempfile::tempdir().unwrap();
+            let s = SnapshotDir::open(cfg(d.path()), key).unwrap();
+            s.save(&ids, &kv_of(20, 1.0));
+            s.flush();
+            let file = std::fs::read_dir(&s.dir).unwrap().next().unwrap().unwrap().path();
+            let mut b = std::fs::read(&file).unwrap();
+            match damage {
+                "flip" => {
+                    let at = b.len() / 2;
+                    b[at] ^= 0x10;
+                }
+                _ => b.truncate(b.len() - 5),
+            }
+            std::fs::write(&file, &b).unwrap();
+            let like = KvCache::with_page(3, 4, 1000, 16);
+            let mut prompt = ids.clone();
+            prompt.push(5);
+            // A flipped byte is found reading it whole; a truncated file at once.
+            let s = SnapshotDir::open(cfg(d.path()), key).unwrap();
+            assert!(s.take(&prompt, 8, &like).is_none(), "{damage}");
+            assert!(!file.exists(), "{damage}: the damaged file stays");
+            assert_eq!(s.held().0, 0);
+        }
+    }
+
+    #[test]
+    fn the_directory_stays_within_its_budget_and_extensions_replace_prefixes() {
+        let d = tempfile::tempdir().unwrap();
+        let key = key_of(b"m", 3, 4);
+        let one = encode(&key, &(0..20).collect::<Vec<_>>(), &kv_of(20, 0.0)).len() as u64;
+        let s = SnapshotDir::open(
+            DiskPrefixes {
+                budget: 2 * one,
+                ..cfg(d.path())
+            },
+            key,
+        )
+        .unwrap();
+        for k in 0..3u32 {
+            let ids: Vec<u32> = (0..20).map(|i| i + 100 * k).collect();
+            s.save(&ids, &kv_of(20, k as f32));
+        }
+        s.flush();
+        let (n, bytes) = s.held();
+        assert_eq!(n, 2);
+        assert!(bytes <= 2 * one);
+        assert_eq!(std::fs::read_dir(&s.dir).unwrap().count(), 2);
+        // An extension of a held snapshot replaces it.
+        let ids: Vec<u32> = (200..230).collect();
+        s.save(&ids, &kv_of(30, 2.0));
+        s.flush();
+        assert!(s.lock().index.iter().all(|e| e.ids.len() == 30 || e.ids[0] != 200));
+    }
+
+    #[test]
+    fn a_failed_write_turns_persistence_off_and_loses_nothing() {
+        let d = tempfile::tempdir().unwrap();
+        let s = SnapshotDir::open(cfg(d.path()), key_of(b"m", 3, 4)).unwrap();
+        // The directory is gone: the write fails.
+        std::fs::remove_dir_all(&s.dir).unwrap();
+        s.save(&(0..20).collect::<Vec<_>>(), &kv_of(20, 0.0));
+        s.flush();
+        assert!(s.off().is_some());
+        assert_eq!(s.held().0, 0);
+    }
+}
