@@ -98,3 +98,100 @@ fn reused_prefixes_give_cold_ids_and_bits() {
         }
     }
 }
+
+/// A copy of fixture `case` with a page manifest (what keys its snapshots).
+fn with_manifest(case: &str) -> (tempfile::TempDir, std::path::PathBuf) {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path().join(case);
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in std::fs::read_dir(fixtures().join(case)).unwrap() {
+        let f = f.unwrap();
+        std::fs::copy(f.path(), dir.join(f.file_name())).unwrap();
+    }
+    let ckpt = voom_formats::Checkpoint::open(&dir).unwrap();
+    voom_formats::Manifest::build(&ckpt, &mut |_, _| {})
+        .unwrap()
+        .save(&dir)
+        .unwrap();
+    (d, dir)
+}
+
+/// Prefixes persisted on disk: a fresh engine (a restarted process) reuses the
+/// prompt another computed, with a cold run's ids and bits; a damaged snapshot is
+/// deleted and the prompt computed again, exactly; another checkpoint's snapshots
+/// are never used.
+#[test]
+fn snapshots_survive_a_restart_exactly_and_damage_is_recomputed() {
+    use libvoom::engine::snapshot::DiskPrefixes;
+    for case in ["llama_gqa_untied", "deepseek_v3_mla_yarn"] {
+        let (_d, dir) = with_manifest(case);
+        let store = tempfile::tempdir().unwrap();
+        let opts = |persist: bool| EngineOptions {
+            prefix_cache_bytes: 64 << 20,
+            prefix_disk: persist.then(|| DiskPrefixes {
+                dir: store.path().to_path_buf(),
+                budget: 64 << 20,
+                min_tokens: 32,
+            }),
+            ..EngineOptions::default()
+        };
+        let cold = Engine::open(&dir, EngineOptions::default()).unwrap();
+        let long = prompt_of(&dir, 3);
+        let want = run(&cold, &long, 6);
+
+        let first = Engine::open(&dir, opts(true)).unwrap();
+        same(case, "first", &want, &run(&first, &long, 6));
+        first.flush_prefixes();
+        assert_eq!(first.snapshot_status().unwrap().0, 1, "{case}");
+        drop(first);
+
+        let restarted = Engine::open(&dir, opts(true)).unwrap();
+        let g = run(&restarted, &long, 6);
+        assert_eq!(g.prefix_reused, long.len() - 1, "{case}");
+        same(case, "after a restart", &want, &g);
+        drop(restarted);
+
+        // Damage every snapshot: each is found, deleted, and the prompt recomputed.
+        for f in walk(store.path()) {
+            let mut b = std::fs::read(&f).unwrap();
+            let at = b.len() - 40;
+            b[at] ^= 1;
+            std::fs::write(&f, b).unwrap();
+        }
+        let damaged = Engine::open(&dir, opts(true)).unwrap();
+        let g = run(&damaged, &long, 6);
+        assert_eq!(g.prefix_reused, 0, "{case}: a damaged snapshot was used");
+        same(case, "after damage", &want, &g);
+
+        // Another checkpoint version (its manifest differs: here by one byte of
+        // whitespace) with the same store: the snapshot the restarted engines
+        // wrote is not read.
+        let fresh = Engine::open(&dir, opts(true)).unwrap();
+        run(&fresh, &long, 6);
+        fresh.flush_prefixes();
+        drop(fresh);
+        let (_e, other) = with_manifest(case);
+        let m = other.join("voom-manifest.json");
+        let text = std::fs::read_to_string(&m).unwrap();
+        std::fs::write(&m, text + " ").unwrap();
+        let e = Engine::open(&other, opts(true)).unwrap();
+        assert_eq!(run(&e, &long, 6).prefix_reused, 0, "{case}");
+        assert_eq!(
+            run(&Engine::open(&dir, opts(true)).unwrap(), &long, 6).prefix_reused,
+            long.len() - 1
+        );
+    }
+}
+
+fn walk(d: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(d).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
+}

@@ -48,6 +48,8 @@ pub const KEYS: &[&str] = &[
     "expert_prefetch",
     "kv_budget",
     "prefix_cache",
+    "prefix_disk",
+    "prefix_disk_min",
     "max_context",
     "threads",
     "verify",
@@ -265,6 +267,11 @@ pub struct Settings {
     /// Bytes of prompt-prefix KV kept in memory for reuse; `None`:
     /// [`DEFAULT_PREFIX_CACHE`] without a memory budget, none within one.
     pub prefix_cache: Option<u64>,
+    /// Bytes of prompt-prefix snapshots kept on disk under `$VOOM_HOME/prefixes`
+    /// (0: none persisted).
+    pub prefix_disk: u64,
+    /// Prompt prefixes of fewer tokens are not persisted.
+    pub prefix_disk_min: usize,
     pub max_context: Option<usize>,
     /// Compute threads (0: all cores).
     pub threads: usize,
@@ -274,6 +281,10 @@ pub struct Settings {
 
 /// Bytes of prompt-prefix KV a process without a memory budget keeps for reuse.
 pub const DEFAULT_PREFIX_CACHE: u64 = 256 << 20;
+/// Bytes of prompt-prefix snapshots kept on disk.
+pub const DEFAULT_PREFIX_DISK: u64 = 4 << 30;
+/// Prompt prefixes of fewer tokens are not persisted.
+pub const DEFAULT_PREFIX_DISK_MIN: usize = 1024;
 
 impl Settings {
     /// Bytes of prompt-prefix KV to keep: `prefix_cache`, else
@@ -308,6 +319,8 @@ impl Default for Settings {
             expert_prefetch: false,
             kv_budget: None,
             prefix_cache: None,
+            prefix_disk: DEFAULT_PREFIX_DISK,
+            prefix_disk_min: DEFAULT_PREFIX_DISK_MIN,
             max_context: None,
             threads: 0,
             verify: Verify::FirstUse,
@@ -405,6 +418,8 @@ pub struct Overrides {
     pub expert_prefetch: Option<bool>,
     pub kv_budget: Option<u64>,
     pub prefix_cache: Option<u64>,
+    pub prefix_disk: Option<u64>,
+    pub prefix_disk_min: Option<usize>,
     pub max_context: Option<usize>,
     pub threads: Option<usize>,
     pub verify: Option<Verify>,
@@ -442,6 +457,12 @@ const NAMES: &[(&str, &str, &str)] = &[
     ),
     ("kv_budget", "--kv-budget", "VOOM_KV_BUDGET"),
     ("prefix_cache", "--prefix-cache", "VOOM_PREFIX_CACHE"),
+    ("prefix_disk", "--prefix-disk", "VOOM_PREFIX_DISK"),
+    (
+        "prefix_disk_min",
+        "--prefix-disk-min",
+        "VOOM_PREFIX_DISK_MIN",
+    ),
     ("max_context", "--max-context", "VOOM_MAX_CONTEXT"),
     ("threads", "--threads", "VOOM_THREADS"),
     ("verify", "--verify", "VOOM_VERIFY"),
@@ -495,6 +516,8 @@ impl Overrides {
             expert_prefetch: read(get, "expert_prefetch", parse_bool)?,
             kv_budget: read(get, "kv_budget", parse_size)?,
             prefix_cache: read(get, "prefix_cache", parse_size)?,
+            prefix_disk: read(get, "prefix_disk", parse_size)?,
+            prefix_disk_min: read(get, "prefix_disk_min", num)?,
             max_context: read(get, "max_context", num)?,
             threads: read(get, "threads", num)?,
             verify: read(get, "verify", str::parse)?,
@@ -524,6 +547,8 @@ struct ProfileFile {
     expert_prefetch: Option<bool>,
     kv_budget: Option<vpaged::config::ByteSize>,
     prefix_cache: Option<vpaged::config::ByteSize>,
+    prefix_disk: Option<vpaged::config::ByteSize>,
+    prefix_disk_min: Option<usize>,
     max_context: Option<usize>,
     threads: Option<usize>,
     verify: Option<String>,
@@ -961,6 +986,8 @@ pub fn resolve(
     pick!(expert_prefetch, id, id);
     pick!(kv_budget, bytes, Some);
     pick!(prefix_cache, bytes, Some);
+    pick!(prefix_disk, bytes, id);
+    pick!(prefix_disk_min, id, id);
     pick!(max_context, id, Some);
     pick!(threads, id, id);
     // Checked when the file was parsed.

@@ -19,8 +19,8 @@ use crate::text::Tokenizer;
 use crate::VoomError;
 
 pub mod prefix;
-pub mod snapshot;
 mod sequence;
+pub mod snapshot;
 pub use sequence::Sequence;
 
 #[derive(Debug, Clone)]
@@ -54,6 +54,9 @@ pub struct EngineOptions {
     /// Bytes of prompt-prefix KV kept for reuse ([`prefix::PrefixCache`]; 0: none).
     /// Results do not depend on it.
     pub prefix_cache_bytes: usize,
+    /// Prompt prefixes persisted on disk ([`snapshot`]; `None`: not persisted).
+    /// Results do not depend on it.
+    pub prefix_disk: Option<snapshot::DiskPrefixes>,
 }
 
 impl Default for EngineOptions {
@@ -69,6 +72,7 @@ impl Default for EngineOptions {
             expert_hold_bytes: crate::model::sweep::EXPERT_HOLD_BYTES,
             kv_page_positions: crate::kv::DEFAULT_PAGE_POSITIONS,
             prefix_cache_bytes: 0,
+            prefix_disk: None,
         }
     }
 }
@@ -273,6 +277,8 @@ pub struct Engine {
     mtp_walk: Option<Walk>,
     /// Prompt prefixes computed before ([`EngineOptions::prefix_cache_bytes`]).
     prefixes: std::sync::Mutex<prefix::PrefixCache>,
+    /// Their snapshots on disk ([`EngineOptions::prefix_disk`]).
+    snapshots: Option<snapshot::SnapshotDir>,
     /// The routing trace being recorded ([`Engine::record_expert_trace`]).
     trace: std::sync::Mutex<Option<Vec<vpaged::expert_trace::TracePass>>>,
 }
@@ -295,6 +301,42 @@ fn place_in(source: &dyn PageSource, model: &dyn Model) -> (Option<u64>, Vec<Pag
     source.keep_on_fast_tier(&crate::placement::fast_tier_order(model.plan(), &p));
     let room = (p.streamed_per_token > 0).then(|| budget - p.pinned_bytes);
     (room, p.pinned)
+}
+
+/// The prefix snapshots of the model in `dir` (`name`), keyed by its page manifest;
+/// `None`, with a warning, without a manifest or where the directory cannot be made.
+fn open_snapshots(
+    dir: &Path,
+    name: &str,
+    model: &dyn Model,
+    cfg: &snapshot::DiskPrefixes,
+) -> Option<snapshot::SnapshotDir> {
+    use voom_formats::manifest::{MANIFEST_FILE, MANIFEST_MAX_BYTES};
+    let manifest = match voom_formats::file::read_limited(
+        &dir.join(MANIFEST_FILE),
+        MANIFEST_MAX_BYTES,
+    ) {
+        Ok(m) => m,
+        Err(e) => {
+            // Usual for a checkpoint not hashed: nothing identifies its weights.
+            tracing::debug!(
+                "model {name}: prompt prefixes are not persisted: no page manifest ({MANIFEST_FILE}: {e}; `vpagectl hash` writes one)"
+            );
+            return None;
+        }
+    };
+    let kv = model.new_kv(1, 1);
+    let key = snapshot::key_of(&manifest, kv.layers(), kv.width());
+    match snapshot::SnapshotDir::open(cfg.clone(), key) {
+        Ok(s) => Some(s),
+        Err(e) => {
+            tracing::warn!(
+                "model {name}: prompt prefixes are not persisted: {}: {e}",
+                cfg.dir.display()
+            );
+            None
+        }
+    }
 }
 
 /// The end-of-sequence ids an engine on `dir` stops on, as transformers' generate()
@@ -356,6 +398,10 @@ impl Engine {
         };
         let eos = eos_ids(dir, model.config(), tokenizer.as_ref());
         let prefix_bytes = opts.prefix_cache_bytes;
+        let snapshots = opts
+            .prefix_disk
+            .as_ref()
+            .and_then(|cfg| open_snapshots(dir, &name, model.as_ref(), cfg));
         Ok(Engine {
             dir: dir.to_path_buf(),
             name,
@@ -368,6 +414,7 @@ impl Engine {
             walk,
             mtp_walk,
             prefixes: std::sync::Mutex::new(prefix::PrefixCache::new(prefix_bytes)),
+            snapshots,
             trace: std::sync::Mutex::new(None),
         })
     }
@@ -465,6 +512,45 @@ impl Engine {
             .max_context
             .unwrap_or(usize::MAX)
             .min(self.config().max_position_embeddings)
+    }
+
+    /// The longest prefix of `prompt` computed before, from memory, or from disk
+    /// where a snapshot holds a longer one (then kept in memory too).
+    pub(crate) fn take_prefix(&self, prompt: &[u32]) -> Option<KvCache> {
+        let mem = self.prefixes().take(prompt);
+        let need = mem.as_ref().map_or(prefix::MIN_PREFIX, |kv| kv.len() + 1);
+        if let Some(s) = &self.snapshots {
+            if let Some(kv) = s.take(prompt, need, &self.new_kv()) {
+                self.prefixes().insert(&prompt[..kv.len()], &kv);
+                return Some(kv);
+            }
+        }
+        mem
+    }
+
+    /// Keeps `kv`'s positions of `ids` for reuse in memory and, when `persist`, on
+    /// disk.
+    pub(crate) fn keep_prefix(&self, ids: &[u32], kv: &KvCache, persist: bool) {
+        self.prefixes().insert(ids, kv);
+        if let (true, Some(s)) = (persist, &self.snapshots) {
+            s.save(ids, kv);
+        }
+    }
+
+    /// Waits until the prefix snapshots asked for are written.
+    pub fn flush_prefixes(&self) {
+        if let Some(s) = &self.snapshots {
+            s.flush();
+        }
+    }
+
+    /// The prefix snapshots on disk: how many, their bytes, and why persistence is
+    /// off if it is (`None` without snapshots).
+    pub fn snapshot_status(&self) -> Option<(usize, u64, Option<String>)> {
+        self.snapshots.as_ref().map(|s| {
+            let (n, b) = s.held();
+            (n, b, s.off())
+        })
     }
 
     /// The prompt-prefix cache (its counters; [`prefix::PrefixCache`]).

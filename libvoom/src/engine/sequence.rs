@@ -143,7 +143,7 @@ impl<'a> Sequence<'a> {
             // The longest prefix computed before: its positions are a cold run's.
             // (A drafter that reads hidden states needs every position's: it
             // computes the whole prompt.)
-            if let Some(kv) = engine.prefixes().take(prompt) {
+            if let Some(kv) = engine.take_prefix(prompt) {
                 s.out.prefix_reused = kv.len();
                 s.state = State::Prompt { done: kv.len() };
                 s.kv = kv;
@@ -241,7 +241,7 @@ impl<'a> Sequence<'a> {
                 }
                 self.out.prefill_secs = self.started.elapsed().as_secs_f64();
                 self.out.prefill_page_wait_secs = self.waited_prefill.as_secs_f64();
-                engine.prefixes().insert(&self.prompt, &self.kv);
+                engine.keep_prefix(&self.prompt, &self.kv, true);
                 self.decode_started = Some(Instant::now());
                 self.logits = rows;
             }
@@ -358,7 +358,7 @@ impl<'a> Sequence<'a> {
                 let keep = self.kv.len().min(computed);
                 self.kv.truncate(keep);
                 // The conversation so far, for a next turn that extends it.
-                engine.prefixes().insert(&self.context[..keep], &self.kv);
+                engine.keep_prefix(&self.context[..keep], &self.kv, false);
                 self.finish();
                 return Ok(());
             }

@@ -88,7 +88,9 @@ impl SnapshotDir {
     /// The snapshots of `key` under `cfg.dir`, indexed from their headers (files
     /// whose header is not a snapshot of `key` are deleted).
     pub fn open(cfg: DiskPrefixes, key: [u8; 32]) -> std::io::Result<Self> {
-        let dir = cfg.dir.join(blake3::Hash::from(key).to_hex()[..32].to_string());
+        let dir = cfg
+            .dir
+            .join(blake3::Hash::from(key).to_hex()[..32].to_string());
         std::fs::create_dir_all(&dir)?;
         let mut index = Vec::new();
         for e in std::fs::read_dir(&dir)? {
@@ -168,7 +170,10 @@ impl SnapshotDir {
                 Some(kv)
             }
             Err(why) => {
-                tracing::warn!("prefix snapshot {} is damaged ({why}): deleted", path.display());
+                tracing::warn!(
+                    "prefix snapshot {} is damaged ({why}): deleted",
+                    path.display()
+                );
                 let _ = std::fs::remove_file(&path);
                 self.lock().index.retain(|e| e.path != path);
                 None
@@ -215,7 +220,9 @@ impl SnapshotDir {
                             Job::Flush(done) => {
                                 let _ = done.send(());
                             }
-                            Job::Write(ids, kv) => write_one(&dir, &key, budget, &shared, &ids, &kv),
+                            Job::Write(ids, kv) => {
+                                write_one(&dir, &key, budget, &shared, &ids, &kv)
+                            }
                         }
                     }
                 })
@@ -348,7 +355,11 @@ fn read(path: &Path, key: &[u8; 32], like: &KvCache) -> Result<KvCache, String> 
         return Err("not a snapshot of this model and arithmetic".into());
     }
     if b.len() as u64 != expected_len(&b) {
-        return Err(format!("{} bytes where the header says {}", b.len(), expected_len(&b)));
+        return Err(format!(
+            "{} bytes where the header says {}",
+            b.len(),
+            expected_len(&b)
+        ));
     }
     let (body, hash) = b.split_at(b.len() - 32);
     if blake3::hash(body).as_bytes() != hash {
@@ -394,7 +405,9 @@ mod tests {
     fn kv_of(n: usize, seed: f32) -> KvCache {
         let mut kv = KvCache::with_page(3, 4, 1000, 16);
         for l in 0..3 {
-            let k: Vec<f32> = (0..n * 4).map(|i| seed + (l * 1000 + i) as f32 * 0.5).collect();
+            let k: Vec<f32> = (0..n * 4)
+                .map(|i| seed + (l * 1000 + i) as f32 * 0.5)
+                .collect();
             let v: Vec<f32> = k.iter().map(|x| -x).collect();
             kv.append(l, &k, &v).unwrap();
         }
@@ -458,7 +471,12 @@ mod tests {
             let s = SnapshotDir::open(cfg(d.path()), key).unwrap();
             s.save(&ids, &kv_of(20, 1.0));
             s.flush();
-            let file = std::fs::read_dir(&s.dir).unwrap().next().unwrap().unwrap().path();
+            let file = std::fs::read_dir(&s.dir)
+                .unwrap()
+                .next()
+                .unwrap()
+                .unwrap()
+                .path();
             let mut b = std::fs::read(&file).unwrap();
             match damage {
                 "flip" => {
@@ -505,7 +523,11 @@ mod tests {
         let ids: Vec<u32> = (200..230).collect();
         s.save(&ids, &kv_of(30, 2.0));
         s.flush();
-        assert!(s.lock().index.iter().all(|e| e.ids.len() == 30 || e.ids[0] != 200));
+        assert!(s
+            .lock()
+            .index
+            .iter()
+            .all(|e| e.ids.len() == 30 || e.ids[0] != 200));
     }
 
     #[test]

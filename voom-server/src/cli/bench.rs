@@ -159,6 +159,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
                     pin_last_layers: None,
                     kv_budget: None,
                     prefix_cache: None,
+                    prefix_disk: None,
+                    prefix_disk_min: None,
                     resolved: None,
                 };
                 let engine = common::open_engine(dir, &args)?;

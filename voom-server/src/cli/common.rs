@@ -120,6 +120,15 @@ pub struct EngineArgs {
     /// [env: VOOM_PREFIX_CACHE] [default: 256MiB, none with a memory budget].
     #[arg(long, value_parser = profile::parse_size)]
     pub prefix_cache: Option<u64>,
+    /// Bytes of prompt-prefix snapshots kept on disk under `$VOOM_HOME/prefixes`, so
+    /// that a restarted process reuses long prompts computed before; 0 persists none
+    /// [env: VOOM_PREFIX_DISK] [default: 4GiB].
+    #[arg(long, value_parser = profile::parse_size)]
+    pub prefix_disk: Option<u64>,
+    /// Prompt prefixes of fewer tokens are not persisted [env: VOOM_PREFIX_DISK_MIN]
+    /// [default: 1024].
+    #[arg(long)]
+    pub prefix_disk_min: Option<usize>,
     /// The profile resolved once for a long-lived process (the server), so every
     /// engine it opens uses, and reports, the same settings.
     #[arg(skip)]
@@ -182,6 +191,8 @@ impl EngineArgs {
             expert_prefetch: self.expert_prefetch.then_some(true),
             kv_budget: self.kv_budget,
             prefix_cache: self.prefix_cache,
+            prefix_disk: self.prefix_disk,
+            prefix_disk_min: self.prefix_disk_min,
             max_context: self.max_context,
             threads: self.threads,
             verify: self.verify,
@@ -226,6 +237,14 @@ impl EngineArgs {
             prefetch_depth: settings.prefetch_depth,
             expert_prefetch: settings.expert_prefetch,
             prefix_cache_bytes: settings.prefix_cache_bytes() as usize,
+            prefix_disk: (settings.prefix_disk > 0)
+                .then(crate::store::voom_home)
+                .and_then(Result::ok)
+                .map(|home| libvoom::engine::snapshot::DiskPrefixes {
+                    dir: home.join("prefixes"),
+                    budget: settings.prefix_disk,
+                    min_tokens: settings.prefix_disk_min,
+                }),
             ..EngineOptions::default()
         }
     }

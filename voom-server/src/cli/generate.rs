@@ -95,6 +95,8 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         }
     };
     let (g, text) = common::generate_streaming(&engine, &ids, &params, &spec, !a.json, &mut mark)?;
+    // A long prompt's snapshot is written before the process ends.
+    engine.flush_prefixes();
     if let (Some(path), Some(trace)) = (&a.expert_trace, engine.take_expert_trace()) {
         let mut f = std::io::BufWriter::new(
             std::fs::File::create(path)

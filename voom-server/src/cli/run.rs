@@ -49,6 +49,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         };
         let (g, text) =
             common::generate_streaming(&engine, &ids, &params, &spec, !a.json, &mut || {})?;
+        engine.flush_prefixes();
         if a.json {
             vpaged::outln!("{}", common::result_json(&engine, &ids, &g, &text))?;
         }
@@ -89,5 +90,6 @@ pub fn run(a: RunArgs) -> Result<()> {
             }
         }
     }
+    engine.flush_prefixes();
     Ok(())
 }
