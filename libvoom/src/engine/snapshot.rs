@@ -88,9 +88,7 @@ impl SnapshotDir {
     /// The snapshots of `key` under `cfg.dir`, indexed from their headers (files
     /// whose header is not a snapshot of `key` are deleted).
     pub fn open(cfg: DiskPrefixes, key: [u8; 32]) -> std::io::Result<Self> {
-        let dir = cfg
-            .dir
-            .join(blake3::Hash::from(key).to_hex()[..32].to_string());
+        let dir = cfg.dir.join(&blake3::Hash::from(key).to_hex()[..32]);
         std::fs::create_dir_all(&dir)?;
         let mut index = Vec::new();
         for e in std::fs::read_dir(&dir)? {
