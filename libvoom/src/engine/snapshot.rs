@@ -53,6 +53,8 @@ struct Snap {
 
 struct Shared {
     index: Vec<Snap>,
+    /// Prefixes queued for the writer and not yet written.
+    pending: Vec<Vec<u32>>,
     clock: u64,
     /// Why persistence is off, once a write failed.
     off: Option<String>,
@@ -115,6 +117,7 @@ impl SnapshotDir {
             cfg,
             shared: Arc::new(Mutex::new(Shared {
                 index,
+                pending: Vec::new(),
                 clock: 0,
                 off: None,
             })),
@@ -187,10 +190,14 @@ impl SnapshotDir {
             return;
         }
         {
-            let s = self.lock();
-            if s.off.is_some() || s.index.iter().any(|e| e.ids.starts_with(&ids[..n])) {
+            // Held, or queued already (a prompt repeated while its snapshot is
+            // being written).
+            let mut s = self.lock();
+            let held = s.index.iter().any(|e| e.ids.starts_with(&ids[..n]));
+            if s.off.is_some() || held || s.pending.iter().any(|p| p.starts_with(&ids[..n])) {
                 return;
             }
+            s.pending.push(ids[..n].to_vec());
         }
         let mut kv = kv.clone();
         kv.truncate(n);
@@ -251,6 +258,7 @@ fn write_one(
         .and_then(|mut f| f.write_all(&bytes).and_then(|()| f.sync_data()))
         .and_then(|()| std::fs::rename(&tmp, &path));
     let mut s = shared.lock().unwrap_or_else(|e| e.into_inner());
+    s.pending.retain(|p| p.as_slice() != ids);
     if let Err(e) = written {
         let _ = std::fs::remove_file(&tmp);
         let why = format!("writing {}: {e}", path.display());
@@ -442,8 +450,12 @@ mod tests {
         let kv = kv_of(40, 0.25);
         let s = SnapshotDir::open(cfg(d.path()), key).unwrap();
         s.save(&ids, &kv);
+        // Asked again while queued: one write.
+        s.save(&ids, &kv);
+        s.save(&ids[..30], &kv);
         s.flush();
         assert_eq!(s.held().0, 1);
+        assert_eq!(std::fs::read_dir(&s.dir).unwrap().count(), 1);
         drop(s);
         // A new process: indexed from the files.
         let s = SnapshotDir::open(cfg(d.path()), key).unwrap();
