@@ -60,22 +60,36 @@ fn pow2(k: i32) -> f32 {
     f32::from_bits(((k + 127) as u32) << 23)
 }
 
-/// The softmax of `x` in place, as the module defines it.
+/// The softmax of `x` in place, as the module defines it: [`max`], then
+/// [`exp_sum`], then [`divide`] (which callers may also run a piece at a time).
 pub fn softmax(isa: Isa, x: &mut [f32]) {
     if x.is_empty() {
         return;
     }
-    let m = match isa {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as below.
-        Isa::Avx2 => unsafe { avx2::max(x) },
-        _ => x.iter().copied().fold(f32::NEG_INFINITY, f32::max),
-    };
-    let mut lanes = [0f64; 8];
-    let done = match isa {
+    let m = max(isa, x);
+    let s = exp_sum(isa, x, m);
+    divide(isa, x, s);
+}
+
+/// The largest value of `x`, NaNs ignored (`f32::max`'s fold: the same whatever
+/// the order, so a row's maximum may be taken piece by piece).
+pub fn max(isa: Isa, x: &[f32]) -> f32 {
+    match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `isa` is AVX2 only where the CPU has it (`Isa::detect`, or a
         // caller that checked).
+        Isa::Avx2 => unsafe { avx2::max(x) },
+        _ => x.iter().copied().fold(f32::NEG_INFINITY, f32::max),
+    }
+}
+
+/// `x[j] = exp(x[j] - m)` for every `j`, and the sum of them as the module
+/// defines it (eight f64 lanes), rounded to f32.
+pub fn exp_sum(isa: Isa, x: &mut [f32], m: f32) -> f32 {
+    let mut lanes = [0f64; 8];
+    let done = match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as in `max`.
         Isa::Avx2 => unsafe { avx2::exp_sum(x, m, &mut lanes) },
         _ => 0,
     };
@@ -84,10 +98,15 @@ pub fn softmax(isa: Isa, x: &mut [f32]) {
         lanes[j % 8] += f64::from(*v);
     }
     let l = lanes;
-    let s = (((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))) as f32;
+    (((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))) as f32
+}
+
+/// `x[j] /= s` for every `j` (each element alone: a row may be divided piece by
+/// piece).
+pub fn divide(isa: Isa, x: &mut [f32], s: f32) {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above.
+        // SAFETY: as in `max`.
         Isa::Avx2 => unsafe { avx2::divide(x, s) },
         _ => x.iter_mut().for_each(|v| *v /= s),
     }
