@@ -165,11 +165,8 @@ impl SnapshotDir {
             s.index[best.0].used = clock;
             (s.index[best.0].path.clone(), best.1)
         };
-        match read(&path, &self.key, like) {
-            Ok(mut kv) => {
-                kv.truncate(len);
-                Some(kv)
-            }
+        match read(&path, &self.key, like, len) {
+            Ok(kv) => Some(kv),
             Err(why) => {
                 tracing::warn!(
                     "prefix snapshot {} is damaged ({why}): deleted",
@@ -354,8 +351,9 @@ fn expected_len(head: &[u8]) -> u64 {
     HEADER as u64 + 4 * n + 4 * n * width * layers * halves + 32
 }
 
-/// The snapshot at `path` as a cache like `like`, checked whole.
-fn read(path: &Path, key: &[u8; 32], like: &KvCache) -> Result<KvCache, String> {
+/// The first `len` positions of the snapshot at `path` (checked whole) as a cache
+/// like `like`.
+fn read(path: &Path, key: &[u8; 32], like: &KvCache, len: usize) -> Result<KvCache, String> {
     let b = std::fs::read(path).map_err(|e| e.to_string())?;
     if b.len() < HEADER + 32 || &b[..8] != MAGIC || &b[8..40] != key {
         return Err("not a snapshot of this model and arithmetic".into());
@@ -377,9 +375,12 @@ fn read(path: &Path, key: &[u8; 32], like: &KvCache) -> Result<KvCache, String> 
         u32_at(&b, 48) as usize,
         u32_at(&b, 52) as usize,
     );
-    if layers != like.layers() || width != like.width() || n > like.capacity() {
+    if layers != like.layers() || width != like.width() {
         return Err("its layout is not this model's".into());
     }
+    // What was asked for (a cache of a smaller context may take a prefix of a
+    // longer snapshot).
+    let len = len.min(n).min(like.capacity());
     let mut kv = like.clone();
     kv.clear();
     let floats = |at: usize, m: usize| -> Vec<f32> {
@@ -389,10 +390,10 @@ fn read(path: &Path, key: &[u8; 32], like: &KvCache) -> Result<KvCache, String> 
     };
     let mut at = HEADER + 4 * n;
     for l in 0..layers {
-        let k = floats(at, n * width);
+        let k = floats(at, len * width);
         at += 4 * n * width;
         let v = if halves == 2 {
-            let v = floats(at, n * width);
+            let v = floats(at, len * width);
             at += 4 * n * width;
             v
         } else {
@@ -400,7 +401,7 @@ fn read(path: &Path, key: &[u8; 32], like: &KvCache) -> Result<KvCache, String> 
         };
         kv.append(l, &k, &v).map_err(|e| e.to_string())?;
     }
-    kv.commit(n);
+    kv.commit(len);
     Ok(kv)
 }
 
@@ -465,6 +466,11 @@ mod tests {
         let got = s.take(&prompt, 8, &like).unwrap();
         assert_eq!(got.len(), 40);
         assert_eq!(bits(&got), bits(&kv));
+        // A cache of a smaller context takes what it asks for; the file stays.
+        let small = KvCache::with_page(3, 4, 30, 16);
+        let got = s.take(&ids[..25], 8, &small).unwrap();
+        assert_eq!(got.len(), 24);
+        assert_eq!(s.held().0, 1);
         // Another model or arithmetic: nothing.
         let other = SnapshotDir::open(cfg(d.path()), key_of(b"other", 3, 4)).unwrap();
         assert!(other.take(&prompt, 8, &like).is_none());
