@@ -268,8 +268,9 @@ pub struct Settings {
     /// [`DEFAULT_PREFIX_CACHE`] without a memory budget, none within one.
     pub prefix_cache: Option<u64>,
     /// Bytes of prompt-prefix snapshots kept on disk under `$VOOM_HOME/prefixes`
-    /// (0: none persisted).
-    pub prefix_disk: u64,
+    /// (0: none persisted); `None`: [`DEFAULT_PREFIX_DISK`] without a memory
+    /// budget, none within one.
+    pub prefix_disk: Option<u64>,
     /// Prompt prefixes of fewer tokens are not persisted.
     pub prefix_disk_min: usize,
     pub max_context: Option<usize>,
@@ -287,6 +288,17 @@ pub const DEFAULT_PREFIX_DISK: u64 = 4 << 30;
 pub const DEFAULT_PREFIX_DISK_MIN: usize = 1024;
 
 impl Settings {
+    /// Bytes of prompt-prefix snapshots to keep on disk: `prefix_disk`, else
+    /// [`DEFAULT_PREFIX_DISK`] without a memory budget and none within one (reading
+    /// a snapshot holds it in memory whole).
+    pub fn prefix_disk_bytes(&self) -> u64 {
+        self.prefix_disk.unwrap_or(if self.memory_budget.is_some() {
+            0
+        } else {
+            DEFAULT_PREFIX_DISK
+        })
+    }
+
     /// Bytes of prompt-prefix KV to keep: `prefix_cache`, else
     /// [`DEFAULT_PREFIX_CACHE`] without a memory budget and none within one (the
     /// memory planner does not set it aside).
@@ -319,7 +331,7 @@ impl Default for Settings {
             expert_prefetch: false,
             kv_budget: None,
             prefix_cache: None,
-            prefix_disk: DEFAULT_PREFIX_DISK,
+            prefix_disk: None,
             prefix_disk_min: DEFAULT_PREFIX_DISK_MIN,
             max_context: None,
             threads: 0,
@@ -986,7 +998,7 @@ pub fn resolve(
     pick!(expert_prefetch, id, id);
     pick!(kv_budget, bytes, Some);
     pick!(prefix_cache, bytes, Some);
-    pick!(prefix_disk, bytes, id);
+    pick!(prefix_disk, bytes, Some);
     pick!(prefix_disk_min, id, id);
     pick!(max_context, id, Some);
     pick!(threads, id, id);

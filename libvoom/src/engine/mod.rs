@@ -325,8 +325,18 @@ fn open_snapshots(
             return None;
         }
     };
+    let config = match voom_formats::file::read_limited(
+        &dir.join("config.json"),
+        voom_formats::file::SIDE_FILE_MAX_BYTES,
+    ) {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!("model {name}: prompt prefixes are not persisted: config.json: {e}");
+            return None;
+        }
+    };
     let kv = model.new_kv(1, 1);
-    let key = snapshot::key_of(&manifest, kv.layers(), kv.width());
+    let key = snapshot::key_of(&manifest, &config, kv.layers(), kv.width());
     match snapshot::SnapshotDir::open(cfg.clone(), key) {
         Ok(s) => Some(s),
         Err(e) => {

@@ -3,8 +3,9 @@
 //!
 //! A snapshot is valid only for the arithmetic that computed it: its directory is
 //! named by a key over the checkpoint's page manifest (which names every page's
-//! blake3), the KV layout (layers, floats per position) and [`ARITHMETIC`] (the
-//! version of the kernels' bits). Another model, another checkpoint version or
+//! blake3), its `config.json` (rotary scaling, norms, routing...), the KV layout
+//! (layers, floats per position) and [`ARITHMETIC`] (the version of the kernels'
+//! bits). Another model, another checkpoint version or
 //! other arithmetic has another directory, so its snapshots are never read.
 //!
 //! File format (little-endian): `VOOMKVS1`, the 32-byte key, the number of ids,
@@ -66,7 +67,7 @@ pub struct SnapshotDir {
     key: [u8; 32],
     cfg: DiskPrefixes,
     shared: Arc<Mutex<Shared>>,
-    writer: Mutex<Option<mpsc::Sender<Job>>>,
+    writer: Mutex<Option<mpsc::SyncSender<Job>>>,
 }
 
 enum Job {
@@ -74,29 +75,50 @@ enum Job {
     Flush(mpsc::Sender<()>),
 }
 
-/// The key of a model's snapshots: its page manifest, its KV layout, the
-/// arithmetic.
-pub fn key_of(manifest: &[u8], layers: usize, width: usize) -> [u8; 32] {
+/// The key of a model's snapshots: its page manifest, its `config.json`, its KV
+/// layout, the arithmetic.
+pub fn key_of(manifest: &[u8], config: &[u8], layers: usize, width: usize) -> [u8; 32] {
     let mut h = blake3::Hasher::new();
     h.update(b"voom kv snapshot\0");
     h.update(ARITHMETIC.as_bytes());
     h.update(&(layers as u64).to_le_bytes());
     h.update(&(width as u64).to_le_bytes());
-    h.update(manifest);
+    for part in [manifest, config] {
+        h.update(&(part.len() as u64).to_le_bytes());
+        h.update(part);
+    }
     *h.finalize().as_bytes()
 }
+
+/// Temporary files older than this are a dead writer's.
+const STALE_TMP: std::time::Duration = std::time::Duration::from_secs(3600);
 
 impl SnapshotDir {
     /// The snapshots of `key` under `cfg.dir`, indexed from their headers (files
     /// whose header is not a snapshot of `key` are deleted).
     pub fn open(cfg: DiskPrefixes, key: [u8; 32]) -> std::io::Result<Self> {
         let dir = cfg.dir.join(&blake3::Hash::from(key).to_hex()[..32]);
-        std::fs::create_dir_all(&dir)?;
+        // Prompts are private: the directories and files are the owner's only.
+        {
+            use std::os::unix::fs::DirBuilderExt;
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(&dir)?;
+        }
         let mut index = Vec::new();
         for e in std::fs::read_dir(&dir)? {
             let path = e?.path();
             if path.extension().is_some_and(|x| x == "tmp") {
-                let _ = std::fs::remove_file(&path);
+                // Another writer's, unless it is old.
+                let old = std::fs::metadata(&path)
+                    .and_then(|m| m.modified())
+                    .ok()
+                    .and_then(|t| t.elapsed().ok())
+                    .is_some_and(|age| age > STALE_TMP);
+                if old {
+                    let _ = std::fs::remove_file(&path);
+                }
                 continue;
             }
             match read_ids(&path, &key) {
@@ -196,22 +218,42 @@ impl SnapshotDir {
             }
             s.pending.push(ids[..n].to_vec());
         }
+        // One larger than the budget would be deleted as soon as written.
+        let size = HEADER as u64 + 4 * n as u64 * (1 + (kv.width() * kv.layers() * 2) as u64) + 32;
+        if size > self.cfg.budget {
+            self.lock().pending.retain(|p| p.as_slice() != &ids[..n]);
+            return;
+        }
         let mut kv = kv.clone();
         kv.truncate(n);
-        self.send(Job::Write(ids[..n].to_vec(), kv));
+        if !self.send(Job::Write(ids[..n].to_vec(), kv)) {
+            // The writer is behind: this one is dropped (it holds a cache's worth of
+            // memory while queued).
+            self.lock().pending.retain(|p| p.as_slice() != &ids[..n]);
+        }
     }
 
     /// Waits until every snapshot asked for so far is written (or failed).
     pub fn flush(&self) {
         let (tx, rx) = mpsc::channel();
-        self.send(Job::Flush(tx));
-        let _ = rx.recv();
+        let job = Job::Flush(tx);
+        let w = self
+            .writer
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        // Waits for room: a flush is never dropped.
+        if w.is_some_and(|w| w.send(job).is_ok()) {
+            let _ = rx.recv();
+        }
     }
 
-    fn send(&self, job: Job) {
+    /// Queues `job` for the writer (started at the first); false when the queue
+    /// is full.
+    fn send(&self, job: Job) -> bool {
         let mut w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
         let tx = w.get_or_insert_with(|| {
-            let (tx, rx) = mpsc::channel::<Job>();
+            let (tx, rx) = mpsc::sync_channel::<Job>(WRITER_QUEUE);
             let (dir, key, budget) = (self.dir.clone(), self.key, self.cfg.budget);
             let shared = Arc::clone(&self.shared);
             std::thread::Builder::new()
@@ -231,9 +273,12 @@ impl SnapshotDir {
                 .expect("spawning the prefix writer");
             tx
         });
-        let _ = tx.send(job);
+        tx.try_send(job).is_ok()
     }
 }
+
+/// Snapshots queued for the writer at most (each holds its cache's pages).
+const WRITER_QUEUE: usize = 2;
 
 /// Writes one snapshot, then keeps the directory within `budget`.
 fn write_one(
@@ -250,17 +295,32 @@ fn write_one(
         name.update(&id.to_le_bytes());
     }
     let path = dir.join(format!("{}.kv", &name.finalize().to_hex()[..32]));
-    let tmp = path.with_extension("tmp");
-    let written = std::fs::File::create(&tmp)
-        .and_then(|mut f| f.write_all(&bytes).and_then(|()| f.sync_data()))
-        .and_then(|()| std::fs::rename(&tmp, &path));
+    // This process's own temporary name (another may write the same prefix).
+    let tmp = path.with_extension(format!("{}.tmp", std::process::id()));
+    let written = {
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)
+            .and_then(|mut f| f.write_all(&bytes).and_then(|()| f.sync_data()))
+    };
     let mut s = shared.lock().unwrap_or_else(|e| e.into_inner());
     s.pending.retain(|p| p.as_slice() != ids);
     if let Err(e) = written {
         let _ = std::fs::remove_file(&tmp);
-        let why = format!("writing {}: {e}", path.display());
+        let why = format!("writing {}: {e}", tmp.display());
         tracing::warn!("prefix snapshots off: {why}");
         s.off = Some(why);
+        return;
+    }
+    if let Err(e) = std::fs::rename(&tmp, &path) {
+        // This one is lost (another process may have moved the directory); the
+        // next may do better.
+        let _ = std::fs::remove_file(&tmp);
+        tracing::warn!("prefix snapshot {} not kept: {e}", path.display());
         return;
     }
     s.clock += 1;
@@ -341,14 +401,25 @@ fn read_ids(path: &Path, key: &[u8; 32]) -> Result<(Vec<u32>, u64), String> {
     Ok((ids.chunks_exact(4).map(|c| u32_at(c, 0)).collect(), bytes))
 }
 
+/// The file size a header implies (`u64::MAX` for a header no snapshot has:
+/// halves other than 1 or 2, or sizes that overflow).
 fn expected_len(head: &[u8]) -> u64 {
     let (n, layers, width, halves) = (
-        u32_at(head, 40) as u64,
-        u32_at(head, 44) as u64,
-        u32_at(head, 48) as u64,
-        u32_at(head, 52) as u64,
+        u64::from(u32_at(head, 40)),
+        u64::from(u32_at(head, 44)),
+        u64::from(u32_at(head, 48)),
+        u64::from(u32_at(head, 52)),
     );
-    HEADER as u64 + 4 * n + 4 * n * width * layers * halves + 32
+    if !(1..=2).contains(&halves) {
+        return u64::MAX;
+    }
+    n.checked_mul(width)
+        .and_then(|x| x.checked_mul(layers))
+        .and_then(|x| x.checked_mul(halves))
+        .and_then(|x| x.checked_add(n))
+        .and_then(|x| x.checked_mul(4))
+        .and_then(|x| x.checked_add(HEADER as u64 + 32))
+        .unwrap_or(u64::MAX)
 }
 
 /// The first `len` positions of the snapshot at `path` (checked whole) as a cache
@@ -446,7 +517,7 @@ mod tests {
     #[test]
     fn a_snapshot_comes_back_bit_for_bit_after_a_restart() {
         let d = tempfile::tempdir().unwrap();
-        let key = key_of(b"manifest", 3, 4);
+        let key = key_of(b"manifest", b"{}", 3, 4);
         let ids: Vec<u32> = (0..40).collect();
         let kv = kv_of(40, 0.25);
         let s = SnapshotDir::open(cfg(d.path()), key).unwrap();
@@ -471,8 +542,10 @@ mod tests {
         let got = s.take(&ids[..25], 8, &small).unwrap();
         assert_eq!(got.len(), 24);
         assert_eq!(s.held().0, 1);
+        // Another config (rope scaling, routing...) is another key.
+        assert_ne!(key, key_of(b"manifest", br#"{"rope_theta": 1}"#, 3, 4));
         // Another model or arithmetic: nothing.
-        let other = SnapshotDir::open(cfg(d.path()), key_of(b"other", 3, 4)).unwrap();
+        let other = SnapshotDir::open(cfg(d.path()), key_of(b"other", b"{}", 3, 4)).unwrap();
         assert!(other.take(&prompt, 8, &like).is_none());
         // Too short a match.
         assert!(s.take(&[0, 1, 2, 3, 7, 7, 7, 7, 7, 7], 8, &like).is_none());
@@ -480,7 +553,7 @@ mod tests {
 
     #[test]
     fn a_damaged_or_truncated_snapshot_is_deleted_never_used() {
-        let key = key_of(b"m", 3, 4);
+        let key = key_of(b"m", b"{}", 3, 4);
         let ids: Vec<u32> = (0..20).collect();
         for damage in ["flip", "truncate"] {
             let d = tempfile::tempdir().unwrap();
@@ -516,7 +589,7 @@ mod tests {
     #[test]
     fn the_directory_stays_within_its_budget_and_extensions_replace_prefixes() {
         let d = tempfile::tempdir().unwrap();
-        let key = key_of(b"m", 3, 4);
+        let key = key_of(b"m", b"{}", 3, 4);
         let one = encode(&key, &(0..20).collect::<Vec<_>>(), &kv_of(20, 0.0)).len() as u64;
         let s = SnapshotDir::open(
             DiskPrefixes {
@@ -549,7 +622,7 @@ mod tests {
     #[test]
     fn a_failed_write_turns_persistence_off_and_loses_nothing() {
         let d = tempfile::tempdir().unwrap();
-        let s = SnapshotDir::open(cfg(d.path()), key_of(b"m", 3, 4)).unwrap();
+        let s = SnapshotDir::open(cfg(d.path()), key_of(b"m", b"{}", 3, 4)).unwrap();
         // The directory is gone: the write fails.
         std::fs::remove_dir_all(&s.dir).unwrap();
         s.save(&(0..20).collect::<Vec<_>>(), &kv_of(20, 0.0));

@@ -582,13 +582,21 @@ impl<B: Backend> Model for Llama<B> {
             tokens * (h + m.shared_intermediate_size * 2 + h)
                 + (tokens * m.top_k * h).min(crate::model::sweep::EXPERT_HOLD_BYTES / 4)
         });
+        // A thread's attention scores: the rows of one task (the query heads of a
+        // KV head, or one latent head, times a block of positions) over the
+        // context.
+        let attention_rows = crate::backend::cpu::ATTENTION_BLOCK_Q
+            * match &cfg.mla {
+                Some(_) => 1,
+                None => cfg.num_heads / cfg.num_kv_heads.max(1),
+            };
         let floats = tokens * (h + cfg.rotary_dim)
             + 2 * chunk * per_chunk
             + mla
             + shared
             + 2 * h
             + cfg.vocab_size
-            + self.threads() * context
+            + self.threads() * context * attention_rows
             + experts;
         (floats * std::mem::size_of::<f32>()) as u64
     }

@@ -158,8 +158,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
                     pin_first_layers: None,
                     pin_last_layers: None,
                     kv_budget: None,
-                    prefix_cache: None,
-                    prefix_disk: None,
+                    // Every run repeats one prompt: reusing it would measure nothing.
+                    prefix_cache: Some(0),
+                    prefix_disk: Some(0),
                     prefix_disk_min: None,
                     resolved: None,
                 };

@@ -122,7 +122,7 @@ pub struct EngineArgs {
     pub prefix_cache: Option<u64>,
     /// Bytes of prompt-prefix snapshots kept on disk under `$VOOM_HOME/prefixes`, so
     /// that a restarted process reuses long prompts computed before; 0 persists none
-    /// [env: VOOM_PREFIX_DISK] [default: 4GiB].
+    /// [env: VOOM_PREFIX_DISK] [default: 4GiB, none with a memory budget].
     #[arg(long, value_parser = profile::parse_size)]
     pub prefix_disk: Option<u64>,
     /// Prompt prefixes of fewer tokens are not persisted [env: VOOM_PREFIX_DISK_MIN]
@@ -237,12 +237,12 @@ impl EngineArgs {
             prefetch_depth: settings.prefetch_depth,
             expert_prefetch: settings.expert_prefetch,
             prefix_cache_bytes: settings.prefix_cache_bytes() as usize,
-            prefix_disk: (settings.prefix_disk > 0)
+            prefix_disk: (settings.prefix_disk_bytes() > 0)
                 .then(crate::store::voom_home)
                 .and_then(Result::ok)
                 .map(|home| libvoom::engine::snapshot::DiskPrefixes {
                     dir: home.join("prefixes"),
-                    budget: settings.prefix_disk,
+                    budget: settings.prefix_disk_bytes(),
                     min_tokens: settings.prefix_disk_min,
                 }),
             ..EngineOptions::default()

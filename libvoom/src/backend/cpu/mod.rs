@@ -10,5 +10,6 @@ mod rows;
 pub mod softmax;
 pub mod threads;
 
+pub use attention::BLOCK_Q as ATTENTION_BLOCK_Q;
 pub use backend::CpuBackend;
 pub use rows::Rows;
