@@ -427,3 +427,27 @@ fn drafts_are_the_same_from_any_page_source() {
         }
     }
 }
+
+/// A cache of the prediction layer handed to the decoder (or the decoder's to the
+/// layer) is a clear error, not a panic.
+#[test]
+fn a_cache_of_the_wrong_layout_is_an_error() {
+    use libvoom::model::{Logits, SeqPass};
+    let e = Engine::open(&mtp_fixture(CASES[0]), EngineOptions::default()).unwrap();
+    let mut kv = e.new_mtp_kv().unwrap();
+    let err = e
+        .forward_batch(&mut [SeqPass::new(&[5, 6], &mut kv, Logits::Last)])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("KV cache of 1 layers"), "{err}");
+    let mut kv = e.new_kv();
+    let h = vec![0f32; 2 * e.config().hidden_size];
+    let err = e
+        .mtp_forward(&mut [SeqPass {
+            hidden_in: Some(&h),
+            ..SeqPass::new(&[5, 6], &mut kv, Logits::Last)
+        }])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("KV cache of"), "{err}");
+}

@@ -697,7 +697,17 @@ impl Engine {
         if seqs.is_empty() {
             return Err(VoomError::Request("no sequences to compute".into()));
         }
+        let layout = model.new_kv(1, 1);
         for s in seqs.iter() {
+            if (s.kv.layers(), s.kv.width()) != (layout.layers(), layout.width()) {
+                return Err(VoomError::Request(format!(
+                    "a KV cache of {} layers of {} floats for a model of {} of {}",
+                    s.kv.layers(),
+                    s.kv.width(),
+                    layout.layers(),
+                    layout.width()
+                )));
+            }
             self.check_pass(s.kv, s.tokens)?;
         }
         let starts: Vec<usize> = seqs.iter().map(|s| s.kv.len()).collect();
