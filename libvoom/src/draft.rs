@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use crate::engine::Engine;
 use crate::kv::KvCache;
-use crate::sampler::{argmax, Sampler, SamplingParams};
-use crate::speculate::{Drafter, SampledProposal};
+use crate::sampler::{Sampler, SamplingParams};
+use crate::speculate::{pick, DraftSampler, Drafter, SampledProposal};
 use crate::VoomError;
 
 /// A draft model: an engine over a smaller checkpoint with the target's tokenizer.
@@ -21,7 +21,7 @@ pub struct DraftModel {
     target_vocab: usize,
     /// Its own sampler for speculative sampling (seeded from the request's seed),
     /// made at the first sampled proposal.
-    sampler: Option<Sampler>,
+    sampler: DraftSampler,
 }
 
 impl DraftModel {
@@ -54,7 +54,7 @@ impl DraftModel {
             kv,
             seen: Vec::new(),
             target_vocab: target.config().vocab_size,
-            sampler: None,
+            sampler: DraftSampler::new(0x5eed_d4af_7000_0001),
         })
     }
 
@@ -70,7 +70,7 @@ impl DraftModel {
             kv: self.engine.new_kv(),
             seen: Vec::new(),
             target_vocab: self.target_vocab,
-            sampler: None,
+            sampler: DraftSampler::new(0x5eed_d4af_7000_0001),
         }
     }
 }
@@ -99,18 +99,10 @@ impl Drafter for DraftModel {
         k: usize,
         sampling: &SamplingParams,
     ) -> Result<Option<Vec<SampledProposal>>, VoomError> {
-        if sampling.is_greedy() {
-            return Ok(None);
-        }
-        let mut sampler = self.sampler.take().unwrap_or_else(|| {
-            Sampler::new(SamplingParams {
-                seed: sampling.seed ^ 0x5eed_d4af_7000_0001,
-                ..sampling.clone()
-            })
-        });
-        let out = self.decode(context, k, Some(&mut sampler));
-        self.sampler = Some(sampler);
-        Ok(Some(out?))
+        let mut sampler = std::mem::replace(&mut self.sampler, DraftSampler::new(0));
+        let out = sampler.run(sampling, |s| self.decode(context, k, Some(s)));
+        self.sampler = sampler;
+        out
     }
 }
 
@@ -145,13 +137,7 @@ impl DraftModel {
         self.seen.extend_from_slice(&context[common..]);
         let mut out = Vec::with_capacity(k);
         loop {
-            let (t, q) = match sampler.as_deref_mut() {
-                Some(s) => {
-                    let q = s.distribution(&logits);
-                    (s.draw(&q), q)
-                }
-                None => (argmax(&logits), Vec::new()),
-            };
+            let (t, q) = pick(sampler.as_deref_mut(), &logits);
             if t as usize >= self.target_vocab {
                 break;
             }

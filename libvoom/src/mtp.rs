@@ -17,8 +17,8 @@
 use crate::engine::Engine;
 use crate::kv::KvCache;
 use crate::model::{Logits, SeqPass};
-use crate::sampler::{argmax, Sampler, SamplingParams};
-use crate::speculate::{Drafter, SampledProposal};
+use crate::sampler::{Sampler, SamplingParams};
+use crate::speculate::{pick, DraftSampler, Drafter, SampledProposal};
 use crate::VoomError;
 
 /// Drafts with the multi-token-prediction layer of `engine`'s model, for one
@@ -35,7 +35,7 @@ pub struct MtpDrafter<'e> {
     lost: bool,
     /// Its own sampler for speculative sampling (seeded from the request's seed),
     /// made at the first sampled proposal.
-    sampler: Option<Sampler>,
+    sampler: DraftSampler,
 }
 
 impl<'e> MtpDrafter<'e> {
@@ -48,7 +48,7 @@ impl<'e> MtpDrafter<'e> {
             computed: 0,
             pending: Vec::new(),
             lost: false,
-            sampler: None,
+            sampler: DraftSampler::new(0x5eed_d4af_7000_0002),
         })
     }
 
@@ -90,13 +90,7 @@ impl<'e> MtpDrafter<'e> {
         let vocab = self.engine.config().vocab_size;
         let mut out = Vec::with_capacity(k);
         loop {
-            let (t, q) = match sampler.as_deref_mut() {
-                Some(s) => {
-                    let q = s.distribution(&logits);
-                    (s.draw(&q), q)
-                }
-                None => (argmax(&logits), Vec::new()),
-            };
+            let (t, q) = pick(sampler.as_deref_mut(), &logits);
             if t as usize >= vocab {
                 break;
             }
@@ -141,18 +135,10 @@ impl Drafter for MtpDrafter<'_> {
         k: usize,
         sampling: &SamplingParams,
     ) -> Result<Option<Vec<SampledProposal>>, VoomError> {
-        if sampling.is_greedy() {
-            return Ok(None);
-        }
-        let mut sampler = self.sampler.take().unwrap_or_else(|| {
-            Sampler::new(SamplingParams {
-                seed: sampling.seed ^ 0x5eed_d4af_7000_0002,
-                ..sampling.clone()
-            })
-        });
-        let out = self.decode(context, k, Some(&mut sampler));
-        self.sampler = Some(sampler);
-        Ok(Some(out?))
+        let mut sampler = std::mem::replace(&mut self.sampler, DraftSampler::new(0));
+        let out = sampler.run(sampling, |s| self.decode(context, k, Some(s)));
+        self.sampler = sampler;
+        out
     }
 
     fn wants_hidden(&self) -> bool {

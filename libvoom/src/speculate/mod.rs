@@ -21,7 +21,7 @@ pub mod lookup;
 
 pub use adapt::Adaptive;
 
-use crate::sampler::SamplingParams;
+use crate::sampler::{argmax, Sampler, SamplingParams};
 use crate::VoomError;
 
 /// A proposal drawn from a drafter's own distribution, with that distribution (the
@@ -68,6 +68,55 @@ pub trait Drafter: Send {
     /// them.
     fn observe_hidden(&mut self, first: usize, hidden: &[f32]) {
         let _ = (first, hidden);
+    }
+}
+
+/// A drafter's own sampler for speculative sampling, made at its first sampled
+/// proposal from the request's parameters with the seed mixed with `salt` (its
+/// draws are not the target's).
+pub struct DraftSampler {
+    salt: u64,
+    sampler: Option<Sampler>,
+}
+
+impl DraftSampler {
+    pub fn new(salt: u64) -> Self {
+        DraftSampler {
+            salt,
+            sampler: None,
+        }
+    }
+
+    /// `draft` run with the sampler for `sampling`; `None` for greedy parameters
+    /// (the drafter proposes fixed ids, checked the exact way).
+    pub fn run<R>(
+        &mut self,
+        sampling: &SamplingParams,
+        draft: impl FnOnce(&mut Sampler) -> Result<R, VoomError>,
+    ) -> Result<Option<R>, VoomError> {
+        if sampling.is_greedy() {
+            return Ok(None);
+        }
+        let salt = self.salt;
+        let sampler = self.sampler.get_or_insert_with(|| {
+            Sampler::new(SamplingParams {
+                seed: sampling.seed ^ salt,
+                ..sampling.clone()
+            })
+        });
+        draft(sampler).map(Some)
+    }
+}
+
+/// A drafter's next proposal from `logits`: drawn by `sampler` with the
+/// distribution it was drawn from, or the greedy pick (an empty distribution).
+pub fn pick(sampler: Option<&mut Sampler>, logits: &[f32]) -> SampledProposal {
+    match sampler {
+        Some(s) => {
+            let q = s.distribution(logits);
+            (s.draw(&q), q)
+        }
+        None => (argmax(logits), Vec::new()),
     }
 }
 
