@@ -373,16 +373,8 @@ fn batched_sequences_draft_as_they_do_alone() {
 fn drafts_are_the_same_from_any_page_source() {
     use vpaged::store::{Store, StoreConfig, StoreSource};
     for case in CASES {
-        let tmp = tempfile::tempdir().unwrap();
-        let dir = tmp.path().join(case);
-        std::fs::create_dir_all(&dir).unwrap();
-        for f in std::fs::read_dir(mtp_fixture(case)).unwrap() {
-            let f = f.unwrap();
-            std::fs::copy(f.path(), dir.join(f.file_name())).unwrap();
-        }
-        let ckpt = voom_formats::Checkpoint::open(&dir).unwrap();
-        let manifest = voom_formats::Manifest::build(&ckpt, &mut |_, _| {}).unwrap();
-        manifest.save(&dir).unwrap();
+        let (_tmp, dir) = common::copy_with_manifest(&mtp_fixture(case));
+        let manifest = voom_formats::Manifest::load(&dir).unwrap().unwrap();
         let model_bytes: u64 = manifest.pages.iter().map(|p| p.len).sum();
         let r = reference(case);
         let prompt = ids(&r["sequences"][2]["prompt_ids"]);

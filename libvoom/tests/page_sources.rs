@@ -4,6 +4,8 @@
 //! about one decoder layer (streaming), with prefetch off or on, from the fast tier,
 //! and through the daemon's socket and shared arena, with two engines at once.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -12,22 +14,7 @@ use vpaged::direct::ReadMode;
 use vpaged::store::{Store, StoreConfig, StoreSource};
 
 fn fixture_copy(case: &str) -> (tempfile::TempDir, PathBuf) {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../tests/fixtures/tiny")
-        .join(case);
-    let d = tempfile::tempdir().unwrap();
-    let dir = d.path().join(case);
-    std::fs::create_dir_all(&dir).unwrap();
-    for e in std::fs::read_dir(&src).unwrap() {
-        let e = e.unwrap();
-        std::fs::copy(e.path(), dir.join(e.file_name())).unwrap();
-    }
-    let ckpt = voom_formats::Checkpoint::open(&dir).unwrap();
-    voom_formats::Manifest::build(&ckpt, &mut |_, _| {})
-        .unwrap()
-        .save(&dir)
-        .unwrap();
-    (d, dir)
+    common::copy_with_manifest(&common::fixtures().join(case))
 }
 
 fn run(engine: &Engine, prompt: &[u32]) -> (Vec<u32>, Vec<u32>) {

@@ -9,7 +9,7 @@ use std::ops::ControlFlow;
 
 use libvoom::engine::{Decoding, Engine, EngineOptions, GenerateParams, Generation};
 
-use common::{bits, fixtures, prompt_of};
+use common::{bits, copy_with_manifest, fixtures, prompt_of};
 
 fn run(e: &Engine, prompt: &[u32], n: usize) -> Generation {
     let params = GenerateParams {
@@ -99,23 +99,6 @@ fn reused_prefixes_give_cold_ids_and_bits() {
     }
 }
 
-/// A copy of fixture `case` with a page manifest (what keys its snapshots).
-fn with_manifest(case: &str) -> (tempfile::TempDir, std::path::PathBuf) {
-    let d = tempfile::tempdir().unwrap();
-    let dir = d.path().join(case);
-    std::fs::create_dir_all(&dir).unwrap();
-    for f in std::fs::read_dir(fixtures().join(case)).unwrap() {
-        let f = f.unwrap();
-        std::fs::copy(f.path(), dir.join(f.file_name())).unwrap();
-    }
-    let ckpt = voom_formats::Checkpoint::open(&dir).unwrap();
-    voom_formats::Manifest::build(&ckpt, &mut |_, _| {})
-        .unwrap()
-        .save(&dir)
-        .unwrap();
-    (d, dir)
-}
-
 /// Prefixes persisted on disk: a fresh engine (a restarted process) reuses the
 /// prompt another computed, with a cold run's ids and bits; a damaged snapshot is
 /// deleted and the prompt computed again, exactly; another checkpoint's snapshots
@@ -124,7 +107,7 @@ fn with_manifest(case: &str) -> (tempfile::TempDir, std::path::PathBuf) {
 fn snapshots_survive_a_restart_exactly_and_damage_is_recomputed() {
     use libvoom::engine::snapshot::DiskPrefixes;
     for case in ["llama_gqa_untied", "deepseek_v3_mla_yarn"] {
-        let (_d, dir) = with_manifest(case);
+        let (_d, dir) = copy_with_manifest(&fixtures().join(case));
         let store = tempfile::tempdir().unwrap();
         let opts = |persist: bool| EngineOptions {
             prefix_cache_bytes: 64 << 20,
@@ -170,7 +153,7 @@ fn snapshots_survive_a_restart_exactly_and_damage_is_recomputed() {
         run(&fresh, &long, 6);
         fresh.flush_prefixes();
         drop(fresh);
-        let (_e, other) = with_manifest(case);
+        let (_e, other) = copy_with_manifest(&fixtures().join(case));
         let m = other.join("voom-manifest.json");
         let text = std::fs::read_to_string(&m).unwrap();
         std::fs::write(&m, text + " ").unwrap();

@@ -36,6 +36,25 @@ pub fn prompt_of(dir: &Path, i: usize) -> Vec<u32> {
         .collect()
 }
 
+/// A copy of the model directory `src` in a temporary directory, under its own
+/// name, with a page manifest (what the store core's cache and prefix snapshots
+/// need). The directory lives as long as the `TempDir`.
+pub fn copy_with_manifest(src: &Path) -> (tempfile::TempDir, PathBuf) {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path().join(src.file_name().unwrap());
+    std::fs::create_dir_all(&dir).unwrap();
+    for e in std::fs::read_dir(src).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), dir.join(e.file_name())).unwrap();
+    }
+    let ckpt = voom_formats::Checkpoint::open(&dir).unwrap();
+    voom_formats::Manifest::build(&ckpt, &mut |_, _| {})
+        .unwrap()
+        .save(&dir)
+        .unwrap();
+    (d, dir)
+}
+
 /// Each row's float bits.
 pub fn bits(rows: &[Vec<f32>]) -> Vec<Vec<u32>> {
     rows.iter()
