@@ -275,6 +275,10 @@ pub struct Engine {
     walk: Walk,
     /// The multi-token-prediction layer's walk, where the model has one.
     mtp_walk: Option<Walk>,
+    /// Layers and floats per position of the model's KV caches, and of its
+    /// multi-token-prediction layer's.
+    kv_layout: (usize, usize),
+    mtp_kv_layout: (usize, usize),
     /// Prompt prefixes computed before ([`EngineOptions::prefix_cache_bytes`]).
     prefixes: std::sync::Mutex<prefix::PrefixCache>,
     /// Their snapshots on disk ([`EngineOptions::prefix_disk`]).
@@ -401,6 +405,12 @@ impl Engine {
         let (stream_room, pinned) = place_in(source.as_ref(), model.as_ref());
         let walk = Walk::new(model.plan(), &pinned);
         let mtp_walk = model.mtp().ok().map(|m| Walk::new(m.plan(), &pinned));
+        let layout = |m: &dyn Model| {
+            let kv = m.new_kv(1, 1);
+            (kv.layers(), kv.width())
+        };
+        let kv_layout = layout(model.as_ref());
+        let mtp_kv_layout = model.mtp().map_or((0, 0), layout);
         let tokenizer = if dir.join("tokenizer.json").exists() {
             Some(Tokenizer::from_dir(dir)?)
         } else {
@@ -423,6 +433,8 @@ impl Engine {
             stream_room,
             walk,
             mtp_walk,
+            kv_layout,
+            mtp_kv_layout,
             prefixes: std::sync::Mutex::new(prefix::PrefixCache::new(prefix_bytes)),
             snapshots,
             trace: std::sync::Mutex::new(None),
@@ -697,15 +709,20 @@ impl Engine {
         if seqs.is_empty() {
             return Err(VoomError::Request("no sequences to compute".into()));
         }
-        let layout = model.new_kv(1, 1);
+        // The layout of the model's caches (computed once per engine).
+        let layout = if std::ptr::addr_eq(model, self.model.as_ref()) {
+            self.kv_layout
+        } else {
+            self.mtp_kv_layout
+        };
         for s in seqs.iter() {
-            if (s.kv.layers(), s.kv.width()) != (layout.layers(), layout.width()) {
+            if (s.kv.layers(), s.kv.width()) != layout {
                 return Err(VoomError::Request(format!(
                     "a KV cache of {} layers of {} floats for a model of {} of {}",
                     s.kv.layers(),
                     s.kv.width(),
-                    layout.layers(),
-                    layout.width()
+                    layout.0,
+                    layout.1
                 )));
             }
             self.check_pass(s.kv, s.tokens)?;
