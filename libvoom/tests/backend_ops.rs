@@ -323,7 +323,7 @@ fn attention_is_causal_softmax_attention_and_independent_of_how_positions_arrive
                 let mut out = b.zeros(m, qd);
                 b.attention(&qa, &ka, &va, &mut kv, 0, &shape, &mut out)
                     .unwrap();
-                kv.commit(m);
+                kv.commit(&vec![0; m]);
                 out_all.extend(b.download_owned(out));
             }
             out_all
@@ -570,7 +570,7 @@ fn latent_attention_attends_over_whole_cache_vectors_with_latent_values() {
             let mut out = b.zeros(m, od);
             b.latent_attention(&qa, &ca, &mut kv, 0, &shape, &mut out)
                 .unwrap();
-            kv.commit(m);
+            kv.commit(&vec![0; m]);
             all.extend(b.download_owned(out));
         }
         assert_eq!(kv.bytes(), n * w * 4, "one vector per position, no values");

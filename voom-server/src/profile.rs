@@ -59,10 +59,6 @@ pub const KEYS: &[&str] = &[
 /// The keys of a profile's `sampling` map.
 pub const SAMPLING_KEYS: &[&str] = &["temperature", "top_p", "top_k"];
 
-/// Bytes of one KV-cache element: the cache holds keys and values in f32
-/// (libvoom/src/kv.rs).
-pub const KV_ELEMENT_BYTES: u64 = 4;
-
 #[derive(Debug, thiserror::Error)]
 pub enum ProfileError {
     #[error("no profile '{name}' (looked in {looked}; profiles there: {available})")]
@@ -103,18 +99,6 @@ pub enum ProfileError {
         var: &'static str,
         value: String,
         detail: String,
-    },
-    #[error(
-        "kv_budget of {budget} bytes holds no position of this model \
-         (one position takes {per_position} bytes: {layers} layers x 2 x {kv_heads} KV heads \
-         x {head_dim} x {KV_ELEMENT_BYTES} bytes)"
-    )]
-    KvTooSmall {
-        budget: u64,
-        per_position: u64,
-        layers: usize,
-        kv_heads: usize,
-        head_dim: usize,
     },
     #[error(
         "{set} are set at the same level: each chooses how the weights are held \
@@ -262,7 +246,8 @@ pub struct Settings {
     /// Predict each layer of routed experts' picks from the hidden state a layer
     /// before and hint them (a mixture of experts; opt-in until shown to help).
     pub expert_prefetch: bool,
-    /// Bytes of KV cache; bounds the context (see [`Settings::max_context_for`]).
+    /// Bytes of KV pages kept in memory; pages beyond spill to `$VOOM_HOME/kv`
+    /// (`None`: no budget, or under a `memory_budget` the KV it plans).
     pub kv_budget: Option<u64>,
     /// Bytes of prompt-prefix KV kept in memory for reuse; `None`:
     /// [`DEFAULT_PREFIX_CACHE`] without a memory budget, none within one.
@@ -341,34 +326,6 @@ impl Default for Settings {
     }
 }
 
-/// Positions of KV cache that `budget` bytes hold for a model of `layers` layers,
-/// `kv_heads` KV heads of `head_dim`: keys and values in f32.
-pub fn kv_positions(
-    budget: u64,
-    layers: usize,
-    kv_heads: usize,
-    head_dim: usize,
-) -> Result<usize, ProfileError> {
-    let per_position = (layers as u64)
-        .saturating_mul(2)
-        .saturating_mul(kv_heads as u64)
-        .saturating_mul(head_dim as u64)
-        .saturating_mul(KV_ELEMENT_BYTES);
-    let too_small = || ProfileError::KvTooSmall {
-        budget,
-        per_position,
-        layers,
-        kv_heads,
-        head_dim,
-    };
-    if per_position == 0 {
-        return Err(too_small());
-    }
-    match budget / per_position {
-        0 => Err(too_small()),
-        n => Ok(usize::try_from(n).unwrap_or(usize::MAX)),
-    }
-}
 
 /// A yes/no setting's value: `1`, `true`, `yes`, `on`, or `0`, `false`, `no`, `off`.
 pub fn parse_bool(s: &str) -> Result<bool, String> {
@@ -381,35 +338,20 @@ pub fn parse_bool(s: &str) -> Result<bool, String> {
     }
 }
 
-/// The context a memory budget plans KV for when neither `max_context` nor
-/// `kv_budget` bounds it (the model's own maximum when that is less).
+/// The context a memory budget plans KV for: the KV of this many positions (the
+/// model's maximum when that is less, `max_context` when set) is set aside, and
+/// becomes the KV budget beyond which pages spill to disk.
 pub const BUDGET_CONTEXT: usize = 4096;
 
 impl Settings {
-    /// The context limit for a model: `max_context` and what `kv_budget` holds,
-    /// whichever is smaller; under a `memory_budget` with neither, the model's
-    /// maximum up to [`BUDGET_CONTEXT`] (the budget holds its KV cache, so the
-    /// context cannot grow past what was planned). `None`: the model's own maximum.
+    /// The context limit for a model: `max_context`, else the model's own maximum
+    /// (`None`). Neither `kv_budget` nor `memory_budget` bounds it: KV beyond its
+    /// budget spills to disk ([`libvoom::kv::spill`]).
     pub fn max_context_for(
         &self,
-        cfg: &libvoom::config::ModelConfig,
+        _cfg: &libvoom::config::ModelConfig,
     ) -> Result<Option<usize>, ProfileError> {
-        let kv = match self.kv_budget {
-            Some(b) => Some(kv_positions(
-                b,
-                cfg.num_layers,
-                cfg.num_kv_heads,
-                cfg.head_dim,
-            )?),
-            None => None,
-        };
-        Ok(match (self.max_context, kv) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (None, None) if self.memory_budget.is_some() => {
-                Some(cfg.max_position_embeddings.clamp(1, BUDGET_CONTEXT))
-            }
-            (a, b) => a.or(b),
-        })
+        Ok(self.max_context)
     }
 }
 
@@ -1138,39 +1080,24 @@ mod tests {
         Overrides::default()
     }
 
-    /// Under a memory budget, the context is what was planned: `max_context` or what
-    /// `kv_budget` holds, else the model's maximum up to `BUDGET_CONTEXT`.
+    /// Budgets do not bound the context: KV beyond its budget spills to disk.
     #[test]
-    fn a_memory_budget_bounds_the_context_to_what_it_plans() {
-        let cfg = |max: usize| libvoom::config::ModelConfig {
-            max_position_embeddings: max,
-            ..libvoom::config::ModelConfig::from_dir(
-                &Path::new(env!("CARGO_MANIFEST_DIR"))
-                    .join("../tests/fixtures/tiny/llama_gqa_untied"),
-            )
-            .unwrap()
-        };
+    fn budgets_do_not_bound_the_context() {
+        let cfg = libvoom::config::ModelConfig::from_dir(
+            &Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny/llama_gqa_untied"),
+        )
+        .unwrap();
         let budgeted = Settings {
             memory_budget: Some(1 << 30),
+            kv_budget: Some(1),
             ..Settings::default()
         };
-        assert_eq!(
-            Settings::default().max_context_for(&cfg(32768)).unwrap(),
-            None
-        );
-        assert_eq!(
-            budgeted.max_context_for(&cfg(32768)).unwrap(),
-            Some(BUDGET_CONTEXT)
-        );
-        assert_eq!(budgeted.max_context_for(&cfg(512)).unwrap(), Some(512));
+        assert_eq!(budgeted.max_context_for(&cfg).unwrap(), None);
         let with_max = Settings {
-            max_context: Some(100_000),
+            max_context: Some(100),
             ..budgeted.clone()
         };
-        assert_eq!(
-            with_max.max_context_for(&cfg(32768)).unwrap(),
-            Some(100_000)
-        );
+        assert_eq!(with_max.max_context_for(&cfg).unwrap(), Some(100));
     }
 
     #[test]
@@ -1491,38 +1418,6 @@ read_piece: 8MiB
         let r = resolve(&dirs, "s", &none(), &none()).unwrap();
         assert_eq!(r.settings.cache_budget, Some(1 << 20));
         assert_eq!(r.settings.kv_budget, Some(3 << 19));
-    }
-
-    #[test]
-    fn kv_budget_becomes_positions() {
-        // SmolLM2-135M: 30 layers, 3 KV heads of 64: 46080 bytes a position.
-        assert_eq!(kv_positions(512 << 20, 30, 3, 64).unwrap(), 11650);
-        assert_eq!(kv_positions(46080, 30, 3, 64).unwrap(), 1);
-        let e = kv_positions(46079, 30, 3, 64).unwrap_err();
-        assert!(e.to_string().contains("46080 bytes"), "{e}");
-        assert!(kv_positions(1 << 20, 0, 3, 64).is_err());
-        // With max_context too, the smaller limit wins.
-        let cfg_json = serde_json::json!({
-            "model_type": "llama", "architectures": ["LlamaForCausalLM"],
-            "hidden_size": 192, "intermediate_size": 512, "num_hidden_layers": 30,
-            "num_attention_heads": 3, "num_key_value_heads": 3, "head_dim": 64,
-            "vocab_size": 100, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
-            "rope_theta": 10000.0
-        });
-        let d = tempfile::tempdir().unwrap();
-        std::fs::write(d.path().join("config.json"), cfg_json.to_string()).unwrap();
-        let cfg = libvoom::config::ModelConfig::from_dir(d.path()).unwrap();
-        let mut s = Settings {
-            kv_budget: Some(46080 * 100),
-            ..Settings::default()
-        };
-        assert_eq!(s.max_context_for(&cfg).unwrap(), Some(100));
-        s.max_context = Some(50);
-        assert_eq!(s.max_context_for(&cfg).unwrap(), Some(50));
-        s.max_context = Some(500);
-        assert_eq!(s.max_context_for(&cfg).unwrap(), Some(100));
-        s.kv_budget = None;
-        assert_eq!(s.max_context_for(&cfg).unwrap(), Some(500));
     }
 
     #[test]

@@ -378,8 +378,11 @@ impl DirectFile {
     }
 }
 
+/// Makes `file`'s reads and writes bypass the OS page cache (`O_DIRECT` on Linux,
+/// `F_NOCACHE` on macOS); an error where the file system or OS cannot (tmpfs, for
+/// one). Direct transfers must be [`DIRECT_ALIGN`]-aligned in the file and memory.
 #[cfg(target_os = "linux")]
-fn set_direct(file: &File) -> io::Result<()> {
+pub fn set_direct(file: &File) -> io::Result<()> {
     use std::os::fd::AsRawFd;
     let fd = file.as_raw_fd();
     // SAFETY: fcntl F_GETFL on a descriptor `file` owns; reads its status flags.
@@ -394,8 +397,9 @@ fn set_direct(file: &File) -> io::Result<()> {
     Ok(())
 }
 
+/// As on Linux, with `F_NOCACHE`.
 #[cfg(target_os = "macos")]
-fn set_direct(file: &File) -> io::Result<()> {
+pub fn set_direct(file: &File) -> io::Result<()> {
     use std::os::fd::AsRawFd;
     // SAFETY: fcntl F_NOCACHE on a descriptor `file` owns, with an int argument.
     if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_NOCACHE, 1) } < 0 {
@@ -405,7 +409,8 @@ fn set_direct(file: &File) -> io::Result<()> {
 }
 
 #[cfg(not(any(target_os = "linux", target_os = "macos")))]
-fn set_direct(_file: &File) -> io::Result<()> {
+/// Not supported on this OS.
+pub fn set_direct(_file: &File) -> io::Result<()> {
     Err(io::Error::new(
         io::ErrorKind::Unsupported,
         "direct reads are implemented on Linux and macOS",

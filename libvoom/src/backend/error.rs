@@ -48,6 +48,14 @@ pub enum KernelError {
         table_rows: usize,
         table_cols: usize,
     },
+    /// A spilled KV page whose copy on disk cannot be used (it fails its checksum,
+    /// or cannot be read): its positions are lost and must be recomputed.
+    #[error("KV page {page} of layer {layer} is lost: {why}")]
+    KvPageLost {
+        layer: usize,
+        page: usize,
+        why: String,
+    },
     /// A KV cache that cannot take more positions.
     #[error("context full: {cached} positions cached + {new} new exceed the limit of {limit}")]
     ContextFull {

@@ -11,7 +11,7 @@ use vpaged::{EmbeddedStore, PageId, PageSource, SourceCacheStats, VerifyMode};
 use crate::backend::BackendKind;
 use crate::config::ModelConfig;
 use crate::constrain::{ConstrainError, TokenConstraint, TokenMask};
-use crate::kv::KvCache;
+use crate::kv::{KvCache, KvPool, KvPoolStats};
 use crate::model::{self, Logits, Model, SeqPass, Sweep, Walk};
 use crate::sampler::{Sampler, SamplingParams};
 use crate::speculate::{Drafter, SpecReport};
@@ -57,6 +57,11 @@ pub struct EngineOptions {
     /// Prompt prefixes persisted on disk ([`snapshot`]; `None`: not persisted).
     /// Results do not depend on it.
     pub prefix_disk: Option<snapshot::DiskPrefixes>,
+    /// A byte budget for the closed KV pages of every cache the engine makes
+    /// (sequences and kept prefixes together), and the directory their pages spill
+    /// to beyond it ([`crate::kv::spill`]); `None`: no budget. Results do not
+    /// depend on it.
+    pub kv_budget: Option<(usize, PathBuf)>,
 }
 
 impl Default for EngineOptions {
@@ -73,6 +78,7 @@ impl Default for EngineOptions {
             kv_page_positions: crate::kv::DEFAULT_PAGE_POSITIONS,
             prefix_cache_bytes: 0,
             prefix_disk: None,
+            kv_budget: None,
         }
     }
 }
@@ -99,6 +105,10 @@ pub struct GenerateParams {
     /// but not plain sampling's draws. Off: a sampled run draws plain decoding's ids.
     pub speculative_sampling: bool,
 }
+
+/// Passes repeated at most to recompute lost KV positions (each finds at least one
+/// more damaged page, and drops it).
+const MAX_RECOVERIES: usize = 256;
 
 /// The longest draft a pass verifies by default.
 pub const MAX_DRAFT: usize = 8;
@@ -285,6 +295,8 @@ pub struct Engine {
     snapshots: Option<snapshot::SnapshotDir>,
     /// The routing trace being recorded ([`Engine::record_expert_trace`]).
     trace: std::sync::Mutex<Option<Vec<vpaged::expert_trace::TracePass>>>,
+    /// The budget of its KV caches' pages ([`EngineOptions::kv_budget`]).
+    kv_pool: Option<KvPool>,
 }
 
 /// Pins in `source`'s cache (when it has one) the pages the memory planner chooses
@@ -418,6 +430,10 @@ impl Engine {
         };
         let eos = eos_ids(dir, model.config(), tokenizer.as_ref());
         let prefix_bytes = opts.prefix_cache_bytes;
+        let opts_kv_pool = opts
+            .kv_budget
+            .as_ref()
+            .map(|(bytes, dir)| KvPool::new(*bytes, dir));
         let snapshots = opts
             .prefix_disk
             .as_ref()
@@ -438,6 +454,7 @@ impl Engine {
             prefixes: std::sync::Mutex::new(prefix::PrefixCache::new(prefix_bytes)),
             snapshots,
             trace: std::sync::Mutex::new(None),
+            kv_pool: opts_kv_pool,
         })
     }
 
@@ -580,10 +597,26 @@ impl Engine {
         self.prefixes.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// A fresh KV cache for one sequence.
+    /// A fresh KV cache for one sequence (its pages in the engine's KV budget, when
+    /// it has one).
     pub fn new_kv(&self) -> KvCache {
-        self.model
-            .new_kv(self.max_context(), self.opts.kv_page_positions)
+        let kv = self
+            .model
+            .new_kv(self.max_context(), self.opts.kv_page_positions);
+        match &self.kv_pool {
+            Some(pool) => kv.in_pool(pool),
+            None => kv,
+        }
+    }
+
+    /// The budget of its KV caches' pages, when it has one.
+    pub fn kv_pool(&self) -> Option<&KvPool> {
+        self.kv_pool.as_ref()
+    }
+
+    /// What the KV budget did: pages spilled, read back, lost and recomputed.
+    pub fn kv_pool_stats(&self) -> Option<KvPoolStats> {
+        self.kv_pool.as_ref().map(|p| p.stats())
     }
 
     /// Runs `tokens` after what `kv` holds and returns the last position's logits.
@@ -699,7 +732,77 @@ impl Engine {
 
     /// One checked pass of `model` (this engine's, or its multi-token-prediction
     /// layer's) following `walk`; only the decoder's passes join the routing trace.
+    ///
+    /// A sequence whose KV cache lost positions (a spilled page that failed its
+    /// checksum: [`KvCache::lost`]) has them computed again from their token ids
+    /// first: the same bits, since a position's KV does not depend on how its
+    /// prompt was cut into passes. A pass that finds a page lost is retried once
+    /// that way.
     fn pass(
+        &self,
+        model: &dyn Model,
+        walk: &Walk,
+        seqs: &mut [SeqPass<'_>],
+        waited: &mut Duration,
+    ) -> Result<Vec<Vec<f32>>, VoomError> {
+        for attempt in 0.. {
+            for s in seqs.iter_mut() {
+                self.recompute_lost(model, walk, s.kv, waited)?;
+            }
+            match self.pass_once(model, walk, seqs, waited) {
+                Err(e) if attempt < MAX_RECOVERIES && seqs.iter().any(|s| s.kv.lost().is_some()) => {
+                    tracing::warn!("{e}: recomputing the lost positions, then the pass again");
+                }
+                r => return r,
+            }
+        }
+        unreachable!("the loop returns")
+    }
+
+    /// Computes again the positions `kv` lost ([`KvCache::take_lost`]), until none
+    /// is (each pass may find another damaged page among the ones it reads).
+    fn recompute_lost(
+        &self,
+        model: &dyn Model,
+        walk: &Walk,
+        kv: &mut KvCache,
+        waited: &mut Duration,
+    ) -> Result<(), VoomError> {
+        // The ids to compute after what `kv` holds: a pass that fails on another
+        // damaged page cuts `kv` back further, and those ids go before these.
+        let mut pending: Vec<u32> = Vec::new();
+        for attempt in 0.. {
+            if let Some(from) = kv.lost() {
+                let Some(mut ids) = kv.take_lost() else {
+                    return Err(VoomError::Request(format!(
+                        "KV positions from {from} on were lost and their token ids are not known"
+                    )));
+                };
+                tracing::warn!(
+                    "recomputing {} KV positions from {from} on (a spilled page was lost)",
+                    ids.len()
+                );
+                if let Some(pool) = kv.pool() {
+                    pool.note_recomputed(ids.len());
+                }
+                ids.append(&mut pending);
+                pending = ids;
+            }
+            if pending.is_empty() {
+                return Ok(());
+            }
+            let mut one = [SeqPass::new(&pending, kv, Logits::Last)];
+            match self.pass_once(model, walk, &mut one, waited) {
+                Ok(_) => return Ok(()),
+                Err(e) if attempt >= MAX_RECOVERIES || kv.lost().is_none() => return Err(e),
+                Err(_) => {}
+            }
+        }
+        unreachable!("the loop returns")
+    }
+
+    /// [`Engine::pass`] without the recovery of lost positions.
+    fn pass_once(
         &self,
         model: &dyn Model,
         walk: &Walk,
@@ -756,7 +859,7 @@ impl Engine {
         match r {
             Ok(logits) => {
                 for s in seqs.iter_mut() {
-                    s.kv.commit(s.tokens.len());
+                    s.kv.commit(s.tokens);
                 }
                 Ok(logits)
             }

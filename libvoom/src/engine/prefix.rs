@@ -146,12 +146,12 @@ mod tests {
         for l in 0..2 {
             kv.append(l, &x, &x).unwrap();
         }
-        kv.commit(ids.len());
+        kv.commit(ids);
         kv
     }
 
     fn values(kv: &KvCache) -> Vec<u32> {
-        let v = kv.layer(1);
+        let v = kv.layer(1).unwrap();
         (0..v.len)
             .map(|j| v.v[j / v.page][(j % v.page) * v.width] as u32)
             .collect()
@@ -194,7 +194,7 @@ mod tests {
         for l in 0..2 {
             kvb.append(l, &x, &x).unwrap();
         }
-        kvb.commit(8);
+        kvb.commit(&[0; 8]);
         c.insert(&b, &kvb);
         assert_eq!(c.len(), 1);
         // Only the new positions' bytes were added (the 40 shared).

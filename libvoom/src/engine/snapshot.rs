@@ -289,7 +289,16 @@ fn write_one(
     ids: &[u32],
     kv: &KvCache,
 ) {
-    let bytes = encode(key, ids, kv);
+    let bytes = match encode(key, ids, kv) {
+        Ok(b) => b,
+        Err(e) => {
+            // Its pages are not all readable (a spilled page lost): not kept.
+            tracing::warn!("prefix snapshot not written: {e}");
+            let mut s = shared.lock().unwrap_or_else(|e| e.into_inner());
+            s.pending.retain(|p| p.as_slice() != ids);
+            return;
+        }
+    };
     let mut name = blake3::Hasher::new();
     for id in ids {
         name.update(&id.to_le_bytes());
@@ -348,11 +357,18 @@ fn write_one(
     }
 }
 
-/// The file's bytes.
-fn encode(key: &[u8; 32], ids: &[u32], kv: &KvCache) -> Vec<u8> {
+/// The file's bytes; `Err` where a page cannot be read (a spilled page lost).
+fn encode(key: &[u8; 32], ids: &[u32], kv: &KvCache) -> Result<Vec<u8>, String> {
     let n = ids.len();
     let width = kv.width();
-    let halves = if kv.layer(0).v.is_empty() { 1 } else { 2 };
+    if kv.lost().is_some_and(|at| at < n) {
+        return Err("positions of the prefix were lost".into());
+    }
+    let halves = if kv.layer(0).map_err(|e| e.to_string())?.v.is_empty() {
+        1
+    } else {
+        2
+    };
     let mut out = Vec::with_capacity(HEADER + 4 * n + 4 * n * width * kv.layers() * halves + 32);
     out.extend_from_slice(MAGIC);
     out.extend_from_slice(key);
@@ -363,7 +379,7 @@ fn encode(key: &[u8; 32], ids: &[u32], kv: &KvCache) -> Vec<u8> {
         out.extend_from_slice(&id.to_le_bytes());
     }
     for l in 0..kv.layers() {
-        let view = kv.layer(l);
+        let view = kv.layer(l).map_err(|e| e.to_string())?;
         for pages in [&view.k, &view.v].into_iter().take(halves) {
             for (p, off, m) in view.segments(0, n) {
                 for x in &pages[p][off * width..(off + m) * width] {
@@ -374,7 +390,12 @@ fn encode(key: &[u8; 32], ids: &[u32], kv: &KvCache) -> Vec<u8> {
     }
     let h = blake3::hash(&out);
     out.extend_from_slice(h.as_bytes());
-    out
+    Ok(out)
+}
+
+/// The first `len` token ids of a snapshot's bytes `b`.
+fn ids_at(b: &[u8], len: usize) -> Vec<u32> {
+    (0..len).map(|i| u32_at(b, HEADER + 4 * i)).collect()
 }
 
 fn u32_at(b: &[u8], at: usize) -> u32 {
@@ -472,7 +493,7 @@ fn read(path: &Path, key: &[u8; 32], like: &KvCache, len: usize) -> Result<KvCac
         };
         kv.append(l, &k, &v).map_err(|e| e.to_string())?;
     }
-    kv.commit(len);
+    kv.commit(&ids_at(&b, len));
     Ok(kv)
 }
 
@@ -489,14 +510,14 @@ mod tests {
             let v: Vec<f32> = k.iter().map(|x| -x).collect();
             kv.append(l, &k, &v).unwrap();
         }
-        kv.commit(n);
+        kv.commit(&vec![0; n]);
         kv
     }
 
     fn bits(kv: &KvCache) -> Vec<u32> {
         let mut out = Vec::new();
         for l in 0..kv.layers() {
-            let v = kv.layer(l);
+            let v = kv.layer(l).unwrap();
             for pages in [&v.k, &v.v] {
                 for (p, off, m) in v.segments(0, v.len) {
                     out.extend(pages[p][off * 4..(off + m) * 4].iter().map(|x| x.to_bits()));
@@ -590,7 +611,7 @@ mod tests {
     fn the_directory_stays_within_its_budget_and_extensions_replace_prefixes() {
         let d = tempfile::tempdir().unwrap();
         let key = key_of(b"m", b"{}", 3, 4);
-        let one = encode(&key, &(0..20).collect::<Vec<_>>(), &kv_of(20, 0.0)).len() as u64;
+        let one = encode(&key, &(0..20).collect::<Vec<_>>(), &kv_of(20, 0.0)).unwrap().len() as u64;
         let s = SnapshotDir::open(
             DiskPrefixes {
                 budget: 2 * one,

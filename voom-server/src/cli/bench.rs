@@ -79,6 +79,9 @@ pub enum BenchSub {
     /// Prompt-prefix reuse: time to first token of a long agent prompt cold,
     /// repeated, extended by a turn and after a restart, ids compared.
     Prefix(super::prefix_bench::PrefixBenchArgs),
+    /// Decode at depth (8K, 32K positions) with a KV budget of a quarter of the
+    /// context's KV, pages spilled to disk, against the KV resident.
+    LongContext(super::long_context_bench::LongContextBenchArgs),
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -96,6 +99,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         Some(BenchSub::OutOfCore(o)) => return super::out_of_core::run(o),
         Some(BenchSub::Spec(s)) => return super::spec_bench::run(s),
         Some(BenchSub::Prefix(p)) => return super::prefix_bench::run_bench(p),
+        Some(BenchSub::LongContext(l)) => return super::long_context_bench::run(l),
         None => {}
     }
     if a.runs == 0 || a.prompt_tokens == 0 || a.decode_tokens < 2 {
@@ -143,6 +147,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
                     verify: None,
                     max_context: None,
                     backend: None,
+                    kv_page_positions: None,
                     vpaged: None,
                     vpaged_fallback: false,
                     prefetch_depth: None,

@@ -46,6 +46,10 @@ pub struct EngineArgs {
     /// fastest this machine has).
     #[arg(long, env = "VOOM_BACKEND", value_parser = parse_backend)]
     pub backend: Option<libvoom::backend::BackendKind>,
+    /// Positions per KV page (what a page of the KV budget spills and reads back;
+    /// results do not depend on it) [default: 128].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub kv_page_positions: Option<u32>,
     /// Get pages from the vpaged daemon at this socket instead of the embedded store.
     #[arg(long, env = "VOOM_VPAGED")]
     pub vpaged: Option<PathBuf>,
@@ -245,6 +249,9 @@ impl EngineArgs {
                     budget: settings.prefix_disk_bytes(),
                     min_tokens: settings.prefix_disk_min,
                 }),
+            kv_budget: settings
+                .kv_budget
+                .and_then(|b| Some((b as usize, kv_spill_dir()?))),
             ..EngineOptions::default()
         }
     }
@@ -441,6 +448,9 @@ pub fn open_engine(dir: &Path, args: &EngineArgs) -> Result<Engine> {
     let mut opts = EngineArgs::options(s, max_context);
     if let Some(b) = args.backend {
         opts.backend = b;
+    }
+    if let Some(p) = args.kv_page_positions {
+        opts.kv_page_positions = p as usize;
     }
     *OPENED_PROFILE.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::clone(&resolved));
     *OPENED_BUDGET.lock().unwrap_or_else(|e| e.into_inner()) = None;
@@ -679,16 +689,18 @@ fn plan_store(
     };
     let line = budget::describe(b, &needs, &store);
     tracing::info!("{line}");
-    if store != budget::Store::Mapped {
-        if !b.explicit && opts.max_context.is_none_or(|c| c > context) {
-            eprintln!(
-                "voom: {line}; the context is bounded to the {context} positions planned \
-                 (--max-context to plan another)"
-            );
-        } else if !b.explicit {
-            eprintln!("voom: {line}");
+    if store != budget::Store::Mapped || b.explicit {
+        // The KV planned is the KV budget: pages beyond it spill to disk, so the
+        // context is not bounded by the plan.
+        if opts.kv_budget.is_none() {
+            opts.kv_budget = kv_spill_dir().map(|d| (needs.kv_bytes as usize, d));
         }
-        opts.max_context = Some(context);
+        if !b.explicit {
+            eprintln!(
+                "voom: {line}; KV beyond the {context} positions planned spills to disk \
+                 (--kv-budget, --max-context to plan another)"
+            );
+        }
     }
     *OPENED_BUDGET.lock().unwrap_or_else(|e| e.into_inner()) =
         Some(budget::to_json(b, &needs, &store));
@@ -699,6 +711,18 @@ fn plan_store(
             Planned::Cache(cache_bytes)
         }
     })
+}
+
+/// Where KV pages beyond the KV budget spill: `$VOOM_HOME/kv` (`None`, with a
+/// warning, where there is no home).
+pub fn kv_spill_dir() -> Option<PathBuf> {
+    match crate::store::voom_home() {
+        Ok(home) => Some(home.join("kv")),
+        Err(e) => {
+            eprintln!("voom: warning: no KV budget: {e}");
+            None
+        }
+    }
 }
 
 /// Token ids of a chat: the messages rendered with the model's chat template.
@@ -830,6 +854,21 @@ pub fn result_json(
         // Forward passes of decode, and what a drafter did (speculative decoding).
         "decode_passes": g.decode_passes,
         "prefix_tokens_reused": g.prefix_reused,
+        // The KV budget's pages: spilled to disk, read back, lost and recomputed
+        // (over the engine's life; none without a budget).
+        "kv": engine.kv_pool_stats().map(|k| serde_json::json!({
+            "budget_bytes": k.budget,
+            "resident_bytes": k.resident_bytes,
+            "spilled_bytes": k.spilled_bytes,
+            "written_bytes": k.written_bytes,
+            "read_bytes": k.read_bytes,
+            "read_ahead_pages": k.read_ahead,
+            "stalled_pages": k.stalls,
+            "corrupt_pages": k.corrupt,
+            "recomputed_positions": k.recomputed_positions,
+            "direct_io": k.direct,
+            "spill_off": k.off,
+        })),
         "speculation": g.speculation.as_ref().map(|r| {
             let mut v = speculation_json(r);
             // Ids decoded per pass (the first id comes from the prompt's pass).

@@ -8,6 +8,7 @@ pub mod list;
 pub mod llama_cpp;
 pub mod out_of_core;
 pub mod plan;
+pub mod long_context_bench;
 pub mod prefix_bench;
 pub mod profiles;
 pub mod pull;

@@ -249,7 +249,7 @@ mod tests {
     }
 
     #[test]
-    fn the_kv_budget_bounds_a_models_context() {
+    fn a_kv_budget_does_not_bound_a_models_context() {
         let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures");
         let models = tempfile::tempdir().unwrap();
         let src = fixture.join("tiny/llama_gqa_untied");
@@ -259,27 +259,22 @@ mod tests {
             std::fs::copy(src.join(f), dst.join(f)).unwrap();
         }
         let cfg = ModelConfig::from_dir(&dst).unwrap();
-        let per = (cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4) as u64;
+        // KV beyond the budget spills to disk: the model's whole context stays.
         let settings = Settings {
-            kv_budget: Some(per * 10 + per / 2),
+            kv_budget: Some(1),
+            ..Settings::default()
+        };
+        let meta = Catalog::new(models.path().to_path_buf(), settings)
+            .get("tiny")
+            .unwrap();
+        assert_eq!(meta.max_context, cfg.max_position_embeddings);
+        let settings = Settings {
+            max_context: Some(10),
             ..Settings::default()
         };
         let meta = Catalog::new(models.path().to_path_buf(), settings)
             .get("tiny")
             .unwrap();
         assert_eq!(meta.max_context, 10);
-        let meta = Catalog::new(models.path().to_path_buf(), Settings::default())
-            .get("tiny")
-            .unwrap();
-        assert_eq!(meta.max_context, cfg.max_position_embeddings);
-        // A budget below one position makes the model unusable, with a reason.
-        let settings = Settings {
-            kv_budget: Some(per - 1),
-            ..Settings::default()
-        };
-        let Err(e) = Catalog::new(models.path().to_path_buf(), settings).get("tiny") else {
-            panic!("a kv_budget below one position was accepted");
-        };
-        assert!(format!("{e:?}").contains("kv_budget"), "{e:?}");
     }
 }

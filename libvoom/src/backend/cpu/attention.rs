@@ -24,7 +24,7 @@ use super::matmul::{attention_scores2_isa, attention_scores_isa, weighted_sum_ad
 use super::softmax;
 use super::threads::ThreadPool;
 use crate::backend::{AttentionShape, LatentShape};
-use crate::kv::KvView;
+use crate::kv::{KvView, PageRef};
 
 /// Query positions per task.
 pub const BLOCK_Q: usize = 16;
@@ -41,8 +41,8 @@ thread_local! {
 /// `v_off`.
 struct Cache<'a> {
     view: &'a KvView<'a>,
-    keys: &'a [&'a [f32]],
-    values: &'a [&'a [f32]],
+    keys: &'a [PageRef<'a>],
+    values: &'a [PageRef<'a>],
     k_off: usize,
     v_off: usize,
 }
@@ -369,10 +369,10 @@ mod tests {
                 let (kc, vc, q) = (r(total * kvd), r(total * kvd), r(n * qd));
                 let mut kv = KvCache::with_page(1, kvd, total, page);
                 kv.append(0, &kc, &vc).unwrap();
-                kv.commit(total);
+                kv.commit(&vec![0; total]);
                 let pool = ThreadPool::new(threads).unwrap();
                 let mut out = vec![0f32; n * qd];
-                attend(isa, &pool, &shape, &q, &kv.layer(0), pos0, n, &mut out);
+                attend(isa, &pool, &shape, &q, &kv.layer(0).unwrap(), pos0, n, &mut out);
                 let want = reference(isa, &shape, &q, &kc, &vc, pos0, n);
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert_eq!(

@@ -302,7 +302,7 @@ impl Backend for CpuBackend {
         }
         let pos0 = kv.layer_len(layer);
         kv.append(layer, kv_new.as_slice(), &[])?;
-        let cache = kv.layer(layer);
+        let cache = kv.layer(layer)?;
         attention::attend_latent(
             self.isa,
             &self.pool,
@@ -352,7 +352,7 @@ impl Backend for CpuBackend {
         }
         let pos0 = kv.layer_len(layer);
         kv.append(layer, k.as_slice(), v.as_slice())?;
-        let view = kv.layer(layer);
+        let view = kv.layer(layer)?;
         attention::attend(
             self.isa,
             &self.pool,
