@@ -147,4 +147,3 @@ fn a_corrupt_spilled_page_is_recomputed_exactly() {
         assert_eq!(kv.len(), long.len());
     }
 }
-

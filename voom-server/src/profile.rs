@@ -326,7 +326,6 @@ impl Default for Settings {
     }
 }
 
-
 /// A yes/no setting's value: `1`, `true`, `yes`, `on`, or `0`, `false`, `no`, `off`.
 pub fn parse_bool(s: &str) -> Result<bool, String> {
     match s.to_ascii_lowercase().as_str() {

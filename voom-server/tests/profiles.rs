@@ -281,7 +281,11 @@ fn generate_under_low_memory_gives_the_same_ids_and_reports_the_profile() {
 fn a_kv_budget_spills_and_keeps_the_ids() {
     let home = tempfile::tempdir().unwrap();
     let (_ids, want) = reference();
-    let o = ok(generate(home.path(), &fixture(), &["--kv-budget", "4KiB", "--kv-page-positions", "4"]));
+    let o = ok(generate(
+        home.path(),
+        &fixture(),
+        &["--kv-budget", "4KiB", "--kv-page-positions", "4"],
+    ));
     let j = last_json(&o);
     assert_eq!(j["ids"], want, "{j}");
     let kv = &j["kv"];

@@ -18,6 +18,7 @@ use crate::speculate::{Drafter, SpecReport};
 use crate::text::Tokenizer;
 use crate::VoomError;
 
+pub mod governor;
 pub mod prefix;
 mod sequence;
 pub mod snapshot;
@@ -290,7 +291,7 @@ pub struct Engine {
     kv_layout: (usize, usize),
     mtp_kv_layout: (usize, usize),
     /// Prompt prefixes computed before ([`EngineOptions::prefix_cache_bytes`]).
-    prefixes: std::sync::Mutex<prefix::PrefixCache>,
+    prefixes: Arc<std::sync::Mutex<prefix::PrefixCache>>,
     /// Their snapshots on disk ([`EngineOptions::prefix_disk`]).
     snapshots: Option<snapshot::SnapshotDir>,
     /// The routing trace being recorded ([`Engine::record_expert_trace`]).
@@ -451,7 +452,9 @@ impl Engine {
             mtp_walk,
             kv_layout,
             mtp_kv_layout,
-            prefixes: std::sync::Mutex::new(prefix::PrefixCache::new(prefix_bytes)),
+            prefixes: Arc::new(std::sync::Mutex::new(prefix::PrefixCache::new(
+                prefix_bytes,
+            ))),
             snapshots,
             trace: std::sync::Mutex::new(None),
             kv_pool: opts_kv_pool,
@@ -609,6 +612,12 @@ impl Engine {
         }
     }
 
+    /// Starts the memory governor ([`governor`]) over this engine's caches: a
+    /// thread that lives as long as the engine.
+    pub fn govern(&self, cfg: governor::GovernorConfig) -> governor::GovernorHandle {
+        governor::start(cfg, &self.prefixes, self.kv_pool.as_ref())
+    }
+
     /// The budget of its KV caches' pages, when it has one.
     pub fn kv_pool(&self) -> Option<&KvPool> {
         self.kv_pool.as_ref()
@@ -750,7 +759,9 @@ impl Engine {
                 self.recompute_lost(model, walk, s.kv, waited)?;
             }
             match self.pass_once(model, walk, seqs, waited) {
-                Err(e) if attempt < MAX_RECOVERIES && seqs.iter().any(|s| s.kv.lost().is_some()) => {
+                Err(e)
+                    if attempt < MAX_RECOVERIES && seqs.iter().any(|s| s.kv.lost().is_some()) =>
+                {
                     tracing::warn!("{e}: recomputing the lost positions, then the pass again");
                 }
                 r => return r,

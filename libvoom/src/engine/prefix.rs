@@ -122,6 +122,23 @@ impl PrefixCache {
             kv,
             used: self.clock,
         });
+        self.evict();
+    }
+
+    /// The byte budget.
+    pub fn budget(&self) -> usize {
+        self.budget
+    }
+
+    /// Changes the budget, evicting the least recently used entries past it (the
+    /// memory governor).
+    pub fn set_budget(&mut self, budget: usize) {
+        self.budget = budget;
+        self.evict();
+    }
+
+    /// Evicts the least recently used entries until the entries fit the budget.
+    fn evict(&mut self) {
         while self.bytes() > self.budget && !self.entries.is_empty() {
             let oldest = self
                 .entries

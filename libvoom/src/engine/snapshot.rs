@@ -611,7 +611,9 @@ mod tests {
     fn the_directory_stays_within_its_budget_and_extensions_replace_prefixes() {
         let d = tempfile::tempdir().unwrap();
         let key = key_of(b"m", b"{}", 3, 4);
-        let one = encode(&key, &(0..20).collect::<Vec<_>>(), &kv_of(20, 0.0)).unwrap().len() as u64;
+        let one = encode(&key, &(0..20).collect::<Vec<_>>(), &kv_of(20, 0.0))
+            .unwrap()
+            .len() as u64;
         let s = SnapshotDir::open(
             DiskPrefixes {
                 budget: 2 * one,

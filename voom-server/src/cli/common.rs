@@ -249,9 +249,10 @@ impl EngineArgs {
                     budget: settings.prefix_disk_bytes(),
                     min_tokens: settings.prefix_disk_min,
                 }),
-            kv_budget: settings
-                .kv_budget
-                .and_then(|b| Some((b as usize, kv_spill_dir()?))),
+            // Without a budget, KV pages still have a pool (never full) so that the
+            // memory governor can spill them under pressure.
+            kv_budget: kv_spill_dir()
+                .map(|d| (settings.kv_budget.map_or(UNBOUNDED_KV, |b| b as usize), d)),
             ..EngineOptions::default()
         }
     }
@@ -431,7 +432,17 @@ pub fn resolve_model(model: &str, pull_missing: bool) -> Result<PathBuf> {
 /// vpaged daemon (`--vpaged`), over an in-process page cache (a `cache_budget`, or a
 /// memory budget the model does not fit in: [`budget`]), or over the embedded
 /// memory-mapped store. None of these changes results.
+///
+/// The memory governor watches the process's memory pressure while the engine
+/// lives, shrinking its prefix cache and spilling KV pages before the system swaps
+/// or kills it ([`libvoom::engine::governor`]).
 pub fn open_engine(dir: &Path, args: &EngineArgs) -> Result<Engine> {
+    let engine = open_engine_ungoverned(dir, args)?;
+    engine.govern(libvoom::engine::governor::GovernorConfig::default());
+    Ok(engine)
+}
+
+fn open_engine_ungoverned(dir: &Path, args: &EngineArgs) -> Result<Engine> {
     let resolved = args.resolve()?;
     for w in &resolved.warnings {
         eprintln!("voom: warning: {w}");
@@ -692,8 +703,8 @@ fn plan_store(
     if store != budget::Store::Mapped || b.explicit {
         // The KV planned is the KV budget: pages beyond it spill to disk, so the
         // context is not bounded by the plan.
-        if opts.kv_budget.is_none() {
-            opts.kv_budget = kv_spill_dir().map(|d| (needs.kv_bytes as usize, d));
+        if let Some((bytes, _)) = opts.kv_budget.as_mut().filter(|(b, _)| *b == UNBOUNDED_KV) {
+            *bytes = needs.kv_bytes as usize;
         }
         if !b.explicit {
             eprintln!(
@@ -712,6 +723,10 @@ fn plan_store(
         }
     })
 }
+
+/// The KV budget of a run that sets none: nothing spills unless the memory governor
+/// lowers it.
+pub const UNBOUNDED_KV: usize = usize::MAX / 4;
 
 /// Where KV pages beyond the KV budget spill: `$VOOM_HOME/kv` (`None`, with a
 /// warning, where there is no home).

@@ -217,7 +217,10 @@ pub fn run(a: LongContextBenchArgs) -> Result<()> {
         }
     }
     if a.json {
-        println!("{}", json!({"model": a.model, "decode_tokens": a.decode_tokens, "runs": rows}));
+        println!(
+            "{}",
+            json!({"model": a.model, "decode_tokens": a.decode_tokens, "runs": rows})
+        );
     }
     Ok(())
 }

@@ -372,7 +372,16 @@ mod tests {
                 kv.commit(&vec![0; total]);
                 let pool = ThreadPool::new(threads).unwrap();
                 let mut out = vec![0f32; n * qd];
-                attend(isa, &pool, &shape, &q, &kv.layer(0).unwrap(), pos0, n, &mut out);
+                attend(
+                    isa,
+                    &pool,
+                    &shape,
+                    &q,
+                    &kv.layer(0).unwrap(),
+                    pos0,
+                    n,
+                    &mut out,
+                );
                 let want = reference(isa, &shape, &q, &kc, &vc, pos0, n);
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert_eq!(

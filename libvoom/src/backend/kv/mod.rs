@@ -420,7 +420,11 @@ impl KvCache {
         self.len = at;
         self.ids.truncate(at);
         self.lost.store(usize::MAX, Ordering::Relaxed);
-        self.held.lock().unwrap_or_else(|e| e.into_inner()).pages.clear();
+        self.held
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pages
+            .clear();
         Some(ids)
     }
 
@@ -444,7 +448,11 @@ impl KvCache {
         if self.lost.load(Ordering::Relaxed) >= len {
             self.lost.store(usize::MAX, Ordering::Relaxed);
         }
-        self.held.lock().unwrap_or_else(|e| e.into_inner()).pages.clear();
+        self.held
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pages
+            .clear();
     }
 
     pub fn clear(&mut self) {
@@ -547,7 +555,11 @@ mod tests {
             let v = kv.layer(l)?;
             for pages in [&v.k, &v.v] {
                 for (p, off, m) in v.segments(0, v.len) {
-                    out.extend(pages[p][off * v.width..(off + m) * v.width].iter().map(|x| x.to_bits()));
+                    out.extend(
+                        pages[p][off * v.width..(off + m) * v.width]
+                            .iter()
+                            .map(|x| x.to_bits()),
+                    );
                 }
             }
         }
@@ -566,7 +578,10 @@ mod tests {
         let pool = KvPool::new(8 * page_bytes, dir.path());
         let mut kv = filled(Some(&pool), layers, w, page, n);
         let s = pool.stats();
-        assert!(s.resident_bytes + s.staged_bytes <= 8 * page_bytes as u64, "{s:?}");
+        assert!(
+            s.resident_bytes + s.staged_bytes <= 8 * page_bytes as u64,
+            "{s:?}"
+        );
         let closed = layers * 2 * (n / page);
         // Resident pages take three quarters of the budget, copies read ahead the rest.
         assert_eq!(s.spilled_bytes, ((closed - 6) * page_bytes) as u64, "{s:?}");
@@ -576,7 +591,10 @@ mod tests {
         }
         let s = pool.stats();
         assert!(s.read_ahead > 0 && s.read_bytes > 0, "{s:?}");
-        assert!(s.resident_bytes + s.staged_bytes <= 8 * page_bytes as u64, "{s:?}");
+        assert!(
+            s.resident_bytes + s.staged_bytes <= 8 * page_bytes as u64,
+            "{s:?}"
+        );
         // Cuts falling in spilled pages copy them back.
         kv.truncate(37);
         let mut cut = filled(None, layers, w, page, n);
@@ -617,7 +635,11 @@ mod tests {
         let mut kv = filled(Some(&pool), layers, w, page, n);
         let path = pool.stats().path.unwrap();
         // Flip one byte of every slot written.
-        let f = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .unwrap();
         use std::os::unix::fs::FileExt;
         let len = f.metadata().unwrap().len();
         let slot = vpaged::direct::DIRECT_ALIGN as u64;
@@ -632,7 +654,17 @@ mod tests {
         let Err(e) = kv.layer(0) else {
             panic!("a corrupt page was used")
         };
-        assert!(matches!(e, KernelError::KvPageLost { layer: 0, page: 0, .. }), "{e}");
+        assert!(
+            matches!(
+                e,
+                KernelError::KvPageLost {
+                    layer: 0,
+                    page: 0,
+                    ..
+                }
+            ),
+            "{e}"
+        );
         assert!(e.to_string().contains("blake3"), "{e}");
         assert_eq!(kv.lost(), Some(0));
         assert!(pool.stats().corrupt > 0);
@@ -654,8 +686,14 @@ mod tests {
         let pool = KvPool::with_file(page * w * 4, full);
         let kv = filled(Some(&pool), layers, w, page, n);
         let s = pool.stats();
-        assert!(s.off.as_deref().unwrap_or("").contains("No space left"), "{s:?}");
+        assert!(
+            s.off.as_deref().unwrap_or("").contains("No space left"),
+            "{s:?}"
+        );
         assert_eq!(s.spilled_bytes, 0);
-        assert_eq!(bits(&kv).unwrap(), bits(&filled(None, layers, w, page, n)).unwrap());
+        assert_eq!(
+            bits(&kv).unwrap(),
+            bits(&filled(None, layers, w, page, n)).unwrap()
+        );
     }
 }

@@ -35,7 +35,7 @@ use vpaged::direct::{AlignedBuf, DIRECT_ALIGN};
 use super::page::{Floats, KvPage, Staged, State};
 
 /// Threads reading spilled pages ahead of attention.
-const IO_THREADS: usize = 2;
+const IO_THREADS: usize = 8;
 
 /// What a pool did and holds.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -157,7 +157,9 @@ impl PoolShared {
             };
             let Some(page) = cand.upgrade() else { continue };
             let mut st = page.lock();
-            let State::Resident(data) = &*st else { continue };
+            let State::Resident(data) = &*st else {
+                continue;
+            };
             let data = Arc::clone(data);
             match self.write(&data) {
                 Ok((slot, hash)) => {
@@ -249,13 +251,23 @@ impl PoolShared {
     }
 
     /// Reads the page of `floats` at `slot` and checks it against `hash`.
-    pub(super) fn read(&self, slot: u64, floats: usize, hash: &blake3::Hash) -> Result<Floats, String> {
+    pub(super) fn read(
+        &self,
+        slot: u64,
+        floats: usize,
+        hash: &blake3::Hash,
+    ) -> Result<Floats, String> {
         let file = self.inner().file.clone().ok_or("the spill file is gone")?;
         let size = slot_bytes(floats);
         let mut buf = AlignedBuf::new(size);
         file.file
             .read_exact_at(&mut buf.as_mut_slice()[..size], slot)
-            .map_err(|e| format!("reading {size} bytes at {slot} of {}: {e}", file.path.display()))?;
+            .map_err(|e| {
+                format!(
+                    "reading {size} bytes at {slot} of {}: {e}",
+                    file.path.display()
+                )
+            })?;
         self.read.fetch_add(size as u64, Ordering::Relaxed);
         if blake3::hash(&buf.as_slice()[..floats * 4]) != *hash {
             return Err(format!(
@@ -298,7 +310,11 @@ impl PoolShared {
                 let mut inner = self.inner();
                 inner.staged -= page.bytes();
                 inner.spilled -= page.bytes();
-                inner.free.entry(slot_bytes(page.floats())).or_default().push(slot);
+                inner
+                    .free
+                    .entry(slot_bytes(page.floats()))
+                    .or_default()
+                    .push(slot);
             }
         }
         page.landed.notify_all();
@@ -323,7 +339,11 @@ impl PoolShared {
             inner.live += 1;
             inner.spilled -= bytes;
             inner.queue.push_back(Arc::downgrade(page));
-            inner.free.entry(slot_bytes(page.floats())).or_default().push(slot);
+            inner
+                .free
+                .entry(slot_bytes(page.floats()))
+                .or_default()
+                .push(slot);
         }
     }
 
@@ -419,7 +439,9 @@ impl PoolShared {
 
 /// An IO thread's job: reads the page (if it still waits for it) and lands it.
 fn read_ahead(page: &Arc<KvPage>) {
-    let Some(pool) = page.pool.clone() else { return };
+    let Some(pool) = page.pool.clone() else {
+        return;
+    };
     let (slot, hash) = match &*page.lock() {
         State::Spilled {
             slot,
@@ -492,7 +514,9 @@ fn open_given(path: &Path) -> Result<SpillFile, String> {
 
 /// Removes `kv-<pid>-<n>.spill` files of processes that no longer run.
 fn remove_orphans(dir: &Path) {
-    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
     for e in entries.flatten() {
         let name = e.file_name();
         let Some(name) = name.to_str() else { continue };
@@ -518,6 +542,16 @@ fn remove_orphans(dir: &Path) {
 #[derive(Clone)]
 pub struct KvPool {
     pub(super) shared: Arc<PoolShared>,
+}
+
+/// A handle on a pool that does not keep it alive (the memory governor's).
+#[derive(Clone)]
+pub struct WeakKvPool(Weak<PoolShared>);
+
+impl WeakKvPool {
+    pub fn upgrade(&self) -> Option<KvPool> {
+        self.0.upgrade().map(|shared| KvPool { shared })
+    }
 }
 
 impl KvPool {
@@ -565,6 +599,10 @@ impl KvPool {
 
     pub fn budget(&self) -> usize {
         self.shared.inner().budget
+    }
+
+    pub fn downgrade(&self) -> WeakKvPool {
+        WeakKvPool(Arc::downgrade(&self.shared))
     }
 
     /// Changes the budget: a smaller one spills pages now; a larger one lets pages
