@@ -72,7 +72,14 @@ fn reused_prefixes_give_cold_ids_and_bits() {
         let mut other = long[..40].to_vec();
         other.extend(prompt_of(&dir, 2));
         let d = run(&warm, &other, 6);
-        assert_eq!(d.prefix_reused, 40, "{case}");
+        // A sliding window's pages behind it are dropped (the window is 16): the
+        // cached conversation no longer holds what a cut at 40 needs.
+        let shared = if case == "mistral_sliding_window" {
+            0
+        } else {
+            40
+        };
+        assert_eq!(d.prefix_reused, shared, "{case}");
         same(case, "shared beginning", &run(&cold, &other, 6), &d);
         assert!(warm.prefixes().reused_positions() > 0);
         // Batched: sequences taking prefixes beside one that does not.

@@ -93,6 +93,10 @@ impl PrefixCache {
         e.used = self.clock;
         let mut kv = e.kv.clone();
         kv.truncate(len);
+        if kv.lost().is_some() {
+            // Cut behind a sliding window's dropped pages: nothing to reuse.
+            return None;
+        }
         self.reused += len as u64;
         Some(kv)
     }
@@ -116,6 +120,9 @@ impl PrefixCache {
         }
         let mut kv = kv.clone();
         kv.truncate(n);
+        if kv.lost().is_some() {
+            return;
+        }
         self.clock += 1;
         self.entries.push(Entry {
             ids: ids.to_vec(),

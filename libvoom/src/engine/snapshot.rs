@@ -364,6 +364,9 @@ fn encode(key: &[u8; 32], ids: &[u32], kv: &KvCache) -> Result<Vec<u8>, String> 
     if kv.lost().is_some_and(|at| at < n) {
         return Err("positions of the prefix were lost".into());
     }
+    if kv.has_dropped() {
+        return Err("positions behind a sliding window were dropped".into());
+    }
     let halves = if kv.layer(0).map_err(|e| e.to_string())?.v.is_empty() {
         1
     } else {

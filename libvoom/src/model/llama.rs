@@ -535,6 +535,7 @@ impl<B: Backend> Model for Llama<B> {
             capacity.min(cfg.max_position_embeddings),
             page,
         )
+        .with_windows(cfg.sliding_window.clone())
     }
 
     fn scratch_bytes(&self, tokens: usize, chunk: usize, context: usize) -> u64 {

@@ -71,6 +71,7 @@ pub trait Model: Send + Sync {
             capacity.min(cfg.max_position_embeddings),
             page,
         )
+        .with_windows(cfg.sliding_window.clone())
     }
 
     /// Computes each sequence's `tokens` at positions `kv.len()..` (its own KV

@@ -43,6 +43,9 @@ pub struct LongContextBenchArgs {
     /// Where pages spill (default: `$VOOM_HOME/kv`).
     #[arg(long)]
     pub spill_dir: Option<PathBuf>,
+    /// Positions per KV page (what spills and is read back at a time).
+    #[arg(long, default_value_t = libvoom::kv::DEFAULT_PAGE_POSITIONS)]
+    pub kv_page_positions: usize,
     /// Compute threads (0: all cores).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
@@ -122,6 +125,7 @@ pub fn run(a: LongContextBenchArgs) -> Result<()> {
         let opts = EngineOptions {
             threads: a.threads,
             max_context: Some(n + a.decode_tokens + 1),
+            kv_page_positions: a.kv_page_positions.max(1),
             ..EngineOptions::default()
         };
         let resident = Engine::open(&dir, opts.clone())

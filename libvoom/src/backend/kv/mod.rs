@@ -42,12 +42,33 @@ pub const DEFAULT_PAGE_POSITIONS: usize = 128;
 struct Half {
     closed: Vec<Arc<KvPage>>,
     open: Vec<f32>,
+    /// Leading closed pages dropped behind a sliding window (stand-ins).
+    dropped: usize,
 }
 
 impl Half {
-    /// Floats held.
+    /// Floats of its positions (dropped ones included).
     fn floats(&self) -> usize {
         self.closed.iter().map(|p| p.floats()).sum::<usize>() + self.open.len()
+    }
+
+    /// Floats it holds (dropped ones not included).
+    fn held_floats(&self) -> usize {
+        self.closed[self.dropped.min(self.closed.len())..]
+            .iter()
+            .map(|p| p.floats())
+            .sum::<usize>()
+            + self.open.len()
+    }
+
+    /// Replaces the closed pages before page `keep` by stand-ins.
+    fn drop_before(&mut self, keep: usize) {
+        let keep = keep.min(self.closed.len());
+        while self.dropped < keep {
+            let n = self.closed[self.dropped].floats();
+            self.closed[self.dropped] = KvPage::dropped(n);
+            self.dropped += 1;
+        }
     }
 
     /// Appends `x` (whole positions of `width` floats), closing pages of `per` floats
@@ -86,6 +107,7 @@ impl Half {
         }
         let pages = floats / per;
         let rest = floats % per;
+        self.dropped = self.dropped.min(pages);
         if pages < self.closed.len() {
             self.open.clear();
             let cut = if rest > 0 {
@@ -162,6 +184,8 @@ pub struct KvCache {
     lost: AtomicUsize,
     pool: Option<KvPool>,
     held: Mutex<Held>,
+    /// Each layer's sliding window, where it has one (empty: none has).
+    windows: Vec<Option<usize>>,
 }
 
 impl Clone for KvCache {
@@ -177,6 +201,7 @@ impl Clone for KvCache {
             lost: AtomicUsize::new(self.lost.load(Ordering::Relaxed)),
             pool: self.pool.clone(),
             held: Mutex::default(),
+            windows: self.windows.clone(),
         }
     }
 }
@@ -216,7 +241,28 @@ impl KvCache {
             lost: AtomicUsize::new(usize::MAX),
             pool: None,
             held: Mutex::default(),
+            windows: Vec::new(),
         }
+    }
+
+    /// This (empty) cache dropping, in each layer with a sliding window, the pages
+    /// wholly behind it: what attention can no longer read, beyond a page of slack
+    /// (a cut of a few positions, as speculation makes, still finds what it needs).
+    /// A cut further back than that loses the positions ([`KvCache::lost`]: they
+    /// are recomputed from the start).
+    pub fn with_windows(mut self, windows: Vec<Option<usize>>) -> Self {
+        debug_assert!(self.len == 0 && windows.len() == self.layers());
+        self.windows = if windows.iter().any(Option::is_some) {
+            windows
+        } else {
+            Vec::new()
+        };
+        self
+    }
+
+    /// Whether some of its positions were dropped behind a sliding window.
+    pub fn has_dropped(&self) -> bool {
+        self.k.iter().any(|h| h.dropped > 0)
     }
 
     /// This (empty) cache with its closed pages counted in `pool`'s budget and
@@ -265,9 +311,14 @@ impl KvCache {
         &self.ids
     }
 
-    /// Bytes held by keys and values (in memory or spilled).
+    /// Bytes held by keys and values (in memory or spilled; not those dropped behind
+    /// a sliding window).
     pub fn bytes(&self) -> usize {
-        self.k.iter().chain(&self.v).map(|x| x.floats() * 4).sum()
+        self.k
+            .iter()
+            .chain(&self.v)
+            .map(|x| x.held_floats() * 4)
+            .sum()
     }
 
     /// Bytes it holds that are not in pages `seen` lists (closed pages by address,
@@ -276,7 +327,7 @@ impl KvCache {
     pub fn bytes_not_in(&self, seen: &mut std::collections::HashSet<usize>) -> usize {
         let mut bytes = 0;
         for half in self.k.iter().chain(&self.v) {
-            for p in &half.closed {
+            for p in &half.closed[half.dropped.min(half.closed.len())..] {
                 if seen.insert(Arc::as_ptr(p) as usize) {
                     bytes += p.bytes();
                 }
@@ -322,6 +373,13 @@ impl KvCache {
     pub fn commit(&mut self, tokens: &[u32]) {
         self.len += tokens.len();
         self.ids.extend_from_slice(tokens);
+        for (l, w) in self.windows.iter().enumerate() {
+            if let Some(w) = w {
+                let keep = self.len.saturating_sub(w + self.page) / self.page;
+                self.k[l].drop_before(keep);
+                self.v[l].drop_before(keep);
+            }
+        }
     }
 
     /// Keys and values of `layer` by page, including positions appended but not yet
@@ -337,7 +395,10 @@ impl KvCache {
         let mut views = [Vec::new(), Vec::new()];
         for (half, out) in [&self.k[layer], &self.v[layer]].into_iter().zip(&mut views) {
             out.reserve(half.closed.len() + 1);
-            for (i, p) in half.closed.iter().enumerate() {
+            for _ in 0..half.dropped {
+                out.push(PageRef::Dropped);
+            }
+            for (i, p) in half.closed.iter().enumerate().skip(half.dropped) {
                 let key = Arc::as_ptr(p) as usize;
                 if let Some(f) = held.pages.get(&key) {
                     out.push(PageRef::Closed(Arc::clone(f)));
@@ -385,7 +446,7 @@ impl KvCache {
         for d in 1..=READ_AHEAD_LAYERS.min(layers.saturating_sub(1)) {
             let l = (layer + d) % layers;
             for half in [&self.k[l], &self.v[l]] {
-                for p in &half.closed {
+                for p in &half.closed[half.dropped..] {
                     if !pool.shared.prefetch(p) {
                         return;
                     }
@@ -409,6 +470,16 @@ impl KvCache {
         if self.ids.len() != self.len {
             return None;
         }
+        // Positions from `at` on read the window before them: where a layer
+        // dropped those, everything is computed again.
+        let at =
+            if self.windows.iter().enumerate().any(|(l, w)| {
+                w.is_some_and(|w| self.k[l].dropped * self.page > at.saturating_sub(w))
+            }) {
+                0
+            } else {
+                at
+            };
         let ids = self.ids[at..].to_vec();
         // `at` is a page boundary: nothing is read to cut there.
         let per = self.page * self.width;
@@ -440,6 +511,15 @@ impl KvCache {
             if x.floats() > 0 {
                 if let Err(page) = x.truncate(len * self.width, per) {
                     self.lost.fetch_min(page * self.page, Ordering::Relaxed);
+                }
+            }
+        }
+        // A window whose positions before the cut were dropped cannot attend from
+        // it: everything is recomputed (each position needs the window before it).
+        for (l, w) in self.windows.iter().enumerate() {
+            if let Some(w) = w {
+                if self.k[l].dropped * self.page > len.saturating_sub(*w) {
+                    self.lost.store(0, Ordering::Relaxed);
                 }
             }
         }
@@ -665,7 +745,7 @@ mod tests {
             ),
             "{e}"
         );
-        assert!(e.to_string().contains("blake3"), "{e}");
+        assert!(e.to_string().contains("checksum"), "{e}");
         assert_eq!(kv.lost(), Some(0));
         assert!(pool.stats().corrupt > 0);
         let ids = kv.take_lost().unwrap();
@@ -695,5 +775,39 @@ mod tests {
             bits(&kv).unwrap(),
             bits(&filled(None, layers, w, page, n)).unwrap()
         );
+    }
+
+    /// A layer with a sliding window keeps only the pages attention can still read
+    /// (and one of slack); views show the others as dropped; a cut within the slack
+    /// keeps everything needed, one further back loses every position.
+    #[test]
+    fn sliding_windows_drop_the_pages_behind_them() {
+        let (w, page) = (2, 4);
+        let mut kv = KvCache::with_page(2, w, 1000, page).with_windows(vec![Some(6), None]);
+        let x: Vec<f32> = (0..40 * w).map(|i| i as f32).collect();
+        kv.append(0, &x, &x).unwrap();
+        kv.append(1, &x, &x).unwrap();
+        kv.commit(&(0..40).collect::<Vec<_>>());
+        // Positions 40 - 6 - 4 = 30 on are needed: pages 0..7 (0..28) dropped.
+        let view = kv.layer(0).unwrap();
+        assert_eq!(view.k.len(), 10);
+        assert!(view.k[..7].iter().all(|p| matches!(p, PageRef::Dropped)));
+        assert_eq!(view.k[7][0], 28.0 * w as f32);
+        assert!(kv
+            .layer(1)
+            .unwrap()
+            .k
+            .iter()
+            .all(|p| !matches!(p, PageRef::Dropped)));
+        assert!(kv.has_dropped());
+        assert_eq!(kv.bytes(), (3 * page * w * 2 + 40 * w * 2) * 4);
+        // Speculation's cut: a few positions back, nothing lost.
+        kv.truncate(37);
+        assert_eq!((kv.len(), kv.lost()), (37, None));
+        // A cut behind the window: every position is lost, with its ids.
+        kv.truncate(20);
+        assert_eq!(kv.lost(), Some(0));
+        assert_eq!(kv.take_lost().unwrap(), (0..20).collect::<Vec<_>>());
+        assert_eq!((kv.len(), kv.bytes(), kv.has_dropped()), (0, 0, false));
     }
 }

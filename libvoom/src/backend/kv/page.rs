@@ -17,17 +17,31 @@
 //! bytes) or the page is re-admitted as resident when the budget has room.
 
 use std::ops::Deref;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 
 use vpaged::direct::AlignedBuf;
 
 use super::spill::PoolShared;
 
 /// A page's floats: a plain heap copy (written in memory) or an aligned buffer (read
-/// back from the spill file).
+/// back from the spill file), returned to its pool's spare buffers when dropped.
 pub enum Floats {
     Heap(Box<[f32]>),
-    Aligned { buf: AlignedBuf, floats: usize },
+    Aligned {
+        buf: Option<AlignedBuf>,
+        floats: usize,
+        home: Weak<PoolShared>,
+    },
+}
+
+impl Drop for Floats {
+    fn drop(&mut self) {
+        if let Floats::Aligned { buf, home, .. } = self {
+            if let (Some(b), Some(pool)) = (buf.take(), home.upgrade()) {
+                pool.spare(b);
+            }
+        }
+    }
 }
 
 impl Deref for Floats {
@@ -36,7 +50,8 @@ impl Deref for Floats {
     fn deref(&self) -> &[f32] {
         match self {
             Floats::Heap(b) => b,
-            Floats::Aligned { buf, floats } => {
+            Floats::Aligned { buf, floats, .. } => {
+                let buf = buf.as_ref().expect("taken only when dropped");
                 // SAFETY: the buffer is aligned to `DIRECT_ALIGN` (more than f32's
                 // alignment), holds at least `floats * 4` initialized bytes (its
                 // capacity is rounded up from them), and lives as long as `self`.
@@ -55,14 +70,16 @@ pub(super) enum Staged {
 
 pub(super) enum State {
     Resident(Arc<Floats>),
-    /// In the pool's spill file at `slot`, with the blake3 of its bytes.
+    /// In the pool's spill file at `slot`, with the XXH3-128 of its bytes.
     Spilled {
         slot: u64,
-        hash: blake3::Hash,
+        hash: u128,
         staged: Staged,
     },
     /// Its copy on disk failed its checksum (or could not be read): what went wrong.
     Corrupt(String),
+    /// A cache's stand-in for a page behind a sliding window, no longer held.
+    Dropped,
 }
 
 /// A closed page of one layer's keys or values, shared by the caches that hold its
@@ -87,6 +104,21 @@ impl KvPage {
             landed: Condvar::new(),
             pool,
         })
+    }
+
+    /// A stand-in for a page of `floats` behind a sliding window (it holds nothing).
+    pub(super) fn dropped(floats: usize) -> Arc<Self> {
+        Arc::new(KvPage {
+            floats,
+            state: Mutex::new(State::Dropped),
+            landed: Condvar::new(),
+            pool: None,
+        })
+    }
+
+    /// Whether it stands in for positions dropped behind a sliding window.
+    pub fn is_dropped(&self) -> bool {
+        matches!(*self.lock(), State::Dropped)
     }
 
     pub fn floats(&self) -> usize {
@@ -114,6 +146,9 @@ impl KvPage {
             match &mut *st {
                 State::Resident(b) => return Ok(Arc::clone(b)),
                 State::Corrupt(why) => return Err(why.clone()),
+                State::Dropped => {
+                    return Err("its positions were dropped behind a sliding window".into())
+                }
                 State::Spilled {
                     staged: Staged::Ready(b),
                     ..

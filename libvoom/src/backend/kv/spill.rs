@@ -12,7 +12,9 @@
 //!   starts), removed when the pool goes. Each page takes a slot rounded up to
 //!   [`DIRECT_ALIGN`], written and read with direct IO where the file system allows
 //!   it (else through the OS page cache, said by [`KvPoolStats::direct`]), with the
-//!   blake3 of its bytes kept in memory and checked on every read: a page that
+//!   XXH3-128 of its bytes kept in memory and checked on every read (a checksum
+//!   against a damaged disk or file, cheap enough to check every page read back
+//!   every pass; the file is the process's own, 0600): a page that
 //!   fails it is never used ([`super::page`]); the cache that held it marks its
 //!   positions from that page on as lost, and the engine recomputes them from their
 //!   token ids before its next pass.
@@ -30,6 +32,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex, MutexGuard, Weak};
 
+use twox_hash::XxHash3_128;
 use vpaged::direct::{AlignedBuf, DIRECT_ALIGN};
 
 use super::page::{Floats, KvPage, Staged, State};
@@ -97,6 +100,12 @@ impl Inner {
 }
 
 pub struct PoolShared {
+    /// This pool (for the buffers it lends to find their way back).
+    me: Weak<PoolShared>,
+    /// Read buffers returned by the copies that used them, by size.
+    spares: Mutex<HashMap<usize, Vec<AlignedBuf>>>,
+    /// The budget, readable without the pool's lock (to size the spares).
+    budget_now: std::sync::atomic::AtomicUsize,
     dir: PathBuf,
     /// A file given to spill to instead of one made in `dir` (kept when the pool
     /// goes).
@@ -191,8 +200,8 @@ impl PoolShared {
         }
     }
 
-    /// Writes `data` to a free slot: the slot's offset and the bytes' blake3.
-    fn write(&self, data: &[f32]) -> Result<(u64, blake3::Hash), String> {
+    /// Writes `data` to a free slot: the slot's offset and the bytes' XXH3-128.
+    fn write(&self, data: &[f32]) -> Result<(u64, u128), String> {
         let file = self.file()?;
         let size = slot_bytes(data.len());
         let slot = {
@@ -211,7 +220,7 @@ impl PoolShared {
         for (o, x) in bytes.chunks_exact_mut(4).zip(data) {
             o.copy_from_slice(&x.to_le_bytes());
         }
-        let hash = blake3::hash(bytes);
+        let hash = XxHash3_128::oneshot(bytes);
         match file.file.write_all_at(&buf.as_slice()[..size], slot) {
             Ok(()) => {
                 self.written.fetch_add(size as u64, Ordering::Relaxed);
@@ -251,15 +260,10 @@ impl PoolShared {
     }
 
     /// Reads the page of `floats` at `slot` and checks it against `hash`.
-    pub(super) fn read(
-        &self,
-        slot: u64,
-        floats: usize,
-        hash: &blake3::Hash,
-    ) -> Result<Floats, String> {
+    pub(super) fn read(&self, slot: u64, floats: usize, hash: &u128) -> Result<Floats, String> {
         let file = self.inner().file.clone().ok_or("the spill file is gone")?;
         let size = slot_bytes(floats);
-        let mut buf = AlignedBuf::new(size);
+        let mut buf = self.buffer(size);
         file.file
             .read_exact_at(&mut buf.as_mut_slice()[..size], slot)
             .map_err(|e| {
@@ -269,16 +273,22 @@ impl PoolShared {
                 )
             })?;
         self.read.fetch_add(size as u64, Ordering::Relaxed);
-        if blake3::hash(&buf.as_slice()[..floats * 4]) != *hash {
+        let home = self.me.clone();
+        if XxHash3_128::oneshot(&buf.as_slice()[..floats * 4]) != *hash {
+            self.spare(buf);
             return Err(format!(
-                "the KV page at {slot} of {} fails its blake3 check",
+                "the KV page at {slot} of {} fails its checksum (XXH3-128)",
                 file.path.display()
             ));
         }
         if cfg!(target_endian = "big") {
             return Err("spilled KV pages are little-endian".into());
         }
-        Ok(Floats::Aligned { buf, floats })
+        Ok(Floats::Aligned {
+            buf: Some(buf),
+            floats,
+            home,
+        })
     }
 
     /// Drops the page's copy read ahead, if it has one (its cache is done with it).
@@ -405,6 +415,28 @@ impl PoolShared {
         tx
     }
 
+    /// A buffer of `size` bytes to read a page into: a spare one, or a new one.
+    fn buffer(&self, size: usize) -> AlignedBuf {
+        let spare = self
+            .spares
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_mut(&size)
+            .and_then(Vec::pop);
+        spare.unwrap_or_else(|| AlignedBuf::new(size))
+    }
+
+    /// Keeps `buf` for a later read, up to the read-ahead window's worth (and a
+    /// layer's held pages) of spares.
+    pub(super) fn spare(&self, buf: AlignedBuf) {
+        let keep = Self::window(self.budget_now.load(Ordering::Relaxed)).max(64 << 20);
+        let mut spares = self.spares.lock().unwrap_or_else(|e| e.into_inner());
+        let held: usize = spares.values().flatten().map(|b| b.capacity()).sum();
+        if held + buf.capacity() <= keep {
+            spares.entry(buf.capacity()).or_default().push(buf);
+        }
+    }
+
     /// A view reads a page of `bytes` itself (not read ahead): counted as a copy
     /// staged until it is used.
     pub(super) fn note_stall(&self, bytes: usize) {
@@ -420,7 +452,7 @@ impl PoolShared {
     pub(super) fn forget(&self, floats: usize, st: State) {
         let bytes = floats * 4;
         let mut inner = self.inner();
-        match st {
+        match &st {
             State::Resident(_) => {
                 inner.resident -= bytes;
                 inner.live -= 1;
@@ -430,10 +462,18 @@ impl PoolShared {
                     inner.staged -= bytes;
                 }
                 inner.spilled -= bytes;
-                inner.free.entry(slot_bytes(floats)).or_default().push(slot);
+                inner
+                    .free
+                    .entry(slot_bytes(floats))
+                    .or_default()
+                    .push(*slot);
             }
-            State::Corrupt(_) => {}
+            State::Corrupt(_) | State::Dropped => {}
         }
+        // Its floats go after the lock: a copy read back returns its buffer to
+        // the spares.
+        drop(inner);
+        drop(st);
     }
 }
 
@@ -570,7 +610,10 @@ impl KvPool {
 
     fn make(budget: usize, dir: PathBuf, given: Option<PathBuf>) -> Self {
         KvPool {
-            shared: Arc::new(PoolShared {
+            shared: Arc::new_cyclic(|me| PoolShared {
+                me: me.clone(),
+                spares: Mutex::new(HashMap::new()),
+                budget_now: std::sync::atomic::AtomicUsize::new(budget),
                 dir,
                 given,
                 inner: Mutex::new(Inner {
@@ -609,6 +652,7 @@ impl KvPool {
     /// read back stay.
     pub fn set_budget(&self, budget: usize) {
         self.shared.inner().budget = budget;
+        self.shared.budget_now.store(budget, Ordering::Relaxed);
         self.shared.enforce();
     }
 
