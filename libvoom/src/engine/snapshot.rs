@@ -71,7 +71,7 @@ pub struct SnapshotDir {
 }
 
 enum Job {
-    Write(Vec<u32>, KvCache),
+    Write(Vec<u32>, Box<KvCache>),
     Flush(mpsc::Sender<()>),
 }
 
@@ -226,7 +226,7 @@ impl SnapshotDir {
         }
         let mut kv = kv.clone();
         kv.truncate(n);
-        if !self.send(Job::Write(ids[..n].to_vec(), kv)) {
+        if !self.send(Job::Write(ids[..n].to_vec(), Box::new(kv))) {
             // The writer is behind: this one is dropped (it holds a cache's worth of
             // memory while queued).
             self.lock().pending.retain(|p| p.as_slice() != &ids[..n]);
