@@ -147,3 +147,36 @@ fn a_corrupt_spilled_page_is_recomputed_exactly() {
         assert_eq!(kv.len(), long.len());
     }
 }
+
+/// A prompt whose KV spilled is persisted as a snapshot (its spilled pages read
+/// back to write it), and a fresh engine with a budget reuses it: a resident cold
+/// run's ids and bits.
+#[test]
+fn spilled_prefixes_persist_and_restart_exactly() {
+    use libvoom::engine::snapshot::DiskPrefixes;
+    for case in ["llama_gqa_untied", "deepseek_v3_mla_yarn"] {
+        let (_d, dir) = common::copy_with_manifest(&fixtures().join(case));
+        let spill = tempfile::tempdir().unwrap();
+        let store = tempfile::tempdir().unwrap();
+        let opts = || EngineOptions {
+            prefix_disk: Some(DiskPrefixes {
+                dir: store.path().to_path_buf(),
+                budget: 64 << 20,
+                min_tokens: 32,
+            }),
+            ..spilling(16 << 10, spill.path(), 64 << 20)
+        };
+        let long = prompt_of(&dir, 3);
+        let want = run(&Engine::open(&dir, EngineOptions::default()).unwrap(), &long, 6);
+        let first = Engine::open(&dir, opts()).unwrap();
+        same(case, "first", &want, &run(&first, &long, 6));
+        first.flush_prefixes();
+        assert_eq!(first.snapshot_status().unwrap().0, 1, "{case}");
+        assert!(first.kv_pool_stats().unwrap().written_bytes > 0, "{case}");
+        drop(first);
+        let restarted = Engine::open(&dir, opts()).unwrap();
+        let g = run(&restarted, &long, 6);
+        assert_eq!(g.prefix_reused, long.len() - 1, "{case}");
+        same(case, "restarted", &want, &g);
+    }
+}
