@@ -167,7 +167,11 @@ fn spilled_prefixes_persist_and_restart_exactly() {
             ..spilling(16 << 10, spill.path(), 64 << 20)
         };
         let long = prompt_of(&dir, 3);
-        let want = run(&Engine::open(&dir, EngineOptions::default()).unwrap(), &long, 6);
+        let want = run(
+            &Engine::open(&dir, EngineOptions::default()).unwrap(),
+            &long,
+            6,
+        );
         let first = Engine::open(&dir, opts()).unwrap();
         same(case, "first", &want, &run(&first, &long, 6));
         first.flush_prefixes();

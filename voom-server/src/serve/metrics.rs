@@ -35,6 +35,8 @@ pub struct Metrics {
     draft_accepted: AtomicU64,
     /// Prompt tokens taken from prefixes computed before.
     prefix_reused: AtomicU64,
+    /// The engine's KV budget as last read (after a request finished).
+    kv: Mutex<Option<libvoom::kv::KvPoolStats>>,
 }
 
 impl Metrics {
@@ -52,6 +54,11 @@ impl Metrics {
         let n = self.generations.load(Ordering::Relaxed);
         let us = self.prefill_us.load(Ordering::Relaxed) + self.decode_us.load(Ordering::Relaxed);
         (n > 0).then(|| us as f64 / 1e6 / n as f64)
+    }
+
+    /// The engine's KV budget now.
+    pub fn record_kv(&self, k: libvoom::kv::KvPoolStats) {
+        *self.kv.lock().unwrap_or_else(|e| e.into_inner()) = Some(k);
     }
 
     pub fn record_generation(&self, g: &libvoom::engine::Generation) {
@@ -212,7 +219,51 @@ impl Metrics {
                 load(&self.draft_accepted) as f64,
             ),
         ];
-        for (name, ty, help, v) in rows {
+        let kv = self
+            .kv
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .unwrap_or_default();
+        let kv_rows: [(&str, &str, &str, f64); 6] = [
+            (
+                "voom_kv_resident_bytes",
+                "gauge",
+                "Bytes of closed KV pages in memory.",
+                kv.resident_bytes as f64,
+            ),
+            (
+                "voom_kv_spilled_bytes",
+                "gauge",
+                "Bytes of KV pages spilled to disk beyond the KV budget.",
+                kv.spilled_bytes as f64,
+            ),
+            (
+                "voom_kv_spill_written_bytes_total",
+                "counter",
+                "Bytes of KV pages written to the spill file.",
+                kv.written_bytes as f64,
+            ),
+            (
+                "voom_kv_spill_read_bytes_total",
+                "counter",
+                "Bytes of KV pages read back from the spill file.",
+                kv.read_bytes as f64,
+            ),
+            (
+                "voom_kv_pages_corrupt_total",
+                "counter",
+                "Spilled KV pages that failed their checksum (never used).",
+                kv.corrupt as f64,
+            ),
+            (
+                "voom_kv_positions_recomputed_total",
+                "counter",
+                "KV positions computed again because their spilled page was lost.",
+                kv.recomputed_positions as f64,
+            ),
+        ];
+        for (name, ty, help, v) in rows.into_iter().chain(kv_rows) {
             let _ = writeln!(s, "# HELP {name} {help}\n# TYPE {name} {ty}\n{name} {v}");
         }
         for (name, v, help) in extra {
@@ -271,5 +322,13 @@ mod tests {
         assert!(s.contains("voom_draft_tokens_accepted_total 12\n"));
         assert!(s.contains("voom_prefill_page_wait_seconds_total 0\n"));
         assert!(s.contains("# TYPE voom_queue_depth gauge"));
+        m.record_kv(libvoom::kv::KvPoolStats {
+            spilled_bytes: 4096,
+            read_bytes: 8192,
+            ..Default::default()
+        });
+        let s = m.render(&[]);
+        assert!(s.contains("voom_kv_spilled_bytes 4096\n"), "{s}");
+        assert!(s.contains("voom_kv_spill_read_bytes_total 8192\n"), "{s}");
     }
 }

@@ -299,6 +299,9 @@ impl WorkerState {
                 }
                 let g = s.into_generation();
                 self.metrics.record_generation(&g);
+                if let Some(k) = engine.kv_pool_stats() {
+                    self.metrics.record_kv(k);
+                }
                 match o.finish(&g) {
                     Ok(Ended::Done(outcome)) => {
                         let _ = events.send(Event::Done(*outcome));
