@@ -138,6 +138,12 @@ fn snapshots_survive_a_restart_exactly_and_damage_is_recomputed() {
         let restarted = Engine::open(&dir, opts(true)).unwrap();
         let g = run(&restarted, &long, 6);
         assert_eq!(g.prefix_reused, long.len() - 1, "{case}");
+        // Counted once, from disk (the memory cache held nothing).
+        assert_eq!(
+            restarted.prefixes().reused_positions(),
+            (long.len() - 1) as u64,
+            "{case}"
+        );
         same(case, "after a restart", &want, &g);
         drop(restarted);
 

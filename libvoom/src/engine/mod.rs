@@ -563,9 +563,14 @@ impl Engine {
         let need = mem.as_ref().map_or(prefix::MIN_PREFIX, |kv| kv.len() + 1);
         if let Some(s) = &self.snapshots {
             if let Some(kv) = s.take(prompt, need, &self.new_kv()) {
-                self.prefixes().insert(&prompt[..kv.len()], &kv);
+                let mut p = self.prefixes();
+                p.insert(&prompt[..kv.len()], &kv);
+                p.count_reused(kv.len());
                 return Some(kv);
             }
+        }
+        if let Some(kv) = &mem {
+            self.prefixes().count_reused(kv.len());
         }
         mem
     }

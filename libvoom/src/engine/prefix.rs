@@ -47,7 +47,8 @@ impl PrefixCache {
         }
     }
 
-    /// Positions served from the cache so far.
+    /// Positions served from reused prefixes so far (from this cache or from disk),
+    /// as the engine counted them.
     pub fn reused_positions(&self) -> u64 {
         self.reused
     }
@@ -97,8 +98,13 @@ impl PrefixCache {
             // Cut behind a sliding window's dropped pages: nothing to reuse.
             return None;
         }
-        self.reused += len as u64;
         Some(kv)
+    }
+
+    /// Counts `n` prompt positions served from a reused prefix (the caller's
+    /// choice among this cache and the snapshots on disk).
+    pub fn count_reused(&mut self, n: usize) {
+        self.reused += n as u64;
     }
 
     /// Keeps the first `ids.len()` positions of `kv` as the KV of `ids` (at least
@@ -199,7 +205,10 @@ mod tests {
         assert_eq!(values(&c.take(&d).unwrap()), (0..20).collect::<Vec<_>>());
         // Too short a match.
         assert!(c.take(&[0, 1, 2, 9, 9]).is_none());
-        assert_eq!(c.reused_positions(), 39 + 40 + 20);
+        // The engine counts what it used.
+        assert_eq!(c.reused_positions(), 0);
+        c.count_reused(39);
+        assert_eq!(c.reused_positions(), 39);
     }
 
     #[test]
