@@ -274,8 +274,8 @@ pub const DEFAULT_PREFIX_DISK_MIN: usize = 1024;
 
 impl Settings {
     /// Bytes of prompt-prefix snapshots to keep on disk: `prefix_disk`, else
-    /// [`DEFAULT_PREFIX_DISK`] without a memory budget and none within one (reading
-    /// a snapshot holds it in memory whole).
+    /// [`DEFAULT_PREFIX_DISK`] without a memory budget and none within one (as the
+    /// prefix cache in memory, which a snapshot read back joins).
     pub fn prefix_disk_bytes(&self) -> u64 {
         self.prefix_disk.unwrap_or(if self.memory_budget.is_some() {
             0

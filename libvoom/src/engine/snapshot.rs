@@ -289,16 +289,6 @@ fn write_one(
     ids: &[u32],
     kv: &KvCache,
 ) {
-    let bytes = match encode(key, ids, kv) {
-        Ok(b) => b,
-        Err(e) => {
-            // Its pages are not all readable (a spilled page lost): not kept.
-            tracing::warn!("prefix snapshot not written: {e}");
-            let mut s = shared.lock().unwrap_or_else(|e| e.into_inner());
-            s.pending.retain(|p| p.as_slice() != ids);
-            return;
-        }
-    };
     let mut name = blake3::Hasher::new();
     for id in ids {
         name.update(&id.to_le_bytes());
@@ -306,7 +296,7 @@ fn write_one(
     let path = dir.join(format!("{}.kv", &name.finalize().to_hex()[..32]));
     // This process's own temporary name (another may write the same prefix).
     let tmp = path.with_extension(format!("{}.tmp", std::process::id()));
-    let written = {
+    let file = {
         use std::os::unix::fs::OpenOptionsExt;
         std::fs::OpenOptions::new()
             .write(true)
@@ -314,17 +304,32 @@ fn write_one(
             .truncate(true)
             .mode(0o600)
             .open(&tmp)
-            .and_then(|mut f| f.write_all(&bytes).and_then(|()| f.sync_data()))
     };
+    let written = file.map_err(Failure::Io).and_then(|f| {
+        let mut w = std::io::BufWriter::with_capacity(1 << 20, f);
+        let bytes = encode(&mut w, key, ids, kv)?;
+        let f = w.into_inner().map_err(|e| Failure::Io(e.into_error()))?;
+        f.sync_data().map_err(Failure::Io)?;
+        Ok(bytes)
+    });
     let mut s = shared.lock().unwrap_or_else(|e| e.into_inner());
     s.pending.retain(|p| p.as_slice() != ids);
-    if let Err(e) = written {
-        let _ = std::fs::remove_file(&tmp);
-        let why = format!("writing {}: {e}", tmp.display());
-        tracing::warn!("prefix snapshots off: {why}");
-        s.off = Some(why);
-        return;
-    }
+    let bytes = match written {
+        Ok(b) => b,
+        Err(Failure::Pages(e)) => {
+            // Its pages are not all readable (a spilled page lost): not kept.
+            let _ = std::fs::remove_file(&tmp);
+            tracing::warn!("prefix snapshot not written: {e}");
+            return;
+        }
+        Err(Failure::Io(e)) => {
+            let _ = std::fs::remove_file(&tmp);
+            let why = format!("writing {}: {e}", tmp.display());
+            tracing::warn!("prefix snapshots off: {why}");
+            s.off = Some(why);
+            return;
+        }
+    };
     if let Err(e) = std::fs::rename(&tmp, &path) {
         // This one is lost (another process may have moved the directory); the
         // next may do better.
@@ -345,7 +350,7 @@ fn write_one(
     s.index.push(Snap {
         path,
         ids: ids.to_vec(),
-        bytes: bytes.len() as u64,
+        bytes,
         used,
     });
     while s.index.iter().map(|e| e.bytes).sum::<u64>() > budget {
@@ -357,52 +362,65 @@ fn write_one(
     }
 }
 
-/// The file's bytes; `Err` where a page cannot be read (a spilled page lost).
-fn encode(key: &[u8; 32], ids: &[u32], kv: &KvCache) -> Result<Vec<u8>, String> {
+/// Why a snapshot was not written: its pages (a spilled page lost, positions
+/// dropped), or the file.
+enum Failure {
+    Pages(String),
+    Io(std::io::Error),
+}
+
+/// Writes the snapshot of `kv`'s first `ids.len()` positions to `w`, a layer at a
+/// time, hashing as it goes; the bytes written.
+fn encode(w: &mut impl Write, key: &[u8; 32], ids: &[u32], kv: &KvCache) -> Result<u64, Failure> {
     let n = ids.len();
     let width = kv.width();
     if kv.lost().is_some_and(|at| at < n) {
-        return Err("positions of the prefix were lost".into());
+        return Err(Failure::Pages("positions of the prefix were lost".into()));
     }
     if kv.has_dropped() {
-        return Err("positions behind a sliding window were dropped".into());
+        return Err(Failure::Pages(
+            "positions behind a sliding window were dropped".into(),
+        ));
     }
-    let halves = if kv.layer(0).map_err(|e| e.to_string())?.v.is_empty() {
+    let pages = |e: crate::backend::KernelError| Failure::Pages(e.to_string());
+    let halves = if kv.layer(0).map_err(pages)?.v.is_empty() {
         1
     } else {
         2
     };
-    let mut out = Vec::with_capacity(HEADER + 4 * n + 4 * n * width * kv.layers() * halves + 32);
-    out.extend_from_slice(MAGIC);
-    out.extend_from_slice(key);
+    let mut hash = blake3::Hasher::new();
+    let mut bytes = 0u64;
+    let mut put = |b: &[u8]| -> Result<(), Failure> {
+        hash.update(b);
+        bytes += b.len() as u64;
+        w.write_all(b).map_err(Failure::Io)
+    };
+    let mut head = Vec::with_capacity(HEADER + 4 * n);
+    head.extend_from_slice(MAGIC);
+    head.extend_from_slice(key);
     for x in [n, kv.layers(), width, halves] {
-        out.extend_from_slice(&(x as u32).to_le_bytes());
+        head.extend_from_slice(&(x as u32).to_le_bytes());
     }
     for id in ids {
-        out.extend_from_slice(&id.to_le_bytes());
+        head.extend_from_slice(&id.to_le_bytes());
     }
+    put(&head)?;
+    let mut out = Vec::with_capacity(4 * n * width);
     for l in 0..kv.layers() {
-        let view = kv.layer(l).map_err(|e| e.to_string())?;
-        for pages in [&view.k, &view.v].into_iter().take(halves) {
+        let view = kv.layer(l).map_err(pages)?;
+        for half in [&view.k, &view.v].into_iter().take(halves) {
+            out.clear();
             for (p, off, m) in view.segments(0, n) {
-                for x in &pages[p][off * width..(off + m) * width] {
+                for x in &half[p][off * width..(off + m) * width] {
                     out.extend_from_slice(&x.to_le_bytes());
                 }
             }
+            put(&out)?;
         }
     }
-    let h = blake3::hash(&out);
-    out.extend_from_slice(h.as_bytes());
-    Ok(out)
-}
-
-/// The first `len` token ids of a snapshot's bytes `b`.
-fn ids_at(b: &[u8], len: usize) -> Vec<u32> {
-    (0..len).map(|i| u32_at(b, HEADER + 4 * i)).collect()
-}
-
-fn u32_at(b: &[u8], at: usize) -> u32 {
-    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+    let h = hash.finalize();
+    w.write_all(h.as_bytes()).map_err(Failure::Io)?;
+    Ok(bytes + 32)
 }
 
 /// A snapshot's ids and size from its header (not its hash: that is checked when
@@ -447,57 +465,80 @@ fn expected_len(head: &[u8]) -> u64 {
 }
 
 /// The first `len` positions of the snapshot at `path` (checked whole) as a cache
-/// like `like`.
+/// like `like`: read a layer's keys (then values) at a time, hashing as it goes;
+/// the cache built is returned only when the whole file's blake3 matches.
 fn read(path: &Path, key: &[u8; 32], like: &KvCache, len: usize) -> Result<KvCache, String> {
-    let b = std::fs::read(path).map_err(|e| e.to_string())?;
-    if b.len() < HEADER + 32 || &b[..8] != MAGIC || &b[8..40] != key {
+    let f = std::fs::File::open(path).map_err(|e| e.to_string())?;
+    let size = f.metadata().map_err(|e| e.to_string())?.len();
+    let mut f = std::io::BufReader::with_capacity(1 << 20, f);
+    let mut head = [0u8; HEADER];
+    f.read_exact(&mut head).map_err(|e| e.to_string())?;
+    if &head[..8] != MAGIC || &head[8..40] != key {
         return Err("not a snapshot of this model and arithmetic".into());
     }
-    if b.len() as u64 != expected_len(&b) {
+    if size != expected_len(&head) {
         return Err(format!(
-            "{} bytes where the header says {}",
-            b.len(),
-            expected_len(&b)
+            "{size} bytes where the header says {}",
+            expected_len(&head)
         ));
     }
-    let (body, hash) = b.split_at(b.len() - 32);
-    if blake3::hash(body).as_bytes() != hash {
-        return Err("its blake3 does not match".into());
-    }
     let (n, layers, width, halves) = (
-        u32_at(&b, 40) as usize,
-        u32_at(&b, 44) as usize,
-        u32_at(&b, 48) as usize,
-        u32_at(&b, 52) as usize,
+        u32_at(&head, 40) as usize,
+        u32_at(&head, 44) as usize,
+        u32_at(&head, 48) as usize,
+        u32_at(&head, 52) as usize,
     );
     if layers != like.layers() || width != like.width() {
         return Err("its layout is not this model's".into());
     }
+    let mut hash = blake3::Hasher::new();
+    hash.update(&head);
+    let mut take = |buf: &mut Vec<u8>, bytes: usize| -> Result<(), String> {
+        buf.resize(bytes, 0);
+        f.read_exact(buf).map_err(|e| e.to_string())?;
+        hash.update(buf);
+        Ok(())
+    };
+    let mut buf = Vec::new();
+    take(&mut buf, 4 * n)?;
     // What was asked for (a cache of a smaller context may take a prefix of a
     // longer snapshot).
     let len = len.min(n).min(like.capacity());
+    let ids: Vec<u32> = buf[..4 * len]
+        .chunks_exact(4)
+        .map(|c| u32_at(c, 0))
+        .collect();
     let mut kv = like.clone();
     kv.clear();
-    let floats = |at: usize, m: usize| -> Vec<f32> {
-        (0..m)
-            .map(|i| f32::from_le_bytes(b[at + 4 * i..at + 4 * i + 4].try_into().expect("four")))
+    let floats = |b: &[u8]| -> Vec<f32> {
+        b[..4 * len * width]
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect()
     };
-    let mut at = HEADER + 4 * n;
     for l in 0..layers {
-        let k = floats(at, len * width);
-        at += 4 * n * width;
+        take(&mut buf, 4 * n * width)?;
+        let k = floats(&buf);
         let v = if halves == 2 {
-            let v = floats(at, len * width);
-            at += 4 * n * width;
-            v
+            take(&mut buf, 4 * n * width)?;
+            floats(&buf)
         } else {
             Vec::new()
         };
         kv.append(l, &k, &v).map_err(|e| e.to_string())?;
     }
-    kv.commit(&ids_at(&b, len));
+    let mut tail = [0u8; 32];
+    f.read_exact(&mut tail).map_err(|e| e.to_string())?;
+    if hash.finalize().as_bytes() != &tail {
+        return Err("its blake3 does not match".into());
+    }
+    kv.commit(&ids);
     Ok(kv)
+}
+
+/// A little-endian u32 of `b` at `at`.
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
 }
 
 #[cfg(test)]
@@ -614,9 +655,16 @@ mod tests {
     fn the_directory_stays_within_its_budget_and_extensions_replace_prefixes() {
         let d = tempfile::tempdir().unwrap();
         let key = key_of(b"m", b"{}", 3, 4);
-        let one = encode(&key, &(0..20).collect::<Vec<_>>(), &kv_of(20, 0.0))
-            .unwrap()
-            .len() as u64;
+        let mut bytes = Vec::new();
+        let one = encode(
+            &mut bytes,
+            &key,
+            &(0..20).collect::<Vec<_>>(),
+            &kv_of(20, 0.0),
+        )
+        .ok()
+        .unwrap();
+        assert_eq!(one, bytes.len() as u64);
         let s = SnapshotDir::open(
             DiskPrefixes {
                 budget: 2 * one,
