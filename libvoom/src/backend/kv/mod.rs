@@ -442,6 +442,10 @@ impl KvCache {
     /// first ones after the last: the next pass's).
     fn read_ahead(&self, layer: usize) {
         let Some(pool) = &self.pool else { return };
+        if !pool.shared.has_spilled() {
+            // Nothing on disk (the usual case without pressure): nothing to read.
+            return;
+        }
         let layers = self.layers();
         for d in 1..=READ_AHEAD_LAYERS.min(layers.saturating_sub(1)) {
             let l = (layer + d) % layers;

@@ -136,6 +136,11 @@ impl PoolShared {
         budget / 4
     }
 
+    /// Whether any page of the pool is on disk now.
+    pub(super) fn has_spilled(&self) -> bool {
+        self.inner().spilled > 0
+    }
+
     /// Counts a new resident page and spills what no longer fits.
     pub(super) fn admit(self: &Arc<Self>, page: &Arc<KvPage>) {
         {
