@@ -8,9 +8,9 @@ mod common;
 use std::ops::ControlFlow;
 use std::os::unix::fs::FileExt;
 
-use libvoom::engine::{Decoding, Engine, EngineOptions, GenerateParams, Generation};
+use libvoom::engine::{Decoding, Engine, EngineOptions, GenerateParams};
 
-use common::{bits, fixtures, prompt_of};
+use common::{fixtures, greedy, prompt_of, same};
 
 const CASES: [&str; 4] = [
     "llama_gqa_untied",
@@ -18,28 +18,6 @@ const CASES: [&str; 4] = [
     "qwen3_moe_fused_sparse_step",
     "deepseek_v3_mla_yarn",
 ];
-
-fn run(e: &Engine, prompt: &[u32], n: usize) -> Generation {
-    let params = GenerateParams {
-        max_new_tokens: n,
-        ignore_eos: true,
-        record_logits: true,
-        ..GenerateParams::default()
-    };
-    e.generate_with(prompt, &params, Decoding::default(), &mut |_| {
-        ControlFlow::Continue(())
-    })
-    .unwrap()
-}
-
-fn same(case: &str, what: &str, want: &Generation, got: &Generation) {
-    assert_eq!(want.ids, got.ids, "{case} {what}: ids");
-    assert_eq!(
-        bits(&want.logits),
-        bits(&got.logits),
-        "{case} {what}: logits bits"
-    );
-}
 
 /// Options with KV pages of 8 positions under a budget of `budget` bytes, spilling
 /// to `dir`.
@@ -62,14 +40,14 @@ fn spilled_kv_gives_resident_ids_and_bits() {
         // A budget of a few pages: most of a long prompt's KV lives on disk.
         let e = Engine::open(&dir, spilling(16 << 10, spill.path(), 64 << 20)).unwrap();
         let long = prompt_of(&dir, 3);
-        let want = run(&resident, &long, 8);
-        same(case, "spilled", &want, &run(&e, &long, 8));
+        let want = greedy(&resident, &long, 8);
+        same(case, "spilled", &want, &greedy(&e, &long, 8));
         let s = e.kv_pool_stats().unwrap();
         assert!(s.written_bytes > 0 && s.read_bytes > 0, "{case}: {s:?}");
         assert!(s.read_ahead > 0, "{case}: nothing was read ahead: {s:?}");
         assert_eq!(s.corrupt, 0, "{case}");
         // The prompt again: its prefix (spilled pages among it) reused.
-        let again = run(&e, &long, 8);
+        let again = greedy(&e, &long, 8);
         assert_eq!(again.prefix_reused, long.len() - 1, "{case}");
         same(case, "spilled prefix reused", &want, &again);
         // Several sequences batched, sharing the budget.
@@ -92,7 +70,12 @@ fn spilled_kv_gives_resident_ids_and_bits() {
                 .unwrap();
         }
         for (p, s) in prompts.iter().zip(seqs) {
-            same(case, "batched", &run(&resident, p, 5), &s.into_generation());
+            same(
+                case,
+                "batched",
+                &greedy(&resident, p, 5),
+                &s.into_generation(),
+            );
         }
     }
 }
@@ -167,19 +150,19 @@ fn spilled_prefixes_persist_and_restart_exactly() {
             ..spilling(16 << 10, spill.path(), 64 << 20)
         };
         let long = prompt_of(&dir, 3);
-        let want = run(
+        let want = greedy(
             &Engine::open(&dir, EngineOptions::default()).unwrap(),
             &long,
             6,
         );
         let first = Engine::open(&dir, opts()).unwrap();
-        same(case, "first", &want, &run(&first, &long, 6));
+        same(case, "first", &want, &greedy(&first, &long, 6));
         first.flush_prefixes();
         assert_eq!(first.snapshot_status().unwrap().0, 1, "{case}");
         assert!(first.kv_pool_stats().unwrap().written_bytes > 0, "{case}");
         drop(first);
         let restarted = Engine::open(&dir, opts()).unwrap();
-        let g = run(&restarted, &long, 6);
+        let g = greedy(&restarted, &long, 6);
         assert_eq!(g.prefix_reused, long.len() - 1, "{case}");
         same(case, "restarted", &want, &g);
     }

@@ -7,31 +7,9 @@ mod common;
 
 use std::ops::ControlFlow;
 
-use libvoom::engine::{Decoding, Engine, EngineOptions, GenerateParams, Generation};
+use libvoom::engine::{Decoding, Engine, EngineOptions, GenerateParams};
 
-use common::{bits, copy_with_manifest, fixtures, prompt_of};
-
-fn run(e: &Engine, prompt: &[u32], n: usize) -> Generation {
-    let params = GenerateParams {
-        max_new_tokens: n,
-        ignore_eos: true,
-        record_logits: true,
-        ..GenerateParams::default()
-    };
-    e.generate_with(prompt, &params, Decoding::default(), &mut |_| {
-        ControlFlow::Continue(())
-    })
-    .unwrap()
-}
-
-fn same(case: &str, what: &str, cold: &Generation, warm: &Generation) {
-    assert_eq!(cold.ids, warm.ids, "{case} {what}: ids");
-    assert_eq!(
-        bits(&cold.logits),
-        bits(&warm.logits),
-        "{case} {what}: logits bits"
-    );
-}
+use common::{copy_with_manifest, fixtures, greedy, prompt_of, same};
 
 #[test]
 fn reused_prefixes_give_cold_ids_and_bits() {
@@ -54,24 +32,24 @@ fn reused_prefixes_give_cold_ids_and_bits() {
         assert!(long.len() > 100);
 
         // First time: nothing to reuse.
-        let a = run(&warm, &long, 6);
+        let a = greedy(&warm, &long, 6);
         assert_eq!(a.prefix_reused, 0, "{case}");
-        same(case, "first run", &run(&cold, &long, 6), &a);
+        same(case, "first run", &greedy(&cold, &long, 6), &a);
         // The same prompt again: all but its last position reused.
-        let b = run(&warm, &long, 6);
+        let b = greedy(&warm, &long, 6);
         assert_eq!(b.prefix_reused, long.len() - 1, "{case}");
         same(case, "repeat", &a, &b);
         // The next turn: the prompt, the answer, more: the conversation reused.
         let mut next = long.clone();
         next.extend(&a.ids[..5]);
         next.extend([11, 12, 13]);
-        let c = run(&warm, &next, 6);
+        let c = greedy(&warm, &next, 6);
         assert_eq!(c.prefix_reused, long.len() + 5, "{case}");
-        same(case, "extension", &run(&cold, &next, 6), &c);
+        same(case, "extension", &greedy(&cold, &next, 6), &c);
         // A prompt that shares only a beginning (across a KV page boundary).
         let mut other = long[..40].to_vec();
         other.extend(prompt_of(&dir, 2));
-        let d = run(&warm, &other, 6);
+        let d = greedy(&warm, &other, 6);
         // A sliding window's pages behind it are dropped (the window is 16): the
         // cached conversation no longer holds what a cut at 40 needs.
         let shared = if case == "mistral_sliding_window" {
@@ -80,7 +58,7 @@ fn reused_prefixes_give_cold_ids_and_bits() {
             40
         };
         assert_eq!(d.prefix_reused, shared, "{case}");
-        same(case, "shared beginning", &run(&cold, &other, 6), &d);
+        same(case, "shared beginning", &greedy(&cold, &other, 6), &d);
         assert!(warm.prefixes().reused_positions() > 0);
         // Batched: sequences taking prefixes beside one that does not.
         let params = GenerateParams {
@@ -101,7 +79,7 @@ fn reused_prefixes_give_cold_ids_and_bits() {
         }
         for (p, s) in prompts.iter().zip(seqs) {
             let g = s.into_generation();
-            same(case, "batched", &run(&cold, p, 5), &g);
+            same(case, "batched", &greedy(&cold, p, 5), &g);
         }
     }
 }
@@ -127,16 +105,16 @@ fn snapshots_survive_a_restart_exactly_and_damage_is_recomputed() {
         };
         let cold = Engine::open(&dir, EngineOptions::default()).unwrap();
         let long = prompt_of(&dir, 3);
-        let want = run(&cold, &long, 6);
+        let want = greedy(&cold, &long, 6);
 
         let first = Engine::open(&dir, opts(true)).unwrap();
-        same(case, "first", &want, &run(&first, &long, 6));
+        same(case, "first", &want, &greedy(&first, &long, 6));
         first.flush_prefixes();
         assert_eq!(first.snapshot_status().unwrap().0, 1, "{case}");
         drop(first);
 
         let restarted = Engine::open(&dir, opts(true)).unwrap();
-        let g = run(&restarted, &long, 6);
+        let g = greedy(&restarted, &long, 6);
         assert_eq!(g.prefix_reused, long.len() - 1, "{case}");
         // Counted once, from disk (the memory cache held nothing).
         assert_eq!(
@@ -155,7 +133,7 @@ fn snapshots_survive_a_restart_exactly_and_damage_is_recomputed() {
             std::fs::write(&f, b).unwrap();
         }
         let damaged = Engine::open(&dir, opts(true)).unwrap();
-        let g = run(&damaged, &long, 6);
+        let g = greedy(&damaged, &long, 6);
         assert_eq!(g.prefix_reused, 0, "{case}: a damaged snapshot was used");
         same(case, "after damage", &want, &g);
 
@@ -163,7 +141,7 @@ fn snapshots_survive_a_restart_exactly_and_damage_is_recomputed() {
         // whitespace) with the same store: the snapshot the restarted engines
         // wrote is not read.
         let fresh = Engine::open(&dir, opts(true)).unwrap();
-        run(&fresh, &long, 6);
+        greedy(&fresh, &long, 6);
         fresh.flush_prefixes();
         drop(fresh);
         let (_e, other) = copy_with_manifest(&fixtures().join(case));
@@ -171,9 +149,9 @@ fn snapshots_survive_a_restart_exactly_and_damage_is_recomputed() {
         let text = std::fs::read_to_string(&m).unwrap();
         std::fs::write(&m, text + " ").unwrap();
         let e = Engine::open(&other, opts(true)).unwrap();
-        assert_eq!(run(&e, &long, 6).prefix_reused, 0, "{case}");
+        assert_eq!(greedy(&e, &long, 6).prefix_reused, 0, "{case}");
         assert_eq!(
-            run(&Engine::open(&dir, opts(true)).unwrap(), &long, 6).prefix_reused,
+            greedy(&Engine::open(&dir, opts(true)).unwrap(), &long, 6).prefix_reused,
             long.len() - 1
         );
     }

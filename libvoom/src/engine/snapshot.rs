@@ -428,19 +428,26 @@ fn encode(w: &mut impl Write, key: &[u8; 32], ids: &[u32], kv: &KvCache) -> Resu
 fn read_ids(path: &Path, key: &[u8; 32]) -> Result<(Vec<u32>, u64), String> {
     let mut f = std::fs::File::open(path).map_err(|e| e.to_string())?;
     let bytes = f.metadata().map_err(|e| e.to_string())?.len();
+    let head = header(&mut f, bytes, key)?;
+    let n = u32_at(&head, 40) as usize;
+    let mut ids = vec![0u8; 4 * n];
+    f.read_exact(&mut ids).map_err(|e| e.to_string())?;
+    Ok((ids.chunks_exact(4).map(|c| u32_at(c, 0)).collect(), bytes))
+}
+
+/// A snapshot's header from `f` (a file of `size` bytes), checked against `key`
+/// and the size it implies.
+fn header(f: &mut impl Read, size: u64, key: &[u8; 32]) -> Result<[u8; HEADER], String> {
     let mut head = [0u8; HEADER];
     f.read_exact(&mut head).map_err(|e| e.to_string())?;
     if &head[..8] != MAGIC || &head[8..40] != key {
         return Err("not a snapshot of this model and arithmetic".into());
     }
-    let n = u32_at(&head, 40) as usize;
     let expected = expected_len(&head);
-    if bytes != expected {
-        return Err(format!("{bytes} bytes where the header says {expected}"));
+    if size != expected {
+        return Err(format!("{size} bytes where the header says {expected}"));
     }
-    let mut ids = vec![0u8; 4 * n];
-    f.read_exact(&mut ids).map_err(|e| e.to_string())?;
-    Ok((ids.chunks_exact(4).map(|c| u32_at(c, 0)).collect(), bytes))
+    Ok(head)
 }
 
 /// The file size a header implies (`u64::MAX` for a header no snapshot has:
@@ -471,17 +478,7 @@ fn read(path: &Path, key: &[u8; 32], like: &KvCache, len: usize) -> Result<KvCac
     let f = std::fs::File::open(path).map_err(|e| e.to_string())?;
     let size = f.metadata().map_err(|e| e.to_string())?.len();
     let mut f = std::io::BufReader::with_capacity(1 << 20, f);
-    let mut head = [0u8; HEADER];
-    f.read_exact(&mut head).map_err(|e| e.to_string())?;
-    if &head[..8] != MAGIC || &head[8..40] != key {
-        return Err("not a snapshot of this model and arithmetic".into());
-    }
-    if size != expected_len(&head) {
-        return Err(format!(
-            "{size} bytes where the header says {}",
-            expected_len(&head)
-        ));
-    }
+    let head = header(&mut f, size, key)?;
     let (n, layers, width, halves) = (
         u32_at(&head, 40) as usize,
         u32_at(&head, 44) as usize,

@@ -55,6 +55,41 @@ pub fn copy_with_manifest(src: &Path) -> (tempfile::TempDir, PathBuf) {
     (d, dir)
 }
 
+/// Greedy generation of `n` ids after `prompt` (end-of-sequence ignored), with
+/// the logits of every step.
+pub fn greedy(
+    e: &libvoom::engine::Engine,
+    prompt: &[u32],
+    n: usize,
+) -> libvoom::engine::Generation {
+    use libvoom::engine::{Decoding, GenerateParams};
+    let params = GenerateParams {
+        max_new_tokens: n,
+        ignore_eos: true,
+        record_logits: true,
+        ..GenerateParams::default()
+    };
+    e.generate_with(prompt, &params, Decoding::default(), &mut |_| {
+        std::ops::ControlFlow::Continue(())
+    })
+    .unwrap()
+}
+
+/// Asserts that two generations have the same ids and logits bits.
+pub fn same(
+    case: &str,
+    what: &str,
+    want: &libvoom::engine::Generation,
+    got: &libvoom::engine::Generation,
+) {
+    assert_eq!(want.ids, got.ids, "{case} {what}: ids");
+    assert_eq!(
+        bits(&want.logits),
+        bits(&got.logits),
+        "{case} {what}: logits bits"
+    );
+}
+
 /// Each row's float bits.
 pub fn bits(rows: &[Vec<f32>]) -> Vec<Vec<u32>> {
     rows.iter()

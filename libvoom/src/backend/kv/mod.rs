@@ -476,30 +476,12 @@ impl KvCache {
         }
         // Positions from `at` on read the window before them: where a layer
         // dropped those, everything is computed again.
-        let at =
-            if self.windows.iter().enumerate().any(|(l, w)| {
-                w.is_some_and(|w| self.k[l].dropped * self.page > at.saturating_sub(w))
-            }) {
-                0
-            } else {
-                at
-            };
+        let at = if self.behind_windows(at) { 0 } else { at };
         let ids = self.ids[at..].to_vec();
-        // `at` is a page boundary: nothing is read to cut there.
-        let per = self.page * self.width;
-        for x in self.k.iter_mut().chain(self.v.iter_mut()) {
-            if x.floats() > 0 {
-                let _ = x.truncate(at * self.width, per);
-            }
-        }
-        self.len = at;
-        self.ids.truncate(at);
-        self.lost.store(usize::MAX, Ordering::Relaxed);
-        self.held
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .pages
-            .clear();
+        // `at` is a page boundary: nothing is read to cut there, and nothing
+        // before it is lost.
+        self.truncate(at);
+        debug_assert!(self.lost().is_none());
         Some(ids)
     }
 
@@ -520,12 +502,8 @@ impl KvCache {
         }
         // A window whose positions before the cut were dropped cannot attend from
         // it: everything is recomputed (each position needs the window before it).
-        for (l, w) in self.windows.iter().enumerate() {
-            if let Some(w) = w {
-                if self.k[l].dropped * self.page > len.saturating_sub(*w) {
-                    self.lost.store(0, Ordering::Relaxed);
-                }
-            }
+        if self.behind_windows(len) {
+            self.lost.store(0, Ordering::Relaxed);
         }
         self.len = len;
         self.ids.truncate(len);
@@ -541,6 +519,15 @@ impl KvCache {
 
     pub fn clear(&mut self) {
         self.truncate(0);
+    }
+
+    /// Whether attending from position `at` needs positions some sliding window
+    /// dropped.
+    fn behind_windows(&self, at: usize) -> bool {
+        self.windows
+            .iter()
+            .enumerate()
+            .any(|(l, w)| w.is_some_and(|w| self.k[l].dropped * self.page > at.saturating_sub(w)))
     }
 }
 
