@@ -140,13 +140,9 @@ pub fn available() -> Available {
     }
 }
 
-/// `MemAvailable` of a `/proc/meminfo` text, in bytes.
-pub fn meminfo_available(text: &str) -> Option<u64> {
-    text.lines()
-        .find_map(|l| l.strip_prefix("MemAvailable:"))
-        .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
-        .map(|kb| kb * 1024)
-}
+/// `MemAvailable` of a `/proc/meminfo` text, in bytes (the memory governor's
+/// reading).
+pub use libvoom::engine::governor::meminfo_available;
 
 /// The room left in this process's memory cgroup (`/proc/self/cgroup` text, the
 /// cgroup filesystem's root): limit less usage, with a description; `None` with no

@@ -144,14 +144,19 @@ pub fn cgroup_pressure(proc_cgroup: &str, root: &Path) -> Option<Pressure> {
     None
 }
 
+/// `MemAvailable` of a `/proc/meminfo` text, in bytes.
+pub fn meminfo_available(text: &str) -> Option<u64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+        .map(|kb| kb * 1024)
+}
+
 /// The pressure on this process now (`None` where the OS reports nothing).
 pub fn pressure() -> Option<Pressure> {
-    let machine = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
-        m.lines()
-            .find_map(|l| l.strip_prefix("MemAvailable:"))
-            .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
-            .map(|kb| kb * 1024)
-    });
+    let machine = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| meminfo_available(&m));
     let cgroup = std::fs::read_to_string("/proc/self/cgroup")
         .ok()
         .and_then(|c| cgroup_pressure(&c, Path::new("/sys/fs/cgroup")));
