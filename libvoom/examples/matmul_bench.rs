@@ -1,7 +1,7 @@
 //! Bench of the CPU matmul kernels against the machine's measured read bandwidth.
 //!
 //! `cargo run --release -p libvoom --example matmul_bench [-- --quick] [--shape RxC]
-//! [--no-prefill] [--portable]`
+//! [--no-prefill] [--portable | --avx2]`
 //!
 //! Decode (one token) is memory bound: it reports GB/s of weights streamed and the
 //! ratio to `read_bandwidth` measured in the same run on the same thread count.
@@ -31,9 +31,12 @@ fn main() {
         .and_then(|(r, c)| Some((r.parse().ok()?, c.parse().ok()?)));
     let no_prefill = args.iter().any(|a| a == "--no-prefill");
     let reps = if quick { 3 } else { 7 };
-    // `--portable` measures the lane-emulating fallback instead of the best kernels.
+    // `--portable` measures the lane-emulating fallback instead of the best kernels,
+    // `--avx2` the AVX2 tiles on a CPU that also has AVX-512.
     let isa = if args.iter().any(|a| a == "--portable") {
         Isa::Portable
+    } else if args.iter().any(|a| a == "--avx2") && Isa::Avx2.supported() {
+        Isa::Avx2
     } else {
         Isa::detect()
     };

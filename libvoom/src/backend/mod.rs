@@ -30,16 +30,13 @@ impl BackendKind {
 
     /// Every backend this machine can run (tests run their checks over each).
     pub fn available() -> Vec<Self> {
-        let mut v = vec![BackendKind::Cpu(Isa::detect())];
-        if Isa::detect() != Isa::Portable {
-            v.push(BackendKind::Cpu(Isa::Portable));
-        }
-        v
+        Isa::available().into_iter().map(BackendKind::Cpu).collect()
     }
 
-    /// Its name, as `--backend` takes it: `cpu-avx2`, `cpu-portable`.
+    /// Its name, as `--backend` takes it: `cpu-avx512`, `cpu-avx2`, `cpu-portable`.
     pub fn name(self) -> &'static str {
         match self {
+            BackendKind::Cpu(Isa::Avx512) => "cpu-avx512",
             BackendKind::Cpu(Isa::Avx2) => "cpu-avx2",
             BackendKind::Cpu(Isa::Portable) => "cpu-portable",
         }

@@ -42,7 +42,8 @@ pub struct EngineArgs {
     /// [default: the model's].
     #[arg(long)]
     pub max_context: Option<usize>,
-    /// Compute backend: `cpu-avx2` or `cpu-portable` (the same bits; default: the
+    /// Compute backend: `cpu-avx512`, `cpu-avx2` or `cpu-portable` (the same bits;
+    /// default: the
     /// fastest this machine has).
     #[arg(long, env = "VOOM_BACKEND", value_parser = parse_backend)]
     pub backend: Option<libvoom::backend::BackendKind>,

@@ -20,7 +20,8 @@
 
 use std::cell::RefCell;
 
-use super::matmul::{attention_scores2_isa, attention_scores_isa, weighted_sum_add_isa, Isa};
+use super::grouped;
+use super::matmul::Isa;
 use super::softmax;
 use super::threads::ThreadPool;
 use crate::backend::{AttentionShape, LatentShape};
@@ -47,40 +48,40 @@ struct Cache<'a> {
     v_off: usize,
 }
 
+/// The most rows a group takes (at least [`Isa::attention_group`] of every set).
+const GROUP_MAX: usize = 4;
+
 impl Cache<'_> {
-    /// `s[j - from] = q · key_j * scale` for `j` in `from..from + s.len()`.
-    fn scores(&self, isa: Isa, q: &[f32], from: usize, scale: f32, s: &mut [f32]) {
+    /// `s[r][j - from] = q[r] · key_j * scale` for every row `r` and `j` in
+    /// `from..from + s[r].len()` (rows of one length).
+    fn scores(&self, isa: Isa, q: &[&[f32]], from: usize, scale: f32, s: &mut [&mut [f32]]) {
         let stride = self.view.width;
+        let m = q.len();
         let mut at = 0;
-        for (p, off, n) in self.view.segments(from, from + s.len()) {
+        for (p, off, n) in self.view.segments(from, from + s[0].len()) {
             let keys = &self.keys[p][off * stride + self.k_off..];
-            attention_scores_isa(isa, q, keys, stride, scale, &mut s[at..at + n]);
+            let mut part: [&mut [f32]; GROUP_MAX] = Default::default();
+            for (d, r) in part.iter_mut().zip(s.iter_mut()) {
+                *d = &mut r[at..at + n];
+            }
+            grouped::scores(isa, q, keys, stride, scale, &mut part[..m]);
             at += n;
         }
     }
 
-    /// [`Cache::scores`] of two queries over the same keys (each score's bits as
-    /// alone).
-    fn scores2(&self, isa: Isa, q: [&[f32]; 2], from: usize, scale: f32, s: [&mut [f32]; 2]) {
+    /// `out[r] += Σ_j p[r][j - from] · value_j` for every row `r` and `j` in
+    /// `from..from + p[r].len()`, in increasing `j` (rows of one length).
+    fn add_values(&self, isa: Isa, p: &[&[f32]], from: usize, out: &mut [&mut [f32]]) {
         let stride = self.view.width;
-        let [a, b] = s;
+        let m = p.len();
         let mut at = 0;
-        for (p, off, n) in self.view.segments(from, from + a.len()) {
-            let keys = &self.keys[p][off * stride + self.k_off..];
-            let pair = [&mut a[at..at + n], &mut b[at..at + n]];
-            attention_scores2_isa(isa, q, keys, stride, scale, pair);
-            at += n;
-        }
-    }
-
-    /// `out += Σ_j p[j - from] · value_j` for `j` in `from..from + p.len()`, in
-    /// increasing `j`.
-    fn add_values(&self, isa: Isa, p: &[f32], from: usize, out: &mut [f32]) {
-        let stride = self.view.width;
-        let mut at = 0;
-        for (pg, off, n) in self.view.segments(from, from + p.len()) {
+        for (pg, off, n) in self.view.segments(from, from + p[0].len()) {
             let values = &self.values[pg][off * stride + self.v_off..];
-            weighted_sum_add_isa(isa, &p[at..at + n], values, stride, out);
+            let mut part: [&[f32]; GROUP_MAX] = [&[]; GROUP_MAX];
+            for (d, r) in part.iter_mut().zip(p) {
+                *d = &r[at..at + n];
+            }
+            grouped::weighted_sums(isa, &part[..m], values, stride, out);
             at += n;
         }
     }
@@ -94,8 +95,30 @@ struct Row<'a> {
     out: &'a mut [f32],
 }
 
+/// Consecutive rows that attend the same keys with queries of one length (the
+/// heads of one position), at most `g` of them: `(first row, rows)`.
+fn groups(rows: &[Row<'_>], g: usize) -> Vec<(usize, usize)> {
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < rows.len() {
+        let r = &rows[i];
+        let mut m = 1;
+        while m < g
+            && rows
+                .get(i + m)
+                .is_some_and(|n| (n.lo, n.hi) == (r.lo, r.hi) && n.q.len() == r.q.len())
+        {
+            m += 1;
+        }
+        out.push((i, m));
+        i += m;
+    }
+    out
+}
+
 /// Attention of `rows` over `cache`, tiled over keys ([`BLOCK_K`]) as the module
-/// says, with `scores` as scratch.
+/// says, with `scores` as scratch; the rows of one position go through each key
+/// and value together ([`grouped`]).
 fn attend_rows(
     isa: Isa,
     cache: &Cache<'_>,
@@ -111,31 +134,29 @@ fn attend_rows(
     if scores.len() < rows.len() * width {
         scores.resize(rows.len() * width, 0.0);
     }
-    // Scores, a block of keys at a time for every row; two rows that attend the same
-    // keys (heads of one position) together.
+    let groups = groups(rows, isa.attention_group().min(GROUP_MAX));
+    // Scores, a block of keys at a time for every group.
     let mut kb = lo;
     while kb < hi {
         let ke = (kb + BLOCK_K).min(hi);
-        let mut i = 0;
-        while i < rows.len() {
+        for &(i, m) in &groups {
             let r = &rows[i];
             let (a, b) = (kb.max(r.lo), ke.min(r.hi));
-            let paired = rows
-                .get(i + 1)
-                .is_some_and(|n| (n.lo, n.hi) == (r.lo, r.hi) && n.q.len() == r.q.len());
-            if a < b && paired {
-                let (first, second) = scores.split_at_mut((i + 1) * width);
-                let sa = &mut first[i * width + (a - r.lo)..i * width + (b - r.lo)];
-                let sb = &mut second[a - r.lo..b - r.lo];
-                cache.scores2(isa, [r.q, rows[i + 1].q], a, scale, [sa, sb]);
-                i += 2;
+            if a >= b {
                 continue;
             }
-            if a < b {
-                let s = &mut scores[i * width + (a - r.lo)..i * width + (b - r.lo)];
-                cache.scores(isa, r.q, a, scale, s);
+            let mut q: [&[f32]; GROUP_MAX] = [&[]; GROUP_MAX];
+            for (d, row) in q.iter_mut().zip(&rows[i..i + m]) {
+                *d = row.q;
             }
-            i += 1;
+            let mut s: [&mut [f32]; GROUP_MAX] = Default::default();
+            for (d, chunk) in s
+                .iter_mut()
+                .zip(scores[i * width..(i + m) * width].chunks_mut(width))
+            {
+                *d = &mut chunk[a - r.lo..b - r.lo];
+            }
+            cache.scores(isa, &q[..m], a, scale, &mut s[..m]);
         }
         kb = ke;
     }
@@ -147,12 +168,24 @@ fn attend_rows(
     let mut kb = lo;
     while kb < hi {
         let ke = (kb + BLOCK_K).min(hi);
-        for (i, r) in rows.iter_mut().enumerate() {
-            let (a, b) = (kb.max(r.lo), ke.min(r.hi));
-            if a < b {
-                let p = &scores[i * width + (a - r.lo)..i * width + (b - r.lo)];
-                cache.add_values(isa, p, a, r.out);
+        for &(i, m) in &groups {
+            let (rlo, rhi) = (rows[i].lo, rows[i].hi);
+            let (a, b) = (kb.max(rlo), ke.min(rhi));
+            if a >= b {
+                continue;
             }
+            let mut p: [&[f32]; GROUP_MAX] = [&[]; GROUP_MAX];
+            for (d, chunk) in p
+                .iter_mut()
+                .zip(scores[i * width..(i + m) * width].chunks(width))
+            {
+                *d = &chunk[a - rlo..b - rlo];
+            }
+            let mut out: [&mut [f32]; GROUP_MAX] = Default::default();
+            for (d, row) in out.iter_mut().zip(rows[i..i + m].iter_mut()) {
+                *d = &mut *row.out;
+            }
+            cache.add_values(isa, &p[..m], a, &mut out[..m]);
         }
         kb = ke;
     }
@@ -344,25 +377,26 @@ mod tests {
     #[test]
     fn tiled_paged_attention_has_the_bits_of_one_row_at_a_time() {
         let mut rng = ChaCha8Rng::seed_from_u64(11);
-        let mut isas = vec![Isa::Portable];
-        if Isa::detect() == Isa::Avx2 {
-            isas.push(Isa::Avx2);
-        }
-        for isa in isas {
-            for (threads, page, window, pos0, n) in [
-                (1, 128, None, 0, 1),
-                (2, 7, None, 0, 3 * BLOCK_Q + 5),
-                (2, 64, Some(20), 30, 2 * BLOCK_Q),
-                (3, 1, None, 100, 1),
-                (2, 16, Some(BLOCK_K + 3), 0, 4 * BLOCK_K + 1),
+        for isa in Isa::available() {
+            // Groups of 3 query heads per KV head, then 1, 4 and 5 (every group
+            // size of the grouped kernels, and more).
+            for (heads, threads, page, window, pos0, n) in [
+                (6, 1, 128, None, 0, 1),
+                (6, 2, 7, None, 0, 3 * BLOCK_Q + 5),
+                (6, 2, 64, Some(20), 30, 2 * BLOCK_Q),
+                (6, 3, 1, None, 100, 1),
+                (6, 2, 16, Some(BLOCK_K + 3), 0, 4 * BLOCK_K + 1),
+                (2, 2, 32, None, 5, 2 * BLOCK_Q + 3),
+                (8, 2, 32, None, 0, 2 * BLOCK_K + 9),
+                (10, 1, 128, Some(40), 3, BLOCK_K + 1),
             ] {
                 let shape = AttentionShape {
-                    heads: 6,
+                    heads,
                     kv_heads: 2,
                     head_dim: 12,
                     window,
                 };
-                let (qd, kvd) = (72, 24);
+                let (qd, kvd) = (heads * 12, 24);
                 let total = pos0 + n;
                 let mut r =
                     |len| -> Vec<f32> { (0..len).map(|_| rng.gen_range(-2.0..2.0)).collect() };
@@ -387,7 +421,7 @@ mod tests {
                 assert_eq!(
                     bits(&out),
                     bits(&want),
-                    "{isa:?}, {threads} threads, pages of {page}, window {window:?}, {n} queries from {pos0}"
+                    "{isa:?}, {heads} heads, {threads} threads, pages of {page}, window {window:?}, {n} queries from {pos0}"
                 );
             }
         }

@@ -41,7 +41,7 @@ impl CpuBackend {
     /// If this CPU lacks `isa`.
     pub fn with_pool(pool: ThreadPool, isa: Isa) -> Self {
         assert!(
-            isa == Isa::Portable || Isa::detect() == isa,
+            isa.supported(),
             "{isa:?} kernels requested on a CPU without them"
         );
         CpuBackend { pool, isa }
@@ -74,10 +74,7 @@ impl Backend for CpuBackend {
     type Act = Rows;
 
     fn name(&self) -> String {
-        match self.isa {
-            Isa::Avx2 => "cpu-avx2".into(),
-            Isa::Portable => "cpu-portable".into(),
-        }
+        format!("cpu-{}", self.isa.name())
     }
 
     fn threads(&self) -> usize {

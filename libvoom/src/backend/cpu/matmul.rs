@@ -83,6 +83,10 @@ const PARALLEL_MIN_MACS: usize = 1 << 15;
 /// The instruction set a kernel call uses. Every variant produces the same bits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
+    /// x86_64 with AVX-512 (F, VL, BW) besides AVX2, FMA and F16C: the AVX2
+    /// kernels' eight-lane arithmetic, with AVX-512's 32 vector registers holding
+    /// larger tiles (more multiply-adds per weight converted and per load).
+    Avx512,
     /// x86_64 with AVX2, FMA and F16C.
     Avx2,
     /// Lane-emulating scalar code (any CPU).
@@ -94,14 +98,51 @@ impl Isa {
     pub fn detect() -> Isa {
         #[cfg(target_arch = "x86_64")]
         {
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-                && std::arch::is_x86_feature_detected!("f16c")
-            {
-                return Isa::Avx2;
-            }
+            use std::sync::OnceLock;
+            static DETECTED: OnceLock<Isa> = OnceLock::new();
+            return *DETECTED.get_or_init(|| {
+                let avx2 = std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+                    && std::arch::is_x86_feature_detected!("f16c");
+                let avx512 = std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("avx512vl")
+                    && std::arch::is_x86_feature_detected!("avx512bw");
+                match (avx2, avx512) {
+                    (true, true) => Isa::Avx512,
+                    (true, false) => Isa::Avx2,
+                    _ => Isa::Portable,
+                }
+            });
         }
+        #[allow(unreachable_code)]
         Isa::Portable
+    }
+
+    /// Every instruction set this CPU can run, best first (tests compare them all).
+    pub fn available() -> Vec<Isa> {
+        let all = [Isa::Avx512, Isa::Avx2, Isa::Portable];
+        let best = all.iter().position(|&i| i == Isa::detect()).unwrap_or(2);
+        all[best..].to_vec()
+    }
+
+    /// Whether this CPU can run `self`'s kernels.
+    pub fn supported(self) -> bool {
+        Isa::available().contains(&self)
+    }
+
+    /// Whether the AVX2 kernels (every kernel but the matrix product's tiles,
+    /// which AVX-512 widens) may run: the CPU has AVX2, FMA and F16C.
+    pub(crate) fn avx2(self) -> bool {
+        matches!(self, Isa::Avx512 | Isa::Avx2)
+    }
+
+    /// The short name backends are called by: `avx512`, `avx2`, `portable`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Avx512 => "avx512",
+            Isa::Avx2 => "avx2",
+            Isa::Portable => "portable",
+        }
     }
 }
 
@@ -122,7 +163,7 @@ pub fn matmul(
 /// [`matmul`] with an explicit instruction set (for tests and benches).
 ///
 /// # Panics
-/// If `isa` is [`Isa::Avx2`] and the CPU lacks AVX2, FMA or F16C.
+/// If this CPU lacks `isa` ([`Isa::available`] tells which it has).
 pub fn matmul_isa(
     isa: Isa,
     pool: &ThreadPool,
@@ -218,7 +259,7 @@ pub fn matmul_t_isa(
 /// checked that the lengths are equal and, for AVX2, that the CPU has it.
 fn axpy_isa(isa: Isa, y: &mut [f32], a: f32, x: &[f32]) {
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 {
+    if isa.avx2() {
         // SAFETY: the caller checked the CPU has AVX2 (assert_isa, or Isa::detect)
         // and that the lengths are equal.
         return unsafe { avx2::axpy(y, a, x) };
@@ -232,8 +273,8 @@ fn axpy_isa(isa: Isa, y: &mut [f32], a: f32, x: &[f32]) {
 /// Panics unless this CPU has `isa` (a caller bug: [`Isa::detect`] tells).
 fn assert_isa(isa: Isa) {
     assert!(
-        isa == Isa::Portable || Isa::detect() == Isa::Avx2,
-        "AVX2 kernels requested on a CPU without AVX2+FMA+F16C"
+        isa.supported(),
+        "{isa:?} kernels requested on a CPU without them"
     );
 }
 
@@ -272,7 +313,7 @@ impl OutPtr {
 /// # Safety
 /// `x.len() == n*w.cols`, `w` checked with dtype code `dt`, `rows ⊆ 0..w.rows`,
 /// `out` valid for `n*w.rows` writes and no other thread writes these rows' elements;
-/// `isa == Avx2` only if the CPU has AVX2, FMA and F16C.
+/// `isa` is supported by this CPU ([`Isa::supported`]).
 unsafe fn compute_rows(
     isa: Isa,
     dt: u8,
@@ -283,6 +324,15 @@ unsafe fn compute_rows(
     out: OutPtr,
 ) {
     match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: forwarded contract; the caller checked the CPU features.
+        Isa::Avx512 => unsafe {
+            match dt {
+                DT_BF16 => avx512::rows::<DT_BF16>(x, n, w, rows, out.0),
+                DT_F16 => avx512::rows::<DT_F16>(x, n, w, rows, out.0),
+                _ => avx512::rows::<DT_F32>(x, n, w, rows, out.0),
+            }
+        },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: forwarded contract; the caller checked the CPU features.
         Isa::Avx2 => unsafe {
@@ -312,7 +362,7 @@ unsafe fn compute_rows(
 pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len(), "dot_f32 on slices of different lengths");
     #[cfg(target_arch = "x86_64")]
-    if Isa::detect() == Isa::Avx2 {
+    if Isa::detect().avx2() {
         // SAFETY: features checked; equal lengths checked.
         return unsafe { avx2::dot_f32(a, b) };
     }
@@ -333,7 +383,7 @@ pub fn attention_scores(q: &[f32], keys: &[f32], stride: usize, scale: f32, scor
 /// [`attention_scores`] with an explicit instruction set (the same bits on each).
 ///
 /// # Panics
-/// As [`attention_scores`]; and if `isa` is [`Isa::Avx2`] on a CPU without it.
+/// As [`attention_scores`]; and if this CPU lacks `isa`.
 pub fn attention_scores_isa(
     isa: Isa,
     q: &[f32],
@@ -354,7 +404,7 @@ pub fn attention_scores_isa(
         keys.len()
     );
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 {
+    if isa.avx2() {
         // SAFETY: features checked (assert_isa); every key slice is in bounds
         // (asserted above).
         unsafe {
@@ -365,49 +415,6 @@ pub fn attention_scores_isa(
     for (j, s) in scores.iter_mut().enumerate() {
         *s = portable::dot_f32(q, &keys[j * stride..j * stride + d]) * scale;
     }
-}
-
-/// [`attention_scores_isa`] of two queries of one length against the same keys
-/// (into two score slices of one length): each score has the bits it has alone.
-///
-/// # Panics
-/// As [`attention_scores`]; and if the queries' or the slices' lengths differ.
-pub fn attention_scores2_isa(
-    isa: Isa,
-    q: [&[f32]; 2],
-    keys: &[f32],
-    stride: usize,
-    scale: f32,
-    scores: [&mut [f32]; 2],
-) {
-    assert_eq!(
-        q[0].len(),
-        q[1].len(),
-        "attention_scores2: queries differ in length"
-    );
-    assert_eq!(
-        scores[0].len(),
-        scores[1].len(),
-        "attention_scores2: score slices differ in length"
-    );
-    #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 && !scores[0].is_empty() {
-        assert_isa(isa);
-        let n = scores[0].len();
-        assert!(
-            (n - 1) * stride + q[0].len() <= keys.len(),
-            "attention_scores2: {n} keys of {} floats at stride {stride} exceed {} floats",
-            q[0].len(),
-            keys.len()
-        );
-        // SAFETY: features checked (assert_isa); every key slice is in bounds
-        // (asserted above); lengths equal (asserted above).
-        unsafe { avx2::attention_scores2(q, keys, stride, scale, scores) };
-        return;
-    }
-    let [a, b] = scores;
-    attention_scores_isa(isa, q[0], keys, stride, scale, a);
-    attention_scores_isa(isa, q[1], keys, stride, scale, b);
 }
 
 /// `out = Σ_j fma(p[j], value_j, out)` from `out = 0`, in increasing `j`, with the
@@ -422,7 +429,7 @@ pub fn weighted_sum(p: &[f32], values: &[f32], stride: usize, out: &mut [f32]) {
 /// [`weighted_sum`] with an explicit instruction set (the same bits on each).
 ///
 /// # Panics
-/// As [`weighted_sum`]; and if `isa` is [`Isa::Avx2`] on a CPU without it.
+/// As [`weighted_sum`]; and if this CPU lacks `isa`.
 pub fn weighted_sum_isa(isa: Isa, p: &[f32], values: &[f32], stride: usize, out: &mut [f32]) {
     out.fill(0.0);
     weighted_sum_add_isa(isa, p, values, stride, out)
@@ -433,7 +440,7 @@ pub fn weighted_sum_isa(isa: Isa, p: &[f32], values: &[f32], stride: usize, out:
 /// of a KV cache), each added in turn, has the bits of one call over them all.
 ///
 /// # Panics
-/// As [`weighted_sum`]; and if `isa` is [`Isa::Avx2`] on a CPU without it.
+/// As [`weighted_sum`]; and if this CPU lacks `isa`.
 pub fn weighted_sum_add_isa(isa: Isa, p: &[f32], values: &[f32], stride: usize, out: &mut [f32]) {
     assert_isa(isa);
     let n = p.len();
@@ -447,7 +454,7 @@ pub fn weighted_sum_add_isa(isa: Isa, p: &[f32], values: &[f32], stride: usize, 
         values.len()
     );
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 {
+    if isa.avx2() {
         // SAFETY: features checked (assert_isa); every value slice is in bounds
         // (asserted above).
         unsafe { avx2::weighted_sum_add(p, values, stride, out) };
@@ -492,15 +499,17 @@ fn hsum8(a: &[f32; 8]) -> f32 {
     (h[0] + h[2]) + (h[1] + h[3])
 }
 
-/// The loop over tiles of [`tile_shape`] rows x tokens shared by every instruction
-/// set: `$tile::<DT, R, T>(x, w, o0, t0, out)` computes one tile. Edge tiles use the
-/// smaller instantiations; the order inside each element is the same in all of them.
+/// The loop over tiles of `$shape` rows x tokens shared by every instruction set:
+/// `$tile::<DT, R, T>(x, w, o0, t0, out)` computes one tile. Edge tiles use the
+/// smaller instantiations (at most 4 tokens where fewer rows than the shape's are
+/// left); the order inside each element is the same in all of them.
 macro_rules! tile_rows {
-    ($tile:ident, $dt:ident, $x:ident, $n:ident, $w:ident, $rows:ident, $out:ident) => {{
-        let (mr, nr) = tile_shape($n);
+    ($tile:ident, $shape:ident, $dt:ident, $x:ident, $n:ident, $w:ident, $rows:ident, $out:ident) => {{
+        let (mr, nr) = $shape($n);
         let mut o = $rows.start;
         while o < $rows.end {
             let r = ($rows.end - o).min(mr);
+            let nr = if r < mr { nr.min(4) } else { nr };
             let mut t = 0;
             while t < $n {
                 let tn = ($n - t).min(nr);
@@ -508,6 +517,10 @@ macro_rules! tile_rows {
                 // the caller's contract.
                 unsafe {
                     match (r, tn) {
+                        (4, 6) => $tile::<$dt, 4, 6>($x, $w, o, t, $out),
+                        (4, 5) => $tile::<$dt, 4, 5>($x, $w, o, t, $out),
+                        (4, 4) => $tile::<$dt, 4, 4>($x, $w, o, t, $out),
+                        (4, 3) => $tile::<$dt, 4, 3>($x, $w, o, t, $out),
                         (4, 1) => $tile::<$dt, 4, 1>($x, $w, o, t, $out),
                         (4, 2) => $tile::<$dt, 4, 2>($x, $w, o, t, $out),
                         (3, 4) => $tile::<$dt, 3, 4>($x, $w, o, t, $out),
@@ -545,6 +558,19 @@ fn tile_shape(n: usize) -> (usize, usize) {
     }
 }
 
+/// [`tile_shape`] with AVX-512's 32 registers: prefill takes 4 rows x 6 tokens
+/// (24 accumulators + 4 weights + 1 activation), six multiply-adds per weight block
+/// converted where [`tile_shape`]'s prefill tile does four.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn wide_tile_shape(n: usize) -> (usize, usize) {
+    if n <= 2 {
+        (4, 2)
+    } else {
+        (4, 6)
+    }
+}
+
 /// Scalar code with the exact lane structure of the SIMD kernels: each accumulator
 /// is an `[f32; 8]` updated lane by lane with `f32::mul_add` (fused, as the SIMD
 /// FMA). On aarch64 LLVM vectorises the lane arrays to NEON `fmla`, which is also
@@ -561,7 +587,7 @@ mod portable {
         rows: Range<usize>,
         out: *mut f32,
     ) {
-        tile_rows!(tile, DT, x, n, w, rows, out)
+        tile_rows!(tile, tile_shape, DT, x, n, w, rows, out)
     }
 
     // The helpers below take and return `[f32; 8]` by value with one simple loop per
@@ -705,8 +731,120 @@ mod portable {
     }
 }
 
+/// The x86 tile kernel and its row loop, compiled for one set of target features
+/// and tile shapes: `avx2` (16 registers) and `avx512` (32) share this code, so
+/// they share each element's order of arithmetic.
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+macro_rules! x86_tiles {
+    ($features:literal, $shape:ident) => {
+        /// One tile: rows `o0..o0+R` x tokens `t0..t0+T`.
+        ///
+        /// # Safety
+        /// As [`compute_rows`], with `o0 + R <= w.rows` and `t0 + T <= n`.
+        #[inline]
+        #[target_feature(enable = $features)]
+        unsafe fn tile<const DT: u8, const R: usize, const T: usize>(
+            x: &[f32],
+            w: &WeightView<'_>,
+            o0: usize,
+            t0: usize,
+            out: *mut f32,
+        ) {
+            let cols = w.cols;
+            let size = elem_size(DT);
+            let k8 = cols - cols % 8;
+            // SAFETY (pointer arithmetic below): rows o0..o0+R and tokens t0..t0+T are in
+            // bounds, each has `cols` elements, and every offset used is < cols.
+            let wp: [*const u8; R] = std::array::from_fn(|r| {
+                // SAFETY: row o0 + r < w.rows starts inside the checked bytes.
+                unsafe { w.bytes.as_ptr().add((o0 + r) * cols * size) }
+            });
+            let xp: [*const f32; T] = std::array::from_fn(|t| {
+                // SAFETY: token t0 + t < n starts inside `x` (n * cols elements).
+                unsafe { x.as_ptr().add((t0 + t) * cols) }
+            });
+            let mut acc = [[_mm256_setzero_ps(); T]; R];
+            // One 8-element block of every row and token; the same FMA sequence per
+            // accumulator whether called from the line loop or the block loop.
+            let block = |acc: &mut [[__m256; T]; R], k: usize| {
+                // SAFETY: callers pass k + 8 <= cols, so every load is in bounds.
+                unsafe {
+                    let mut wv = [_mm256_setzero_ps(); R];
+                    for r in 0..R {
+                        wv[r] = load8::<DT>(wp[r].add(k * size));
+                    }
+                    for t in 0..T {
+                        let xv = _mm256_loadu_ps(xp[t].add(k));
+                        for r in 0..R {
+                            acc[r][t] = _mm256_fmadd_ps(wv[r], xv, acc[r][t]);
+                        }
+                    }
+                }
+            };
+            // Software prefetch, one cache line per row per line step. Short rows: along
+            // the tile's contiguous bytes (its R rows are adjacent), PREFETCH_AHEAD beyond
+            // what the tile has consumed, i.e. into the next tiles: R short interleaved
+            // streams are picked up too late by the hardware prefetchers. Long rows: each
+            // row's own stream, PREFETCH_ROW ahead. Prefetches never fault; addresses are
+            // only computed (wrapping), never dereferenced.
+            let blocks_per_line = 64 / (8 * size);
+            let line_k = 8 * blocks_per_line;
+            let kl = k8 - k8 % line_k;
+            let row_mode = R * cols * size > PREFETCH_AHEAD;
+            let mut pf: [*const u8; R] = std::array::from_fn(|r| {
+                if row_mode {
+                    wp[r].wrapping_add(PREFETCH_ROW)
+                } else {
+                    wp[0].wrapping_add(PREFETCH_AHEAD + 64 * r)
+                }
+            });
+            let pf_step = if row_mode { 64 } else { 64 * R };
+            let mut k = 0;
+            while k < kl {
+                for p in &mut pf {
+                    _mm_prefetch::<_MM_HINT_T0>(p.cast::<i8>());
+                    *p = p.wrapping_add(pf_step);
+                }
+                for j in 0..blocks_per_line {
+                    block(&mut acc, k + 8 * j);
+                }
+                k += line_k;
+            }
+            while k < k8 {
+                block(&mut acc, k);
+                k += 8;
+            }
+            for r in 0..R {
+                for t in 0..T {
+                    let mut s = hsum(acc[r][t]);
+                    for kk in k8..cols {
+                        // SAFETY: kk < cols.
+                        let (wv, xv) = unsafe { (load1::<DT>(wp[r], kk), *xp[t].add(kk)) };
+                        s = wv.mul_add(xv, s);
+                    }
+                    // SAFETY: (t0+t, o0+r) is within the output and owned by this thread.
+                    unsafe { out.add((t0 + t) * w.rows + o0 + r).write(s) };
+                }
+            }
+        }
+
+        /// # Safety
+        /// As [`compute_rows`].
+        #[target_feature(enable = $features)]
+        pub(super) unsafe fn rows<const DT: u8>(
+            x: &[f32],
+            n: usize,
+            w: &WeightView<'_>,
+            rows: Range<usize>,
+            out: *mut f32,
+        ) {
+            tile_rows!(tile, $shape, DT, x, n, w, rows, out)
+        }
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(super) mod avx2 {
     use super::*;
     use std::arch::x86_64::*;
 
@@ -716,7 +854,7 @@ mod avx2 {
     /// `p` valid for 8 elements of `DT`; CPU has AVX2+F16C.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn load8<const DT: u8>(p: *const u8) -> __m256 {
+    pub(super) unsafe fn load8<const DT: u8>(p: *const u8) -> __m256 {
         // SAFETY: the caller guarantees 8 readable elements; loads are unaligned.
         unsafe {
             match DT {
@@ -733,7 +871,7 @@ mod avx2 {
     /// The fixed reduction of the module doc, on a register.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    fn hsum(v: __m256) -> f32 {
+    pub(super) fn hsum(v: __m256) -> f32 {
         let lo = _mm256_castps256_ps128(v);
         let hi = _mm256_extractf128_ps::<1>(v);
         let h = _mm_add_ps(lo, hi); // h[l] = v[l] + v[l+4]
@@ -742,114 +880,12 @@ mod avx2 {
         _mm_cvtss_f32(s)
     }
 
-    /// One tile: rows `o0..o0+R` x tokens `t0..t0+T`.
-    ///
-    /// # Safety
-    /// As [`compute_rows`], with `o0 + R <= w.rows` and `t0 + T <= n`.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn tile<const DT: u8, const R: usize, const T: usize>(
-        x: &[f32],
-        w: &WeightView<'_>,
-        o0: usize,
-        t0: usize,
-        out: *mut f32,
-    ) {
-        let cols = w.cols;
-        let size = elem_size(DT);
-        let k8 = cols - cols % 8;
-        // SAFETY (pointer arithmetic below): rows o0..o0+R and tokens t0..t0+T are in
-        // bounds, each has `cols` elements, and every offset used is < cols.
-        let wp: [*const u8; R] = std::array::from_fn(|r| {
-            // SAFETY: row o0 + r < w.rows starts inside the checked bytes.
-            unsafe { w.bytes.as_ptr().add((o0 + r) * cols * size) }
-        });
-        let xp: [*const f32; T] = std::array::from_fn(|t| {
-            // SAFETY: token t0 + t < n starts inside `x` (n * cols elements).
-            unsafe { x.as_ptr().add((t0 + t) * cols) }
-        });
-        let mut acc = [[_mm256_setzero_ps(); T]; R];
-        // One 8-element block of every row and token; the same FMA sequence per
-        // accumulator whether called from the line loop or the block loop.
-        let block = |acc: &mut [[__m256; T]; R], k: usize| {
-            // SAFETY: callers pass k + 8 <= cols, so every load is in bounds.
-            unsafe {
-                let mut wv = [_mm256_setzero_ps(); R];
-                for r in 0..R {
-                    wv[r] = load8::<DT>(wp[r].add(k * size));
-                }
-                for t in 0..T {
-                    let xv = _mm256_loadu_ps(xp[t].add(k));
-                    for r in 0..R {
-                        acc[r][t] = _mm256_fmadd_ps(wv[r], xv, acc[r][t]);
-                    }
-                }
-            }
-        };
-        // Software prefetch, one cache line per row per line step. Short rows: along
-        // the tile's contiguous bytes (its R rows are adjacent), PREFETCH_AHEAD beyond
-        // what the tile has consumed, i.e. into the next tiles: R short interleaved
-        // streams are picked up too late by the hardware prefetchers. Long rows: each
-        // row's own stream, PREFETCH_ROW ahead. Prefetches never fault; addresses are
-        // only computed (wrapping), never dereferenced.
-        let blocks_per_line = 64 / (8 * size);
-        let line_k = 8 * blocks_per_line;
-        let kl = k8 - k8 % line_k;
-        let row_mode = R * cols * size > PREFETCH_AHEAD;
-        let mut pf: [*const u8; R] = std::array::from_fn(|r| {
-            if row_mode {
-                wp[r].wrapping_add(PREFETCH_ROW)
-            } else {
-                wp[0].wrapping_add(PREFETCH_AHEAD + 64 * r)
-            }
-        });
-        let pf_step = if row_mode { 64 } else { 64 * R };
-        let mut k = 0;
-        while k < kl {
-            for p in &mut pf {
-                _mm_prefetch::<_MM_HINT_T0>(p.cast::<i8>());
-                *p = p.wrapping_add(pf_step);
-            }
-            for j in 0..blocks_per_line {
-                block(&mut acc, k + 8 * j);
-            }
-            k += line_k;
-        }
-        while k < k8 {
-            block(&mut acc, k);
-            k += 8;
-        }
-        for r in 0..R {
-            for t in 0..T {
-                let mut s = hsum(acc[r][t]);
-                for kk in k8..cols {
-                    // SAFETY: kk < cols.
-                    let (wv, xv) = unsafe { (load1::<DT>(wp[r], kk), *xp[t].add(kk)) };
-                    s = wv.mul_add(xv, s);
-                }
-                // SAFETY: (t0+t, o0+r) is within the output and owned by this thread.
-                unsafe { out.add((t0 + t) * w.rows + o0 + r).write(s) };
-            }
-        }
-    }
-
-    /// # Safety
-    /// As [`compute_rows`].
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn rows<const DT: u8>(
-        x: &[f32],
-        n: usize,
-        w: &WeightView<'_>,
-        rows: Range<usize>,
-        out: *mut f32,
-    ) {
-        tile_rows!(tile, DT, x, n, w, rows, out)
-    }
+    x86_tiles!("avx2,fma,f16c", tile_shape);
 
     /// # Safety
     /// CPU has AVX2+FMA+F16C; `a.len() == b.len()`.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    pub(in crate::backend::cpu) unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
         let cols = a.len();
         let k8 = cols - cols % 8;
         let mut acc = _mm256_setzero_ps();
@@ -930,68 +966,6 @@ mod avx2 {
         }
     }
 
-    /// [`attention_scores`] of two queries against the same keys, each score with
-    /// its bits: four keys at a time, each key's chunk loaded once for both.
-    ///
-    /// # Safety
-    /// As [`attention_scores`], for both queries (of one length) and both score
-    /// slices (of one length).
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn attention_scores2(
-        q: [&[f32]; 2],
-        keys: &[f32],
-        stride: usize,
-        scale: f32,
-        scores: [&mut [f32]; 2],
-    ) {
-        let d = q[0].len();
-        let d8 = d - d % 8;
-        let n = scores[0].len();
-        let [sa, sb] = scores;
-        let mut j = 0;
-        while j + 4 <= n {
-            // acc[u]: query 0 with key j + u; acc[4 + u]: query 1 with it.
-            let mut acc = [_mm256_setzero_ps(); 8];
-            let mut k = 0;
-            while k < d8 {
-                // SAFETY: k + 8 <= d8 <= the queries' length; keys j..j+4 are within
-                // the caller's bound.
-                unsafe {
-                    let qa = _mm256_loadu_ps(q[0].as_ptr().add(k));
-                    let qb = _mm256_loadu_ps(q[1].as_ptr().add(k));
-                    for u in 0..4 {
-                        let kv = _mm256_loadu_ps(keys.as_ptr().add((j + u) * stride + k));
-                        acc[u] = _mm256_fmadd_ps(qa, kv, acc[u]);
-                        acc[4 + u] = _mm256_fmadd_ps(qb, kv, acc[4 + u]);
-                    }
-                }
-                k += 8;
-            }
-            let mut each = [0f32; 8];
-            // SAFETY: features as the caller's; eight floats into an array of eight.
-            unsafe { _mm256_storeu_ps(each.as_mut_ptr(), hsum8x(&acc)) };
-            for (i, &sum) in each.iter().enumerate() {
-                let (row, u) = (i / 4, i % 4);
-                let key = &keys[(j + u) * stride..(j + u) * stride + d];
-                let mut s = sum;
-                for kk in d8..d {
-                    s = q[row][kk].mul_add(key[kk], s);
-                }
-                let out = if row == 0 { &mut *sa } else { &mut *sb };
-                out[j + u] = s * scale;
-            }
-            j += 4;
-        }
-        for jj in j..n {
-            let key = &keys[jj * stride..jj * stride + d];
-            // SAFETY: features as the caller's; equal lengths.
-            unsafe {
-                sa[jj] = dot_f32(q[0], key) * scale;
-                sb[jj] = dot_f32(q[1], key) * scale;
-            }
-        }
-    }
-
     /// `[hsum(a[0]), ..., hsum(a[7])]`, each lane's sum with exactly `hsum`'s
     /// additions: `h[l] = v[l] + v[l+4]`, then `(h0 + h2) + (h1 + h3)`.
     ///
@@ -999,7 +973,7 @@ mod avx2 {
     /// CPU has AVX2.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn hsum8x(a: &[__m256; 8]) -> __m256 {
+    pub(in crate::backend::cpu) unsafe fn hsum8x(a: &[__m256; 8]) -> __m256 {
         // [x.lo + x.hi | y.lo + y.hi]: the four h of x, then of y.
         let h = |x: __m256, y: __m256| {
             _mm256_add_ps(
@@ -1124,6 +1098,18 @@ mod avx2 {
     }
 }
 
+/// The matrix product's tiles with AVX-512's 32 registers ([`wide_tile_shape`]):
+/// the AVX2 module's code and eight-lane arithmetic, compiled with AVX-512 F, VL
+/// and BW enabled so that the tile's 29 live registers fit.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::avx2::{hsum, load8};
+    use super::*;
+    use std::arch::x86_64::*;
+
+    x86_tiles!("avx2,fma,f16c,avx512f,avx512vl,avx512bw", wide_tile_shape);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1218,11 +1204,7 @@ mod tests {
     }
 
     fn isas() -> Vec<Isa> {
-        let mut v = vec![Isa::Portable];
-        if Isa::detect() == Isa::Avx2 {
-            v.push(Isa::Avx2);
-        }
-        v
+        Isa::available()
     }
 
     const DTYPES: [DType; 3] = [DType::BF16, DType::F16, DType::F32];
@@ -1450,24 +1432,6 @@ mod tests {
             let kv: Vec<f32> = (0..n * stride).map(|_| rng.gen_range(-1.0..1.0)).collect();
             let mut s = vec![0f32; n];
             attention_scores(&q, &kv, stride, 0.125, &mut s);
-            // Two queries at once: each score the bits of one query alone.
-            let q2: Vec<f32> = (0..d).map(|_| rng.gen_range(-1.0..1.0)).collect();
-            let (mut a, mut b) = (vec![0f32; n], vec![0f32; n]);
-            attention_scores2_isa(
-                Isa::detect(),
-                [&q, &q2],
-                &kv,
-                stride,
-                0.125,
-                [&mut a, &mut b],
-            );
-            let mut alone = vec![0f32; n];
-            attention_scores(&q2, &kv, stride, 0.125, &mut alone);
-            assert_eq!(a, s);
-            assert_eq!(
-                b.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                alone.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
-            );
             for j in 0..n {
                 assert_eq!(
                     s[j].to_bits(),

@@ -3,6 +3,7 @@
 
 mod attention;
 mod backend;
+pub mod grouped;
 pub mod matmul;
 pub mod membw;
 pub mod ops;

@@ -78,7 +78,7 @@ pub fn max(isa: Isa, x: &[f32]) -> f32 {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `isa` is AVX2 only where the CPU has it (`Isa::detect`, or a
         // caller that checked).
-        Isa::Avx2 => unsafe { avx2::max(x) },
+        Isa::Avx512 | Isa::Avx2 => unsafe { avx2::max(x) },
         _ => x.iter().copied().fold(f32::NEG_INFINITY, f32::max),
     }
 }
@@ -90,7 +90,7 @@ pub fn exp_sum(isa: Isa, x: &mut [f32], m: f32) -> f32 {
     let done = match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in `max`.
-        Isa::Avx2 => unsafe { avx2::exp_sum(x, m, &mut lanes) },
+        Isa::Avx512 | Isa::Avx2 => unsafe { avx2::exp_sum(x, m, &mut lanes) },
         _ => 0,
     };
     for (j, v) in x.iter_mut().enumerate().skip(done) {
@@ -107,7 +107,7 @@ pub fn divide(isa: Isa, x: &mut [f32], s: f32) {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in `max`.
-        Isa::Avx2 => unsafe { avx2::divide(x, s) },
+        Isa::Avx512 | Isa::Avx2 => unsafe { avx2::divide(x, s) },
         _ => x.iter_mut().for_each(|v| *v /= s),
     }
 }
@@ -241,11 +241,7 @@ mod tests {
     use rand_chacha::ChaCha8Rng;
 
     fn isas() -> Vec<Isa> {
-        let mut v = vec![Isa::Portable];
-        if Isa::detect() == Isa::Avx2 {
-            v.push(Isa::Avx2);
-        }
-        v
+        Isa::available()
     }
 
     /// Within 2 units in the last place of the exact exponential over the whole
