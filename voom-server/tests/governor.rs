@@ -1,7 +1,9 @@
 //! The memory governor under a real memory cgroup squeezed mid-run: `voom generate`
 //! of a long prompt keeps going while the cgroup's limit is lowered below what its
 //! KV cache takes, spills KV pages to disk instead of being killed, and gives the
-//! ids of an unconstrained run.
+//! ids of an unconstrained run; with the weights in an in-process page cache (a
+//! memory budget the model does not fit in), the cache's streaming room is taken
+//! back first.
 
 mod common;
 
@@ -12,7 +14,6 @@ use serde_json::Value;
 use voom_server::cgroup::{Ceiling, Version};
 
 const START: u64 = 1 << 30;
-const SQUEEZED: u64 = 180 << 20;
 
 fn ids(j: &Value) -> Vec<u64> {
     j["ids"]
@@ -25,12 +26,50 @@ fn ids(j: &Value) -> Vec<u64> {
 
 #[test]
 fn a_cgroup_squeezed_mid_run_spills_kv_and_keeps_the_ids() {
-    let Some(dir) = common::smollm2() else { return };
+    let Some(got) = squeezed(&[], 180 << 20) else {
+        return;
+    };
+    let written = got["kv"]["written_bytes"].as_u64().unwrap();
+    assert!(written > 0, "nothing spilled: {}", got["kv"]);
+}
+
+#[test]
+fn a_squeezed_page_cache_gives_back_its_streaming_room_first() {
+    // SmolLM2's 269 MB of weights stream through a 300 MiB in-process page cache,
+    // of which a sweep needs about 60 MB (its largest step, the embedding); the
+    // squeeze leaves less than the cache and the KV take.
+    let Some(got) = squeezed(&["--cache-budget", "300MiB"], 340 << 20) else {
+        return;
+    };
+    let g = &got["governor"];
+    eprintln!(
+        "governor: {g}; page cache: {}; kv: {}",
+        got["page_cache_room"], got["kv"]
+    );
+    assert!(
+        g["most_weights_withheld_bytes"].as_u64().unwrap() > 0,
+        "the page cache gave nothing back: {g} {}",
+        got["page_cache_room"]
+    );
+    assert_eq!(
+        got["page_cache_room"]["capacity_bytes"].as_u64(),
+        Some(300 << 20),
+        "{}",
+        got["page_cache_room"]
+    );
+}
+
+/// Runs `voom generate` of a 3000-token prompt (with `extra` arguments) unbounded,
+/// then in a memory cgroup lowered from [`START`] to `squeezed` while the prompt is
+/// computed; checks that the squeezed run lives and gives the same ids, and returns
+/// its `--json` output (`None`: skipped, or the run ended before the squeeze did).
+fn squeezed(extra: &[&str], squeezed: u64) -> Option<Value> {
+    let dir = common::smollm2()?;
     let ceiling = match Ceiling::create(START) {
         Ok(c) => c,
         Err(why) => {
             eprintln!("skipping: no memory cgroup can be made here: {why}");
-            return;
+            return None;
         }
     };
     let home = tempfile::tempdir().unwrap();
@@ -56,6 +95,7 @@ fn a_cgroup_squeezed_mid_run_spills_kv_and_keeps_the_ids() {
         "0",
     ]
     .iter()
+    .chain(extra)
     .map(|s| s.to_string())
     .collect();
     let run = |mut c: std::process::Command| {
@@ -94,11 +134,11 @@ fn a_cgroup_squeezed_mid_run_spills_kv_and_keeps_the_ids() {
     std::thread::sleep(Duration::from_secs(3));
     let mut limit = START;
     let t = Instant::now();
-    while limit > SQUEEZED && t.elapsed() < Duration::from_secs(240) {
+    while limit > squeezed && t.elapsed() < Duration::from_secs(240) {
         if child.try_wait().unwrap().is_some() {
             break;
         }
-        let next = (limit - (16 << 20)).max(SQUEEZED);
+        let next = (limit - (16 << 20)).max(squeezed);
         if std::fs::write(&limit_file, next.to_string()).is_ok() {
             limit = next;
         }
@@ -111,10 +151,9 @@ fn a_cgroup_squeezed_mid_run_spills_kv_and_keeps_the_ids() {
     let got: Value =
         serde_json::from_str(String::from_utf8_lossy(&o.stdout).lines().last().unwrap()).unwrap();
     assert_eq!(ids(&got), ids(&want), "ids under the squeezed cgroup");
-    if limit > SQUEEZED {
-        eprintln!("note: the run ended before the limit reached {SQUEEZED} (at {limit})");
-        return;
+    if limit > squeezed {
+        eprintln!("note: the run ended before the limit reached {squeezed} (at {limit})");
+        return None;
     }
-    let written = got["kv"]["written_bytes"].as_u64().unwrap();
-    assert!(written > 0, "nothing spilled: {}", got["kv"]);
+    Some(got)
 }

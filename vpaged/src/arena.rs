@@ -144,6 +144,46 @@ impl Arena {
 }
 
 impl Arena {
+    /// Returns the memory of `offset..offset+len` to the OS; the range reads as
+    /// zeros afterwards and is committed again when next written. `Ok(false)` where
+    /// the platform cannot (the memory stays committed; nothing is wrong).
+    ///
+    /// Only for a range no slot, lease or reader uses (the page cache's withheld
+    /// room): its bytes are discarded.
+    pub fn release(&self, offset: usize, len: usize) -> Result<bool, ArenaError> {
+        self.check(offset, len)?;
+        if len == 0 {
+            return Ok(true);
+        }
+        #[cfg(target_os = "linux")]
+        {
+            use std::os::fd::AsRawFd;
+            // SAFETY: a hole punched in this arena's own shared-memory file, inside its
+            // size (checked; KEEP_SIZE leaves the size, which is sealed, as it is);
+            // the caller guarantees nothing uses the range.
+            let r = unsafe {
+                libc::fallocate(
+                    self.file.as_raw_fd(),
+                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                    offset as libc::off_t,
+                    len as libc::off_t,
+                )
+            };
+            if r != 0 {
+                return Err(ArenaError::Os {
+                    what: "release a range (fallocate punch hole)",
+                    capacity: self.capacity,
+                    source: io::Error::last_os_error(),
+                });
+            }
+            Ok(true)
+        }
+        #[cfg(not(target_os = "linux"))]
+        {
+            Ok(false)
+        }
+    }
+
     /// Commits every page of the arena now, so that loading a page later does not
     /// also pay for the kernel finding and zeroing fresh memory (measured on Linux: a
     /// fresh arena fills about 3-4x slower than a committed one). Meant for start-up,
@@ -467,6 +507,26 @@ mod tests {
         let b = Arena::new(16 * SLOT_ALIGN).unwrap();
         b.touch_every_page();
         assert_eq!(resident_pages(&b), b.capacity() / 4096);
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_released_range_gives_its_memory_back_and_reads_zero() {
+        let a = Arena::new(8 * SLOT_ALIGN).unwrap();
+        a.prefault().unwrap();
+        // SAFETY: nothing else uses this arena.
+        unsafe { a.bytes_mut(0, a.capacity()) }.unwrap().fill(7);
+        assert!(a.release(2 * SLOT_ALIGN, 3 * SLOT_ALIGN).unwrap());
+        assert_eq!(resident_pages(&a), (a.capacity() - 3 * SLOT_ALIGN) / 4096);
+        // SAFETY: as above.
+        let b = unsafe { a.bytes(0, a.capacity()) }.unwrap();
+        assert!(b[..2 * SLOT_ALIGN].iter().all(|&x| x == 7));
+        assert!(b[2 * SLOT_ALIGN..5 * SLOT_ALIGN].iter().all(|&x| x == 0));
+        assert!(b[5 * SLOT_ALIGN..].iter().all(|&x| x == 7));
+        assert!(matches!(
+            a.release(7 * SLOT_ALIGN, 2 * SLOT_ALIGN),
+            Err(ArenaError::OutOfRange { .. })
+        ));
     }
 
     #[test]

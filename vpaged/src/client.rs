@@ -715,6 +715,7 @@ impl PageSource for DaemonSource {
             nas_bytes: tier("nas"),
             used_bytes: n("used"),
             capacity_bytes: n("capacity"),
+            withheld_bytes: n("withheld"),
         })
     }
 

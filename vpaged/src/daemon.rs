@@ -540,7 +540,7 @@ impl Daemon {
                 StatsDetail::Totals => "totals",
             },
             "cache": {
-                "capacity": c.capacity, "used": c.used, "leased_bytes": c.leased_bytes,
+                "capacity": c.capacity, "used": c.used, "withheld": c.withheld, "leased_bytes": c.leased_bytes,
                 "pinned_bytes": c.pinned_bytes, "resident_pages": c.resident_pages,
                 "hits": c.hits, "misses": c.misses, "inflight_dedups": c.inflight_dedups,
                 "evictions": c.evictions, "bytes_loaded": c.bytes_loaded,

@@ -77,6 +77,9 @@ pub struct SourceCacheStats {
     pub used_bytes: u64,
     /// The cache's capacity in bytes.
     pub capacity_bytes: u64,
+    /// Bytes of the capacity a memory governor took back from pages
+    /// ([`PageSource::set_cache_limit`]).
+    pub withheld_bytes: u64,
 }
 
 /// A source of pages: the embedded store or the daemon.
@@ -112,6 +115,22 @@ pub trait PageSource: Send + Sync {
     /// lease less at a time when it is small.
     fn budget(&self) -> Option<u64> {
         None
+    }
+
+    /// Lets this process's page cache hold at most `limit` bytes of pages, returning
+    /// the memory of the rest to the OS (a memory governor's lever; see
+    /// `vpaged::cache::PageCache::set_limit`), and returns the limit reached: it
+    /// stays above what leased and pinned pages hold. `None` where the source has no
+    /// cache of its own to resize (memory-mapped files, which the OS reclaims; the
+    /// daemon, whose cache is its own).
+    fn set_cache_limit(&self, _limit: u64) -> Option<u64> {
+        None
+    }
+
+    /// Bytes of the cache withheld from pages now by [`PageSource::set_cache_limit`]
+    /// (0 without one): room [`PageSource::budget`] no longer counts.
+    fn cache_withheld(&self) -> u64 {
+        0
     }
 
     /// Whether reading part of a lease reads only that part from storage: true for

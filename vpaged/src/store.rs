@@ -2165,8 +2165,18 @@ impl PageSource for StoreSource {
 
     /// The cache less the configured pins: what a planner may place pages in.
     fn budget(&self) -> Option<u64> {
-        let cache = self.store.cache().capacity();
+        let cache = self.store.cache().limit();
         Some(cache.saturating_sub(self.store.pinned_reserved.load(Ordering::Relaxed)) as u64)
+    }
+
+    fn set_cache_limit(&self, limit: u64) -> Option<u64> {
+        let limit = usize::try_from(limit).unwrap_or(usize::MAX);
+        Some(self.store.cache().set_limit(limit) as u64)
+    }
+
+    fn cache_withheld(&self) -> u64 {
+        let c = self.store.cache();
+        (c.capacity() - c.limit()) as u64
     }
 
     fn cache_stats(&self) -> Option<crate::source::SourceCacheStats> {
@@ -2188,6 +2198,7 @@ impl PageSource for StoreSource {
             nas_bytes: self.model.nas_stats().map_or(0, |s| s.bytes),
             used_bytes: c.used as u64,
             capacity_bytes: c.capacity as u64,
+            withheld_bytes: c.withheld as u64,
         })
     }
 

@@ -9,16 +9,27 @@
 //!   avg10` above 10% counts as pressure too. Where nothing is readable (not
 //!   Linux), the governor does nothing.
 //! - **Shrinking**, below [`GovernorConfig::low_headroom`]: it frees what brings the
-//!   headroom back to [`GovernorConfig::high_headroom`], cheapest first: prompt
-//!   prefixes kept for reuse (recomputable: they save time only if asked again),
-//!   then KV pages of live sequences, spilled to disk ([`crate::kv::spill`]: read
-//!   back for every pass, so they cost time on each). Freed heap is returned to the
-//!   OS (`malloc_trim`). A request never fails for it: a smaller budget only spills.
-//! - **Restoring**, above twice the high mark: budgets grow back toward what was
-//!   configured, a step each tick.
+//!   headroom back to [`GovernorConfig::high_headroom`], by the time each byte saves,
+//!   least first:
+//!   1. prompt prefixes kept for reuse (recomputable: they save time only if asked
+//!      again);
+//!   2. the weight cache's streaming room beyond the least a sweep works in
+//!      ([`WeightRoom`]; `PageSource::set_cache_limit`): its pages are read again as
+//!      the sweep comes back to them, but a page is read once per pass wherever it
+//!      streams, and the room beyond one layer's only reads ahead;
+//!   3. KV pages of live sequences, spilled to disk ([`crate::kv::spill`]: read back
+//!      for every pass, so they cost time on each).
 //!
-//! The weight cache (an in-process page cache) is sized once by the memory planner
-//! and not yet resized here.
+//!   Freed heap is returned to the OS (`malloc_trim`), freed cache room too (the
+//!   arena's pages are released). A request never fails for it: a smaller budget
+//!   only streams or spills more.
+//! - **Restoring**, above twice the high mark: budgets grow back toward what was
+//!   configured, a step each tick, in the reverse order.
+//!
+//! Pinned weights are not unpinned: the planner's pins stay, and with them the
+//! least a sweep needs, so a process whose pinned weights alone exceed its memory
+//! is beyond what shrinking caches can save. The memory-mapped store (the default)
+//! has no cache of its own: the OS reclaims its file pages under pressure.
 
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -27,6 +38,15 @@ use std::time::Duration;
 
 use super::prefix::PrefixCache;
 use crate::kv::KvPool;
+use vpaged::source::PageSource;
+
+/// The weight cache's room a governor may take back: up to `most` bytes of the
+/// `capacity`-byte page cache of `source`.
+pub struct WeightRoom {
+    pub source: Arc<dyn PageSource>,
+    pub capacity: u64,
+    pub most: u64,
+}
 
 /// When and how far the governor acts.
 #[derive(Debug, Clone)]
@@ -62,6 +82,9 @@ pub struct GovernorStats {
     pub restores: AtomicU64,
     /// The lowest headroom it read.
     pub lowest_headroom: AtomicU64,
+    /// Bytes of the weight cache withheld now, and the most at once.
+    pub weights_withheld: AtomicU64,
+    pub most_weights_withheld: AtomicU64,
 }
 
 /// The governor's counters; its thread stops when the engine goes.
@@ -195,6 +218,7 @@ pub(crate) fn start(
     cfg: GovernorConfig,
     prefixes: &Arc<Mutex<PrefixCache>>,
     pool: Option<&KvPool>,
+    weights: Option<WeightRoom>,
 ) -> GovernorHandle {
     let stats = Arc::new(GovernorStats {
         lowest_headroom: AtomicU64::new(u64::MAX),
@@ -237,6 +261,19 @@ pub(crate) fn start(
                             need = need.saturating_sub(held - pc.bytes() as u64);
                         }
                     }
+                    if let (true, Some(w)) = (need > 0, &weights) {
+                        let had = w.source.cache_withheld();
+                        let want = had.saturating_add(need).min(w.most);
+                        if want > had {
+                            w.source.set_cache_limit(w.capacity - want);
+                            let now = w.source.cache_withheld();
+                            need = need.saturating_sub(now.saturating_sub(had));
+                            thread_stats.weights_withheld.store(now, Ordering::Relaxed);
+                            thread_stats
+                                .most_weights_withheld
+                                .fetch_max(now, Ordering::Relaxed);
+                        }
+                    }
                     if let (true, Some(pool)) = (need > 0, &pool) {
                         let s = pool.stats();
                         let now = s.resident_bytes + s.staged_bytes;
@@ -258,6 +295,16 @@ pub(crate) fn start(
                         let b = pool.budget();
                         if b < want {
                             pool.set_budget(want.min(b.saturating_add(spare as usize)));
+                            grew = true;
+                        }
+                    }
+                    if let Some(w) = &weights {
+                        let had = w.source.cache_withheld();
+                        if had > 0 {
+                            w.source
+                                .set_cache_limit(w.capacity - had.saturating_sub(spare));
+                            let now = w.source.cache_withheld();
+                            thread_stats.weights_withheld.store(now, Ordering::Relaxed);
                             grew = true;
                         }
                     }

@@ -620,7 +620,27 @@ impl Engine {
     /// Starts the memory governor ([`governor`]) over this engine's caches: a
     /// thread that lives as long as the engine.
     pub fn govern(&self, cfg: governor::GovernorConfig) -> governor::GovernorHandle {
-        governor::start(cfg, &self.prefixes, self.kv_pool.as_ref())
+        governor::start(
+            cfg,
+            &self.prefixes,
+            self.kv_pool.as_ref(),
+            self.weight_room(),
+        )
+    }
+
+    /// What of its page cache's streaming room a governor may take back: the room
+    /// beyond the least a sweep works in ([`Walk::least_room`]); `None` without an
+    /// in-process cache.
+    fn weight_room(&self) -> Option<governor::WeightRoom> {
+        let capacity = self.source.cache_stats()?.capacity_bytes;
+        self.source.set_cache_limit(capacity)?;
+        let room = self.stream_room.or(self.source.budget())?;
+        let least = self.walk.least_room(self.model.plan());
+        Some(governor::WeightRoom {
+            source: Arc::clone(&self.source),
+            capacity,
+            most: room.saturating_sub(least),
+        })
     }
 
     /// The budget of its KV caches' pages, when it has one.
@@ -849,11 +869,16 @@ impl Engine {
         let starts: Vec<usize> = seqs.iter().map(|s| s.kv.len()).collect();
         let chunk = self.opts.prefill_chunk.max(1);
         let positions: usize = seqs.iter().map(|s| s.tokens.len()).sum();
+        // The planner's streaming room, less what a memory governor took back from
+        // the cache since (never below the least a sweep works in: see `govern`).
+        let room = self
+            .stream_room
+            .map(|r| r.saturating_sub(self.source.cache_withheld()));
         let sweep = Sweep::new(
             self.source.as_ref(),
             model.plan(),
             self.opts.prefetch_depth,
-            self.stream_room,
+            room,
             walk,
             seqs.iter().map(|s| s.tokens.len().div_ceil(chunk)).sum(),
         );

@@ -83,6 +83,15 @@ pub struct Walk {
 }
 
 impl Walk {
+    /// The least room a sweep of this walk over `plan` works in: the largest step,
+    /// read ahead by two pages, beside one position's routed experts. A memory
+    /// governor takes no more of the streaming room than leaves this.
+    pub fn least_room(&self, plan: &PagePlan) -> u64 {
+        plan.largest_step_slot_bytes()
+            + 2 * self.largest_page
+            + plan.largest_expert_batch_slot_bytes()
+    }
+
     /// The walk of `plan` with `pinned` (sorted) left out.
     pub fn new(plan: &PagePlan, pinned: &[PageId]) -> Walk {
         let mut walk = Walk::default();

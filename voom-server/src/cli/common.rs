@@ -439,7 +439,8 @@ pub fn resolve_model(model: &str, pull_missing: bool) -> Result<PathBuf> {
 /// or kills it ([`libvoom::engine::governor`]).
 pub fn open_engine(dir: &Path, args: &EngineArgs) -> Result<Engine> {
     let engine = open_engine_ungoverned(dir, args)?;
-    engine.govern(libvoom::engine::governor::GovernorConfig::default());
+    let g = engine.govern(libvoom::engine::governor::GovernorConfig::default());
+    *GOVERNOR.lock().unwrap_or_else(|e| e.into_inner()) = Some(g.stats);
     Ok(engine)
 }
 
@@ -624,6 +625,9 @@ fn free_bytes(dir: &Path) -> Result<u64> {
 /// The plan of the engine most recently opened by [`open_engine`] under a memory
 /// budget, which [`result_json`] reports.
 static OPENED_BUDGET: Mutex<Option<serde_json::Value>> = Mutex::new(None);
+
+/// The counters of the memory governor of the engine opened last.
+static GOVERNOR: Mutex<Option<Arc<libvoom::engine::governor::GovernorStats>>> = Mutex::new(None);
 
 /// What [`plan_store`] chose.
 enum Planned {
@@ -885,6 +889,25 @@ pub fn result_json(
             "direct_io": k.direct,
             "spill_off": k.off,
         })),
+        // The page cache the weights are read through (the in-process one, or the
+        // daemon's; none for the memory-mapped store) as it is at the end, and what
+        // this process's memory governor did.
+        "page_cache_room": engine.source().cache_stats().map(|c| serde_json::json!({
+            "capacity_bytes": c.capacity_bytes,
+            "used_bytes": c.used_bytes,
+            "withheld_bytes": c.withheld_bytes,
+        })),
+        "governor": GOVERNOR.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|s| {
+            use std::sync::atomic::Ordering::Relaxed;
+            let lowest = s.lowest_headroom.load(Relaxed);
+            serde_json::json!({
+                "shrinks": s.shrinks.load(Relaxed),
+                "restores": s.restores.load(Relaxed),
+                "lowest_headroom_bytes": (lowest != u64::MAX).then_some(lowest),
+                "weights_withheld_bytes": s.weights_withheld.load(Relaxed),
+                "most_weights_withheld_bytes": s.most_weights_withheld.load(Relaxed),
+            })
+        }),
         "speculation": g.speculation.as_ref().map(|r| {
             let mut v = speculation_json(r);
             // Ids decoded per pass (the first id comes from the prompt's pass).

@@ -99,6 +99,8 @@ pub enum CacheError<E: Error + Send + Sync + 'static> {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct CacheStats {
     pub capacity: usize,
+    /// Room of the capacity withheld from pages ([`PageCache::set_limit`]).
+    pub withheld: usize,
     /// Slots allocated (ready or loading).
     pub used: usize,
     /// Slots of pages with at least one lease.
@@ -277,6 +279,9 @@ struct State {
     /// Pages of streaming models still admitted to main ([`PageCache::set_admissible`]).
     admissible: HashSet<PageKey>,
     stats: CacheStats,
+    /// Room taken back from pages ([`PageCache::set_limit`]): allocated runs that
+    /// hold no page, their memory returned to the OS.
+    withheld: Vec<Slot>,
 }
 
 impl State {
@@ -291,6 +296,9 @@ impl State {
 struct Inner {
     arena: Arena,
     state: Mutex<State>,
+    /// Serialises [`PageCache::set_limit`]: withheld runs are released to the OS
+    /// outside the state lock, and only `set_limit` ever frees them.
+    limit: Mutex<()>,
 }
 
 /// The page cache. Cheap to clone (a shared handle); `Send + Sync`.
@@ -700,6 +708,11 @@ fn units_for(len: usize) -> Option<u32> {
     u32::try_from(len.div_ceil(SLOT_ALIGN).max(1)).ok()
 }
 
+/// Units of room withheld from pages.
+fn withheld_units(st: &State) -> u32 {
+    st.withheld.iter().map(|s| s.units).sum()
+}
+
 impl PageCache {
     /// A cache over `arena`: slots are 16 KiB-aligned runs of it.
     pub fn new(arena: Arena) -> PageCache {
@@ -719,7 +732,9 @@ impl PageCache {
                     streaming: HashSet::new(),
                     admissible: HashSet::new(),
                     stats,
+                    withheld: Vec::new(),
                 }),
+                limit: Mutex::new(()),
             }),
         }
     }
@@ -729,9 +744,81 @@ impl PageCache {
         &self.inner.arena
     }
 
-    /// Usable bytes: the arena's capacity.
+    /// The arena's bytes (withheld room included: see [`PageCache::limit`]).
     pub fn capacity(&self) -> usize {
         self.inner.lock().stats.capacity
+    }
+
+    /// Bytes pages may use now: the capacity less the room withheld by
+    /// [`PageCache::set_limit`].
+    pub fn limit(&self) -> usize {
+        let st = self.inner.lock();
+        st.stats.capacity - withheld_units(&st) as usize * SLOT_ALIGN
+    }
+
+    /// Lets pages use at most `limit` bytes of the arena (rounded up to slots, at
+    /// most the capacity), returning the memory of the rest to the OS: a memory
+    /// governor's lever. Shrinking takes free room first, then evicts unleased,
+    /// unpinned pages in eviction order; leased, pinned and loading pages are never
+    /// touched, so the limit reached may stay above the one asked (it is returned).
+    /// Growing hands withheld room back at once (committed again as pages load).
+    pub fn set_limit(&self, limit: usize) -> usize {
+        let _serial = self.inner.limit.lock().unwrap_or_else(|p| p.into_inner());
+        let mut released = Vec::new();
+        {
+            let mut st = self.inner.lock();
+            let units = st.slots.units();
+            let keep = u32::try_from(limit.div_ceil(SLOT_ALIGN))
+                .unwrap_or(u32::MAX)
+                .min(units);
+            let target = units - keep;
+            let mut held = withheld_units(&st);
+            while held > target {
+                let Some(slot) = st.withheld.pop() else { break };
+                let give = (held - target).min(slot.units);
+                // The run's top `give` units go back; the rest stays withheld.
+                st.slots.free(slot.unit + slot.units - give, give);
+                if give < slot.units {
+                    st.withheld.push(Slot {
+                        unit: slot.unit,
+                        units: slot.units - give,
+                    });
+                }
+                held -= give;
+            }
+            while held < target {
+                let want = (target - held).min(st.slots.largest_free());
+                if want > 0 {
+                    let Some(unit) = st.slots.alloc(want) else {
+                        break;
+                    };
+                    let slot = Slot { unit, units: want };
+                    st.withheld.push(slot);
+                    released.push(slot);
+                    held += want;
+                    continue;
+                }
+                let victim = st
+                    .policy
+                    .window_victim()
+                    .or_else(|| st.policy.main_victim().map(|(v, _)| v))
+                    .or_else(|| st.policy.pending_victim());
+                match victim {
+                    Some(v) => Inner::evict(&mut st, v),
+                    None => break,
+                }
+            }
+            st.stats.withheld = held as usize * SLOT_ALIGN;
+        }
+        // Outside the state lock: these runs are withheld (no page can be placed in
+        // them) and only this function, serialised, frees withheld runs.
+        for slot in released {
+            if let Err(e) = self.inner.arena.release(slot.offset(), slot.bytes()) {
+                tracing::warn!("page cache: withheld room not returned to the OS: {e}");
+                break;
+            }
+        }
+        self.limit()
     }
 
     /// Leases page `key` of `len` bytes, loading it with `load` if it is not resident.
@@ -1174,7 +1261,8 @@ impl PageCache {
     pub fn stats(&self) -> CacheStats {
         let st = self.inner.lock();
         let mut s = st.stats.clone();
-        s.used = (st.slots.units() - st.slots.free_units()) as usize * SLOT_ALIGN;
+        s.used =
+            (st.slots.units() - st.slots.free_units() - withheld_units(&st)) as usize * SLOT_ALIGN;
         s.resident_pages = st.policy.resident_pages();
         s.loading_pages = st.pages.len() - st.policy.resident_pages();
         s
@@ -1305,6 +1393,41 @@ mod tests {
         c.unpin([key(0)]);
         assert!(c.acquire(key(3), SLOT_ALIGN, fill(3)).is_ok());
         assert!(!c.resident(key(0)));
+    }
+
+    #[test]
+    fn a_limit_evicts_what_it_may_returns_memory_and_grows_back() {
+        let c = cache(8);
+        c.pin([key(0)]);
+        for p in 0..6 {
+            drop(c.acquire(key(p), SLOT_ALIGN, fill(p as u8)).unwrap());
+        }
+        let leased = c.acquire(key(6), SLOT_ALIGN, fill(6)).unwrap();
+        // Free room first: one slot free, so 7 fit under a limit of 7.
+        assert_eq!(c.set_limit(7 * SLOT_ALIGN), 7 * SLOT_ALIGN);
+        assert_eq!(c.stats().evictions, 0);
+        // Down to 3: pages evicted in policy order, never the pinned or leased one.
+        assert_eq!(c.set_limit(3 * SLOT_ALIGN), 3 * SLOT_ALIGN);
+        let s = c.stats();
+        assert_eq!((s.withheld, s.used), (5 * SLOT_ALIGN, 3 * SLOT_ALIGN));
+        assert!(c.resident(key(0)) && c.resident(key(6)));
+        // Below what cannot go (one pinned, one leased): it stops there.
+        assert_eq!(c.set_limit(0), 2 * SLOT_ALIGN);
+        // Withheld room holds no page: a third page finds none.
+        assert!(matches!(
+            c.acquire(key(7), SLOT_ALIGN, fill(7)),
+            Err(CacheError::Full { .. })
+        ));
+        drop(leased);
+        assert!(c.acquire(key(7), SLOT_ALIGN, fill(7)).is_ok());
+        // Growing back: pages load into the room again, with their bytes.
+        assert_eq!(c.set_limit(usize::MAX), 8 * SLOT_ALIGN);
+        assert_eq!(c.stats().withheld, 0);
+        for p in 1..6 {
+            let l = c.acquire(key(p), SLOT_ALIGN, fill(p as u8)).unwrap();
+            assert!(l.bytes().iter().all(|&b| b == p as u8));
+        }
+        assert!(c.resident(key(0)));
     }
 
     #[test]
