@@ -6,8 +6,10 @@
 //!   the process's memory cgroup leaves (v1 `memory.limit_in_bytes` less
 //!   `memory.usage_in_bytes`, v2 `memory.max` less `memory.current`, both less the
 //!   cgroup's reclaimable inactive file pages); on v2 a `memory.pressure` `some
-//!   avg10` above 10% counts as pressure too. Where nothing is readable (not
-//!   Linux), the governor does nothing.
+//!   avg10` above 10% counts as pressure too. On macOS: the free share of physical
+//!   memory (`kern.memorystatus_level`), and the VM's pressure level at warning or
+//!   above (what its memory-pressure notifications report; [`darwin_pressure`]).
+//!   Where nothing is readable, the governor does nothing.
 //! - **Shrinking**, below [`GovernorConfig::low_headroom`]: it frees what brings the
 //!   headroom back to [`GovernorConfig::high_headroom`], by the time each byte saves,
 //!   least first:
@@ -99,6 +101,45 @@ pub struct Pressure {
     pub source: String,
     /// v2's `memory.pressure` `some avg10` (percent), where readable.
     pub psi_some_avg10: Option<f64>,
+    /// The OS says memory is under pressure (macOS's warning or critical level).
+    pub warned: bool,
+}
+
+/// macOS's figures, from the sysctls its memory-pressure notifications derive from:
+/// `hw.memsize` bytes, `kern.memorystatus_level` percent of them free, and
+/// `kern.memorystatus_vm_pressure_level` (1 normal, 2 warning, 4 critical).
+pub fn darwin_pressure(memsize: u64, free_percent: u64, level: u64) -> Pressure {
+    Pressure {
+        headroom: (u128::from(memsize) * u128::from(free_percent.min(100)) / 100) as u64,
+        source: format!(
+            "macOS memory status ({free_percent}% of {memsize} free, pressure level {level})"
+        ),
+        psi_some_avg10: None,
+        warned: level >= 2,
+    }
+}
+
+/// An integer sysctl (4 or 8 bytes) by name.
+#[cfg(target_os = "macos")]
+fn sysctl_u64(name: &std::ffi::CStr) -> Option<u64> {
+    let mut buf = [0u8; 8];
+    let mut len: libc::size_t = buf.len();
+    // SAFETY: `name` is NUL-terminated; `buf` is writable for `len` bytes and `len`
+    // is updated by the call to what it wrote; nothing is set (null new value).
+    let r = unsafe {
+        libc::sysctlbyname(
+            name.as_ptr(),
+            buf.as_mut_ptr().cast(),
+            &mut len,
+            std::ptr::null_mut(),
+            0,
+        )
+    };
+    match (r, len) {
+        (0, 4) => Some(u64::from(u32::from_ne_bytes([buf[0], buf[1], buf[2], buf[3]]))),
+        (0, 8) => Some(u64::from_ne_bytes(buf)),
+        _ => None,
+    }
 }
 
 fn read_u64(p: &Path) -> Option<u64> {
@@ -162,6 +203,7 @@ pub fn cgroup_pressure(proc_cgroup: &str, root: &Path) -> Option<Pressure> {
                 "memory cgroup {path} (limit {limit}, in use {used} not counting inactive files)"
             ),
             psi_some_avg10: psi,
+            warned: false,
         });
     }
     None
@@ -177,6 +219,14 @@ pub fn meminfo_available(text: &str) -> Option<u64> {
 
 /// The pressure on this process now (`None` where the OS reports nothing).
 pub fn pressure() -> Option<Pressure> {
+    #[cfg(target_os = "macos")]
+    if let (Some(m), Some(f), Some(l)) = (
+        sysctl_u64(c"hw.memsize"),
+        sysctl_u64(c"kern.memorystatus_level"),
+        sysctl_u64(c"kern.memorystatus_vm_pressure_level"),
+    ) {
+        return Some(darwin_pressure(m, f, l));
+    }
     let machine = std::fs::read_to_string("/proc/meminfo")
         .ok()
         .and_then(|m| meminfo_available(&m));
@@ -188,12 +238,14 @@ pub fn pressure() -> Option<Pressure> {
             headroom: m,
             source: "MemAvailable".into(),
             psi_some_avg10: c.psi_some_avg10,
+            warned: false,
         }),
         (_, Some(c)) => Some(c),
         (Some(m), None) => Some(Pressure {
             headroom: m,
             source: "MemAvailable".into(),
             psi_some_avg10: None,
+            warned: false,
         }),
         (None, None) => None,
     }
@@ -247,8 +299,9 @@ pub(crate) fn start(
                 thread_stats
                     .lowest_headroom
                     .fetch_min(p.headroom, Ordering::Relaxed);
-                let pressed =
-                    p.headroom < cfg.low_headroom || p.psi_some_avg10.is_some_and(|x| x > 10.0);
+                let pressed = p.headroom < cfg.low_headroom
+                    || p.psi_some_avg10.is_some_and(|x| x > 10.0)
+                    || p.warned;
                 if pressed {
                     let mut need = cfg.high_headroom.saturating_sub(p.headroom).max(1 << 20);
                     thread_stats.shrinks.fetch_add(1, Ordering::Relaxed);
@@ -358,6 +411,10 @@ mod tests {
         let p = cgroup_pressure("0::/app\n", root.path()).unwrap();
         assert_eq!(p.headroom, 600_000);
         assert_eq!(p.psi_some_avg10, Some(12.5));
+        // macOS's figures: the free share of memory, and its warning level.
+        let d = darwin_pressure(16 << 30, 25, 2);
+        assert_eq!((d.headroom, d.warned), (4 << 30, true));
+        assert!(!darwin_pressure(16 << 30, 60, 1).warned);
         // No limit: no cgroup figure.
         std::fs::write(v2.join("memory.max"), "max\n").unwrap();
         assert_eq!(cgroup_pressure("0::/app\n", root.path()), None);
