@@ -136,7 +136,9 @@ fn sysctl_u64(name: &std::ffi::CStr) -> Option<u64> {
         )
     };
     match (r, len) {
-        (0, 4) => Some(u64::from(u32::from_ne_bytes([buf[0], buf[1], buf[2], buf[3]]))),
+        (0, 4) => Some(u64::from(u32::from_ne_bytes([
+            buf[0], buf[1], buf[2], buf[3],
+        ]))),
         (0, 8) => Some(u64::from_ne_bytes(buf)),
         _ => None,
     }
