@@ -56,6 +56,47 @@ impl CpuBackend {
     }
 }
 
+/// Below this many floats a row-wise op runs on the caller alone.
+const PARALLEL_MIN_FLOATS: usize = 1 << 15;
+
+/// A mutable buffer handed to the pool's threads, each taking its own rows.
+#[derive(Clone, Copy)]
+struct RowsPtr(*mut f32);
+// SAFETY: only used by `CpuBackend::by_rows`, whose jobs take disjoint rows of a
+// buffer the caller borrows exclusively for the whole call.
+unsafe impl Send for RowsPtr {}
+// SAFETY: as above.
+unsafe impl Sync for RowsPtr {}
+impl RowsPtr {
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+impl CpuBackend {
+    /// Runs `f(rows, dst)` over the rows of `dst` (`cols` floats each), `dst` the
+    /// floats of those rows, on the pool's threads when there is enough work: for
+    /// row-wise ops, whose every element has the same bits whichever thread
+    /// computes it.
+    fn by_rows(&self, dst: &mut [f32], cols: usize, f: impl Fn(Range<usize>, &mut [f32]) + Sync) {
+        let rows = if cols == 0 { 0 } else { dst.len() / cols };
+        if self.pool.threads() == 1 || dst.len() < PARALLEL_MIN_FLOATS || rows < 2 {
+            f(0..rows, dst);
+            return;
+        }
+        let ptr = RowsPtr(dst.as_mut_ptr());
+        let grain = rows.div_ceil(self.pool.threads() * 2);
+        self.pool.for_each_chunk_grain(rows, grain, |r| {
+            // SAFETY: chunks are disjoint row ranges within `rows` (rows * cols <=
+            // dst.len()), and `dst` is exclusively borrowed until the pool returns.
+            let part = unsafe {
+                std::slice::from_raw_parts_mut(ptr.get().add(r.start * cols), r.len() * cols)
+            };
+            f(r, part)
+        });
+    }
+}
+
 /// `x` must be `rows × cols` (`what` names it in the error).
 fn check_shape(what: &'static str, x: &Rows, rows: usize, cols: usize) -> Result<(), KernelError> {
     if x.rows() != rows || x.cols() != cols {
@@ -193,13 +234,11 @@ impl Backend for CpuBackend {
     ) -> Result<(), KernelError> {
         weight.check("norm weight", x.cols())?;
         check_shape("norm output", out, x.rows(), x.cols())?;
-        ops::rms_norm(
-            x.as_slice(),
-            x.cols(),
-            &weight.to_vec(),
-            eps,
-            out.as_mut_slice(),
-        );
+        let (cols, w) = (x.cols(), weight.to_vec());
+        let src = x.as_slice();
+        self.by_rows(out.as_mut_slice(), cols, |r, dst| {
+            ops::rms_norm(&src[r.start * cols..r.end * cols], cols, &w, eps, dst);
+        });
         Ok(())
     }
 
@@ -220,7 +259,10 @@ impl Backend for CpuBackend {
                 actual: x.rows() * x.cols(),
             });
         }
-        ops::rms_norm_inplace(x.as_mut_slice(), group, &weight.to_vec(), eps);
+        let w = weight.to_vec();
+        self.by_rows(x.as_mut_slice(), group, |_, dst| {
+            ops::rms_norm_inplace(dst, group, &w, eps)
+        });
         Ok(())
     }
 
@@ -244,20 +286,22 @@ impl Backend for CpuBackend {
         }
         let cols = x.cols();
         let (from, to) = (shape.offset, shape.offset + 2 * half);
-        for (t, row) in x.as_mut_slice().chunks_exact_mut(cols).enumerate() {
-            let (c, s) = (
-                &table.cos[t * half..(t + 1) * half],
-                &table.sin[t * half..(t + 1) * half],
-            );
-            for head in row.chunks_exact_mut(hd) {
-                let r = &mut head[from..to];
-                if shape.interleaved {
-                    ops::rope_interleaved(r, c, s);
-                } else {
-                    ops::rope_head(r, c, s);
+        self.by_rows(x.as_mut_slice(), cols, |rows, dst| {
+            for (t, row) in rows.zip(dst.chunks_exact_mut(cols)) {
+                let (c, s) = (
+                    &table.cos[t * half..(t + 1) * half],
+                    &table.sin[t * half..(t + 1) * half],
+                );
+                for head in row.chunks_exact_mut(hd) {
+                    let r = &mut head[from..to];
+                    if shape.interleaved {
+                        ops::rope_interleaved(r, c, s);
+                    } else {
+                        ops::rope_head(r, c, s);
+                    }
                 }
             }
-        }
+        });
         Ok(())
     }
 
@@ -365,15 +409,19 @@ impl Backend for CpuBackend {
 
     fn add(&self, x: &mut Rows, y: &Rows) -> Result<(), KernelError> {
         check_shape("addend", y, x.rows(), x.cols())?;
-        ops::add_inplace(x.as_mut_slice(), y.as_slice());
+        let (cols, src) = (x.cols(), y.as_slice());
+        self.by_rows(x.as_mut_slice(), cols, |r, dst| {
+            ops::add_inplace(dst, &src[r.start * cols..r.end * cols])
+        });
         Ok(())
     }
 
     fn gated(&self, act: Activation, gate: &mut Rows, up: &Rows) -> Result<(), KernelError> {
         check_shape("gated MLP up", up, gate.rows(), gate.cols())?;
-        match act {
-            Activation::Silu => ops::silu_mul(gate.as_mut_slice(), up.as_slice()),
-        }
+        let (cols, src) = (gate.cols(), up.as_slice());
+        self.by_rows(gate.as_mut_slice(), cols, |r, dst| match act {
+            Activation::Silu => ops::silu_mul(dst, &src[r.start * cols..r.end * cols]),
+        });
         Ok(())
     }
 
