@@ -79,7 +79,7 @@ impl CpuBackend {
     /// row-wise ops, whose every element has the same bits whichever thread
     /// computes it.
     fn by_rows(&self, dst: &mut [f32], cols: usize, f: impl Fn(Range<usize>, &mut [f32]) + Sync) {
-        let rows = if cols == 0 { 0 } else { dst.len() / cols };
+        let rows = dst.len().checked_div(cols).unwrap_or(0);
         if self.pool.threads() == 1 || dst.len() < PARALLEL_MIN_FLOATS || rows < 2 {
             f(0..rows, dst);
             return;
