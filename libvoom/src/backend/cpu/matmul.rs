@@ -502,44 +502,62 @@ fn hsum8(a: &[f32; 8]) -> f32 {
 /// The loop over tiles of `$shape` rows x tokens shared by every instruction set:
 /// `$tile::<DT, R, T>(x, w, o0, t0, out)` computes one tile. Edge tiles use the
 /// smaller instantiations (at most 4 tokens where fewer rows than the shape's are
-/// left); the order inside each element is the same in all of them.
+/// left); the order inside each element is the same in all of them, and so is
+/// the order of the tiles (it changes no element's bits, only which cache level
+/// feeds them).
 macro_rules! tile_rows {
     ($tile:ident, $shape:ident, $dt:ident, $x:ident, $n:ident, $w:ident, $rows:ident, $out:ident) => {{
         let (mr, nr) = $shape($n);
-        let mut o = $rows.start;
-        while o < $rows.end {
+        // The tile at rows `o..`, tokens `t..end`: rows and tokens it took.
+        let one = |o: usize, t: usize, end: usize| -> (usize, usize) {
             let r = ($rows.end - o).min(mr);
             let nr = if r < mr { nr.min(4) } else { nr };
-            let mut t = 0;
-            while t < $n {
-                let tn = ($n - t).min(nr);
-                // SAFETY: o + r <= rows.end <= w.rows and t + tn <= n; the rest is
-                // the caller's contract.
-                unsafe {
-                    match (r, tn) {
-                        (4, 6) => $tile::<$dt, 4, 6>($x, $w, o, t, $out),
-                        (4, 5) => $tile::<$dt, 4, 5>($x, $w, o, t, $out),
-                        (4, 4) => $tile::<$dt, 4, 4>($x, $w, o, t, $out),
-                        (4, 3) => $tile::<$dt, 4, 3>($x, $w, o, t, $out),
-                        (4, 1) => $tile::<$dt, 4, 1>($x, $w, o, t, $out),
-                        (4, 2) => $tile::<$dt, 4, 2>($x, $w, o, t, $out),
-                        (3, 4) => $tile::<$dt, 3, 4>($x, $w, o, t, $out),
-                        (3, 3) => $tile::<$dt, 3, 3>($x, $w, o, t, $out),
-                        (3, 2) => $tile::<$dt, 3, 2>($x, $w, o, t, $out),
-                        (3, _) => $tile::<$dt, 3, 1>($x, $w, o, t, $out),
-                        (2, 4) => $tile::<$dt, 2, 4>($x, $w, o, t, $out),
-                        (2, 3) => $tile::<$dt, 2, 3>($x, $w, o, t, $out),
-                        (2, 2) => $tile::<$dt, 2, 2>($x, $w, o, t, $out),
-                        (2, _) => $tile::<$dt, 2, 1>($x, $w, o, t, $out),
-                        (_, 4) => $tile::<$dt, 1, 4>($x, $w, o, t, $out),
-                        (_, 3) => $tile::<$dt, 1, 3>($x, $w, o, t, $out),
-                        (_, 2) => $tile::<$dt, 1, 2>($x, $w, o, t, $out),
-                        (_, _) => $tile::<$dt, 1, 1>($x, $w, o, t, $out),
-                    }
+            let tn = (end - t).min(nr);
+            // SAFETY: o + r <= rows.end <= w.rows and t + tn <= n; the rest is
+            // the caller's contract.
+            unsafe {
+                match (r, tn) {
+                    (4, 6) => $tile::<$dt, 4, 6>($x, $w, o, t, $out),
+                    (4, 5) => $tile::<$dt, 4, 5>($x, $w, o, t, $out),
+                    (4, 4) => $tile::<$dt, 4, 4>($x, $w, o, t, $out),
+                    (4, 3) => $tile::<$dt, 4, 3>($x, $w, o, t, $out),
+                    (4, 1) => $tile::<$dt, 4, 1>($x, $w, o, t, $out),
+                    (4, 2) => $tile::<$dt, 4, 2>($x, $w, o, t, $out),
+                    (3, 4) => $tile::<$dt, 3, 4>($x, $w, o, t, $out),
+                    (3, 3) => $tile::<$dt, 3, 3>($x, $w, o, t, $out),
+                    (3, 2) => $tile::<$dt, 3, 2>($x, $w, o, t, $out),
+                    (3, _) => $tile::<$dt, 3, 1>($x, $w, o, t, $out),
+                    (2, 4) => $tile::<$dt, 2, 4>($x, $w, o, t, $out),
+                    (2, 3) => $tile::<$dt, 2, 3>($x, $w, o, t, $out),
+                    (2, 2) => $tile::<$dt, 2, 2>($x, $w, o, t, $out),
+                    (2, _) => $tile::<$dt, 2, 1>($x, $w, o, t, $out),
+                    (_, 4) => $tile::<$dt, 1, 4>($x, $w, o, t, $out),
+                    (_, 3) => $tile::<$dt, 1, 3>($x, $w, o, t, $out),
+                    (_, 2) => $tile::<$dt, 1, 2>($x, $w, o, t, $out),
+                    (_, _) => $tile::<$dt, 1, 1>($x, $w, o, t, $out),
                 }
-                t += tn;
             }
-            o += r;
+            (r, tn)
+        };
+        // Tokens outer: one tile's activations stay in the first-level cache while
+        // the rows of this chunk stream past them (the rows, fewer bytes per
+        // multiply-add than the activations, come from the second level).
+        let mut t = 0;
+        while t < $n {
+            let block = ($n - t).min(nr);
+            let mut o = $rows.start;
+            while o < $rows.end {
+                // A row tile shorter than the shape takes its tokens in smaller steps.
+                let mut tt = t;
+                let mut r = 0;
+                while tt < t + block {
+                    let (rr, tn) = one(o, tt, t + block);
+                    r = rr;
+                    tt += tn;
+                }
+                o += r;
+            }
+            t += block;
         }
     }};
 }
