@@ -1,9 +1,8 @@
 //! The memory governor under a real memory cgroup squeezed mid-run: `voom generate`
 //! of a long prompt keeps going while the cgroup's limit is lowered below what its
 //! KV cache takes, spills KV pages to disk instead of being killed, and gives the
-//! ids of an unconstrained run; with the weights in an in-process page cache (a
-//! memory budget the model does not fit in), the cache's streaming room is taken
-//! back first.
+//! ids of an unconstrained run; with the weights in an in-process page cache, the
+//! cache's room beyond what its pinned pages and a sweep need is taken back first.
 
 mod common;
 
@@ -34,10 +33,11 @@ fn a_cgroup_squeezed_mid_run_spills_kv_and_keeps_the_ids() {
 }
 
 #[test]
-fn a_squeezed_page_cache_gives_back_its_streaming_room_first() {
-    // SmolLM2's 269 MB of weights stream through a 300 MiB in-process page cache,
-    // of which a sweep needs about 60 MB (its largest step, the embedding); the
-    // squeeze leaves less than the cache and the KV take.
+fn a_squeezed_page_cache_gives_back_its_spare_room_first() {
+    // SmolLM2's 269 MB of weights in a 300 MiB in-process page cache (the planner
+    // pins them: they fit); the squeeze leaves less than the cache and the KV
+    // take, and the cache's room that holds no page goes back to the OS (pinned
+    // pages stay) before KV spills.
     let Some(got) = squeezed(&["--cache-budget", "300MiB"], 340 << 20) else {
         return;
     };

@@ -629,17 +629,23 @@ impl Engine {
     }
 
     /// What of its page cache's streaming room a governor may take back: the room
-    /// beyond the least a sweep works in ([`Walk::least_room`]); `None` without an
-    /// in-process cache.
+    /// beyond the least a sweep works in ([`Walk::least_room`]) and beyond what a
+    /// pass started before the shrink may lease (two whole layers); `None` without
+    /// an in-process cache.
     fn weight_room(&self) -> Option<governor::WeightRoom> {
         let capacity = self.source.cache_stats()?.capacity_bytes;
         self.source.set_cache_limit(capacity)?;
         let room = self.stream_room.or(self.source.budget())?;
-        let least = self.walk.least_room(self.model.plan());
+        // What a pass already under way may lease: a sweep sizes its leases from
+        // the room when it starts, and whole layers (two, beside one position's
+        // experts) where the room held them. None is taken where less was there.
+        let plan = self.model.plan();
+        let layers = 2 * plan.largest_layer_slot_bytes() + plan.largest_expert_batch_slot_bytes();
+        let least = self.walk.least_room(plan).max(layers).min(room);
         Some(governor::WeightRoom {
             source: Arc::clone(&self.source),
             capacity,
-            most: room.saturating_sub(least),
+            most: room - least,
         })
     }
 
