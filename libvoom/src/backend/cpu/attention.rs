@@ -23,7 +23,7 @@ use std::cell::RefCell;
 use super::grouped;
 use super::matmul::Isa;
 use super::softmax;
-use super::threads::ThreadPool;
+use super::threads::{SharedOut, ThreadPool};
 use crate::backend::{AttentionShape, LatentShape};
 use crate::kv::{KvView, PageRef};
 
@@ -234,7 +234,7 @@ pub(super) fn attend(
     let qd = heads * hd;
     let scale = (hd as f32).powf(-0.5);
     let window = shape.window;
-    let out_ptr = SendPtr(out.as_mut_ptr());
+    let out_ptr = SharedOut(out.as_mut_ptr());
     // A task takes the heads that share a KV head, so that each key and value it
     // streams serves all of them.
     for_each_task(pool, shape.kv_heads, n, |kvh, ts, scores| {
@@ -288,7 +288,7 @@ pub(super) fn attend_latent(
     let (heads, rank) = (shape.heads, shape.rank);
     let w = rank + shape.rope;
     let (qd, od) = (heads * w, heads * rank);
-    let out_ptr = SendPtr(out.as_mut_ptr());
+    let out_ptr = SharedOut(out.as_mut_ptr());
     for_each_task(pool, heads, n, |head, ts, scores| {
         let c = Cache {
             view: cache,
@@ -316,19 +316,6 @@ pub(super) fn attend_latent(
             .collect();
         attend_rows(isa, &c, &mut rows, shape.scale, scores);
     });
-}
-
-/// A raw pointer that may cross threads; users guarantee disjoint writes.
-#[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
-// SAFETY: only used to hand disjoint output slices to pool tasks (see `attend`).
-unsafe impl Send for SendPtr {}
-// SAFETY: as above.
-unsafe impl Sync for SendPtr {}
-impl SendPtr {
-    fn get(self) -> *mut f32 {
-        self.0
-    }
 }
 
 #[cfg(test)]

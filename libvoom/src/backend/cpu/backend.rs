@@ -7,7 +7,7 @@ use super::attention;
 use super::matmul::{self, Isa};
 use super::ops;
 use super::rows::Rows;
-use super::threads::ThreadPool;
+use super::threads::{SharedOut, ThreadPool};
 use crate::backend::kv::KvCache;
 use crate::backend::{
     Activation, AttentionShape, Backend, KernelError, LatentShape, RopeShape, RopeTable, TableView,
@@ -59,20 +59,6 @@ impl CpuBackend {
 /// Below this many floats a row-wise op runs on the caller alone.
 const PARALLEL_MIN_FLOATS: usize = 1 << 15;
 
-/// A mutable buffer handed to the pool's threads, each taking its own rows.
-#[derive(Clone, Copy)]
-struct RowsPtr(*mut f32);
-// SAFETY: only used by `CpuBackend::by_rows`, whose jobs take disjoint rows of a
-// buffer the caller borrows exclusively for the whole call.
-unsafe impl Send for RowsPtr {}
-// SAFETY: as above.
-unsafe impl Sync for RowsPtr {}
-impl RowsPtr {
-    fn get(self) -> *mut f32 {
-        self.0
-    }
-}
-
 impl CpuBackend {
     /// Runs `f(rows, dst)` over the rows of `dst` (`cols` floats each), `dst` the
     /// floats of those rows, on the pool's threads when there is enough work: for
@@ -84,7 +70,7 @@ impl CpuBackend {
             f(0..rows, dst);
             return;
         }
-        let ptr = RowsPtr(dst.as_mut_ptr());
+        let ptr = SharedOut(dst.as_mut_ptr());
         let grain = rows.div_ceil(self.pool.threads() * 2);
         self.pool.for_each_chunk_grain(rows, grain, |r| {
             // SAFETY: chunks are disjoint row ranges within `rows` (rows * cols <=

@@ -22,6 +22,41 @@ impl Isa {
     }
 }
 
+/// Checks a group's rows: as many of `a` as of `b`, `a`'s of one length and `b`'s
+/// of one length, and `count` vectors of `width` floats at `stride` within `len`
+/// floats (`count` and `width` taken from `(a's length, b's length)` by `pick`).
+/// `false`: nothing to compute (no rows, or no vectors).
+///
+/// # Panics
+/// On any mismatch, naming `what`.
+fn checked(
+    what: &str,
+    a: &[&[f32]],
+    b: &[&mut [f32]],
+    pick: fn((usize, usize)) -> (usize, usize),
+    stride: usize,
+    len: usize,
+) -> bool {
+    assert_eq!(a.len(), b.len(), "{what}: rows of the two sides differ");
+    let (Some(fa), Some(fb)) = (a.first(), b.first()) else {
+        return false;
+    };
+    let lens = (fa.len(), fb.len());
+    assert!(
+        a.iter().all(|r| r.len() == lens.0) && b.iter().all(|r| r.len() == lens.1),
+        "{what}: rows differ in length"
+    );
+    let (count, width) = pick(lens);
+    if count == 0 {
+        return false;
+    }
+    assert!(
+        (count - 1) * stride + width <= len,
+        "{what}: {count} vectors of {width} floats at stride {stride} exceed {len} floats"
+    );
+    true
+}
+
 /// `s[r][j] = dot_f32(q[r], key_j) * scale` for every row `r` and `j <
 /// s[r].len()`, the key of `j` at `j * stride` of `keys`.
 ///
@@ -35,34 +70,15 @@ pub fn scores(
     scale: f32,
     s: &mut [&mut [f32]],
 ) {
-    assert_eq!(
-        q.len(),
-        s.len(),
-        "grouped scores: rows of queries and scores differ"
-    );
-    let Some(first) = q.first() else { return };
-    let (d, n) = (first.len(), s[0].len());
-    assert!(
-        q.iter().all(|r| r.len() == d) && s.iter().all(|r| r.len() == n),
-        "grouped scores: rows differ in length"
-    );
-    if n == 0 {
+    if !checked("grouped scores", q, s, |(d, n)| (n, d), stride, keys.len()) {
         return;
     }
-    assert!(
-        (n - 1) * stride + d <= keys.len(),
-        "grouped scores: {n} keys of {d} floats at stride {stride} exceed {} floats",
-        keys.len()
-    );
     let g = isa.attention_group();
-    let mut at = 0;
-    while at < q.len() {
-        let m = (q.len() - at).min(g);
-        let (qr, sr) = (&q[at..at + m], &mut s[at..at + m]);
+    for (qr, sr) in q.chunks(g).zip(s.chunks_mut(g)) {
         #[cfg(target_arch = "x86_64")]
-        if m > 1 && isa.avx2() {
+        if qr.len() > 1 && isa.avx2() {
             // SAFETY: `isa` is supported (every caller's `Isa` comes from
-            // `Isa::detect`/`available` or was checked); lengths and bounds asserted
+            // `Isa::detect`/`available` or was checked); lengths and bounds checked
             // above.
             unsafe {
                 match isa {
@@ -70,13 +86,11 @@ pub fn scores(
                     _ => narrow::scores(qr, keys, stride, scale, sr),
                 }
             }
-            at += m;
             continue;
         }
         for (qv, sv) in qr.iter().zip(sr.iter_mut()) {
             attention_scores_isa(isa, qv, keys, stride, scale, sv);
         }
-        at += m;
     }
 }
 
@@ -93,32 +107,20 @@ pub fn weighted_sums(
     stride: usize,
     out: &mut [&mut [f32]],
 ) {
-    assert_eq!(
-        p.len(),
-        out.len(),
-        "grouped sums: rows of weights and outputs differ"
-    );
-    let Some(first) = p.first() else { return };
-    let (n, d) = (first.len(), out[0].len());
-    assert!(
-        p.iter().all(|r| r.len() == n) && out.iter().all(|r| r.len() == d),
-        "grouped sums: rows differ in length"
-    );
-    if n == 0 {
+    if !checked(
+        "grouped sums",
+        p,
+        out,
+        |(n, d)| (n, d),
+        stride,
+        values.len(),
+    ) {
         return;
     }
-    assert!(
-        (n - 1) * stride + d <= values.len(),
-        "grouped sums: {n} values of {d} floats at stride {stride} exceed {} floats",
-        values.len()
-    );
     let g = isa.attention_group();
-    let mut at = 0;
-    while at < p.len() {
-        let m = (p.len() - at).min(g);
-        let (pr, or) = (&p[at..at + m], &mut out[at..at + m]);
+    for (pr, or) in p.chunks(g).zip(out.chunks_mut(g)) {
         #[cfg(target_arch = "x86_64")]
-        if m > 1 && isa.avx2() {
+        if pr.len() > 1 && isa.avx2() {
             // SAFETY: as in `scores`.
             unsafe {
                 match isa {
@@ -126,13 +128,11 @@ pub fn weighted_sums(
                     _ => narrow::sums(pr, values, stride, or),
                 }
             }
-            at += m;
             continue;
         }
         for (pv, ov) in pr.iter().zip(or.iter_mut()) {
             weighted_sum_add_isa(isa, pv, values, stride, ov);
         }
-        at += m;
     }
 }
 

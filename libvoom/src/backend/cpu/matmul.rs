@@ -34,7 +34,7 @@ use std::ops::Range;
 
 use voom_formats::DType;
 
-use super::threads::ThreadPool;
+use super::threads::{SharedOut, ThreadPool};
 pub use crate::backend::{KernelError, WeightView};
 
 const DT_BF16: u8 = 0;
@@ -180,7 +180,7 @@ pub fn matmul_isa(
     if n == 0 || w.rows == 0 {
         return Ok(());
     }
-    let dst = OutPtr(out.as_mut_ptr());
+    let dst = SharedOut(out.as_mut_ptr());
     let job = |rows: Range<usize>| {
         // SAFETY: lengths were checked above (x: n*cols, out: n*rows, W: rows*cols of
         // `dt`), `rows` lies within 0..w.rows (pool chunks cover 0..w.rows), chunks
@@ -235,7 +235,7 @@ pub fn matmul_t_isa(
         return Ok(());
     }
     let wide: Vec<f32> = (0..k).flat_map(|r| w.row(r).to_vec()).collect();
-    let dst = OutPtr(out.as_mut_ptr());
+    let dst = SharedOut(out.as_mut_ptr());
     let job = |cols: Range<usize>| {
         for t in 0..n {
             // SAFETY: `out` holds n*c elements (checked above); this job writes only
@@ -292,22 +292,6 @@ fn check_len(what: &'static str, actual: usize, n: usize, per: usize) -> Result<
     Ok(())
 }
 
-/// The output pointer shared by the threads of one call (each writes its own rows).
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: the threads of one `matmul` call write disjoint elements through it while
-// the caller holds the exclusive borrow of `out`.
-unsafe impl Send for OutPtr {}
-// SAFETY: as above.
-unsafe impl Sync for OutPtr {}
-
-impl OutPtr {
-    /// The pointer (a method, so that closures capture the whole `OutPtr`).
-    fn get(self) -> *mut f32 {
-        self.0
-    }
-}
-
 /// Computes rows `rows` of `out` for all `n` tokens.
 ///
 /// # Safety
@@ -321,7 +305,7 @@ unsafe fn compute_rows(
     n: usize,
     w: &WeightView<'_>,
     rows: Range<usize>,
-    out: OutPtr,
+    out: SharedOut,
 ) {
     match isa {
         #[cfg(target_arch = "x86_64")]

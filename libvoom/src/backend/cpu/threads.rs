@@ -71,6 +71,24 @@ struct Shared {
     spin: Duration,
 }
 
+/// An output buffer the threads of one pool job write through, each its own
+/// disjoint elements, while the caller holds the exclusive borrow of the buffer
+/// until the job returns (matmul rows, attention heads, row-wise ops' rows).
+#[derive(Clone, Copy)]
+pub(crate) struct SharedOut(pub(crate) *mut f32);
+// SAFETY: users write disjoint elements from the pool's threads, within one job,
+// under the caller's exclusive borrow (see the type's doc).
+unsafe impl Send for SharedOut {}
+// SAFETY: as above.
+unsafe impl Sync for SharedOut {}
+
+impl SharedOut {
+    /// The pointer (a method, so that closures capture the whole `SharedOut`).
+    pub(crate) fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
 /// A fixed set of worker threads plus the calling thread. See the module docs.
 pub struct ThreadPool {
     shared: Arc<Shared>,
