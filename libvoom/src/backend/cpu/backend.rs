@@ -3,6 +3,7 @@
 
 use std::ops::Range;
 
+use super::activation;
 use super::attention;
 use super::matmul::{self, Isa};
 use super::ops;
@@ -404,9 +405,9 @@ impl Backend for CpuBackend {
 
     fn gated(&self, act: Activation, gate: &mut Rows, up: &Rows) -> Result<(), KernelError> {
         check_shape("gated MLP up", up, gate.rows(), gate.cols())?;
-        let (cols, src) = (gate.cols(), up.as_slice());
+        let (cols, src, isa) = (gate.cols(), up.as_slice(), self.isa);
         self.by_rows(gate.as_mut_slice(), cols, |r, dst| match act {
-            Activation::Silu => ops::silu_mul(dst, &src[r.start * cols..r.end * cols]),
+            Activation::Silu => activation::silu_mul(isa, dst, &src[r.start * cols..r.end * cols]),
         });
         Ok(())
     }

@@ -1,8 +1,10 @@
 //! The CPU backend: f32 activations ([`Rows`]), weights read in place as
 //! BF16/F16/F32, one [`CpuBackend`] per instruction set.
 
+pub mod activation;
 mod attention;
 mod backend;
+pub mod exp;
 pub mod grouped;
 pub mod matmul;
 pub mod membw;

@@ -49,14 +49,6 @@ pub fn add_bias(x: &mut [f32], bias: &[f32]) {
     }
 }
 
-/// `gate = silu(gate) * up`, with silu(x) = x * sigmoid(x) = x / (1 + e^-x).
-pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
-    for (g, &u) in gate.iter_mut().zip(up) {
-        let s = *g / (1.0 + (-*g).exp());
-        *g = s * u;
-    }
-}
-
 /// Every value clamped to `[-limit, limit]` (NaN stays NaN, as `torch.clamp_`).
 pub fn clamp(x: &mut [f32], limit: f32) {
     for v in x {
@@ -187,13 +179,5 @@ mod tests {
         assert_eq!(x[2], 0.0);
         assert_eq!(x[1], -s);
         assert_eq!(x[3], c);
-    }
-
-    #[test]
-    fn silu_of_zero_is_zero() {
-        let mut g = [0.0f32, 1.0];
-        silu_mul(&mut g, &[5.0, 2.0]);
-        assert_eq!(g[0], 0.0);
-        assert!((g[1] - 2.0 * (1.0 / (1.0 + (-1.0f32).exp()))).abs() < 1e-7);
     }
 }

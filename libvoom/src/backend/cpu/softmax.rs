@@ -3,8 +3,8 @@
 //! those of whatever `libm` the system has):
 //!
 //! - `m` = the row's largest value;
-//! - `e[j]` = [`exp_nonpositive`]`(x[j] - m)`: an exponential of our own, the same
-//!   operations in scalar and vector code;
+//! - `e[j]` = [`exp`]`(x[j] - m)`: the exponential of our own (module
+//!   [`exp`](super::exp)), the same operations in scalar and vector code;
 //! - `s` = the sum of the `e[j]` in f64, in eight lanes (lane `j mod 8`, each in
 //!   increasing `j`), the lanes added as `((l0 + l4) + (l2 + l6)) + ((l1 + l5) +
 //!   (l3 + l7))`, then rounded to f32;
@@ -14,51 +14,8 @@
 //! lanes are independent, so the order of each sum does not depend on the row's
 //! length or on which code ran.
 
+use super::exp::exp;
 use super::matmul::Isa;
-
-/// `log2(e)`, and `ln(2)` split into a part exact in few bits and the rest.
-const LOG2E: f32 = std::f32::consts::LOG2_E;
-const LN2_HI: f32 = 0.693_359_4;
-const LN2_LO: f32 = -2.121_944_4e-4;
-/// Below this the exponential is 0 or the smallest denormals: inputs are clamped.
-const LOWEST: f32 = -104.0;
-/// The polynomial of `e^r` on `|r| <= ln(2)/2` (Cephes' `expf`):
-/// `1 + r + r^2 (P0 r^5 + P1 r^4 + ... + P5)`.
-const P: [f32; 6] = [
-    1.987_569_1e-4,
-    1.398_199_9e-3,
-    8.333_452e-3,
-    4.166_579_6e-2,
-    1.666_666_5e-1,
-    0.5,
-];
-
-/// `e^x` for `x <= 0` (larger `x` are not its domain; a NaN gives NaN), within 2
-/// units in the last place of the exact value. `x = n ln 2 + r`, `n` the nearest
-/// integer to `x log2(e)`; `e^r` by the polynomial; then `2^n` applied as two
-/// exact powers of two, `2^a 2^b` with `a = floor(n / 2)`, so that a denormal
-/// result is rounded once.
-pub fn exp_nonpositive(x: f32) -> f32 {
-    // Not `max`: a NaN stays NaN (as `_mm256_max_ps(LOWEST, x)` keeps it).
-    let x = if x < LOWEST { LOWEST } else { x };
-    let n = (x * LOG2E).round_ties_even();
-    let r = (-n).mul_add(LN2_HI, x);
-    let r = (-n).mul_add(LN2_LO, r);
-    let mut p = P[0];
-    for c in &P[1..] {
-        p = p.mul_add(r, *c);
-    }
-    let e = p.mul_add(r * r, r) + 1.0;
-    let n = n as i32;
-    let a = n >> 1;
-    let b = n - a;
-    (e * pow2(a)) * pow2(b)
-}
-
-/// `2^k` for `-126 <= k <= 127`.
-fn pow2(k: i32) -> f32 {
-    f32::from_bits(((k + 127) as u32) << 23)
-}
 
 /// The softmax of `x` in place, as the module defines it: [`max`], then
 /// [`exp_sum`], then [`divide`] (which callers may also run a piece at a time).
@@ -94,7 +51,7 @@ pub fn exp_sum(isa: Isa, x: &mut [f32], m: f32) -> f32 {
         _ => 0,
     };
     for (j, v) in x.iter_mut().enumerate().skip(done) {
-        *v = exp_nonpositive(*v - m);
+        *v = exp(*v - m);
         lanes[j % 8] += f64::from(*v);
     }
     let l = lanes;
@@ -114,40 +71,8 @@ pub fn divide(isa: Isa, x: &mut [f32], s: f32) {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::*;
+    use super::super::exp::avx2::exp8;
     use std::arch::x86_64::*;
-
-    /// Eight [`exp_nonpositive`]s, with its operations.
-    ///
-    /// # Safety
-    /// CPU has AVX2+FMA.
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn exp8(x: __m256) -> __m256 {
-        // The second operand where either is NaN: a NaN stays NaN.
-        let x = _mm256_max_ps(_mm256_set1_ps(LOWEST), x);
-        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-            _mm256_mul_ps(x, _mm256_set1_ps(LOG2E)),
-        );
-        let neg = _mm256_sub_ps(_mm256_setzero_ps(), n);
-        let r = _mm256_fmadd_ps(neg, _mm256_set1_ps(LN2_HI), x);
-        let r = _mm256_fmadd_ps(neg, _mm256_set1_ps(LN2_LO), r);
-        let mut p = _mm256_set1_ps(P[0]);
-        for c in &P[1..] {
-            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(*c));
-        }
-        let e = _mm256_add_ps(
-            _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r),
-            _mm256_set1_ps(1.0),
-        );
-        let ni = _mm256_cvtps_epi32(n);
-        let a = _mm256_srai_epi32::<1>(ni);
-        let b = _mm256_sub_epi32(ni, a);
-        let bias = _mm256_set1_epi32(127);
-        let pa = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(a, bias)));
-        let pb = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(b, bias)));
-        _mm256_mul_ps(_mm256_mul_ps(e, pa), pb)
-    }
 
     /// The largest value of `x`, NaNs ignored (`f32::max`'s fold: the largest of
     /// the numbers, whatever their order, or -inf).
@@ -242,32 +167,6 @@ mod tests {
 
     fn isas() -> Vec<Isa> {
         Isa::available()
-    }
-
-    /// Within 2 units in the last place of the exact exponential over the whole
-    /// domain (every 97th float from -104 to 0), and exact at 0.
-    #[test]
-    fn exp_is_within_two_ulp() {
-        assert_eq!(exp_nonpositive(0.0), 1.0);
-        assert_eq!(exp_nonpositive(-0.0), 1.0);
-        let mut x = -104.0f32;
-        let mut worst = 0f64;
-        while x < 0.0 {
-            let got = f64::from(exp_nonpositive(x));
-            let want = f64::from(x).exp();
-            // One unit in the last place of the f32 nearest the exact value.
-            let ulp = if want < f64::from(f32::MIN_POSITIVE) {
-                f64::from(f32::from_bits(1))
-            } else {
-                let w = want as f32;
-                f64::from(f32::from_bits(w.to_bits() + 1) - w)
-            };
-            worst = worst.max((got - want).abs() / ulp);
-            x = f32::from_bits(x.to_bits() - 97);
-        }
-        assert!(worst <= 2.0, "{worst} ulp");
-        assert!(exp_nonpositive(f32::NAN).is_nan());
-        assert_eq!(exp_nonpositive(f32::NEG_INFINITY), exp_nonpositive(-104.0));
     }
 
     /// The same bits on every instruction set, for every row length; rows sum to
