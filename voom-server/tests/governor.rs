@@ -2,7 +2,7 @@
 //! of a long prompt keeps going while the cgroup's limit is lowered below what its
 //! KV cache takes, spills KV pages to disk instead of being killed, and gives the
 //! ids of an unconstrained run; with the weights in an in-process page cache, the
-//! cache's room beyond what its pinned pages and a sweep need is taken back first.
+//! cache's spare room is taken back, then its pins (the weights stream).
 
 mod common;
 
@@ -33,29 +33,42 @@ fn a_cgroup_squeezed_mid_run_spills_kv_and_keeps_the_ids() {
 }
 
 #[test]
-fn a_squeezed_page_cache_gives_back_its_spare_room_first() {
+fn a_process_squeezed_below_its_pins_unpins_weights_last() {
     // SmolLM2's 269 MB of weights in a 300 MiB in-process page cache (the planner
-    // pins them: they fit); the squeeze leaves less than the cache and the KV
-    // take, and the cache's room that holds no page goes back to the OS (pinned
-    // pages stay) before KV spills.
-    let Some(got) = squeezed(&["--cache-budget", "300MiB"], 340 << 20) else {
+    // pins them: they fit), squeezed below what the pinned weights alone take
+    // beside the process. The cache's spare room goes back to the OS, KV spills,
+    // then the weight budget is placed again, smaller, between passes: pages it no
+    // longer pins stream (read once a pass), and the run lives with the same ids.
+    let Some(got) = squeezed(&["--cache-budget", "300MiB"], 230 << 20) else {
         return;
     };
-    let g = &got["governor"];
+    let (g, w) = (&got["governor"], &got["weight_budget"]);
     eprintln!(
-        "governor: {g}; page cache: {}; kv: {}",
+        "governor: {g}; weight budget: {w}; page cache: {}; kv: {}",
         got["page_cache_room"], got["kv"]
-    );
-    assert!(
-        g["most_weights_withheld_bytes"].as_u64().unwrap() > 0,
-        "the page cache gave nothing back: {g} {}",
-        got["page_cache_room"]
     );
     assert_eq!(
         got["page_cache_room"]["capacity_bytes"].as_u64(),
         Some(300 << 20),
         "{}",
         got["page_cache_room"]
+    );
+    assert!(
+        got["page_cache_room"]["withheld_bytes"].as_u64().unwrap() > 0,
+        "the page cache gave nothing back: {}",
+        got["page_cache_room"]
+    );
+    let released = g["most_pins_released_bytes"].as_u64().unwrap();
+    assert!(released > 0, "no pin was given up: {g} {w}");
+    assert!(
+        w["taken_bytes"].as_u64().unwrap() > 0,
+        "the weight budget is as configured: {w}"
+    );
+    // KV goes before pins.
+    assert!(
+        got["kv"]["written_bytes"].as_u64().unwrap() > 0,
+        "{}",
+        got["kv"]
     );
 }
 

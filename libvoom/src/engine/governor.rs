@@ -16,39 +16,35 @@
 //!   1. prompt prefixes kept for reuse (recomputable: they save time only if asked
 //!      again);
 //!   2. the weight cache's streaming room beyond the least a sweep works in
-//!      ([`WeightRoom`]; `PageSource::set_cache_limit`): its pages are read again as
-//!      the sweep comes back to them, but a page is read once per pass wherever it
-//!      streams, and the room beyond one layer's only reads ahead;
+//!      ([`Placements::shrink`]; `PageSource::set_cache_limit`): its pages are read
+//!      again as the sweep comes back to them, but a page is read once per pass
+//!      wherever it streams, and the room beyond one layer's only reads ahead;
 //!   3. KV pages of live sequences, spilled to disk ([`crate::kv::spill`]: read back
-//!      for every pass, so they cost time on each).
+//!      for every pass, so they cost time on each);
+//!   4. the planner's pins: the weight budget is placed again, smaller, between
+//!      passes ([`crate::engine::placed`]), and the pages it no longer pins stream,
+//!      read once a pass. A byte of weights is read for every sequence of a batch,
+//!      a byte of KV for one, so pins go last; never below the least budget the
+//!      model streams in.
 //!
 //!   Freed heap is returned to the OS (`malloc_trim`), freed cache room too (the
 //!   arena's pages are released). A request never fails for it: a smaller budget
 //!   only streams or spills more.
 //! - **Restoring**, above twice the high mark: budgets grow back toward what was
-//!   configured, a step each tick, in the reverse order.
+//!   configured, a step each tick, in the reverse order (pins, then the weight
+//!   cache's room, KV, prefixes).
 //!
-//! Pinned weights are not unpinned: the planner's pins stay, and with them the
-//! least a sweep needs, so a process whose pinned weights alone exceed its memory
-//! is beyond what shrinking caches can save. The memory-mapped store (the default)
-//! has no cache of its own: the OS reclaims its file pages under pressure.
+//! The memory-mapped store (the default) has no cache of its own: the OS reclaims
+//! its file pages under pressure. A daemon's cache is the daemon's.
 
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
+use super::placed::Placements;
 use super::prefix::PrefixCache;
 use crate::kv::KvPool;
-use vpaged::source::PageSource;
-
-/// The weight cache's room a governor may take back: up to `most` bytes of the
-/// `capacity`-byte page cache of `source`.
-pub struct WeightRoom {
-    pub source: Arc<dyn PageSource>,
-    pub capacity: u64,
-    pub most: u64,
-}
 
 /// When and how far the governor acts.
 #[derive(Debug, Clone)]
@@ -87,6 +83,24 @@ pub struct GovernorStats {
     /// Bytes of the weight cache withheld now, and the most at once.
     pub weights_withheld: AtomicU64,
     pub most_weights_withheld: AtomicU64,
+    /// Slot bytes of the planner's pins given up now (unpinned: they stream), and
+    /// the most at once.
+    pub pins_released: AtomicU64,
+    pub most_pins_released: AtomicU64,
+}
+
+impl GovernorStats {
+    /// Notes where the weight budget stands.
+    fn weights(&self, w: &Placements) {
+        let b = w.budget();
+        let released = b.pinned_at_open.saturating_sub(b.pinned);
+        self.weights_withheld.store(b.withheld, Ordering::Relaxed);
+        self.most_weights_withheld
+            .fetch_max(b.withheld, Ordering::Relaxed);
+        self.pins_released.store(released, Ordering::Relaxed);
+        self.most_pins_released
+            .fetch_max(released, Ordering::Relaxed);
+    }
 }
 
 /// The governor's counters; its thread stops when the engine goes.
@@ -272,7 +286,7 @@ pub(crate) fn start(
     cfg: GovernorConfig,
     prefixes: &Arc<Mutex<PrefixCache>>,
     pool: Option<&KvPool>,
-    weights: Option<WeightRoom>,
+    weights: Option<&Arc<Placements>>,
 ) -> GovernorHandle {
     let stats = Arc::new(GovernorStats {
         lowest_headroom: AtomicU64::new(u64::MAX),
@@ -280,6 +294,7 @@ pub(crate) fn start(
     });
     let prefixes: Weak<Mutex<PrefixCache>> = Arc::downgrade(prefixes);
     let pool = pool.map(|p| p.downgrade());
+    let weights: Option<Weak<Placements>> = weights.map(Arc::downgrade);
     let (st, thread_stats) = (Arc::clone(&stats), stats);
     let spawned = std::thread::Builder::new()
         .name("voom-governor".into())
@@ -297,6 +312,12 @@ pub(crate) fn start(
                     return;
                 };
                 let pool = pool.as_ref().and_then(|w| w.upgrade());
+                let weights = weights.as_ref().and_then(|w| w.upgrade());
+                if let Some(w) = &weights {
+                    // Pins asked for while passes held the placement go now if none does.
+                    w.settle();
+                    thread_stats.weights(w);
+                }
                 let Some(p) = pressure() else { continue };
                 thread_stats
                     .lowest_headroom
@@ -317,17 +338,7 @@ pub(crate) fn start(
                         }
                     }
                     if let (true, Some(w)) = (need > 0, &weights) {
-                        let had = w.source.cache_withheld();
-                        let want = had.saturating_add(need).min(w.most);
-                        if want > had {
-                            w.source.set_cache_limit(w.capacity - want);
-                            let now = w.source.cache_withheld();
-                            need = need.saturating_sub(now.saturating_sub(had));
-                            thread_stats.weights_withheld.store(now, Ordering::Relaxed);
-                            thread_stats
-                                .most_weights_withheld
-                                .fetch_max(now, Ordering::Relaxed);
-                        }
+                        need = need.saturating_sub(w.shrink(need, false));
                     }
                     if let (true, Some(pool)) = (need > 0, &pool) {
                         let s = pool.stats();
@@ -336,6 +347,12 @@ pub(crate) fn start(
                         if target < pool.budget() as u64 {
                             pool.set_budget(target as usize);
                         }
+                    }
+                    if let (true, Some(w)) = (need > 0, &weights) {
+                        w.shrink(need, true);
+                    }
+                    if let Some(w) = &weights {
+                        thread_stats.weights(w);
                     }
                     trim_heap();
                     tracing::info!(
@@ -346,20 +363,14 @@ pub(crate) fn start(
                 } else if p.headroom > 2 * cfg.high_headroom {
                     let spare = (p.headroom - 2 * cfg.high_headroom) / 2;
                     let mut grew = false;
+                    if let Some(w) = &weights {
+                        grew |= w.restore(spare);
+                        thread_stats.weights(w);
+                    }
                     if let (Some(pool), Some(want)) = (&pool, kv_cfg) {
                         let b = pool.budget();
                         if b < want {
                             pool.set_budget(want.min(b.saturating_add(spare as usize)));
-                            grew = true;
-                        }
-                    }
-                    if let Some(w) = &weights {
-                        let had = w.source.cache_withheld();
-                        if had > 0 {
-                            w.source
-                                .set_cache_limit(w.capacity - had.saturating_sub(spare));
-                            let now = w.source.cache_withheld();
-                            thread_stats.weights_withheld.store(now, Ordering::Relaxed);
                             grew = true;
                         }
                     }

@@ -6,19 +6,20 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use vpaged::{EmbeddedStore, PageId, PageSource, SourceCacheStats, VerifyMode};
+use vpaged::{EmbeddedStore, PageSource, SourceCacheStats, VerifyMode};
 
 use crate::backend::BackendKind;
 use crate::config::ModelConfig;
 use crate::constrain::{ConstrainError, TokenConstraint, TokenMask};
 use crate::kv::{KvCache, KvPool, KvPoolStats};
-use crate::model::{self, Logits, Model, SeqPass, Sweep, Walk};
+use crate::model::{self, Logits, Model, SeqPass, Sweep};
 use crate::sampler::{Sampler, SamplingParams};
 use crate::speculate::{Drafter, SpecReport};
 use crate::text::Tokenizer;
 use crate::VoomError;
 
 pub mod governor;
+pub mod placed;
 pub mod prefix;
 mod sequence;
 pub mod snapshot;
@@ -278,14 +279,10 @@ pub struct Engine {
     tokenizer: Option<Tokenizer>,
     eos: Vec<u32>,
     opts: EngineOptions,
-    /// Bytes of the source's cache that unpinned pages stream through, when the
-    /// memory planner pinned part of the model in it.
-    stream_room: Option<u64>,
-    /// The plan's walk with the planner's pins left out (they take none of that
-    /// room), which every pass's sweep follows.
-    walk: Walk,
-    /// The multi-token-prediction layer's walk, where the model has one.
-    mtp_walk: Option<Walk>,
+    /// Where the memory planner put the weights (pins, streaming room, the walk
+    /// every pass's sweep follows), which a memory governor may change between
+    /// passes ([`placed`]).
+    placements: Arc<placed::Placements>,
     /// Layers and floats per position of the model's KV caches, and of its
     /// multi-token-prediction layer's.
     kv_layout: (usize, usize),
@@ -298,26 +295,6 @@ pub struct Engine {
     trace: std::sync::Mutex<Option<Vec<vpaged::expert_trace::TracePass>>>,
     /// The budget of its KV caches' pages ([`EngineOptions::kv_budget`]).
     kv_pool: Option<KvPool>,
-}
-
-/// Pins in `source`'s cache (when it has one) the pages the memory planner chooses
-/// for its budget, has its fast tier (if any) keep copies of the pages that stream
-/// and save the most, and returns the room left for streaming; `None` when the source
-/// has no budget, everything fits, or the budget is below the planner's minimum
-/// (the sweep then streams step by step, as without a plan); and the pages pinned,
-/// sorted.
-fn place_in(source: &dyn PageSource, model: &dyn Model) -> (Option<u64>, Vec<PageId>) {
-    let Some(budget) = source.budget() else {
-        return (None, Vec::new());
-    };
-    let Ok(p) = crate::placement::place(model.plan(), &crate::placement::Needs::default(), budget)
-    else {
-        return (None, Vec::new());
-    };
-    source.pin(&p.pinned);
-    source.keep_on_fast_tier(&crate::placement::fast_tier_order(model.plan(), &p));
-    let room = (p.streamed_per_token > 0).then(|| budget - p.pinned_bytes);
-    (room, p.pinned)
 }
 
 /// The prefix snapshots of the model in `dir` (`name`), keyed by its page manifest;
@@ -415,9 +392,10 @@ impl Engine {
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_else(|| dir.display().to_string());
         let model = model::load(cfg, source.as_ref(), &name, opts.backend, opts.threads)?;
-        let (stream_room, pinned) = place_in(source.as_ref(), model.as_ref());
-        let walk = Walk::new(model.plan(), &pinned);
-        let mtp_walk = model.mtp().ok().map(|m| Walk::new(m.plan(), &pinned));
+        let placements = Arc::new(placed::Placements::open(
+            Arc::clone(&source),
+            model.as_ref(),
+        ));
         let layout = |m: &dyn Model| {
             let kv = m.new_kv(1, 1);
             (kv.layers(), kv.width())
@@ -447,9 +425,7 @@ impl Engine {
             tokenizer,
             eos,
             opts,
-            stream_room,
-            walk,
-            mtp_walk,
+            placements,
             kv_layout,
             mtp_kv_layout,
             prefixes: Arc::new(std::sync::Mutex::new(prefix::PrefixCache::new(
@@ -618,35 +594,22 @@ impl Engine {
     }
 
     /// Starts the memory governor ([`governor`]) over this engine's caches: a
-    /// thread that lives as long as the engine.
+    /// thread that lives as long as the engine. Its lever on the weights (where
+    /// they are in an in-process page cache) is [`placed::Placements`].
     pub fn govern(&self, cfg: governor::GovernorConfig) -> governor::GovernorHandle {
-        governor::start(
-            cfg,
-            &self.prefixes,
-            self.kv_pool.as_ref(),
-            self.weight_room(),
-        )
+        let weights = self.placements.govern().then_some(&self.placements);
+        governor::start(cfg, &self.prefixes, self.kv_pool.as_ref(), weights)
     }
 
-    /// What of its page cache's streaming room a governor may take back: the room
-    /// beyond the least a sweep works in ([`Walk::least_room`]) and beyond what a
-    /// pass started before the shrink may lease (two whole layers); `None` without
-    /// an in-process cache.
-    fn weight_room(&self) -> Option<governor::WeightRoom> {
-        let capacity = self.source.cache_stats()?.capacity_bytes;
-        self.source.set_cache_limit(capacity)?;
-        let room = self.stream_room.or(self.source.budget())?;
-        // What a pass already under way may lease: a sweep sizes its leases from
-        // the room when it starts, and whole layers (two, beside one position's
-        // experts) where the room held them. None is taken where less was there.
-        let plan = self.model.plan();
-        let layers = 2 * plan.largest_layer_slot_bytes() + plan.largest_expert_batch_slot_bytes();
-        let least = self.walk.least_room(plan).max(layers).min(room);
-        Some(governor::WeightRoom {
-            source: Arc::clone(&self.source),
-            capacity,
-            most: room - least,
-        })
+    /// The weight budget: as placed at open, and what a memory governor took back.
+    pub fn weight_budget(&self) -> placed::WeightBudget {
+        self.placements.budget()
+    }
+
+    /// The placements of its weights: the lever a memory governor (or an operator)
+    /// takes weight budget back and gives it back with.
+    pub fn weights(&self) -> &placed::Placements {
+        &self.placements
     }
 
     /// The budget of its KV caches' pages, when it has one.
@@ -737,7 +700,7 @@ impl Engine {
         seqs: &mut [SeqPass<'_>],
         waited: &mut Duration,
     ) -> Result<Vec<Vec<f32>>, VoomError> {
-        self.pass(self.model.as_ref(), &self.walk, seqs, waited)
+        self.pass(self.model.as_ref(), seqs, waited)
     }
 
     /// Why this engine's model has no multi-token-prediction layer to draft with
@@ -763,15 +726,14 @@ impl Engine {
     /// as [`Engine::forward_batch`]'s, over the same page source.
     pub fn mtp_forward(&self, seqs: &mut [SeqPass<'_>]) -> Result<Vec<Vec<f32>>, VoomError> {
         self.check_mtp()?;
-        let (m, walk) = match (self.model.mtp(), &self.mtp_walk) {
-            (Ok(m), Some(w)) => (m, w),
-            _ => unreachable!("a model with a multi-token-prediction layer has its walk"),
-        };
-        self.pass(m, walk, seqs, &mut Duration::default())
+        let m = self.model.mtp().expect("checked");
+        self.pass(m, seqs, &mut Duration::default())
     }
 
     /// One checked pass of `model` (this engine's, or its multi-token-prediction
-    /// layer's) following `walk`; only the decoder's passes join the routing trace.
+    /// layer's) following its walk of the placement the pass holds until it ends
+    /// ([`placed::Placements::begin_pass`]); only the decoder's passes join the
+    /// routing trace.
     ///
     /// A sequence whose KV cache lost positions (a spilled page that failed its
     /// checksum: [`KvCache::lost`]) has them computed again from their token ids
@@ -781,15 +743,15 @@ impl Engine {
     fn pass(
         &self,
         model: &dyn Model,
-        walk: &Walk,
         seqs: &mut [SeqPass<'_>],
         waited: &mut Duration,
     ) -> Result<Vec<Vec<f32>>, VoomError> {
+        let placed = self.placements.begin_pass();
         for attempt in 0.. {
             for s in seqs.iter_mut() {
-                self.recompute_lost(model, walk, s.kv, waited)?;
+                self.recompute_lost(model, &placed, s.kv, waited)?;
             }
-            match self.pass_once(model, walk, seqs, waited) {
+            match self.pass_once(model, &placed, seqs, waited) {
                 Err(e)
                     if attempt < MAX_RECOVERIES && seqs.iter().any(|s| s.kv.lost().is_some()) =>
                 {
@@ -806,7 +768,7 @@ impl Engine {
     fn recompute_lost(
         &self,
         model: &dyn Model,
-        walk: &Walk,
+        placed: &placed::Placed,
         kv: &mut KvCache,
         waited: &mut Duration,
     ) -> Result<(), VoomError> {
@@ -834,7 +796,7 @@ impl Engine {
                 return Ok(());
             }
             let mut one = [SeqPass::new(&pending, kv, Logits::Last)];
-            match self.pass_once(model, walk, &mut one, waited) {
+            match self.pass_once(model, placed, &mut one, waited) {
                 Ok(_) => return Ok(()),
                 Err(e) if attempt >= MAX_RECOVERIES || kv.lost().is_none() => return Err(e),
                 Err(_) => {}
@@ -847,18 +809,22 @@ impl Engine {
     fn pass_once(
         &self,
         model: &dyn Model,
-        walk: &Walk,
+        placed: &placed::Placed,
         seqs: &mut [SeqPass<'_>],
         waited: &mut Duration,
     ) -> Result<Vec<Vec<f32>>, VoomError> {
         if seqs.is_empty() {
             return Err(VoomError::Request("no sequences to compute".into()));
         }
-        // The layout of the model's caches (computed once per engine).
-        let layout = if std::ptr::addr_eq(model, self.model.as_ref()) {
-            self.kv_layout
+        // The layout of the model's caches (computed once per engine), and its walk.
+        let (layout, walk) = if std::ptr::addr_eq(model, self.model.as_ref()) {
+            (self.kv_layout, &placed.walk)
         } else {
-            self.mtp_kv_layout
+            let walk = placed.mtp_walk.as_ref();
+            (
+                self.mtp_kv_layout,
+                walk.expect("a model with an MTP layer has its walk"),
+            )
         };
         for s in seqs.iter() {
             if (s.kv.layers(), s.kv.width()) != layout {
@@ -876,10 +842,8 @@ impl Engine {
         let chunk = self.opts.prefill_chunk.max(1);
         let positions: usize = seqs.iter().map(|s| s.tokens.len()).sum();
         // The planner's streaming room, less what a memory governor took back from
-        // the cache since (never below the least a sweep works in: see `govern`).
-        let room = self
-            .stream_room
-            .map(|r| r.saturating_sub(self.source.cache_withheld()));
+        // the cache since (never below the least a sweep works in: see `placed`).
+        let room = placed.room(self.source.cache_withheld());
         let sweep = Sweep::new(
             self.source.as_ref(),
             model.plan(),

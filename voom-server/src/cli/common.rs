@@ -435,8 +435,9 @@ pub fn resolve_model(model: &str, pull_missing: bool) -> Result<PathBuf> {
 /// memory-mapped store. None of these changes results.
 ///
 /// The memory governor watches the process's memory pressure while the engine
-/// lives, shrinking its prefix cache and spilling KV pages before the system swaps
-/// or kills it ([`libvoom::engine::governor`]).
+/// lives, shrinking its prefix cache, its page cache's room, spilling KV pages and
+/// unpinning weights before the system swaps or kills it
+/// ([`libvoom::engine::governor`]).
 pub fn open_engine(dir: &Path, args: &EngineArgs) -> Result<Engine> {
     let engine = open_engine_ungoverned(dir, args)?;
     let g = engine.govern(libvoom::engine::governor::GovernorConfig::default());
@@ -848,6 +849,7 @@ pub fn result_json(
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .clone();
+    let wb = engine.weight_budget();
     serde_json::json!({
         "model": engine.name(),
         "profile": profile.as_ref().map(|p| p.name.as_str()),
@@ -906,8 +908,18 @@ pub fn result_json(
                 "lowest_headroom_bytes": (lowest != u64::MAX).then_some(lowest),
                 "weights_withheld_bytes": s.weights_withheld.load(Relaxed),
                 "most_weights_withheld_bytes": s.most_weights_withheld.load(Relaxed),
+                "pins_released_bytes": s.pins_released.load(Relaxed),
+                "most_pins_released_bytes": s.most_pins_released.load(Relaxed),
             })
         }),
+        // The weights' budget: as placed at open, what the governor took back, and
+        // the pins at open and at the end.
+        "weight_budget": {
+            "configured_bytes": wb.configured,
+            "taken_bytes": wb.taken,
+            "pinned_at_open_bytes": wb.pinned_at_open,
+            "pinned_bytes": wb.pinned,
+        },
         "speculation": g.speculation.as_ref().map(|r| {
             let mut v = speculation_json(r);
             // Ids decoded per pass (the first id comes from the prompt's pass).
