@@ -127,6 +127,10 @@ class CaseSpec:
     # the format transformers 5 re-saves a fused checkpoint in) instead of one tensor
     # per expert and projection.
     fused_experts: bool = False
+    # Zero-centred RMSNorms (`(1 + w) * x`, Qwen3-Next and Qwen3.5): their weights are
+    # drawn from the ranges above less 1, so the multipliers fall in the same ranges as
+    # the other cases' (a DeltaNet layer's gated output norm, `w * x`, keeps them).
+    zero_centred_norms: bool = False
 
 
 def case_specs() -> list[CaseSpec]:
@@ -646,11 +650,10 @@ def build_model(spec: CaseSpec) -> torch.nn.Module:
         params = dict(model.named_parameters())  # tied lm_head appears once (as embed)
         for name in sorted(params):
             p = params[name]
-            if name == "model.norm.weight":
-                lo, hi = spec.final_norm_range
-                v = torch.rand(p.shape, generator=gen) * (hi - lo) + lo
-            elif name.endswith("norm.weight"):
-                lo, hi = spec.norm_range
+            if name.endswith("norm.weight"):
+                lo, hi = spec.final_norm_range if name == "model.norm.weight" else spec.norm_range
+                if spec.zero_centred_norms and not name.endswith("linear_attn.norm.weight"):
+                    lo, hi = lo - 1.0, hi - 1.0
                 v = torch.rand(p.shape, generator=gen) * (hi - lo) + lo
             elif name.endswith(".bias"):
                 v = torch.randn(p.shape, generator=gen) * spec.bias_std
@@ -927,6 +930,23 @@ def postedit_config(spec: CaseSpec, path: Path) -> dict:
         rp.pop("rope_type")
         cfg["rope_scaling"] = {"type": "yarn", **rp}
         edits["rope"] = "rope_parameters -> top-level rope_theta and rope_scaling {type: yarn, ...}"
+    if spec.config_postedit == "qwen3_next_legacy":
+        # The released Qwen3-Next form: top-level rope_theta and partial_rotary_factor,
+        # the layer pattern as full_attention_interval, no layer_types.
+        rp = cfg.pop("rope_parameters")
+        assert rp["rope_type"] == "default" and set(rp) <= {"rope_type", "rope_theta", "partial_rotary_factor"}, rp
+        cfg["rope_theta"] = rp["rope_theta"]
+        cfg["partial_rotary_factor"] = rp["partial_rotary_factor"]
+        types = cfg.pop("layer_types")
+        interval = spec.config["full_attention_interval"]
+        assert types == [
+            "linear_attention" if (i + 1) % interval else "full_attention" for i in range(len(types))
+        ], types
+        cfg["full_attention_interval"] = interval
+        edits["layer_types"] = (
+            f"layer_types and rope_parameters removed; full_attention_interval {interval}, "
+            "top-level rope_theta and partial_rotary_factor written"
+        )
     if spec.config_postedit == "drop_partial_rotary_factor":
         dropped = [k for k in ("partial_rotary_factor",) if cfg.pop(k, None) is not None]
         if cfg.get("rope_parameters", {}).pop("partial_rotary_factor", None) is not None:
@@ -1143,7 +1163,8 @@ def run_case(spec: CaseSpec, out: Path) -> dict:
             "bias_std": spec.bias_std,
             "norm_uniform": list(spec.norm_range),
             "final_norm_uniform": list(spec.final_norm_range),
-        },
+        }
+        | ({"zero_centred_norms_drawn_less_1": True} if spec.zero_centred_norms else {}),
         "generation": {
             "do_sample": False,
             "max_new_tokens": MAX_NEW_TOKENS,
