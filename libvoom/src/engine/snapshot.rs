@@ -167,6 +167,11 @@ impl SnapshotDir {
     /// capacity and page size). `None` when there is none, or when the file turns
     /// out damaged (then it is deleted).
     pub fn take(&self, prompt: &[u32], min: usize, like: &KvCache) -> Option<KvCache> {
+        // Snapshots hold keys and values only: a cache with recurrent states (a
+        // hybrid model's) is neither restored from one nor written.
+        if like.has_states() {
+            return None;
+        }
         let limit = prompt.len().saturating_sub(1);
         let (path, len) = {
             let mut s = self.lock();
@@ -205,7 +210,7 @@ impl SnapshotDir {
     /// thread (unless fewer than `min_tokens`, or one holds them already).
     pub fn save(&self, ids: &[u32], kv: &KvCache) {
         let n = ids.len().min(kv.len());
-        if n < self.cfg.min_tokens {
+        if n < self.cfg.min_tokens || kv.has_states() {
             return;
         }
         {
@@ -611,6 +616,34 @@ mod tests {
         assert!(other.take(&prompt, 8, &like).is_none());
         // Too short a match.
         assert!(s.take(&[0, 1, 2, 3, 7, 7, 7, 7, 7, 7], 8, &like).is_none());
+    }
+
+    /// Snapshots hold keys and values: a hybrid model's cache (recurrent states) is
+    /// not written, and is never made from one (its states would start at zero).
+    #[test]
+    fn caches_with_recurrent_states_are_neither_written_nor_restored() {
+        use crate::kv::StateShape;
+        let d = tempfile::tempdir().unwrap();
+        let s = SnapshotDir::open(cfg(d.path()), key_of(b"m", b"{}", 3, 4)).unwrap();
+        let ids: Vec<u32> = (0..40).collect();
+        let shapes = [None, Some(StateShape { conv: 2, matrix: 2 }), None];
+        let mut hybrid = KvCache::with_page(3, 4, 1000, 16).with_states(&shapes);
+        for l in [0, 2] {
+            hybrid.append(l, &[0.5; 160], &[0.25; 160]).unwrap();
+        }
+        hybrid.commit(&ids);
+        s.save(&ids, &hybrid);
+        s.flush();
+        assert_eq!(s.held().0, 0, "a cache with states was written");
+        // One written from a plain cache is not taken for a hybrid's.
+        s.save(&ids, &kv_of(40, 0.5));
+        s.flush();
+        assert_eq!(s.held().0, 1);
+        let like = KvCache::with_page(3, 4, 1000, 16).with_states(&shapes);
+        assert!(s.take(&ids, 8, &like).is_none());
+        assert!(s
+            .take(&ids, 8, &KvCache::with_page(3, 4, 1000, 16))
+            .is_some());
     }
 
     #[test]

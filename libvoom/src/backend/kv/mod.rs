@@ -29,9 +29,11 @@ use std::sync::{Arc, Mutex};
 use super::KernelError;
 
 pub mod page;
+pub mod recurrent;
 pub mod spill;
 
 pub use page::{Floats, KvPage, PageRef};
+pub use recurrent::{LayerState, StateShape, States};
 pub use spill::{KvPool, KvPoolStats};
 
 /// Positions per KV page unless a cache is made with another size.
@@ -186,6 +188,8 @@ pub struct KvCache {
     held: Mutex<Held>,
     /// Each layer's sliding window, where it has one (empty: none has).
     windows: Vec<Option<usize>>,
+    /// Linear-attention layers' recurrent states (a hybrid model's; empty: none).
+    states: States,
 }
 
 impl Clone for KvCache {
@@ -202,6 +206,7 @@ impl Clone for KvCache {
             pool: self.pool.clone(),
             held: Mutex::default(),
             windows: self.windows.clone(),
+            states: self.states.clone(),
         }
     }
 }
@@ -242,7 +247,32 @@ impl KvCache {
             pool: None,
             held: Mutex::default(),
             windows: Vec::new(),
+            states: States::default(),
         }
+    }
+
+    /// This (empty) cache with a recurrent state for each layer `shapes` gives one
+    /// (a hybrid model's linear-attention layers, which append no keys or values).
+    pub fn with_states(mut self, shapes: &[Option<StateShape>]) -> Self {
+        debug_assert!(self.len == 0 && shapes.len() == self.layers());
+        self.states = States::new(shapes);
+        self
+    }
+
+    /// Whether it holds recurrent states (a hybrid model's cache).
+    pub fn has_states(&self) -> bool {
+        !self.states.is_empty()
+    }
+
+    /// Layer `layer`'s recurrent state as the positions appended so far leave it
+    /// (`None`: a layer without one).
+    pub fn state(&self, layer: usize) -> Option<&LayerState> {
+        self.states.layer(layer)
+    }
+
+    /// [`KvCache::state`], for a pass to advance.
+    pub fn state_mut(&mut self, layer: usize) -> Option<&mut LayerState> {
+        self.states.layer_mut(layer)
     }
 
     /// This (empty) cache dropping, in each layer with a sliding window, the pages
@@ -318,7 +348,14 @@ impl KvCache {
             .iter()
             .chain(&self.v)
             .map(|x| x.held_floats() * 4)
-            .sum()
+            .sum::<usize>()
+            + self.state_bytes()
+    }
+
+    /// Bytes of its recurrent states: the three copies it keeps
+    /// ([`recurrent`]).
+    fn state_bytes(&self) -> usize {
+        3 * self.states.bytes()
     }
 
     /// Bytes it holds that are not in pages `seen` lists (closed pages by address,
@@ -334,7 +371,7 @@ impl KvCache {
             }
             bytes += half.open.len() * 4;
         }
-        bytes
+        bytes + self.state_bytes()
     }
 
     /// Positions `layer` holds: the committed ones and those appended since.
@@ -371,6 +408,7 @@ impl KvCache {
     /// Marks the positions appended for `tokens` as committed (after every layer
     /// appended them), keeping their ids.
     pub fn commit(&mut self, tokens: &[u32]) {
+        self.states.commit(self.len);
         self.len += tokens.len();
         self.ids.extend_from_slice(tokens);
         for (l, w) in self.windows.iter().enumerate() {
@@ -475,8 +513,10 @@ impl KvCache {
             return None;
         }
         // Positions from `at` on read the window before them: where a layer
-        // dropped those, everything is computed again.
+        // dropped those, everything is computed again. A recurrent state resumes
+        // only where one was kept.
         let at = if self.behind_windows(at) { 0 } else { at };
+        let at = self.states.resumable(at, self.len);
         let ids = self.ids[at..].to_vec();
         // `at` is a page boundary: nothing is read to cut there, and nothing
         // before it is lost.
@@ -504,6 +544,11 @@ impl KvCache {
         // it: everything is recomputed (each position needs the window before it).
         if self.behind_windows(len) {
             self.lost.store(0, Ordering::Relaxed);
+        }
+        // A recurrent state is cut back to where one was kept: the positions from
+        // there to `len` are computed again.
+        if let Some(at) = self.states.cut(len, self.len) {
+            self.lost.fetch_min(at, Ordering::Relaxed);
         }
         self.len = len;
         self.ids.truncate(len);
@@ -800,5 +845,57 @@ mod tests {
         assert_eq!(kv.lost(), Some(0));
         assert_eq!(kv.take_lost().unwrap(), (0..20).collect::<Vec<_>>());
         assert_eq!((kv.len(), kv.bytes(), kv.has_dropped()), (0, 0, false));
+    }
+
+    /// A hybrid's cache: layer 1 has a recurrent state, layer 0 keys and values. A
+    /// cut inside the last pass restores the state at its start and marks the
+    /// positions from there lost (their ids kept), which the engine computes again;
+    /// a failed pass's cut leaves the committed state.
+    #[test]
+    fn a_recurrent_state_is_cut_back_where_one_was_kept() {
+        let shape = StateShape { conv: 2, matrix: 3 };
+        let mut kv = KvCache::with_page(2, 1, 64, 4).with_states(&[None, Some(shape)]);
+        assert!(kv.state(0).is_none());
+        assert_eq!(kv.bytes(), 3 * 5 * 4);
+        let pass = |kv: &mut KvCache, ids: &[u32]| {
+            let x: Vec<f32> = ids.iter().map(|&i| i as f32).collect();
+            kv.append(0, &x, &x).unwrap();
+            let s = kv.state_mut(1).unwrap();
+            for &i in ids {
+                s.matrix.iter_mut().for_each(|m| *m = *m * 0.5 + i as f32);
+            }
+            kv.commit(ids);
+        };
+        pass(&mut kv, &[1, 2, 3]);
+        let at3 = kv.state(1).unwrap().clone();
+        pass(&mut kv, &[4, 5, 6, 7]);
+        let at7 = kv.state(1).unwrap().clone();
+
+        // A failed pass: appended, then cut back to the committed length.
+        kv.append(0, &[9.0], &[9.0]).unwrap();
+        kv.state_mut(1).unwrap().matrix.fill(42.0);
+        kv.truncate(7);
+        assert_eq!((kv.len(), kv.lost()), (7, None));
+        assert_eq!(kv.state(1).unwrap(), &at7);
+
+        // Two drafted tokens of the last pass rejected: back to its start, and
+        // positions 3..5 to compute again.
+        kv.truncate(5);
+        assert_eq!(kv.state(1).unwrap(), &at3);
+        assert_eq!(kv.lost(), Some(3));
+        assert_eq!(kv.take_lost().unwrap(), vec![4, 5]);
+        assert_eq!((kv.len(), kv.layer_len(0), kv.lost()), (3, 3, None));
+        pass(&mut kv, &[4, 5]);
+        let mut again = KvCache::with_page(2, 1, 64, 4).with_states(&[None, Some(shape)]);
+        pass(&mut again, &[1, 2, 3]);
+        pass(&mut again, &[4, 5]);
+        assert_eq!(kv.state(1), again.state(1));
+
+        // Further back than the last pass: everything again.
+        kv.truncate(1);
+        assert_eq!(kv.lost(), Some(0));
+        assert_eq!(kv.take_lost().unwrap(), vec![1]);
+        assert_eq!(kv.len(), 0);
+        assert_eq!(kv.state(1).unwrap().matrix, vec![0.0; 3]);
     }
 }
