@@ -67,6 +67,16 @@ pub enum Arch {
     Glm4Moe,
     /// Multi-head latent attention ([`Mla`]) and glm4_moe's mixture of experts.
     DeepseekV3,
+    /// Hybrid: Gated DeltaNet layers ([`LinearAttn`], projections grouped by key
+    /// head) between full attention layers with an output gate, zero-centred
+    /// RMSNorms, routed experts with a gated shared expert.
+    Qwen3Next,
+    /// Qwen3.5's language model (`qwen3_5_text`): qwen3_next's layers with the
+    /// DeltaNet projections stored apart, dense MLPs.
+    Qwen35,
+    /// Qwen3.5-MoE's language model (`qwen3_5_moe_text`): [`Arch::Qwen35`] with
+    /// qwen3_next's experts in every layer, always renormalised.
+    Qwen35Moe,
 }
 
 impl Arch {
@@ -81,6 +91,68 @@ impl Arch {
             Arch::Mixtral => "mixtral",
             Arch::Glm4Moe => "glm4_moe",
             Arch::DeepseekV3 => "deepseek_v3",
+            Arch::Qwen3Next => "qwen3_next",
+            Arch::Qwen35 => "qwen3_5_text",
+            Arch::Qwen35Moe => "qwen3_5_moe_text",
+        }
+    }
+
+    /// Whether its layers mix linear attention and full attention ([`LinearAttn`]).
+    pub fn is_hybrid(self) -> bool {
+        matches!(self, Arch::Qwen3Next | Arch::Qwen35 | Arch::Qwen35Moe)
+    }
+}
+
+/// How a Gated DeltaNet layer's input projections are stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LinearProjections {
+    /// `in_proj_qkvz` and `in_proj_ba`, their rows grouped by key head: per key
+    /// head, its query, key, values and gates, then its betas and decays
+    /// (qwen3_next).
+    Grouped,
+    /// `in_proj_qkv` (all queries, all keys, all values), `in_proj_z`, `in_proj_b`,
+    /// `in_proj_a` (qwen3_5).
+    Split,
+}
+
+/// A hybrid model's linear-attention layers (Gated DeltaNet): a causal depthwise
+/// convolution over the queries, keys and values with its rolling state, then the
+/// gated delta rule's recurrent state per value head, a gated RMSNorm of the output.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LinearAttn {
+    /// The convolution's kernel (`linear_conv_kernel_dim`).
+    pub conv_kernel: usize,
+    pub key_head_dim: usize,
+    pub value_head_dim: usize,
+    pub num_key_heads: usize,
+    /// A multiple of `num_key_heads`: value head `h` reads key head `h / ratio`.
+    pub num_value_heads: usize,
+    /// Per layer: whether it is linear attention (else full attention).
+    pub layers: Vec<bool>,
+    pub projections: LinearProjections,
+}
+
+impl LinearAttn {
+    /// Widths of all queries (and of all keys), and of all values.
+    pub fn key_dim(&self) -> usize {
+        self.num_key_heads * self.key_head_dim
+    }
+
+    pub fn value_dim(&self) -> usize {
+        self.num_value_heads * self.value_head_dim
+    }
+
+    /// Channels of the convolution: queries, keys and values.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.key_dim() + self.value_dim()
+    }
+
+    /// The recurrent state of one layer, in floats: the convolution's last
+    /// `conv_kernel - 1` inputs, and each value head's key-by-value matrix.
+    pub fn state_shape(&self) -> crate::kv::StateShape {
+        crate::kv::StateShape {
+            conv: (self.conv_kernel - 1) * self.conv_dim(),
+            matrix: self.num_value_heads * self.key_head_dim * self.value_head_dim,
         }
     }
 }
@@ -117,6 +189,10 @@ pub struct Moe {
     /// Rows of the shared experts' gate and up projections (`moe_intermediate_size ×
     /// n_shared_experts`), 0 without shared experts.
     pub shared_intermediate_size: usize,
+    /// One shared expert (`mlp.shared_expert.*`, not `shared_experts`) whose output
+    /// is multiplied by the sigmoid of a per-position scalar (`shared_expert_gate`):
+    /// qwen3_next, qwen3_5_moe.
+    pub shared_gate: bool,
 }
 
 /// How a router scores and picks experts.
@@ -216,6 +292,15 @@ pub struct ModelConfig {
     pub moe: Option<Moe>,
     /// Multi-head latent attention in place of grouped-query attention.
     pub mla: Option<Mla>,
+    /// Linear-attention layers between the full attention ones (a hybrid).
+    pub linear: Option<LinearAttn>,
+    /// RMSNorm weights are offsets from one: `x̂ · (1 + w)` (zero-centred norms,
+    /// q/k norms included; a DeltaNet layer's gated output norm is not).
+    pub norm_offset: bool,
+    /// `q_proj` gives each head its query and a gate of the same width, one after
+    /// the other; attention's output is multiplied by the gate's sigmoid before
+    /// `o_proj`.
+    pub attn_output_gate: bool,
     /// Layers after the decoder's that the checkpoint may hold and the forward pass
     /// does not run (multi-token prediction: `num_nextn_predict_layers`).
     pub extra_layers: usize,
@@ -290,6 +375,12 @@ pub struct HfConfig {
     pub use_qk_norm: Option<bool>,
     pub num_nextn_predict_layers: Option<usize>,
     pub original_max_position_embeddings: Option<usize>,
+    pub linear_conv_kernel_dim: Option<usize>,
+    pub linear_key_head_dim: Option<usize>,
+    pub linear_value_head_dim: Option<usize>,
+    pub linear_num_key_heads: Option<usize>,
+    pub linear_num_value_heads: Option<usize>,
+    pub full_attention_interval: Option<usize>,
 }
 
 impl HfConfig {
@@ -355,6 +446,12 @@ impl HfConfig {
             v_head_dim: f.count("v_head_dim")?,
             rope_interleave: f.boolean("rope_interleave")?,
             use_qk_norm: f.boolean("use_qk_norm")?,
+            linear_conv_kernel_dim: f.count("linear_conv_kernel_dim")?,
+            linear_key_head_dim: f.count("linear_key_head_dim")?,
+            linear_value_head_dim: f.count("linear_value_head_dim")?,
+            linear_num_key_heads: f.count("linear_num_key_heads")?,
+            linear_num_value_heads: f.count("linear_num_value_heads")?,
+            full_attention_interval: f.count("full_attention_interval")?,
             num_nextn_predict_layers: match f.count("num_nextn_predict_layers")? {
                 Some(n) => Some(n),
                 None => f.count("num_mtp_layers")?,
@@ -548,10 +645,14 @@ impl ModelConfig {
             "mixtral" => Arch::Mixtral,
             "glm4_moe" => Arch::Glm4Moe,
             "deepseek_v3" => Arch::DeepseekV3,
+            "qwen3_next" => Arch::Qwen3Next,
+            "qwen3_5_text" => Arch::Qwen35,
+            "qwen3_5_moe_text" => Arch::Qwen35Moe,
             other => {
                 return Err(err(format!(
                     "unsupported model_type '{other}' (supported: llama, mistral, qwen2, \
-                     qwen3, qwen3_moe, olmoe, mixtral, glm4_moe, deepseek_v3)"
+                     qwen3, qwen3_moe, olmoe, mixtral, glm4_moe, deepseek_v3, qwen3_next, \
+                     qwen3_5_text, qwen3_5_moe_text)"
                 )))
             }
         };
@@ -574,7 +675,11 @@ impl ModelConfig {
         }
 
         let hidden_size = need(hf.hidden_size, "hidden_size")?;
-        let intermediate_size = need(hf.intermediate_size, "intermediate_size")?;
+        // qwen3_5_moe has no dense MLP: its experts' size stands in (never used).
+        let intermediate_size = match (arch, hf.intermediate_size) {
+            (Arch::Qwen35Moe, None) => need(hf.moe_intermediate_size, "moe_intermediate_size")?,
+            (_, i) => need(i, "intermediate_size")?,
+        };
         let num_layers = need(hf.num_hidden_layers, "num_hidden_layers")?;
         let num_heads = need(hf.num_attention_heads, "num_attention_heads")?;
         let num_kv_heads = need(
@@ -649,12 +754,14 @@ impl ModelConfig {
             .map_err(err)?,
         };
         // glm4_moe rotates half of each head unless the config says otherwise.
+        // qwen3_next and qwen3_5 a quarter (transformers' default for these).
         let partial = match (arch, partial) {
             (Arch::Glm4Moe, None) => Some(0.5),
+            (a, None) if a.is_hybrid() => Some(0.25),
             (_, p) => p,
         };
         let rotary_dim = match partial {
-            Some(f) if arch == Arch::Glm4Moe => {
+            Some(f) if arch == Arch::Glm4Moe || arch.is_hybrid() => {
                 if !(f > 0.0 && f <= 1.0) {
                     return Err(err(format!(
                         "'partial_rotary_factor' {f} must be in (0, 1]"
@@ -701,9 +808,14 @@ impl ModelConfig {
             // glm4_moe: `attention_bias` on q, k and v only.
             Arch::Glm4Moe => (attention_bias, false),
             // deepseek_v3: on q_a, kv_a and o (q_b, kv_b never have one).
-            Arch::Llama | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Olmoe | Arch::DeepseekV3 => {
-                (attention_bias, attention_bias)
-            }
+            Arch::Llama
+            | Arch::Qwen3
+            | Arch::Qwen3Moe
+            | Arch::Olmoe
+            | Arch::DeepseekV3
+            | Arch::Qwen3Next
+            | Arch::Qwen35
+            | Arch::Qwen35Moe => (attention_bias, attention_bias),
         };
         let mlp_bias = match arch {
             Arch::Llama => hf.mlp_bias.unwrap_or(false),
@@ -734,6 +846,7 @@ impl ModelConfig {
             mlp_bias,
             qk_norm: match arch {
                 Arch::Qwen3 | Arch::Qwen3Moe => QkNorm::PerHead,
+                a if a.is_hybrid() => QkNorm::PerHead,
                 Arch::Glm4Moe if hf.use_qk_norm.unwrap_or(false) => QkNorm::PerHead,
                 Arch::Olmoe => QkNorm::Whole,
                 _ => QkNorm::None,
@@ -744,6 +857,9 @@ impl ModelConfig {
             },
             moe: None,
             mla,
+            linear: None,
+            norm_offset: arch.is_hybrid(),
+            attn_output_gate: arch.is_hybrid(),
             extra_layers,
             sliding_window: Vec::new(),
             bos_token_id: None,
@@ -753,6 +869,7 @@ impl ModelConfig {
         cfg.check_scalars().map_err(err)?;
         cfg.sliding_window = sliding_windows(hf, arch, num_layers).map_err(err)?;
         cfg.moe = moe(hf, arch, num_layers, intermediate_size).map_err(err)?;
+        cfg.linear = linear_attn(hf, arch, num_layers).map_err(err)?;
         cfg.bos_token_id = token_ids(hf.bos_token_id.as_ref(), "bos_token_id", vocab_size, path)
             .first()
             .copied();
@@ -1294,7 +1411,8 @@ fn moe(
     match arch {
         Arch::Qwen3Moe | Arch::Olmoe | Arch::Mixtral => {}
         Arch::Glm4Moe | Arch::DeepseekV3 => return grouped_moe(hf, arch, num_layers).map(Some),
-        Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 => return Ok(None),
+        Arch::Qwen3Next | Arch::Qwen35Moe => return gated_shared_moe(hf, arch, num_layers),
+        Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen35 => return Ok(None),
     }
     if hf.shared_expert_intermediate_size.is_some_and(|n| n > 0) {
         return Err("shared experts ('shared_expert_intermediate_size') are not supported".into());
@@ -1334,20 +1452,7 @@ fn moe(
         _ => hf.norm_topk_prob.unwrap_or(false),
     };
     let sparse = match arch {
-        Arch::Qwen3Moe => {
-            let step = hf.decoder_sparse_step.unwrap_or(1);
-            within("decoder_sparse_step", step, 1, limits::LAYERS)?;
-            let mut dense = vec![false; num_layers];
-            for &l in hf.mlp_only_layers.as_deref().unwrap_or_default() {
-                if l >= num_layers {
-                    return Err(format!("'mlp_only_layers' names layer {l} of {num_layers}"));
-                }
-                dense[l] = true;
-            }
-            (0..num_layers)
-                .map(|i| !dense[i] && (i + 1) % step == 0)
-                .collect()
-        }
+        Arch::Qwen3Moe => sparse_layers(hf, num_layers)?,
         _ => vec![true; num_layers],
     };
     Ok(Some(Moe {
@@ -1359,7 +1464,117 @@ fn moe(
         scoring: Scoring::Softmax,
         routed_scaling_factor: 1.0,
         shared_intermediate_size: 0,
+        shared_gate: false,
     }))
+}
+
+/// The sparse layers of `num_layers` by `decoder_sparse_step` and `mlp_only_layers`
+/// (qwen3_moe's and qwen3_next's rule: layer `i` routes unless listed, when `i + 1`
+/// is a multiple of the step).
+fn sparse_layers(hf: &HfConfig, num_layers: usize) -> Result<Vec<bool>, String> {
+    let step = hf.decoder_sparse_step.unwrap_or(1);
+    within("decoder_sparse_step", step, 1, limits::LAYERS)?;
+    let mut dense = vec![false; num_layers];
+    for &l in hf.mlp_only_layers.as_deref().unwrap_or_default() {
+        if l >= num_layers {
+            return Err(format!("'mlp_only_layers' names layer {l} of {num_layers}"));
+        }
+        dense[l] = true;
+    }
+    Ok((0..num_layers)
+        .map(|i| !dense[i] && (i + 1) % step == 0)
+        .collect())
+}
+
+/// qwen3_next's and qwen3_5_moe's experts (transformers' defaults for absent keys):
+/// softmax routing, one shared expert gated by a sigmoid. qwen3_5_moe routes in
+/// every layer and always renormalises.
+fn gated_shared_moe(hf: &HfConfig, arch: Arch, num_layers: usize) -> Result<Option<Moe>, String> {
+    let num_experts = hf.num_experts.unwrap_or(512);
+    if num_experts == 0 {
+        return Ok(None);
+    }
+    within("num_experts", num_experts, 1, limits::EXPERTS)?;
+    let top_k = hf.num_experts_per_tok.unwrap_or(10);
+    within("num_experts_per_tok", top_k, 1, num_experts)?;
+    let inter = hf.moe_intermediate_size.unwrap_or(512);
+    within("moe_intermediate_size", inter, 1, limits::WIDTH)?;
+    let shared = hf.shared_expert_intermediate_size.unwrap_or(512);
+    within("shared_expert_intermediate_size", shared, 1, limits::WIDTH)?;
+    let (norm_topk_prob, sparse) = match arch {
+        Arch::Qwen35Moe => (true, vec![true; num_layers]),
+        _ => (
+            hf.norm_topk_prob.unwrap_or(true),
+            sparse_layers(hf, num_layers)?,
+        ),
+    };
+    Ok(Some(Moe {
+        num_experts,
+        top_k,
+        expert_intermediate_size: inter,
+        norm_topk_prob,
+        sparse,
+        scoring: Scoring::Softmax,
+        routed_scaling_factor: 1.0,
+        shared_intermediate_size: shared,
+        shared_gate: true,
+    }))
+}
+
+/// A hybrid's linear-attention layers (transformers' defaults for absent keys): the
+/// layer pattern from `layer_types`, or every `full_attention_interval`-th layer
+/// full attention (4 by default).
+fn linear_attn(hf: &HfConfig, arch: Arch, num_layers: usize) -> Result<Option<LinearAttn>, String> {
+    if !arch.is_hybrid() {
+        return Ok(None);
+    }
+    let conv_kernel = hf.linear_conv_kernel_dim.unwrap_or(4);
+    within("linear_conv_kernel_dim", conv_kernel, 1, 64)?;
+    let key_head_dim = hf.linear_key_head_dim.unwrap_or(128);
+    within("linear_key_head_dim", key_head_dim, 1, limits::HEAD_DIM)?;
+    let value_head_dim = hf.linear_value_head_dim.unwrap_or(128);
+    within("linear_value_head_dim", value_head_dim, 1, limits::HEAD_DIM)?;
+    let num_key_heads = hf.linear_num_key_heads.unwrap_or(16);
+    within("linear_num_key_heads", num_key_heads, 1, limits::HEADS)?;
+    let num_value_heads = hf.linear_num_value_heads.unwrap_or(32);
+    within("linear_num_value_heads", num_value_heads, 1, limits::HEADS)?;
+    if !num_value_heads.is_multiple_of(num_key_heads) {
+        return Err(format!(
+            "'linear_num_value_heads' {num_value_heads} is not a multiple of \
+             'linear_num_key_heads' {num_key_heads}"
+        ));
+    }
+    let layers = match &hf.layer_types {
+        Some(types) => types.iter().map(|t| t == "linear_attention").collect(),
+        None => {
+            let every = hf.full_attention_interval.unwrap_or(4);
+            within("full_attention_interval", every, 1, limits::LAYERS)?;
+            (0..num_layers).map(|i| (i + 1) % every != 0).collect()
+        }
+    };
+    let projections = match arch {
+        Arch::Qwen3Next => LinearProjections::Grouped,
+        _ => LinearProjections::Split,
+    };
+    let l = LinearAttn {
+        conv_kernel,
+        key_head_dim,
+        value_head_dim,
+        num_key_heads,
+        num_value_heads,
+        layers,
+        projections,
+    };
+    for (what, w) in [
+        ("convolution channels", l.conv_dim()),
+        (
+            "'linear_num_value_heads' × 'linear_value_head_dim'",
+            l.value_dim(),
+        ),
+    ] {
+        within(what, w, 1, limits::WIDTH)?;
+    }
+    Ok(Some(l))
 }
 
 /// deepseek_v3's and glm4_moe's experts (transformers' defaults for absent keys):
@@ -1446,6 +1661,7 @@ fn grouped_moe(hf: &HfConfig, arch: Arch, num_layers: usize) -> Result<Moe, Stri
         },
         routed_scaling_factor: scale,
         shared_intermediate_size,
+        shared_gate: false,
     })
 }
 
@@ -1475,6 +1691,8 @@ fn sliding_windows(
             .enumerate()
             .map(|(i, t)| match t.as_str() {
                 "full_attention" => Ok(None),
+                // A hybrid's recurrent layers ([`LinearAttn`]) hold no keys to window.
+                "linear_attention" if arch.is_hybrid() => Ok(None),
                 "sliding_attention" => window.map(Some).ok_or_else(|| {
                     format!("layer {i} is 'sliding_attention' but 'sliding_window' is not set")
                 }),
@@ -1495,6 +1713,8 @@ fn sliding_windows(
             _ => Ok(vec![None; num_layers]),
         },
         Arch::Olmoe | Arch::Glm4Moe | Arch::DeepseekV3 => Ok(vec![None; num_layers]),
+        // transformers' hybrids have no sliding window.
+        Arch::Qwen3Next | Arch::Qwen35 | Arch::Qwen35Moe => Ok(vec![None; num_layers]),
         // Qwen2/3 apply a window only with use_sliding_window, from max_window_layers on.
         Arch::Qwen2 | Arch::Qwen3 => {
             if hf.use_sliding_window.unwrap_or(false) {
@@ -1531,6 +1751,144 @@ mod tests {
 
     fn parse(json: &str) -> Result<ModelConfig, VoomError> {
         ModelConfig::from_json(json, Path::new("config.json"))
+    }
+
+    fn hybrid_fixture(case: &str) -> ModelConfig {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny_hybrid");
+        ModelConfig::from_dir(&dir.join(case)).unwrap()
+    }
+
+    /// The hybrid fixtures' configs: the released qwen3_next form (top-level rope,
+    /// `full_attention_interval`), explicit `layer_types`, and qwen3_5's text models
+    /// (M-RoPE sections, projections apart, experts in every layer).
+    #[test]
+    fn hybrid_configs_give_their_layers_heads_and_experts() {
+        let c = hybrid_fixture("qwen3_next_moe_legacy_config");
+        assert_eq!(c.arch, Arch::Qwen3Next);
+        assert!(c.norm_offset && c.attn_output_gate && c.qk_norm == QkNorm::PerHead);
+        assert_eq!((c.head_dim, c.rotary_dim, c.rope_theta), (32, 8, 10000.0));
+        let l = c.linear.as_ref().unwrap();
+        assert_eq!(l.layers, vec![true, true, true, false]);
+        assert_eq!(l.projections, LinearProjections::Grouped);
+        assert_eq!(
+            (
+                l.num_key_heads,
+                l.num_value_heads,
+                l.key_head_dim,
+                l.value_head_dim
+            ),
+            (2, 4, 16, 16)
+        );
+        assert_eq!(
+            (l.conv_dim(), l.state_shape().conv, l.state_shape().matrix),
+            (128, 3 * 128, 4 * 16 * 16)
+        );
+        let m = c.moe.as_ref().unwrap();
+        assert_eq!(
+            (m.num_experts, m.top_k, m.norm_topk_prob, m.shared_gate),
+            (8, 2, true, true)
+        );
+        assert_eq!(
+            (m.expert_intermediate_size, m.shared_intermediate_size),
+            (32, 48)
+        );
+        assert_eq!(m.sparse, vec![true; 4]);
+        assert_eq!(c.sliding_window, vec![None; 4]);
+
+        let c = hybrid_fixture("qwen3_next_ratio1_dense_layer_tied");
+        let l = c.linear.as_ref().unwrap();
+        assert_eq!(l.layers, vec![true, false, true]);
+        assert_eq!(
+            (l.conv_kernel, l.value_head_dim, l.num_value_heads),
+            (3, 24, 2)
+        );
+        assert_eq!((c.head_dim, c.rotary_dim, c.num_kv_heads), (16, 8, 1));
+        let m = c.moe.as_ref().unwrap();
+        assert_eq!(
+            (m.sparse.clone(), m.norm_topk_prob, m.top_k),
+            (vec![true, false, true], false, 3)
+        );
+        assert!(c.tie_word_embeddings);
+
+        let c = hybrid_fixture("qwen3_5_text_dense");
+        assert_eq!(c.arch, Arch::Qwen35);
+        assert!(c.moe.is_none() && c.norm_offset && c.attn_output_gate);
+        let l = c.linear.as_ref().unwrap();
+        assert_eq!(l.projections, LinearProjections::Split);
+        assert_eq!(l.layers, vec![true, true, false, true, false]);
+        assert_eq!(c.rotary_dim, 8);
+
+        let c = hybrid_fixture("qwen3_5_moe_text");
+        assert_eq!(c.arch, Arch::Qwen35Moe);
+        assert_eq!(
+            c.linear.as_ref().unwrap().layers,
+            vec![true, false, true, false]
+        );
+        let m = c.moe.as_ref().unwrap();
+        assert_eq!(
+            (m.sparse.clone(), m.norm_topk_prob, m.shared_gate),
+            (vec![true; 4], true, true)
+        );
+        assert_eq!(c.intermediate_size, 32);
+    }
+
+    /// transformers' defaults for a qwen3_next config that gives none of the hybrid
+    /// keys (the 80B release's shapes), and what is refused.
+    #[test]
+    fn hybrid_defaults_and_bad_hybrid_keys() {
+        let c = parse(&format!(
+            r#"{{"model_type": "qwen3_next", {BASE}, "num_hidden_layers": 8, "head_dim": 64}}"#
+        ))
+        .unwrap();
+        let l = c.linear.as_ref().unwrap();
+        assert_eq!(
+            l.layers,
+            vec![true, true, true, false, true, true, true, false]
+        );
+        assert_eq!(
+            (
+                l.conv_kernel,
+                l.num_key_heads,
+                l.num_value_heads,
+                l.key_head_dim
+            ),
+            (4, 16, 32, 128)
+        );
+        assert_eq!(c.rotary_dim, 16);
+        let m = c.moe.as_ref().unwrap();
+        assert_eq!(
+            (m.num_experts, m.top_k, m.shared_intermediate_size),
+            (512, 10, 512)
+        );
+        for (extra, want) in [
+            (
+                r#""linear_num_key_heads": 3, "linear_num_value_heads": 4"#,
+                "not a multiple",
+            ),
+            (r#""linear_conv_kernel_dim": 0"#, "linear_conv_kernel_dim"),
+            (
+                r#""layer_types": ["linear_attention", "mamba"]"#,
+                "unsupported layer type 'mamba'",
+            ),
+            (r#""full_attention_interval": 0"#, "full_attention_interval"),
+        ] {
+            let e = parse(&format!(
+                r#"{{"model_type": "qwen3_next", {BASE}, {extra}}}"#
+            ))
+            .unwrap_err()
+            .to_string();
+            assert!(e.contains(want), "{extra}: {e}");
+        }
+        // A linear layer in a model that has none.
+        let e = parse(&format!(
+            r#"{{"model_type": "qwen3", {BASE}, "layer_types": ["linear_attention", "full_attention"]}}"#
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("unsupported layer type 'linear_attention'"),
+            "{e}"
+        );
     }
 
     const BASE: &str = r#""hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

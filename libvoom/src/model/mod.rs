@@ -174,5 +174,10 @@ fn load_on<B: Backend + 'static>(
         | Arch::Mixtral
         | Arch::Glm4Moe
         | Arch::DeepseekV3 => Ok(Box::new(llama::Llama::load(cfg, source, model, backend)?)),
+        Arch::Qwen3Next | Arch::Qwen35 | Arch::Qwen35Moe => Err(VoomError::Request(format!(
+            "model {model}: model_type '{}' (hybrid linear attention) is read but not yet \
+             computed by this version of vOOM",
+            cfg.arch.name()
+        ))),
     }
 }
