@@ -199,6 +199,7 @@ fn norms_rope_add_bias_and_activation_follow_their_definitions() {
         let w = VecView {
             dtype: DType::BF16,
             bytes: &wb,
+            plus_one: false,
         };
         b.rms_norm(&xa, w, eps, &mut out).unwrap();
         b.download_owned(out)
@@ -222,6 +223,7 @@ fn norms_rope_add_bias_and_activation_follow_their_definitions() {
         let w = VecView {
             dtype: DType::BF16,
             bytes: &hb,
+            plus_one: false,
         };
         b.rms_norm_groups(&mut xa, hd, w, eps).unwrap();
         b.download_owned(xa)
@@ -279,6 +281,7 @@ fn norms_rope_add_bias_and_activation_follow_their_definitions() {
         let w = VecView {
             dtype: DType::BF16,
             bytes: &wb,
+            plus_one: false,
         };
         b.add_bias(&mut xa, w).unwrap();
         b.gated(Activation::Silu, &mut xa, &ya).unwrap();
@@ -403,6 +406,7 @@ fn mismatched_shapes_are_errors_on_every_backend() {
         let norm = VecView {
             dtype: DType::BF16,
             bytes: &w[..4],
+            plus_one: false,
         };
         assert!(b.rms_norm(&x, norm, 1e-5, &mut short).is_err());
         let bad_dtype = WeightView {

@@ -89,6 +89,7 @@ impl<'a> WeightView<'a> {
         VecView {
             dtype: v.dtype,
             bytes: v.bytes,
+            plus_one: false,
         }
     }
 }
@@ -154,6 +155,9 @@ pub fn check_dtype(d: DType) -> Result<(), KernelError> {
 pub struct VecView<'a> {
     pub dtype: DType,
     pub bytes: &'a [u8],
+    /// Its values are offsets from one: each reads as `1 + w` in f32 (a zero-centred
+    /// RMSNorm's weight, as transformers computes `1.0 + weight.float()`).
+    pub plus_one: bool,
 }
 
 impl VecView<'_> {
@@ -167,7 +171,12 @@ impl VecView<'_> {
 
     #[inline]
     pub fn get(&self, i: usize) -> f32 {
-        read_f32(self.dtype, self.bytes, i)
+        let w = read_f32(self.dtype, self.bytes, i);
+        if self.plus_one {
+            1.0 + w
+        } else {
+            w
+        }
     }
 
     /// The values widened to f32 (exactly: BF16 and F16 are subsets of f32).

@@ -18,6 +18,7 @@ use vpaged::{PageId, PageSource};
 use crate::backend::{Activation, AttentionShape, Backend, KernelError, RopeShape, RopeTable};
 use crate::config::{ModelConfig, QkNorm};
 use crate::kv::KvCache;
+use crate::model::deltanet::{self, DeltaNet};
 use crate::model::linear::Linear;
 use crate::model::mla::{self, MlaAttention};
 use crate::model::moe::{ExpertDims, Experts};
@@ -48,6 +49,8 @@ enum Attention {
     },
     /// Multi-head latent attention (deepseek_v3).
     Mla(MlaAttention),
+    /// Gated DeltaNet, a hybrid's linear attention (qwen3_next, qwen3_5).
+    Delta(DeltaNet),
 }
 
 /// What follows attention in a layer.
@@ -87,6 +90,7 @@ impl Layer {
                 with(&[], o, None),
             ],
             Attention::Mla(m) => m.steps(self.attn_norm.page),
+            Attention::Delta(d) => d.steps(self.attn_norm.page),
         };
         debug_assert_eq!(steps.len(), self.mlp_step());
         match &self.mlp {
@@ -111,6 +115,7 @@ impl Layer {
         match self.attn {
             Attention::Gqa { .. } => GQA_STEPS,
             Attention::Mla(_) => mla::STEPS,
+            Attention::Delta(_) => deltanet::STEPS,
         }
     }
 
@@ -274,7 +279,9 @@ impl<B: Backend> Llama<B> {
         } else {
             f.table("lm_head.weight", &d.vocab, &d.hidden)?
         };
-        let final_norm = f.vector("model.norm.weight", &d.hidden)?;
+        let final_norm = f
+            .vector("model.norm.weight", &d.hidden)?
+            .plus_one(cfg.norm_offset);
         // As many as the checkpoint has (checked above).
         let layers = (0..cfg.num_layers)
             .map(|i| Layer::load(&f, &cfg, &d, i, i))
@@ -455,29 +462,47 @@ impl Layer {
         let p = format!("model.layers.{at}");
         let a = format!("{p}.self_attn");
         let m = format!("{p}.mlp");
-        let attn = match &cfg.mla {
-            Some(mla) => Attention::Mla(MlaAttention::load(f, cfg, mla, &a)?),
-            None => Attention::Gqa {
-                q: linear(&format!("{a}.q_proj"), &d.q, &d.hidden, cfg.qkv_bias)?,
+        let norm = |name: &str, dim: &Dim| {
+            Ok::<_, VoomError>(f.vector(name, dim)?.plus_one(cfg.norm_offset))
+        };
+        // With an output gate, q_proj gives each head its query and its gate.
+        let q_rows = match cfg.attn_output_gate {
+            true => Dim::of(
+                "2 × num_attention_heads × head_dim (queries and output gates)",
+                2 * d.q.len,
+            ),
+            false => d.q.clone(),
+        };
+        let linear_layer = cfg
+            .linear
+            .as_ref()
+            .filter(|l| l.layers.get(li) == Some(&true));
+        let attn = match (&cfg.mla, linear_layer) {
+            (_, Some(l)) => {
+                Attention::Delta(DeltaNet::load(f, cfg, l, &format!("{p}.linear_attn"))?)
+            }
+            (Some(mla), None) => Attention::Mla(MlaAttention::load(f, cfg, mla, &a)?),
+            (None, None) => Attention::Gqa {
+                q: linear(&format!("{a}.q_proj"), &q_rows, &d.hidden, cfg.qkv_bias)?,
                 k: linear(&format!("{a}.k_proj"), &d.kv, &d.hidden, cfg.qkv_bias)?,
                 v: linear(&format!("{a}.v_proj"), &d.kv, &d.hidden, cfg.qkv_bias)?,
                 o: linear(&format!("{a}.o_proj"), &d.hidden, &d.q, cfg.o_bias)?,
                 q_norm: match cfg.qk_norm {
                     QkNorm::None => None,
-                    QkNorm::PerHead => Some(f.vector(&format!("{a}.q_norm.weight"), &d.head)?),
-                    QkNorm::Whole => Some(f.vector(&format!("{a}.q_norm.weight"), &d.q)?),
+                    QkNorm::PerHead => Some(norm(&format!("{a}.q_norm.weight"), &d.head)?),
+                    QkNorm::Whole => Some(norm(&format!("{a}.q_norm.weight"), &d.q)?),
                 },
                 k_norm: match cfg.qk_norm {
                     QkNorm::None => None,
-                    QkNorm::PerHead => Some(f.vector(&format!("{a}.k_norm.weight"), &d.head)?),
-                    QkNorm::Whole => Some(f.vector(&format!("{a}.k_norm.weight"), &d.kv)?),
+                    QkNorm::PerHead => Some(norm(&format!("{a}.k_norm.weight"), &d.head)?),
+                    QkNorm::Whole => Some(norm(&format!("{a}.k_norm.weight"), &d.kv)?),
                 },
             },
         };
         Ok(Layer {
-            attn_norm: f.vector(&format!("{p}.input_layernorm.weight"), &d.hidden)?,
+            attn_norm: norm(&format!("{p}.input_layernorm.weight"), &d.hidden)?,
             attn,
-            mlp_norm: f.vector(&format!("{p}.post_attention_layernorm.weight"), &d.hidden)?,
+            mlp_norm: norm(&format!("{p}.post_attention_layernorm.weight"), &d.hidden)?,
             mlp: match &cfg.moe {
                 Some(moe) if moe.sparse[li] => Mlp::Moe(Experts::load(f, moe, &experts, &p)?),
                 _ => Mlp::Dense {
@@ -520,7 +545,11 @@ impl<B: Backend> Model for Llama<B> {
             Some(m) => mla::cache_width(m),
             None => 2 * cfg.num_kv_heads * cfg.head_dim,
         };
-        (cfg.num_layers * width * std::mem::size_of::<f32>()) as u64
+        // A hybrid's linear-attention layers hold a fixed state, no keys or values.
+        let layers = cfg.linear.as_ref().map_or(cfg.num_layers, |l| {
+            l.layers.iter().filter(|&&linear| !linear).count()
+        });
+        (layers * width * std::mem::size_of::<f32>()) as u64
     }
 
     fn new_kv(&self, capacity: usize, page: usize) -> KvCache {
@@ -529,13 +558,25 @@ impl<B: Backend> Model for Llama<B> {
             Some(m) => mla::cache_width(m),
             None => cfg.num_kv_heads * cfg.head_dim,
         };
-        KvCache::with_page(
+        let kv = KvCache::with_page(
             cfg.num_layers,
             width,
             capacity.min(cfg.max_position_embeddings),
             page,
         )
-        .with_windows(cfg.sliding_window.clone())
+        .with_windows(cfg.sliding_window.clone());
+        match &cfg.linear {
+            Some(l) => {
+                let shape = l.state_shape();
+                let shapes: Vec<_> = l
+                    .layers
+                    .iter()
+                    .map(|&linear| linear.then_some(shape))
+                    .collect();
+                kv.with_states(&shapes)
+            }
+            None => kv,
+        }
     }
 
     fn scratch_bytes(&self, tokens: usize, chunk: usize, context: usize) -> u64 {
@@ -693,6 +734,12 @@ impl<B: Backend> Model for Llama<B> {
                             kvs.push((p.rows.clone(), kv));
                         }
                         self.attention(&lw, li, layer, x, table, &mut kvs, s)?
+                    }
+                    Attention::Delta(d) => {
+                        // Not packed: the chunk is one sequence's, its positions in
+                        // order.
+                        let kv = &mut *seqs[pieces[0].seq].kv;
+                        d.forward(b, cfg, &lw, &layer.attn_norm, x, kv, li)?
                     }
                     Attention::Mla(m) => {
                         // Not packed: the chunk is one sequence's.
@@ -1007,10 +1054,29 @@ impl<B: Backend> Llama<B> {
             QkNorm::Whole => (cfg.num_heads * hd, cfg.num_kv_heads * hd),
             _ => (hd, hd),
         };
+        // With an output gate: each head's gate, beside its query in q_proj's rows.
+        let mut gate = None;
         {
             let w = lw.step(STEP_Q)?;
             b.rms_norm(x, w.vector(&layer.attn_norm), eps, &mut s.xn)?;
-            q.apply(b, &w, &s.xn, &mut s.q)?;
+            if cfg.attn_output_gate {
+                let (rows, qd) = b.shape(&s.q);
+                let mut both = b.zeros(rows, 2 * qd);
+                q.apply(b, &w, &s.xn, &mut both)?;
+                let both = b.download_owned(both);
+                let (mut qs, mut gs) = (vec![0f32; rows * qd], vec![0f32; rows * qd]);
+                for (r, row) in both.chunks_exact(2 * qd).enumerate() {
+                    for (hh, head) in row.chunks_exact(2 * hd).enumerate() {
+                        let at = r * qd + hh * hd;
+                        qs[at..at + hd].copy_from_slice(&head[..hd]);
+                        gs[at..at + hd].copy_from_slice(&head[hd..]);
+                    }
+                }
+                s.q = b.upload(rows, qd, &qs)?;
+                gate = Some(gs);
+            } else {
+                q.apply(b, &w, &s.xn, &mut s.q)?;
+            }
             if let Some(qn) = q_norm {
                 b.rms_norm_groups(&mut s.q, qg, w.vector(qn), eps)?;
             }
@@ -1056,6 +1122,15 @@ impl<B: Backend> Llama<B> {
                 }
                 s.att = b.stack(&outs)?;
             }
+        }
+        if let Some(g) = gate {
+            // transformers: `attn_output * torch.sigmoid(gate)`, in float32.
+            let (rows, cols) = b.shape(&s.att);
+            let mut att = b.download(&s.att);
+            for (a, &g) in att.iter_mut().zip(&g) {
+                *a *= 1.0 / (1.0 + (-g).exp());
+            }
+            s.att = b.upload(rows, cols, &att)?;
         }
         {
             let w = lw.step(STEP_O)?;

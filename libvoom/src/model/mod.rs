@@ -8,6 +8,7 @@
 //!   [`mla`] deepseek_v3's multi-head latent attention, [`linear`] a projection.
 //! - [`sweep`]: leasing, prefetching and releasing pages along a plan.
 
+mod deltanet;
 mod linear;
 pub mod llama;
 mod mla;
@@ -173,11 +174,9 @@ fn load_on<B: Backend + 'static>(
         | Arch::Olmoe
         | Arch::Mixtral
         | Arch::Glm4Moe
-        | Arch::DeepseekV3 => Ok(Box::new(llama::Llama::load(cfg, source, model, backend)?)),
-        Arch::Qwen3Next | Arch::Qwen35 | Arch::Qwen35Moe => Err(VoomError::Request(format!(
-            "model {model}: model_type '{}' (hybrid linear attention) is read but not yet \
-             computed by this version of vOOM",
-            cfg.arch.name()
-        ))),
+        | Arch::DeepseekV3
+        | Arch::Qwen3Next
+        | Arch::Qwen35
+        | Arch::Qwen35Moe => Ok(Box::new(llama::Llama::load(cfg, source, model, backend)?)),
     }
 }

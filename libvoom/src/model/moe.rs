@@ -90,6 +90,9 @@ pub(super) struct Experts {
     bias: Option<Vector>,
     routed: Vec<Expert>,
     shared: Option<Expert>,
+    /// `[1, hidden]`: the shared expert's output is multiplied by the sigmoid of
+    /// the normed input's product with it (qwen3_next's `shared_expert_gate`).
+    shared_gate: Option<Matrix>,
 }
 
 /// One chunk's routing in a layer of experts: its normed rows (the experts' input)
@@ -167,8 +170,20 @@ impl Experts {
                 })
                 .collect::<Result<Vec<_>, VoomError>>()?
         };
+        // One gated shared expert (`shared_expert`), or shared experts summed as one.
+        let (one, shared_gate) = match moe.shared_gate {
+            true => (
+                "shared_expert",
+                Some(f.matrix(
+                    &format!("{m}.shared_expert_gate.weight"),
+                    &Dim::of("1", 1),
+                    &d.hidden,
+                )?),
+            ),
+            false => ("shared_experts", None),
+        };
         let shared = if moe.shared_intermediate_size > 0 {
-            let s = |proj: &str| format!("{m}.shared_experts.{proj}.weight");
+            let s = |proj: &str| format!("{m}.{one}.{proj}.weight");
             Some(Expert {
                 gate: f.matrix(&s("gate_proj"), &d.shared_inter, &d.hidden)?,
                 up: f.matrix(&s("up_proj"), &d.shared_inter, &d.hidden)?,
@@ -182,6 +197,7 @@ impl Experts {
             bias,
             routed,
             shared,
+            shared_gate,
         })
     }
 
@@ -194,7 +210,11 @@ impl Experts {
 
     /// The shared experts' pages (a step of their own), if any.
     pub fn shared_pages(&self) -> Option<Vec<PageId>> {
-        self.shared.as_ref().map(Expert::pages)
+        self.shared.as_ref().map(|s| {
+            let mut v = s.pages();
+            v.extend(self.shared_gate.as_ref().map(|g| g.page));
+            v
+        })
     }
 
     /// Each routed expert's pages.
@@ -375,9 +395,26 @@ impl Experts {
             let w = lw.step(shared_step)?;
             for (r, o) in routed.iter().zip(out.iter_mut()) {
                 let rows = r.picks.len();
-                let y = shared.compute(b, &w, &b.upload(rows, h, &r.xn)?, rows)?;
-                for (o, v) in o.iter_mut().zip(y) {
-                    *o += v;
+                let xn = b.upload(rows, h, &r.xn)?;
+                let y = shared.compute(b, &w, &xn, rows)?;
+                match &self.shared_gate {
+                    // transformers: `sigmoid(shared_expert_gate(x)) * shared_expert(x)`.
+                    Some(g) => {
+                        let mut z = b.zeros(rows, 1);
+                        b.matmul(&xn, w.matrix(g), &mut z)?;
+                        let z = b.download_owned(z);
+                        for ((o, v), &zr) in o.chunks_exact_mut(h).zip(y.chunks_exact(h)).zip(&z) {
+                            let s = 1.0 / (1.0 + (-zr).exp());
+                            for (o, &v) in o.iter_mut().zip(v) {
+                                *o += s * v;
+                            }
+                        }
+                    }
+                    None => {
+                        for (o, v) in o.iter_mut().zip(y) {
+                            *o += v;
+                        }
+                    }
                 }
             }
         }

@@ -284,6 +284,19 @@ impl<'a> WeightFinder<'a> {
             page,
             dtype,
             len: len.len,
+            plus_one: false,
+        })
+    }
+
+    /// A tensor of any shape `dims` (checked as [`WeightFinder::matrix`] checks
+    /// two), read as one flat vector in its stored order.
+    pub fn flat(&self, name: &str, dims: &[Dim]) -> Result<Vector, VoomError> {
+        let (page, dtype) = self.find(name, dims)?;
+        Ok(Vector {
+            page,
+            dtype,
+            len: dims.iter().map(|d| d.len).product(),
+            plus_one: false,
         })
     }
 }
@@ -414,6 +427,18 @@ pub struct Vector {
     pub page: PageId,
     pub dtype: DType,
     pub len: usize,
+    /// Its values read as `1 + w` ([`VecView::plus_one`]: a zero-centred norm's).
+    pub plus_one: bool,
+}
+
+impl Vector {
+    /// This vector read as offsets from one where `yes` (a zero-centred RMSNorm).
+    pub fn plus_one(self, yes: bool) -> Vector {
+        Vector {
+            plus_one: yes,
+            ..self
+        }
+    }
 }
 
 /// The leases held while computing one step (a layer, the head): weights are read
@@ -489,6 +514,7 @@ impl Leased {
         VecView {
             dtype: v.dtype,
             bytes: self.bytes(v.page),
+            plus_one: v.plus_one,
         }
     }
 }
