@@ -114,3 +114,112 @@ fn greedy_ids_match_transformers_on_every_hybrid() {
         }
     }
 }
+
+fn bits(x: &[f32]) -> Vec<u32> {
+    x.iter().map(|v| v.to_bits()).collect()
+}
+
+/// The 200-token prompt of a case.
+fn long_prompt(case: &str) -> Vec<u32> {
+    let r = reference(case);
+    let p = r["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["prompt_length"].as_u64() == Some(200))
+        .unwrap();
+    ids(&p["prompt_ids"])
+}
+
+/// A position's logits bits do not depend on the prefill chunk, the threads, the KV
+/// page size, the backend, nor on the prompt being computed in one pass or two (the
+/// recurrent state carried between them).
+#[test]
+fn logits_bits_do_not_depend_on_chunks_passes_threads_or_backend() {
+    for case in cases() {
+        let dir = fixtures().join(&case);
+        let prompt = long_prompt(&case);
+        let mut seen: Option<Vec<u32>> = None;
+        let runs = BackendKind::available().into_iter().flat_map(|backend| {
+            [
+                (1, 1, 1, 0),
+                (2, 3, 3, 77),
+                (3, 256, 128, 0),
+                (1, 7, 16, 199),
+            ]
+            .map(|(threads, chunk, page, split)| (threads, chunk, page, split, backend))
+        });
+        for (threads, chunk, page, split, backend) in runs {
+            let e = Engine::open(
+                &dir,
+                EngineOptions {
+                    threads,
+                    prefill_chunk: chunk,
+                    backend,
+                    kv_page_positions: page,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+            let mut kv = e.new_kv();
+            let mut all = Vec::new();
+            if split > 0 {
+                all = e.forward_all(&mut kv, &prompt[..split]).unwrap();
+            }
+            all.extend(e.forward_all(&mut kv, &prompt[split..]).unwrap());
+            let b = bits(&all);
+            let what = format!(
+                "{case}: threads {threads}, chunk {chunk}, KV pages of {page}, split at {split}, {}",
+                backend.name()
+            );
+            match &seen {
+                None => seen = Some(b),
+                Some(s) => assert!(s == &b, "logits bits change: {what}"),
+            }
+        }
+    }
+}
+
+/// Rejected drafted tokens: a cache whose last pass is cut back inside it (the
+/// recurrent state restored to that pass's start, the kept positions computed again
+/// from their ids) continues with the bits of a cache that stopped at the cut; cut
+/// further back than the last pass, it computes everything again, with the same bits.
+#[test]
+fn a_cache_cut_inside_its_last_pass_continues_as_one_that_stopped_there() {
+    for case in cases() {
+        let e = Engine::open(&fixtures().join(&case), EngineOptions::default()).unwrap();
+        let prompt = long_prompt(&case);
+        let (head, drafted, cut, end) = (100, 130, 110, 140);
+        let mut straight = e.new_kv();
+        e.forward_all(&mut straight, &prompt[..cut]).unwrap();
+        let want = bits(&e.forward_all(&mut straight, &prompt[cut..end]).unwrap());
+
+        let mut kv = e.new_kv();
+        e.forward_all(&mut kv, &prompt[..head]).unwrap();
+        e.forward_all(&mut kv, &prompt[head..drafted]).unwrap();
+        kv.truncate(cut);
+        assert_eq!(
+            kv.lost(),
+            Some(head),
+            "{case}: the kept drafts are to compute again"
+        );
+        let got = bits(&e.forward_all(&mut kv, &prompt[cut..end]).unwrap());
+        assert!(
+            got == want,
+            "{case}: a cut inside the last pass changed the bits"
+        );
+        assert_eq!(kv.len(), end);
+
+        // Further back than the last pass: everything again.
+        kv.truncate(cut - 40);
+        assert_eq!(kv.lost(), Some(0), "{case}");
+        let mut fresh = e.new_kv();
+        e.forward_all(&mut fresh, &prompt[..cut - 40]).unwrap();
+        let want = bits(&e.forward_all(&mut fresh, &prompt[cut - 40..end]).unwrap());
+        let got = bits(&e.forward_all(&mut kv, &prompt[cut - 40..end]).unwrap());
+        assert!(
+            got == want,
+            "{case}: a cut before the last pass changed the bits"
+        );
+    }
+}

@@ -191,8 +191,21 @@ fn logits_bits_do_not_depend_on_chunking_threads_or_backend() {
 #[test]
 fn a_batch_of_sequences_gives_each_its_solo_bits() {
     use libvoom::model::{Logits, SeqPass};
-    for case in cases() {
-        let dir = fixtures().join(&case);
+    // The hybrids too (tests/fixtures/tiny_hybrid): each sequence's recurrent state
+    // is its own.
+    let hybrids = fixtures().join("../tiny_hybrid");
+    let hybrid_index: Value =
+        serde_json::from_str(&std::fs::read_to_string(hybrids.join("index.json")).unwrap())
+            .unwrap();
+    let dirs = cases().into_iter().map(|c| fixtures().join(c)).chain(
+        hybrid_index["cases"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| hybrids.join(c["name"].as_str().unwrap())),
+    );
+    for dir in dirs {
+        let case = dir.file_name().unwrap().to_string_lossy().into_owned();
         let reference: Value =
             serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
                 .unwrap();

@@ -13,8 +13,16 @@ use libvoom::engine::{Engine, EngineOptions};
 use vpaged::direct::ReadMode;
 use vpaged::store::{Store, StoreConfig, StoreSource};
 
+/// A copy (with its manifest) of a case of `tests/fixtures/tiny`, or of
+/// `tests/fixtures/tiny_hybrid` where the first has none of that name.
 fn fixture_copy(case: &str) -> (tempfile::TempDir, PathBuf) {
-    common::copy_with_manifest(&common::fixtures().join(case))
+    let tiny = common::fixtures().join(case);
+    let dir = if tiny.exists() {
+        tiny
+    } else {
+        common::hybrid_fixtures().join(case)
+    };
+    common::copy_with_manifest(&dir)
 }
 
 fn run(engine: &Engine, prompt: &[u32]) -> (Vec<u32>, Vec<u32>) {
@@ -136,6 +144,8 @@ fn store_core_gives_the_embedded_bits_at_any_budget() {
         "mixtral_block_sparse",
         "glm4_moe_partial_rotary_shared",
         "deepseek_v3_mla_yarn",
+        "qwen3_next_moe_legacy_config",
+        "qwen3_5_text_dense",
     ] {
         let (_d, dir) = fixture_copy(case);
         let prompt: Vec<u32> = (0..21).map(|i| (i * 17 + 3) % 200).collect();

@@ -11,6 +11,53 @@ use libvoom::engine::{Decoding, Engine, EngineOptions, GenerateParams};
 
 use common::{copy_with_manifest, fixtures, greedy, prompt_of, same};
 
+/// A hybrid's recurrent state is cut back only to where a pass started: an exact
+/// repeat (the prompt's last position has a pass of its own, so the state before it
+/// is kept) and a strict extension of a kept prompt or conversation reuse it, with
+/// a cold run's ids and bits; a prompt sharing only a beginning reuses nothing.
+#[test]
+fn hybrid_prefixes_are_reused_on_repeats_and_extensions_only() {
+    for case in ["qwen3_next_moe_legacy_config", "qwen3_5_text_dense"] {
+        let dir = common::hybrid_fixtures().join(case);
+        let opts = |prefix_cache_bytes| EngineOptions {
+            prefill_chunk: 7,
+            kv_page_positions: 16,
+            prefix_cache_bytes,
+            ..EngineOptions::default()
+        };
+        let cold = Engine::open(&dir, opts(0)).unwrap();
+        let warm = Engine::open(&dir, opts(64 << 20)).unwrap();
+        let long = prompt_of(&dir, 3);
+        let n = 6;
+        let a = greedy(&warm, &long, n);
+        assert_eq!(a.prefix_reused, 0, "{case}");
+        same(case, "first run", &greedy(&cold, &long, n), &a);
+        let b = greedy(&warm, &long, n);
+        assert_eq!(b.prefix_reused, long.len() - 1, "{case}: exact repeat");
+        same(case, "repeat", &a, &b);
+        let mut next = long.clone();
+        next.extend(&a.ids[..5]);
+        next.extend([11, 12, 13]);
+        let c = greedy(&warm, &next, n);
+        assert_eq!(c.prefix_reused, long.len() + 5, "{case}: extension");
+        same(case, "extension", &greedy(&cold, &next, n), &c);
+        let mut whole = long.clone();
+        whole.extend(&a.ids);
+        let d = greedy(&warm, &whole, n);
+        assert_eq!(
+            d.prefix_reused,
+            whole.len() - 1,
+            "{case}: the conversation repeated"
+        );
+        same(case, "conversation", &greedy(&cold, &whole, n), &d);
+        let mut other = long[..40].to_vec();
+        other.extend(prompt_of(&dir, 2));
+        let e = greedy(&warm, &other, n);
+        assert_eq!(e.prefix_reused, 0, "{case}: a shared beginning only");
+        same(case, "shared beginning", &greedy(&cold, &other, n), &e);
+    }
+}
+
 #[test]
 fn reused_prefixes_give_cold_ids_and_bits() {
     for case in [

@@ -16,7 +16,7 @@ use libvoom::speculate::lookup::PromptLookup;
 use libvoom::speculate::Drafter;
 use libvoom::VoomError;
 
-use common::{bits, cases, fixtures, prompt_of, smollm2_dir};
+use common::{bits, case_dirs, cases, fixtures, prompt_of, smollm2_dir};
 
 /// How a scripted drafter's proposals relate to the run they are checked against.
 #[derive(Clone, Copy, Debug)]
@@ -117,8 +117,7 @@ fn check_same(case: &str, what: &str, plain: &Generation, spec: &Generation) {
 /// none.
 #[test]
 fn every_verification_path_gives_plain_greedy_ids_and_bits() {
-    for case in cases() {
-        let dir = fixtures().join(&case);
+    for (case, dir) in case_dirs() {
         let e = Engine::open(&dir, EngineOptions::default()).unwrap();
         let prompt = prompt_of(&dir, 1);
         let vocab = e.config().vocab_size as u32;

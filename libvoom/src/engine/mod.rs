@@ -551,6 +551,11 @@ impl Engine {
         mem
     }
 
+    /// Whether it keeps prompt prefixes for reuse (in memory or on disk).
+    pub(crate) fn keeps_prefixes(&self) -> bool {
+        self.opts.prefix_cache_bytes > 0 || self.snapshots.is_some()
+    }
+
     /// Keeps `kv`'s positions of `ids` for reuse in memory and, when `persist`, on
     /// disk.
     pub(crate) fn keep_prefix(&self, ids: &[u32], kv: &KvCache, persist: bool) {

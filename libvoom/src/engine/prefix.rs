@@ -117,11 +117,19 @@ impl PrefixCache {
             return;
         }
         let ids = &ids[..n];
-        // An entry this one extends (or repeats) is no longer needed.
-        self.entries
-            .retain(|e| !(e.ids.len() <= n && ids.starts_with(&e.ids)));
-        // One that extends this one already holds it.
-        if self.entries.iter().any(|e| e.ids.starts_with(ids)) {
+        // An entry this one extends (or repeats) is no longer needed, and one that
+        // extends this one holds it already: unless the caches carry recurrent
+        // states (a hybrid's), which are cut back only to where a pass started, so
+        // that the longer entry cannot stand for the shorter.
+        let cuts = !kv.has_states();
+        self.entries.retain(|e| {
+            !(e.ids.len() <= n && ids.starts_with(&e.ids) && (cuts || e.ids.len() == n))
+        });
+        if self
+            .entries
+            .iter()
+            .any(|e| e.ids.starts_with(ids) && (cuts || e.ids.len() == n))
+        {
             return;
         }
         let mut kv = kv.clone();

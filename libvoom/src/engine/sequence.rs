@@ -66,6 +66,10 @@ pub struct Sequence<'a> {
     waited_decode: Duration,
     /// Why it stopped, when that was an error (its constraint or drafter failed).
     error: Option<VoomError>,
+    /// The prompt's last position gets a pass of its own: a recurrent state (a
+    /// hybrid's) can be cut back only to where a pass started, and a prompt kept for
+    /// reuse is asked again with that position to compute (an exact repeat).
+    last_alone: bool,
 }
 
 impl<'a> Sequence<'a> {
@@ -132,7 +136,9 @@ impl<'a> Sequence<'a> {
             waited_prefill: Duration::ZERO,
             waited_decode: Duration::ZERO,
             error: None,
+            last_alone: false,
         };
+        s.last_alone = s.kv.has_states() && engine.keeps_prefixes();
         if params.max_new_tokens == 0 {
             s.state = State::Done;
         } else if s.constraint.as_deref().is_some_and(|c| c.is_complete()) {
@@ -201,9 +207,13 @@ impl<'a> Sequence<'a> {
     fn next_tokens(&self, prompt_room: usize) -> Option<(std::ops::Range<usize>, Logits)> {
         match &self.state {
             State::Prompt { done } => {
-                let end = done
-                    .saturating_add(prompt_room.max(1))
-                    .min(self.prompt.len());
+                let n = self.prompt.len();
+                let last = if self.last_alone && *done + 1 < n {
+                    n - 1
+                } else {
+                    n
+                };
+                let end = done.saturating_add(prompt_room.max(1)).min(last);
                 Some((*done..end, Logits::Last))
             }
             State::Tokens(t, _) => Some((

@@ -33,10 +33,6 @@ use crate::model::sweep::LayerLease;
 use crate::model::weights::{Dim, Vector, WeightFinder};
 use crate::VoomError;
 
-/// Steps of the layer: the input projections with the convolution, decays and
-/// norm; then the output projection.
-pub const STEPS: usize = 2;
-
 /// How the input projections are stored ([`LinearProjections`]).
 enum Inputs {
     Grouped {
@@ -124,27 +120,37 @@ impl DeltaNet {
         })
     }
 
-    /// The pages of its [`STEPS`], the layer's input norm first.
+    /// The pages of each step, one projection of any size a step (so that a step is
+    /// never much more than the largest page, as the planner's least window counts):
+    /// the layer's input norm and the query/key/value projection; (split: the
+    /// gates' `z`;) the small projections `b`/`a` with the convolution and decay
+    /// weights; the output norm and projection.
     pub fn steps(&self, attn_norm: PageId) -> Vec<Vec<PageId>> {
-        let mut first = vec![attn_norm];
+        let small = [self.conv.page, self.a_log.page, self.dt_bias.page];
+        let last: Vec<PageId> = std::iter::once(self.norm.page)
+            .chain(self.out.pages())
+            .collect();
         match &self.inputs {
-            Inputs::Grouped { qkvz, ba } => {
-                first.extend(qkvz.pages());
-                first.extend(ba.pages());
-            }
-            Inputs::Split { qkv, z, b, a } => {
-                for x in [qkv, z, b, a] {
-                    first.extend(x.pages());
-                }
-            }
+            Inputs::Grouped { qkvz, ba } => vec![
+                std::iter::once(attn_norm).chain(qkvz.pages()).collect(),
+                ba.pages().chain(small).collect(),
+                last,
+            ],
+            Inputs::Split { qkv, z, b, a } => vec![
+                std::iter::once(attn_norm).chain(qkv.pages()).collect(),
+                z.pages().collect(),
+                b.pages().chain(a.pages()).chain(small).collect(),
+                last,
+            ],
         }
-        first.extend([
-            self.conv.page,
-            self.a_log.page,
-            self.dt_bias.page,
-            self.norm.page,
-        ]);
-        vec![first, self.out.pages().collect()]
+    }
+
+    /// How many steps [`DeltaNet::steps`] gives.
+    pub fn step_count(&self) -> usize {
+        match self.inputs {
+            Inputs::Grouped { .. } => 3,
+            Inputs::Split { .. } => 4,
+        }
     }
 
     /// The layer on one sequence's chunk `x` (its positions in order, after those
@@ -171,22 +177,35 @@ impl DeltaNet {
             vec![0f32; n * nv],
             vec![0f32; n * nv],
         );
-        let w = lw.step(0)?;
         let mut xn = b.zeros(n, h);
-        b.rms_norm(x, w.vector(attn_norm), cfg.rms_norm_eps, &mut xn)?;
-        let project = |lin: &Linear, rows: usize| -> Result<Vec<f32>, VoomError> {
+        let project = |w: &crate::model::weights::Leased,
+                       xn: &B::Act,
+                       lin: &Linear,
+                       rows: usize|
+         -> Result<Vec<f32>, VoomError> {
             let mut out = b.zeros(n, rows);
-            lin.apply(b, &w, &xn, &mut out)?;
+            lin.apply(b, w, xn, &mut out)?;
             Ok(b.download_owned(out))
         };
+        let (conv, a_log, dt_bias);
         match &self.inputs {
             Inputs::Grouped { qkvz, ba } => {
                 // Per key head: its query, key, values and gates; its b's and a's.
                 let (dk, dv) = (l.key_head_dim, l.value_head_dim);
                 let r = nv / l.num_key_heads;
                 let g = 2 * dk + 2 * r * dv;
-                let all = project(qkvz, l.num_key_heads * g)?;
-                let all_ba = project(ba, 2 * nv)?;
+                let all = {
+                    let w = lw.step(0)?;
+                    b.rms_norm(x, w.vector(attn_norm), cfg.rms_norm_eps, &mut xn)?;
+                    project(&w, &xn, qkvz, l.num_key_heads * g)?
+                };
+                let all_ba = {
+                    let w = lw.step(1)?;
+                    conv = w.vector(&self.conv).to_vec();
+                    a_log = w.vector(&self.a_log).to_vec();
+                    dt_bias = w.vector(&self.dt_bias).to_vec();
+                    project(&w, &xn, ba, 2 * nv)?
+                };
                 for t in 0..n {
                     let row = &all[t * l.num_key_heads * g..(t + 1) * l.num_key_heads * g];
                     let m = &mut mixed[t * cd..(t + 1) * cd];
@@ -211,17 +230,24 @@ impl DeltaNet {
                 b: bp,
                 a: ap,
             } => {
-                mixed = project(qkv, cd)?;
-                z = project(zp, vd)?;
-                beta = project(bp, nv)?;
-                a = project(ap, nv)?;
+                {
+                    let w = lw.step(0)?;
+                    b.rms_norm(x, w.vector(attn_norm), cfg.rms_norm_eps, &mut xn)?;
+                    mixed = project(&w, &xn, qkv, cd)?;
+                }
+                let w = lw.step(1)?;
+                z = project(&w, &xn, zp, vd)?;
+                drop(w);
+                let w = lw.step(2)?;
+                beta = project(&w, &xn, bp, nv)?;
+                a = project(&w, &xn, ap, nv)?;
+                conv = w.vector(&self.conv).to_vec();
+                a_log = w.vector(&self.a_log).to_vec();
+                dt_bias = w.vector(&self.dt_bias).to_vec();
             }
         }
-        let conv = w.vector(&self.conv).to_vec();
-        let a_log = w.vector(&self.a_log).to_vec();
-        let dt_bias = w.vector(&self.dt_bias).to_vec();
-        let norm = w.vector(&self.norm).to_vec();
-        drop(w);
+        let last = lw.step(self.step_count() - 1)?;
+        let norm = last.vector(&self.norm).to_vec();
 
         let state = kv.state_mut(li).ok_or_else(|| {
             VoomError::Request(format!(
@@ -252,10 +278,9 @@ impl DeltaNet {
                 cfg.rms_norm_eps,
             );
         }
-        let w = lw.step(1)?;
         let o_in = b.upload(n, vd, &out)?;
         let mut o = b.zeros(n, h);
-        self.out.apply(b, &w, &o_in, &mut o)?;
+        self.out.apply(b, &last, &o_in, &mut o)?;
         b.add(x, &o)?;
         Ok(())
     }

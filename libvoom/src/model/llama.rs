@@ -18,7 +18,7 @@ use vpaged::{PageId, PageSource};
 use crate::backend::{Activation, AttentionShape, Backend, KernelError, RopeShape, RopeTable};
 use crate::config::{ModelConfig, QkNorm};
 use crate::kv::KvCache;
-use crate::model::deltanet::{self, DeltaNet};
+use crate::model::deltanet::DeltaNet;
 use crate::model::linear::Linear;
 use crate::model::mla::{self, MlaAttention};
 use crate::model::moe::{ExpertDims, Experts};
@@ -112,10 +112,10 @@ impl Layer {
     /// The first step of the MLP: the dense MLP's gate (then up, down), or the
     /// experts' router (then the shared experts).
     fn mlp_step(&self) -> usize {
-        match self.attn {
+        match &self.attn {
             Attention::Gqa { .. } => GQA_STEPS,
             Attention::Mla(_) => mla::STEPS,
-            Attention::Delta(_) => deltanet::STEPS,
+            Attention::Delta(d) => d.step_count(),
         }
     }
 

@@ -10,6 +10,29 @@ pub fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny")
 }
 
+/// The hybrid linear-attention checkpoints (tests/fixtures/tiny_hybrid).
+pub fn hybrid_fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny_hybrid")
+}
+
+/// Every fixture case's name and directory: the architectures of `tiny`, then the
+/// hybrids of `tiny_hybrid`.
+pub fn case_dirs() -> Vec<(String, PathBuf)> {
+    let mut out: Vec<(String, PathBuf)> = cases()
+        .into_iter()
+        .map(|c| (c.clone(), fixtures().join(c)))
+        .collect();
+    let index: Value = serde_json::from_str(
+        &std::fs::read_to_string(hybrid_fixtures().join("index.json")).unwrap(),
+    )
+    .unwrap();
+    for c in index["cases"].as_array().unwrap() {
+        let name = c["name"].as_str().unwrap().to_string();
+        out.push((name.clone(), hybrid_fixtures().join(name)));
+    }
+    out
+}
+
 /// The fixture cases the index lists.
 pub fn cases() -> Vec<String> {
     let index: Value =
