@@ -16,7 +16,7 @@ use libvoom::speculate::lookup::PromptLookup;
 use libvoom::speculate::Drafter;
 use libvoom::VoomError;
 
-use common::{bits, case_dirs, cases, fixtures, prompt_of, smollm2_dir};
+use common::{bits, case_dirs, fixtures, prompt_of, smollm2_dir};
 
 /// How a scripted drafter's proposals relate to the run they are checked against.
 #[derive(Clone, Copy, Debug)]
