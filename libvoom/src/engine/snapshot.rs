@@ -27,7 +27,7 @@ use crate::kv::KvCache;
 
 /// The version of the kernels' arithmetic: a snapshot computed by other kernels is
 /// not this one's. Changed whenever an operation's bits change.
-pub const ARITHMETIC: &str = "voom-cpu-kv-f32/attention-2";
+pub const ARITHMETIC: &str = "voom-cpu-kv-f32/attention-2/silu-exp-3";
 
 const MAGIC: &[u8; 8] = b"VOOMKVS1";
 const HEADER: usize = 8 + 32 + 16;
