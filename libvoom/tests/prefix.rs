@@ -138,8 +138,14 @@ fn reused_prefixes_give_cold_ids_and_bits() {
 #[test]
 fn snapshots_survive_a_restart_exactly_and_damage_is_recomputed() {
     use libvoom::engine::snapshot::DiskPrefixes;
-    for case in ["llama_gqa_untied", "deepseek_v3_mla_yarn"] {
-        let (_d, dir) = copy_with_manifest(&fixtures().join(case));
+    // A hybrid's snapshot holds its recurrent state too, as of the prompt's end
+    // and of the position before (an exact repeat computes that one again).
+    for (case, src) in [
+        ("llama_gqa_untied", fixtures()),
+        ("deepseek_v3_mla_yarn", fixtures()),
+        ("qwen3_next_moe_legacy_config", common::hybrid_fixtures()),
+    ] {
+        let (_d, dir) = copy_with_manifest(&src.join(case));
         let store = tempfile::tempdir().unwrap();
         let opts = |persist: bool| EngineOptions {
             prefix_cache_bytes: 64 << 20,
@@ -191,7 +197,7 @@ fn snapshots_survive_a_restart_exactly_and_damage_is_recomputed() {
         greedy(&fresh, &long, 6);
         fresh.flush_prefixes();
         drop(fresh);
-        let (_e, other) = copy_with_manifest(&fixtures().join(case));
+        let (_e, other) = copy_with_manifest(&src.join(case));
         let m = other.join("voom-manifest.json");
         let text = std::fs::read_to_string(&m).unwrap();
         std::fs::write(&m, text + " ").unwrap();

@@ -8,10 +8,16 @@
 //! bits). Another model, another checkpoint version or
 //! other arithmetic has another directory, so its snapshots are never read.
 //!
-//! File format (little-endian): `VOOMKVS1`, the 32-byte key, the number of ids,
-//! layers, floats per position and halves (2: keys and values; 1: keys only) as
-//! u32, the ids (u32 each), then per layer the keys of every position and then the
-//! values (f32), then the blake3 of everything before. A file that is short, whose
+//! File format (little-endian): `VOOMKVS2`, the 32-byte key, as u32 the number of
+//! ids `n`, layers, floats per position, halves (2: keys and values; 1: keys only),
+//! layers holding a recurrent state instead (a hybrid's), floats of one copy of
+//! those states and the copies kept (0, 1 or 2); the ids (u32 each); then per layer
+//! of keys and values the keys of every position and then the values (f32); then
+//! the recurrent state as of position `n`, and, in a second copy, as of `n - 1`
+//! (where the cache's last pass started there: a prompt's last position is
+//! computed alone when prefixes are kept); then the blake3 of everything before. A
+//! snapshot with states serves a prompt only at those positions (a state cannot be
+//! cut back); one without serves any prefix of its ids. A file that is short, whose
 //! hash or header does not match, is deleted when read and the prefix recomputed.
 //! Files are written under a temporary name and renamed, by one writer thread, so
 //! a reader sees whole files only; a write that fails (a full disk) turns
@@ -29,8 +35,8 @@ use crate::kv::KvCache;
 /// not this one's. Changed whenever an operation's bits change.
 pub const ARITHMETIC: &str = "voom-cpu-kv-f32/attention-2/silu-exp-3";
 
-const MAGIC: &[u8; 8] = b"VOOMKVS1";
-const HEADER: usize = 8 + 32 + 16;
+const MAGIC: &[u8; 8] = b"VOOMKVS2";
+const HEADER: usize = 8 + 32 + 28;
 
 /// Where and how much to persist.
 #[derive(Debug, Clone)]
@@ -50,6 +56,31 @@ struct Snap {
     ids: Vec<u32>,
     bytes: u64,
     used: u64,
+    /// The prefix lengths it serves: `None`, any up to its ids' (keys and values
+    /// only); else those its recurrent state copies are at.
+    at: Option<Vec<usize>>,
+}
+
+impl Snap {
+    /// The most positions of `prompt` it serves, at most `limit`.
+    fn serves(&self, prompt: &[u32], limit: usize) -> usize {
+        let common = self
+            .ids
+            .iter()
+            .zip(prompt)
+            .take_while(|(a, b)| a == b)
+            .count()
+            .min(limit);
+        match &self.at {
+            None => common,
+            Some(at) => at
+                .iter()
+                .copied()
+                .filter(|&a| a <= common)
+                .max()
+                .unwrap_or(0),
+        }
+    }
 }
 
 struct Shared {
@@ -122,11 +153,12 @@ impl SnapshotDir {
                 continue;
             }
             match read_ids(&path, &key) {
-                Ok((ids, bytes)) => index.push(Snap {
+                Ok((ids, bytes, at)) => index.push(Snap {
                     path,
                     ids,
                     bytes,
                     used: 0,
+                    at,
                 }),
                 Err(_) => {
                     let _ = std::fs::remove_file(&path);
@@ -167,11 +199,6 @@ impl SnapshotDir {
     /// capacity and page size). `None` when there is none, or when the file turns
     /// out damaged (then it is deleted).
     pub fn take(&self, prompt: &[u32], min: usize, like: &KvCache) -> Option<KvCache> {
-        // Snapshots hold keys and values only: a cache with recurrent states (a
-        // hybrid model's) is neither restored from one nor written.
-        if like.has_states() {
-            return None;
-        }
         let limit = prompt.len().saturating_sub(1);
         let (path, len) = {
             let mut s = self.lock();
@@ -179,10 +206,8 @@ impl SnapshotDir {
                 .index
                 .iter()
                 .enumerate()
-                .map(|(i, e)| {
-                    let n = e.ids.iter().zip(prompt).take_while(|(a, b)| a == b).count();
-                    (i, n.min(limit))
-                })
+                .filter(|(_, e)| e.at.is_some() == like.has_states())
+                .map(|(i, e)| (i, e.serves(prompt, limit)))
                 .max_by_key(|&(_, n)| n)?;
             if best.1 < min {
                 return None;
@@ -210,14 +235,18 @@ impl SnapshotDir {
     /// thread (unless fewer than `min_tokens`, or one holds them already).
     pub fn save(&self, ids: &[u32], kv: &KvCache) {
         let n = ids.len().min(kv.len());
-        if n < self.cfg.min_tokens || kv.has_states() {
+        // A recurrent state is kept only at its cache's length.
+        if n < self.cfg.min_tokens || (kv.has_states() && n != kv.len()) {
             return;
         }
         {
             // Held, or queued already (a prompt repeated while its snapshot is
             // being written).
             let mut s = self.lock();
-            let held = s.index.iter().any(|e| e.ids.starts_with(&ids[..n]));
+            let held = s
+                .index
+                .iter()
+                .any(|e| e.ids.starts_with(&ids[..n]) && e.serves(&ids[..n], n) == n);
             if s.off.is_some() || held || s.pending.iter().any(|p| p.starts_with(&ids[..n])) {
                 return;
             }
@@ -344,9 +373,14 @@ fn write_one(
     }
     s.clock += 1;
     let used = s.clock;
-    // A snapshot this one extends is no longer needed.
+    // A snapshot this one extends is no longer needed (where this one serves its
+    // length: one with recurrent states serves only its own).
+    let at = states_at(ids.len(), kv);
     s.index.retain(|e| {
-        let stale = ids.starts_with(&e.ids);
+        let stale = ids.starts_with(&e.ids)
+            && at
+                .as_ref()
+                .is_none_or(|a| a.contains(&e.ids.len()) && e.at.is_some());
         if stale && e.path != path {
             let _ = std::fs::remove_file(&e.path);
         }
@@ -357,6 +391,7 @@ fn write_one(
         ids: ids.to_vec(),
         bytes,
         used,
+        at,
     });
     while s.index.iter().map(|e| e.bytes).sum::<u64>() > budget {
         let Some(oldest) = (0..s.index.len()).min_by_key(|&i| s.index[i].used) else {
@@ -388,10 +423,26 @@ fn encode(w: &mut impl Write, key: &[u8; 32], ids: &[u32], kv: &KvCache) -> Resu
         ));
     }
     let pages = |e: crate::backend::KernelError| Failure::Pages(e.to_string());
-    let halves = if kv.layer(0).map_err(pages)?.v.is_empty() {
-        1
-    } else {
-        2
+    let (state_layers, state_floats) = kv.state_layout();
+    let (state, before) = kv.export_states();
+    if kv.has_states() && n != kv.len() {
+        return Err(Failure::Pages(
+            "a recurrent state is kept only at its cache's length".into(),
+        ));
+    }
+    // The state where the last pass started, where that is the position before.
+    let before = before.filter(|(at, _)| *at + 1 == n && n > 0);
+    let copies = match (kv.has_states(), &before) {
+        (false, _) => 0,
+        (true, None) => 1,
+        (true, Some(_)) => 2,
+    };
+    let kv_layers: Vec<usize> = (0..kv.layers())
+        .filter(|&l| !kv.is_state_layer(l))
+        .collect();
+    let halves = match kv_layers.first() {
+        Some(&l) if kv.layer(l).map_err(pages)?.v.is_empty() => 1,
+        _ => 2,
     };
     let mut hash = blake3::Hasher::new();
     let mut bytes = 0u64;
@@ -403,7 +454,15 @@ fn encode(w: &mut impl Write, key: &[u8; 32], ids: &[u32], kv: &KvCache) -> Resu
     let mut head = Vec::with_capacity(HEADER + 4 * n);
     head.extend_from_slice(MAGIC);
     head.extend_from_slice(key);
-    for x in [n, kv.layers(), width, halves] {
+    for x in [
+        n,
+        kv.layers(),
+        width,
+        halves,
+        state_layers,
+        state_floats,
+        copies,
+    ] {
         head.extend_from_slice(&(x as u32).to_le_bytes());
     }
     for id in ids {
@@ -411,7 +470,7 @@ fn encode(w: &mut impl Write, key: &[u8; 32], ids: &[u32], kv: &KvCache) -> Resu
     }
     put(&head)?;
     let mut out = Vec::with_capacity(4 * n * width);
-    for l in 0..kv.layers() {
+    for &l in &kv_layers {
         let view = kv.layer(l).map_err(pages)?;
         for half in [&view.k, &view.v].into_iter().take(halves) {
             out.clear();
@@ -423,21 +482,59 @@ fn encode(w: &mut impl Write, key: &[u8; 32], ids: &[u32], kv: &KvCache) -> Resu
             put(&out)?;
         }
     }
+    let copies_of = [
+        Some(state.as_slice()),
+        before.as_ref().map(|(_, b)| b.as_slice()),
+    ];
+    for copy in copies_of.into_iter().take(copies).flatten() {
+        out.clear();
+        for x in copy {
+            out.extend_from_slice(&x.to_le_bytes());
+        }
+        put(&out)?;
+    }
     let h = hash.finalize();
     w.write_all(h.as_bytes()).map_err(Failure::Io)?;
     Ok(bytes + 32)
 }
 
-/// A snapshot's ids and size from its header (not its hash: that is checked when
-/// it is read whole).
-fn read_ids(path: &Path, key: &[u8; 32]) -> Result<(Vec<u32>, u64), String> {
+/// The lengths a snapshot of `kv`'s first `n` positions serves ([`Snap::at`]).
+fn states_at(n: usize, kv: &KvCache) -> Option<Vec<usize>> {
+    if !kv.has_states() {
+        return None;
+    }
+    let before = kv
+        .export_states()
+        .1
+        .is_some_and(|(at, _)| at + 1 == n && n > 0);
+    Some(if before { vec![n - 1, n] } else { vec![n] })
+}
+
+/// The lengths a snapshot serves from its header's `n` and state copies.
+fn at_of(head: &[u8]) -> Option<Vec<usize>> {
+    let (n, copies) = (u32_at(head, 40) as usize, u32_at(head, 64));
+    match copies {
+        0 => None,
+        1 => Some(vec![n]),
+        _ => Some(vec![n.saturating_sub(1), n]),
+    }
+}
+
+/// A snapshot's ids, size and the lengths it serves, from its header (not its
+/// hash: that is checked when it is read whole).
+type Indexed = (Vec<u32>, u64, Option<Vec<usize>>);
+fn read_ids(path: &Path, key: &[u8; 32]) -> Result<Indexed, String> {
     let mut f = std::fs::File::open(path).map_err(|e| e.to_string())?;
     let bytes = f.metadata().map_err(|e| e.to_string())?.len();
     let head = header(&mut f, bytes, key)?;
     let n = u32_at(&head, 40) as usize;
     let mut ids = vec![0u8; 4 * n];
     f.read_exact(&mut ids).map_err(|e| e.to_string())?;
-    Ok((ids.chunks_exact(4).map(|c| u32_at(c, 0)).collect(), bytes))
+    Ok((
+        ids.chunks_exact(4).map(|c| u32_at(c, 0)).collect(),
+        bytes,
+        at_of(&head),
+    ))
 }
 
 /// A snapshot's header from `f` (a file of `size` bytes), checked against `key`
@@ -458,19 +555,25 @@ fn header(f: &mut impl Read, size: u64, key: &[u8; 32]) -> Result<[u8; HEADER], 
 /// The file size a header implies (`u64::MAX` for a header no snapshot has:
 /// halves other than 1 or 2, or sizes that overflow).
 fn expected_len(head: &[u8]) -> u64 {
-    let (n, layers, width, halves) = (
+    let (n, layers, width, halves, state_layers, state_floats, copies) = (
         u64::from(u32_at(head, 40)),
         u64::from(u32_at(head, 44)),
         u64::from(u32_at(head, 48)),
         u64::from(u32_at(head, 52)),
+        u64::from(u32_at(head, 56)),
+        u64::from(u32_at(head, 60)),
+        u64::from(u32_at(head, 64)),
     );
-    if !(1..=2).contains(&halves) {
+    if !(1..=2).contains(&halves) || copies > 2 || state_layers > layers || (copies == 2 && n == 0)
+    {
         return u64::MAX;
     }
+    let states = state_floats.checked_mul(copies);
     n.checked_mul(width)
-        .and_then(|x| x.checked_mul(layers))
+        .and_then(|x| x.checked_mul(layers - state_layers))
         .and_then(|x| x.checked_mul(halves))
         .and_then(|x| x.checked_add(n))
+        .and_then(|x| x.checked_add(states?))
         .and_then(|x| x.checked_mul(4))
         .and_then(|x| x.checked_add(HEADER as u64 + 32))
         .unwrap_or(u64::MAX)
@@ -490,7 +593,16 @@ fn read(path: &Path, key: &[u8; 32], like: &KvCache, len: usize) -> Result<KvCac
         u32_at(&head, 48) as usize,
         u32_at(&head, 52) as usize,
     );
-    if layers != like.layers() || width != like.width() {
+    let (state_layers, state_floats, copies) = (
+        u32_at(&head, 56) as usize,
+        u32_at(&head, 60) as usize,
+        u32_at(&head, 64) as usize,
+    );
+    if layers != like.layers()
+        || width != like.width()
+        || (state_layers, state_floats) != like.state_layout()
+        || (copies > 0) != like.has_states()
+    {
         return Err("its layout is not this model's".into());
     }
     let mut hash = blake3::Hasher::new();
@@ -504,30 +616,40 @@ fn read(path: &Path, key: &[u8; 32], like: &KvCache, len: usize) -> Result<KvCac
     let mut buf = Vec::new();
     take(&mut buf, 4 * n)?;
     // What was asked for (a cache of a smaller context may take a prefix of a
-    // longer snapshot).
+    // longer snapshot; one with states, only where a copy of them is).
     let len = len.min(n).min(like.capacity());
+    if let Some(at) = at_of(&head) {
+        if !at.contains(&len) {
+            return Err(format!("its recurrent state is not at position {len}"));
+        }
+    }
     let ids: Vec<u32> = buf[..4 * len]
         .chunks_exact(4)
         .map(|c| u32_at(c, 0))
         .collect();
     let mut kv = like.clone();
     kv.clear();
-    let floats = |b: &[u8]| -> Vec<f32> {
-        b[..4 * len * width]
+    let floats = |b: &[u8], count: usize| -> Vec<f32> {
+        b[..4 * count]
             .chunks_exact(4)
             .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect()
     };
-    for l in 0..layers {
+    for l in (0..layers).filter(|&l| !like.is_state_layer(l)) {
         take(&mut buf, 4 * n * width)?;
-        let k = floats(&buf);
+        let k = floats(&buf, len * width);
         let v = if halves == 2 {
             take(&mut buf, 4 * n * width)?;
-            floats(&buf)
+            floats(&buf, len * width)
         } else {
             Vec::new()
         };
         kv.append(l, &k, &v).map_err(|e| e.to_string())?;
+    }
+    let mut copies_read = Vec::new();
+    for _ in 0..copies {
+        take(&mut buf, 4 * state_floats)?;
+        copies_read.push(floats(&buf, state_floats));
     }
     let mut tail = [0u8; 32];
     f.read_exact(&mut tail).map_err(|e| e.to_string())?;
@@ -535,6 +657,13 @@ fn read(path: &Path, key: &[u8; 32], like: &KvCache, len: usize) -> Result<KvCac
         return Err("its blake3 does not match".into());
     }
     kv.commit(&ids);
+    match (copies_read.as_slice(), len == n) {
+        ([], _) => {}
+        ([now], _) => kv.import_states(now, None)?,
+        ([now, before], true) => kv.import_states(now, Some((n - 1, before)))?,
+        ([_, before], false) => kv.import_states(before, None)?,
+        _ => return Err("more recurrent state copies than a snapshot has".into()),
+    }
     Ok(kv)
 }
 
@@ -618,32 +747,75 @@ mod tests {
         assert!(s.take(&[0, 1, 2, 3, 7, 7, 7, 7, 7, 7], 8, &like).is_none());
     }
 
-    /// Snapshots hold keys and values: a hybrid model's cache (recurrent states) is
-    /// not written, and is never made from one (its states would start at zero).
+    /// A hybrid model's cache (recurrent states in layer 1): its snapshot holds the
+    /// state as of its length and, where its last pass started one position before,
+    /// as of that one; it serves exactly those lengths, with the states they had,
+    /// and is never taken for a cache without states (nor one of those for it).
     #[test]
-    fn caches_with_recurrent_states_are_neither_written_nor_restored() {
+    fn recurrent_states_come_back_where_they_were_kept() {
         use crate::kv::StateShape;
         let d = tempfile::tempdir().unwrap();
         let s = SnapshotDir::open(cfg(d.path()), key_of(b"m", b"{}", 3, 4)).unwrap();
         let ids: Vec<u32> = (0..40).collect();
-        let shapes = [None, Some(StateShape { conv: 2, matrix: 2 }), None];
-        let mut hybrid = KvCache::with_page(3, 4, 1000, 16).with_states(&shapes);
-        for l in [0, 2] {
-            hybrid.append(l, &[0.5; 160], &[0.25; 160]).unwrap();
-        }
-        hybrid.commit(&ids);
+        let shapes = [None, Some(StateShape { conv: 2, matrix: 3 }), None];
+        let like = KvCache::with_page(3, 4, 1000, 16).with_states(&shapes);
+        let mut hybrid = like.clone();
+        let pass = |kv: &mut KvCache, ids: &[u32]| {
+            for l in [0, 2] {
+                let k: Vec<f32> = ids.iter().flat_map(|&i| [i as f32 + l as f32; 4]).collect();
+                kv.append(l, &k, &k).unwrap();
+            }
+            for &i in ids {
+                let st = kv.state_mut(1).unwrap();
+                st.matrix.iter_mut().for_each(|m| *m = *m * 0.5 + i as f32);
+                st.conv.iter_mut().for_each(|c| *c += 1.0);
+            }
+            kv.commit(ids);
+        };
+        pass(&mut hybrid, &ids[..39]);
+        let at39 = hybrid.state(1).unwrap().clone();
+        pass(&mut hybrid, &ids[39..]);
+        let at40 = hybrid.state(1).unwrap().clone();
         s.save(&ids, &hybrid);
         s.flush();
-        assert_eq!(s.held().0, 0, "a cache with states was written");
-        // One written from a plain cache is not taken for a hybrid's.
-        s.save(&ids, &kv_of(40, 0.5));
-        s.flush();
         assert_eq!(s.held().0, 1);
-        let like = KvCache::with_page(3, 4, 1000, 16).with_states(&shapes);
-        assert!(s.take(&ids, 8, &like).is_none());
+        drop(s);
+        let s = SnapshotDir::open(cfg(d.path()), key_of(b"m", b"{}", 3, 4)).unwrap();
+        // An exact repeat: 39 positions, the state before the last.
+        let got = s.take(&ids, 8, &like).unwrap();
+        assert_eq!((got.len(), got.state(1)), (39, Some(&at39)));
+        assert_eq!(
+            bits(&got),
+            bits(&{
+                let mut k = hybrid.clone();
+                k.truncate(39);
+                k
+            })
+        );
+        // An extension: all 40, the state at the end, and the one before kept.
+        let mut longer = ids.clone();
+        longer.extend([7, 7]);
+        let mut got = s.take(&longer, 8, &like).unwrap();
+        assert_eq!((got.len(), got.state(1)), (40, Some(&at40)));
+        got.truncate(39);
+        assert_eq!((got.lost(), got.state(1)), (None, Some(&at39)));
+        // A shared beginning only: nothing (the state cannot be cut back to 20).
+        let mut other = ids[..20].to_vec();
+        other.extend([300; 30]);
+        assert!(s.take(&other, 8, &like).is_none());
+        // Not for a cache without states, nor theirs for a hybrid.
         assert!(s
-            .take(&ids, 8, &KvCache::with_page(3, 4, 1000, 16))
-            .is_some());
+            .take(&longer, 8, &KvCache::with_page(3, 4, 1000, 16))
+            .is_none());
+        s.save(&(100..140).collect::<Vec<_>>(), &kv_of(40, 0.5));
+        s.flush();
+        assert!(s.take(&(100..150).collect::<Vec<_>>(), 8, &like).is_none());
+        // A state cut back before its cache's length is not written.
+        let mut cut = hybrid.clone();
+        cut.truncate(30);
+        s.save(&ids[..30], &cut);
+        s.flush();
+        assert_eq!(s.held().0, 2);
     }
 
     #[test]

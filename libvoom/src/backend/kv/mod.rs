@@ -259,6 +259,37 @@ impl KvCache {
         self
     }
 
+    /// Whether layer `layer` holds a recurrent state (no keys or values).
+    pub fn is_state_layer(&self, layer: usize) -> bool {
+        self.states.layer(layer).is_some()
+    }
+
+    /// Layers holding a recurrent state, and floats of one copy of all of them.
+    pub fn state_layout(&self) -> (usize, usize) {
+        (
+            (0..self.layers())
+                .filter(|&l| self.is_state_layer(l))
+                .count(),
+            self.states.floats(),
+        )
+    }
+
+    /// Its committed recurrent state, flat, and the one where its last committed
+    /// pass started with that position ([`States::export`]).
+    pub fn export_states(&self) -> (Vec<f32>, Option<(usize, Vec<f32>)>) {
+        self.states.export()
+    }
+
+    /// Sets its committed recurrent state ([`States::import`]): a cache rebuilt from
+    /// a snapshot, after its keys and values are committed.
+    pub fn import_states(
+        &mut self,
+        flat: &[f32],
+        before: Option<(usize, &[f32])>,
+    ) -> Result<(), String> {
+        self.states.import(flat, before)
+    }
+
     /// Whether it holds recurrent states (a hybrid model's cache).
     pub fn has_states(&self) -> bool {
         !self.states.is_empty()

@@ -118,6 +118,63 @@ impl States {
             * 4
     }
 
+    /// Floats of one copy of every layer's state.
+    pub fn floats(&self) -> usize {
+        self.now.iter().flatten().map(LayerState::floats).sum()
+    }
+
+    /// The committed state, flat (each layer's convolution then matrices, in layer
+    /// order), and the state where the last committed pass started, with that
+    /// position.
+    pub fn export(&self) -> (Vec<f32>, Option<(usize, Vec<f32>)>) {
+        let flat = |layers: &[Option<LayerState>]| {
+            let mut v = Vec::with_capacity(self.floats());
+            for s in layers.iter().flatten() {
+                v.extend_from_slice(&s.conv);
+                v.extend_from_slice(&s.matrix);
+            }
+            v
+        };
+        (
+            flat(&self.committed),
+            self.before.as_ref().map(|(at, b)| (*at, flat(b))),
+        )
+    }
+
+    /// Sets the committed state (and the appended positions': none) from `flat`, as
+    /// [`States::export`] gives it, and the one before the last pass.
+    pub fn import(&mut self, flat: &[f32], before: Option<(usize, &[f32])>) -> Result<(), String> {
+        fn fill(layers: &mut [Option<LayerState>], mut flat: &[f32]) -> Result<(), String> {
+            for s in layers.iter_mut().flatten() {
+                let (c, rest) = flat
+                    .split_at_checked(s.conv.len())
+                    .ok_or("a recurrent state shorter than its layers")?;
+                s.conv.copy_from_slice(c);
+                let (m, rest) = rest
+                    .split_at_checked(s.matrix.len())
+                    .ok_or("a recurrent state shorter than its layers")?;
+                s.matrix.copy_from_slice(m);
+                flat = rest;
+            }
+            if flat.is_empty() {
+                Ok(())
+            } else {
+                Err("a recurrent state longer than its layers".into())
+            }
+        }
+        fill(&mut self.committed, flat)?;
+        self.now.clone_from(&self.committed);
+        self.before = match before {
+            Some((at, b)) => {
+                let mut layers = self.committed.clone();
+                fill(&mut layers, b)?;
+                Some((at, layers))
+            }
+            None => None,
+        };
+        Ok(())
+    }
+
     /// The appended positions are committed: `len` is the committed length before
     /// them. Copies `now` into the buffers of the oldest state (no allocation once
     /// three exist).
@@ -251,6 +308,28 @@ mod tests {
         t.commit(0);
         assert_eq!(t.cut(0, 4), None);
         assert_eq!(t.layer(1).unwrap(), &LayerState::zeros(SHAPE));
+    }
+
+    #[test]
+    fn a_state_exported_and_imported_is_the_same_state() {
+        let mut s = states();
+        advance(&mut s, 1.0);
+        s.commit(0);
+        advance(&mut s, 2.0);
+        s.commit(4);
+        let (now, before) = s.export();
+        assert_eq!(now.len(), s.floats());
+        let mut t = states();
+        t.import(&now, before.as_ref().map(|(at, b)| (*at, b.as_slice())))
+            .unwrap();
+        assert_eq!(t.layer(1), s.layer(1));
+        // It cuts back as the original does.
+        assert_eq!(t.cut(5, 9), s.cut(5, 9));
+        assert_eq!(t.layer(1), s.layer(1));
+        assert!(states().import(&now[1..], None).is_err());
+        assert!(states()
+            .import(&[now.clone(), vec![0.0]].concat(), None)
+            .is_err());
     }
 
     #[test]
