@@ -185,6 +185,96 @@ pub fn bench_moe_model(gb: f64) -> Result<std::path::PathBuf> {
     )
 }
 
+/// Shape of a synthetic Qwen3-Next (a hybrid): Gated DeltaNet layers and every
+/// fourth a gated full attention layer, experts with a gated shared expert in each.
+#[derive(Debug, Clone, Copy)]
+pub struct SynthHybridShape {
+    pub hidden: usize,
+    pub layers: usize,
+    pub experts: usize,
+    pub top_k: usize,
+    pub vocab: usize,
+}
+
+impl SynthHybridShape {
+    // Qwen3-Next-80B-A3B's widths: attention 16/2 heads of 256 (partial rotary a
+    // quarter); DeltaNet 16 key heads and 32 value heads of 128, kernel 4; experts of
+    // 512 with a shared one of 512.
+    const HEADS: usize = 16;
+    const KV_HEADS: usize = 2;
+    const HEAD_DIM: usize = 256;
+    const KEY_HEADS: usize = 16;
+    const VALUE_HEADS: usize = 32;
+    const LINEAR_HEAD: usize = 128;
+    const CONV: usize = 4;
+    const EXPERT: usize = 512;
+
+    /// Qwen3-Next's shape with its 512 experts (10 per token) scaled to 64 (8 per
+    /// token) and as many layers as make about `gb` GB of BF16 (at least 4: one full
+    /// attention layer).
+    pub fn of_size(gb: f64) -> SynthHybridShape {
+        let mut s = SynthHybridShape {
+            hidden: 2048,
+            layers: 4,
+            experts: 64,
+            top_k: 8,
+            vocab: 32000,
+        };
+        let fixed = 2 * s.vocab * s.hidden;
+        let params = (gb * 1e9 / 2.0) as usize;
+        let per = (0..4).map(|i| s.layer_params(i % 4 == 3)).sum::<usize>() / 4;
+        s.layers = (params.saturating_sub(fixed) / per).max(4);
+        s
+    }
+
+    fn layer_params(&self, full: bool) -> usize {
+        let h = self.hidden;
+        let mixer = if full {
+            let (q, kv) = (
+                Self::HEADS * Self::HEAD_DIM,
+                Self::KV_HEADS * Self::HEAD_DIM,
+            );
+            2 * q * h + 2 * kv * h + q * h + 2 * Self::HEAD_DIM
+        } else {
+            let (k, v) = (
+                Self::KEY_HEADS * Self::LINEAR_HEAD,
+                Self::VALUE_HEADS * Self::LINEAR_HEAD,
+            );
+            (2 * k + 2 * v) * h
+                + 2 * Self::VALUE_HEADS * h
+                + (2 * k + v) * Self::CONV
+                + 2 * Self::VALUE_HEADS
+                + Self::LINEAR_HEAD
+                + v * h
+        };
+        mixer + 2 * h + self.experts * h + (self.experts + 1) * 3 * h * Self::EXPERT + h
+    }
+
+    pub fn params(&self) -> usize {
+        (0..self.layers)
+            .map(|i| self.layer_params((i + 1) % 4 == 0))
+            .sum::<usize>()
+            + 2 * self.vocab * self.hidden
+            + self.hidden
+    }
+}
+
+/// The benchmarks' synthetic Qwen3-Next of about `gb` GB of BF16 under
+/// `$VOOM_HOME/bench` (named by its shape), written once and reused.
+pub fn bench_hybrid_model(gb: f64) -> Result<std::path::PathBuf> {
+    let shape = SynthHybridShape::of_size(gb);
+    bench_dir(
+        &format!("qwen3next-synthetic-{}l-{}e", shape.layers, shape.experts),
+        &format!(
+            "a synthetic Qwen3-Next ({} layers, 3 of 4 Gated DeltaNet, {} experts, {:.2} GB BF16)",
+            shape.layers,
+            shape.experts,
+            shape.params() as f64 * 2.0 / 1e9
+        ),
+        |dir| write_qwen3_next(dir, shape, 0x5eed),
+    )
+}
+
 /// The tensors of a synthetic checkpoint, drawn in order from one generator (so a
 /// seed gives the same bytes), then written with its config.
 struct Tensors {
@@ -305,6 +395,104 @@ pub fn write_qwen3_moe(dir: &Path, shape: SynthMoeShape, seed: u64) -> Result<()
         "max_position_embeddings": 4096,
         "rms_norm_eps": 1e-6,
         "rope_theta": 1000000.0,
+        "tie_word_embeddings": false,
+        "hidden_act": "silu",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "dtype": "bfloat16",
+        "voom_synthetic": {"seed": seed},
+    });
+    t.write(dir, &config)
+}
+
+/// Writes `config.json` (the released form: `full_attention_interval`, top-level
+/// rope) and `model.safetensors` of a random Qwen3-Next into `dir`: zero-centred
+/// norms drawn about 0, decays (`A_log`, `dt_bias`) about their released ranges.
+pub fn write_qwen3_next(dir: &Path, shape: SynthHybridShape, seed: u64) -> Result<()> {
+    type S = SynthHybridShape;
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let h = shape.hidden;
+    let (k, v) = (
+        S::KEY_HEADS * S::LINEAR_HEAD,
+        S::VALUE_HEADS * S::LINEAR_HEAD,
+    );
+    let (q, kv) = (S::HEADS * S::HEAD_DIM, S::KV_HEADS * S::HEAD_DIM);
+    let mut t = Tensors::new(seed);
+    t.embedding(shape.vocab, h);
+    for i in 0..shape.layers {
+        let p = format!("model.layers.{i}");
+        t.push(format!("{p}.input_layernorm.weight"), vec![h], 0.1, 0.0);
+        t.push(
+            format!("{p}.post_attention_layernorm.weight"),
+            vec![h],
+            0.1,
+            0.0,
+        );
+        if (i + 1) % 4 == 0 {
+            let a = format!("{p}.self_attn");
+            t.linear(format!("{a}.q_proj.weight"), 2 * q, h);
+            t.linear(format!("{a}.k_proj.weight"), kv, h);
+            t.linear(format!("{a}.v_proj.weight"), kv, h);
+            t.linear(format!("{a}.o_proj.weight"), h, q);
+            t.push(format!("{a}.q_norm.weight"), vec![S::HEAD_DIM], 0.1, 0.0);
+            t.push(format!("{a}.k_norm.weight"), vec![S::HEAD_DIM], 0.1, 0.0);
+        } else {
+            let a = format!("{p}.linear_attn");
+            t.linear(format!("{a}.in_proj_qkvz.weight"), 2 * k + 2 * v, h);
+            t.linear(format!("{a}.in_proj_ba.weight"), 2 * S::VALUE_HEADS, h);
+            t.push(
+                format!("{a}.conv1d.weight"),
+                vec![2 * k + v, 1, S::CONV],
+                0.3,
+                0.0,
+            );
+            t.push(format!("{a}.A_log"), vec![S::VALUE_HEADS], 1.0, 1.0);
+            t.push(format!("{a}.dt_bias"), vec![S::VALUE_HEADS], 1.0, 0.0);
+            t.norm(format!("{a}.norm.weight"), S::LINEAR_HEAD);
+            t.linear(format!("{a}.out_proj.weight"), h, v);
+        }
+        let m = format!("{p}.mlp");
+        t.linear(format!("{m}.gate.weight"), shape.experts, h);
+        for e in 0..shape.experts {
+            let x = format!("{m}.experts.{e}");
+            t.linear(format!("{x}.gate_proj.weight"), S::EXPERT, h);
+            t.linear(format!("{x}.up_proj.weight"), S::EXPERT, h);
+            t.linear(format!("{x}.down_proj.weight"), h, S::EXPERT);
+        }
+        t.linear(format!("{m}.shared_expert.gate_proj.weight"), S::EXPERT, h);
+        t.linear(format!("{m}.shared_expert.up_proj.weight"), S::EXPERT, h);
+        t.linear(format!("{m}.shared_expert.down_proj.weight"), h, S::EXPERT);
+        t.linear(format!("{m}.shared_expert_gate.weight"), 1, h);
+    }
+    t.push("model.norm.weight".into(), vec![h], 0.1, 0.0);
+    t.linear("lm_head.weight".into(), shape.vocab, h);
+    let config = serde_json::json!({
+        "architectures": ["Qwen3NextForCausalLM"],
+        "model_type": "qwen3_next",
+        "hidden_size": h,
+        "intermediate_size": 5120,
+        "num_hidden_layers": shape.layers,
+        "full_attention_interval": 4,
+        "num_attention_heads": S::HEADS,
+        "num_key_value_heads": S::KV_HEADS,
+        "head_dim": S::HEAD_DIM,
+        "partial_rotary_factor": 0.25,
+        "linear_conv_kernel_dim": S::CONV,
+        "linear_key_head_dim": S::LINEAR_HEAD,
+        "linear_value_head_dim": S::LINEAR_HEAD,
+        "linear_num_key_heads": S::KEY_HEADS,
+        "linear_num_value_heads": S::VALUE_HEADS,
+        "num_experts": shape.experts,
+        "num_experts_per_tok": shape.top_k,
+        "moe_intermediate_size": S::EXPERT,
+        "shared_expert_intermediate_size": S::EXPERT,
+        "norm_topk_prob": true,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "vocab_size": shape.vocab,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000000.0,
         "tie_word_embeddings": false,
         "hidden_act": "silu",
         "bos_token_id": 1,

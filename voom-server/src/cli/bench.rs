@@ -28,6 +28,10 @@ pub struct BenchArgs {
     /// Size of the synthetic random-weights Llama in GB of BF16 (0: none).
     #[arg(long, default_value_t = 1.5)]
     pub synthetic_gb: f64,
+    /// Size of a synthetic random-weights Qwen3-Next (a hybrid: Gated DeltaNet and
+    /// gated attention layers 3:1, experts) in GB of BF16 (0: none).
+    #[arg(long, default_value_t = 0.0)]
+    pub synthetic_hybrid_gb: f64,
     /// Thread counts to measure, comma-separated.
     #[arg(long, default_value = "1,2", value_delimiter = ',')]
     pub threads: Vec<usize>,
@@ -115,6 +119,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     if a.synthetic_gb > 0.0 {
         dirs.push(synth::bench_model(a.synthetic_gb)?);
+    }
+    if a.synthetic_hybrid_gb > 0.0 {
+        dirs.push(synth::bench_hybrid_model(a.synthetic_hybrid_gb)?);
     }
     let llama = match &a.llama_bench {
         Some(b) => {

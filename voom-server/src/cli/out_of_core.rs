@@ -56,6 +56,10 @@ pub struct OutOfCoreArgs {
     /// gives experts.
     #[arg(long)]
     pub moe: bool,
+    /// A synthetic Qwen3-Next (a hybrid: Gated DeltaNet and gated attention layers
+    /// 3:1, 64 experts of which 8 a token, a gated shared expert) instead of a Llama.
+    #[arg(long, conflicts_with = "moe")]
+    pub hybrid: bool,
     /// Tokens decoded per run.
     #[arg(long, default_value_t = 8)]
     pub decode_tokens: usize,
@@ -98,6 +102,9 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
     }
     let dir = match &a.model {
         Some(d) => d.clone(),
+        None if a.hybrid => {
+            synth::bench_hybrid_model(a.model_gb.unwrap_or((4.0 * a.budget as f64 / 1e9).max(4.0)))?
+        }
         None if a.moe => {
             synth::bench_moe_model(a.model_gb.unwrap_or((4.0 * a.budget as f64 / 1e9).max(4.0)))?
         }
