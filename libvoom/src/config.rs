@@ -614,6 +614,7 @@ impl ModelConfig {
         };
         let v: Value =
             serde_json::from_str(text).map_err(|e| err(format!("not a valid config.json: {e}")))?;
+        let v = language_model(v).map_err(err)?;
         let hf = HfConfig::from_value(&v).map_err(err)?;
         Self::from_hf(&hf, path)
     }
@@ -652,7 +653,8 @@ impl ModelConfig {
                 return Err(err(format!(
                     "unsupported model_type '{other}' (supported: llama, mistral, qwen2, \
                      qwen3, qwen3_moe, olmoe, mixtral, glm4_moe, deepseek_v3, qwen3_next, \
-                     qwen3_5_text, qwen3_5_moe_text)"
+                     qwen3_5_text, qwen3_5_moe_text, and qwen3_5 and qwen3_5_moe's language \
+                     models)"
                 )))
             }
         };
@@ -1468,6 +1470,49 @@ fn moe(
     }))
 }
 
+/// The language model's config of a vision-language checkpoint as Qwen3.5 is
+/// released (`model_type` `qwen3_5` or `qwen3_5_moe`: the text model's keys under
+/// `text_config`, its weights under `model.language_model.`): `text_config`, with
+/// the top level's `tie_word_embeddings` (the head's, which the outer model owns)
+/// and token ids where the text config lacks them. Any other config as it is.
+fn language_model(v: Value) -> Result<Value, String> {
+    let outer = match v.get("model_type").and_then(Value::as_str) {
+        Some("qwen3_5") => "qwen3_5_text",
+        Some("qwen3_5_moe") => "qwen3_5_moe_text",
+        _ => return Ok(v),
+    };
+    let mut text = match v.get("text_config") {
+        Some(Value::Object(t)) => t.clone(),
+        Some(other) => {
+            return Err(format!(
+                "'text_config' must be an object, got {}",
+                quote(other)
+            ))
+        }
+        None => {
+            return Err(format!(
+                "a '{}' config needs 'text_config'",
+                v["model_type"].as_str().unwrap_or_default()
+            ))
+        }
+    };
+    match text.get("model_type").and_then(Value::as_str) {
+        None => {
+            text.insert("model_type".into(), Value::from(outer));
+        }
+        Some(t) if t == outer => {}
+        Some(t) => return Err(format!("'text_config.model_type' is '{t}', not '{outer}'")),
+    }
+    for key in ["tie_word_embeddings", "bos_token_id", "eos_token_id"] {
+        if let Some(x) = v.get(key).filter(|x| !x.is_null()) {
+            if key == "tie_word_embeddings" || !text.contains_key(key) {
+                text.insert(key.into(), x.clone());
+            }
+        }
+    }
+    Ok(Value::Object(text))
+}
+
 /// The sparse layers of `num_layers` by `decoder_sparse_step` and `mlp_only_layers`
 /// (qwen3_moe's and qwen3_next's rule: layer `i` routes unless listed, when `i + 1`
 /// is a multiple of the step).
@@ -1830,6 +1875,41 @@ mod tests {
             (vec![true; 4], true, true)
         );
         assert_eq!(c.intermediate_size, 32);
+    }
+
+    /// The released Qwen3.5 form: the language model's config under `text_config`,
+    /// the head's tie from the top level; what is refused.
+    #[test]
+    fn a_vision_language_config_gives_its_language_model() {
+        let c = hybrid_fixture("qwen3_5_moe_vlm_form");
+        assert_eq!(c, hybrid_fixture("qwen3_5_moe_text"));
+        let c = hybrid_fixture("qwen3_5_vlm_form");
+        assert_eq!(c, hybrid_fixture("qwen3_5_text_dense"));
+        let tied = parse(&format!(
+            r#"{{"model_type": "qwen3_5", "tie_word_embeddings": true,
+                "text_config": {{"tie_word_embeddings": false, {BASE}}}}}"#
+        ))
+        .unwrap();
+        assert!(tied.tie_word_embeddings && tied.arch == Arch::Qwen35);
+        for (json, want) in [
+            (
+                r#"{"model_type": "qwen3_5"}"#.to_string(),
+                "needs 'text_config'",
+            ),
+            (
+                r#"{"model_type": "qwen3_5_moe", "text_config": 3}"#.into(),
+                "must be an object",
+            ),
+            (
+                format!(
+                    r#"{{"model_type": "qwen3_5", "text_config": {{"model_type": "llama", {BASE}}}}}"#
+                ),
+                "not 'qwen3_5_text'",
+            ),
+        ] {
+            let e = parse(&json).unwrap_err().to_string();
+            assert!(e.contains(want), "{json}: {e}");
+        }
     }
 
     /// transformers' defaults for a qwen3_next config that gives none of the hybrid

@@ -223,3 +223,16 @@ fn a_cache_cut_inside_its_last_pass_continues_as_one_that_stopped_there() {
         );
     }
 }
+
+/// Qwen3.5 as released: the vision-language checkpoint (`qwen3_5`, `qwen3_5_moe`:
+/// the language model's config under `text_config`, its weights under
+/// `model.language_model.`, a vision tower beside them), made by
+/// `tests/conformance/make_vlm_form_fixtures.py` from the text fixtures, whose
+/// transformers ids (text only) it gives: the engine reads the language model out
+/// of it and gives them too.
+#[test]
+fn released_vision_language_checkpoints_give_their_language_models_ids() {
+    for case in ["qwen3_5_vlm_form", "qwen3_5_moe_vlm_form"] {
+        check_case(case, EngineOptions::default());
+    }
+}

@@ -146,6 +146,7 @@ fn store_core_gives_the_embedded_bits_at_any_budget() {
         "deepseek_v3_mla_yarn",
         "qwen3_next_moe_legacy_config",
         "qwen3_5_text_dense",
+        "qwen3_5_moe_vlm_form",
     ] {
         let (_d, dir) = fixture_copy(case);
         let prompt: Vec<u32> = (0..21).map(|i| (i * 17 + 3) % 200).collect();

@@ -15,6 +15,9 @@ pub struct WeightFinder<'a> {
     model: String,
     /// Each tensor's pages: one, or its row parts in row order.
     index: HashMap<&'a str, Vec<PageId>>,
+    /// Where the language model's `model.*` tensors are: `model.`, or in a
+    /// vision-language checkpoint (Qwen3.5 as released) `model.language_model.`.
+    trunk: &'static str,
 }
 
 impl<'a> WeightFinder<'a> {
@@ -27,10 +30,29 @@ impl<'a> WeightFinder<'a> {
         for ids in index.values_mut() {
             ids.sort_by_key(|id| pages[id.0 as usize].rows.map(|r| r.start));
         }
+        let nested = "model.language_model.";
+        let trunk = if !index.contains_key("model.embed_tokens.weight")
+            && index.keys().any(|k| k.starts_with(nested))
+        {
+            nested
+        } else {
+            "model."
+        };
         WeightFinder {
             source,
             model: model.to_string(),
             index,
+            trunk,
+        }
+    }
+
+    /// The checkpoint's name of tensor `name` (`model.*` under the trunk).
+    fn stored<'n>(&self, name: &'n str) -> std::borrow::Cow<'n, str> {
+        match name.strip_prefix("model.") {
+            Some(rest) if self.trunk != "model." && !name.starts_with(self.trunk) => {
+                format!("{}{rest}", self.trunk).into()
+            }
+            _ => name.into(),
         }
     }
 
@@ -43,7 +65,7 @@ impl<'a> WeightFinder<'a> {
     }
 
     pub fn has(&self, name: &str) -> bool {
-        self.index.contains_key(name)
+        self.index.contains_key(self.stored(name).as_ref())
     }
 
     /// The decoder layers the checkpoint holds: the `N` of its `model.layers.N.*`
@@ -52,8 +74,9 @@ impl<'a> WeightFinder<'a> {
     /// tensor present.
     pub fn layer_count(&self) -> Result<usize, VoomError> {
         let mut seen = BTreeSet::new();
+        let layers = format!("{}layers.", self.trunk);
         for name in self.index.keys() {
-            let Some(rest) = name.strip_prefix("model.layers.") else {
+            let Some(rest) = name.strip_prefix(layers.as_str()) else {
                 continue;
             };
             let n = rest.split('.').next().unwrap_or_default();
@@ -68,7 +91,7 @@ impl<'a> WeightFinder<'a> {
         if let Some(gap) = (0..).zip(&seen).find(|&(i, &n)| i != n).map(|(i, _)| i) {
             let last = seen.last().copied().unwrap_or_default();
             return Err(self.err(
-                &format!("model.layers.{gap}.*"),
+                &format!("{layers}{gap}.*"),
                 format!("missing, though the checkpoint has tensors of layer {last}"),
             ));
         }
@@ -78,6 +101,8 @@ impl<'a> WeightFinder<'a> {
     /// The one page of tensor `name`, checked against `dims`; a tensor stored in row
     /// parts is an error here (only tables are read part by part).
     fn find(&self, name: &str, dims: &[Dim]) -> Result<(PageId, DType), VoomError> {
+        let stored = self.stored(name);
+        let name = stored.as_ref();
         let ids = self
             .index
             .get(name)
@@ -152,6 +177,8 @@ impl<'a> WeightFinder<'a> {
         rows: &Dim,
         cols: &Dim,
     ) -> Result<Vec<Matrix>, VoomError> {
+        let stored = self.stored(name);
+        let name = stored.as_ref();
         let ids = self
             .index
             .get(name)
@@ -215,6 +242,8 @@ impl<'a> WeightFinder<'a> {
     /// A `[rows, cols]` table read by rows (an embedding, an output head): its one
     /// page, or the row parts it is stored in, which must tile it.
     pub fn table(&self, name: &str, rows: &Dim, cols: &Dim) -> Result<Table, VoomError> {
+        let stored = self.stored(name);
+        let name = stored.as_ref();
         let ids = self
             .index
             .get(name)
