@@ -372,6 +372,7 @@ fn two_engines_through_the_daemon_give_the_embedded_bits() {
         "qwen3_qk_norm_eos_list",
         "qwen3_moe_dense_layer",
         "deepseek_v3_mla_yarn",
+        "qwen3_next_moe_legacy_config",
     ] {
         let (d, dir) = fixture_copy(case);
         let prompt: Vec<u32> = (0..19).map(|i| (i * 13 + 7) % 250).collect();
