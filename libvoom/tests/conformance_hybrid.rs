@@ -188,6 +188,9 @@ fn logits_bits_do_not_depend_on_chunks_passes_threads_or_backend() {
 fn a_cache_cut_inside_its_last_pass_continues_as_one_that_stopped_there() {
     for case in cases() {
         let e = Engine::open(&fixtures().join(&case), EngineOptions::default()).unwrap();
+        // What the memory planner counts for the states is what a cache holds.
+        assert_eq!(e.model().state_bytes(), e.new_kv().bytes() as u64, "{case}");
+        assert!(e.model().state_bytes() > 0, "{case}");
         let prompt = long_prompt(&case);
         let (head, drafted, cut, end) = (100, 130, 110, 140);
         let mut straight = e.new_kv();

@@ -552,6 +552,15 @@ impl<B: Backend> Model for Llama<B> {
         (layers * width * std::mem::size_of::<f32>()) as u64
     }
 
+    fn state_bytes(&self) -> u64 {
+        self.cfg.linear.as_ref().map_or(0, |l| {
+            let shape = l.state_shape();
+            let layers = l.layers.iter().filter(|&&linear| linear).count();
+            // Three copies (`kv::recurrent`), f32.
+            (3 * layers * (shape.conv + shape.matrix) * std::mem::size_of::<f32>()) as u64
+        })
+    }
+
     fn new_kv(&self, capacity: usize, page: usize) -> KvCache {
         let cfg = &self.cfg;
         let width = match &cfg.mla {

@@ -57,6 +57,13 @@ pub trait Model: Send + Sync {
         (cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * std::mem::size_of::<f32>()) as u64
     }
 
+    /// Bytes of one sequence's recurrent states, every copy its cache keeps (a
+    /// hybrid's linear-attention layers: a fixed size, whatever the context; 0
+    /// for others).
+    fn state_bytes(&self) -> u64 {
+        0
+    }
+
     /// Bytes of activations and buffers a forward pass of `tokens` positions, computed
     /// `chunk` at a time, over a context of `context` positions allocates at most
     /// (last-position logits).

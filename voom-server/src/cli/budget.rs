@@ -96,7 +96,7 @@ pub fn sizing(resolved: &Resolved, available: impl FnOnce() -> Option<(u64, Stri
 }
 
 /// What a run of `engine`'s model needs besides weights: KV for `context`
-/// positions, the scratch of a prompt of the whole context computed
+/// positions (and a hybrid's recurrent states), the scratch of a prompt of the whole context computed
 /// `prefill_chunk` positions at a time, the read buffers of a page store reading
 /// with `io` (its vpack bodies too, where `manifest` has them), and `process`
 /// bytes (the process as measured, or [`PROCESS_GUESS`]) plus [`PROCESS_MARGIN`].
@@ -110,7 +110,8 @@ pub fn needs(
 ) -> Needs {
     let model = engine.model();
     Needs {
-        kv_bytes: model.kv_bytes_per_position() * context as u64,
+        // A hybrid's recurrent states beside its keys and values.
+        kv_bytes: model.kv_bytes_per_position() * context as u64 + model.state_bytes(),
         scratch_bytes: model.scratch_bytes(context, prefill_chunk, context),
         process_bytes: process.unwrap_or(PROCESS_GUESS) + PROCESS_MARGIN,
         io_bytes: io.buffer_bytes(manifest),

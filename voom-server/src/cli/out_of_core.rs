@@ -126,7 +126,7 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
     )?;
     let m = engine.model();
     let context = a.prompt_tokens + a.decode_tokens;
-    let kv = m.kv_bytes_per_position() * context as u64;
+    let kv = m.kv_bytes_per_position() * context as u64 + m.state_bytes();
     let scratch = m.scratch_bytes(a.prompt_tokens, PREFILL_CHUNK, context);
     let weights = m.plan().weight_bytes_per_token();
     let vocab = engine.config().vocab_size as u32;
