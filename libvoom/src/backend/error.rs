@@ -34,6 +34,9 @@ pub enum KernelError {
         actual: usize,
     },
     /// A row index (a token id into an embedding table) past the table.
+    /// A backend's own library failed (MLX's message).
+    #[error("{0}")]
+    Backend(String),
     #[error("token id {id} is out of range for a vocabulary of {rows}")]
     RowOutOfRange { id: u32, rows: usize },
     /// A part of a table (an embedding stored in row parts) that does not fit it.

@@ -6,6 +6,8 @@
 pub mod cpu;
 mod error;
 pub mod kv;
+#[cfg(feature = "mlx")]
+pub mod mlx;
 pub mod ops;
 pub mod view;
 
