@@ -4,12 +4,15 @@
 //! agree to float32 noise. References: `tests/fixtures/tiny`, made by
 //! `tests/conformance/make_fixtures.py`.
 
-use std::ops::ControlFlow;
+mod common;
+
 use std::path::{Path, PathBuf};
 
 use libvoom::backend::BackendKind;
-use libvoom::engine::{Engine, EngineOptions, GenerateParams};
+use libvoom::engine::{Engine, EngineOptions};
 use serde_json::Value;
+
+use common::{check_case, json_ids as ids};
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny")
@@ -33,74 +36,13 @@ fn cases() -> Vec<String> {
     cases
 }
 
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
-
-fn check_case(name: &str, opts: EngineOptions) {
-    let dir = fixtures().join(name);
-    let reference: Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
-            .unwrap();
-    let backend = opts.backend.name();
-    let engine = Engine::open(&dir, opts).unwrap_or_else(|e| panic!("{name} on {backend}: {e}"));
-    let max_new = reference["generation"]["max_new_tokens"].as_u64().unwrap() as usize;
-    for p in reference["prompts"].as_array().unwrap() {
-        let prompt = ids(&p["prompt_ids"]);
-        let want = ids(&p["generated_ids"]);
-        let params = GenerateParams {
-            max_new_tokens: max_new,
-            record_logits: true,
-            ..Default::default()
-        };
-        let g = engine
-            .generate(&prompt, &params, &mut |_| ControlFlow::Continue(()))
-            .unwrap();
-        assert_eq!(
-            g.ids,
-            want,
-            "{name}: prompt of {} tokens: generated ids differ from transformers'",
-            prompt.len()
-        );
-        let stopped = p["stopped_on_eos"].as_bool().unwrap();
-        assert_eq!(
-            g.finish == libvoom::engine::FinishReason::Eos,
-            stopped,
-            "{name}: prompt of {}: eos stop differs",
-            prompt.len()
-        );
-        let ref_logits: Vec<f32> = p["first_step_logits"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_f64().unwrap() as f32)
-            .collect();
-        let ours = &g.logits[0];
-        assert_eq!(ours.len(), ref_logits.len());
-        let mut worst = 0f32;
-        for (a, b) in ours.iter().zip(&ref_logits) {
-            let d = (a - b).abs() / b.abs().max(1.0);
-            worst = worst.max(d);
-        }
-        assert!(
-            worst <= 1e-3,
-            "{name}: prompt of {}: first-step logits differ from transformers' by {worst} (relative)",
-            prompt.len()
-        );
-    }
-}
-
 /// On every backend this machine has (each CPU instruction set).
 #[test]
 fn greedy_ids_match_transformers_on_every_architecture() {
     for backend in BackendKind::available() {
         for case in cases() {
             check_case(
-                &case,
+                &fixtures().join(&case),
                 EngineOptions {
                     backend,
                     ..Default::default()
@@ -115,7 +57,7 @@ fn single_threaded_and_chunked_prefill_match_transformers_too() {
     for backend in BackendKind::available() {
         for case in cases() {
             check_case(
-                &case,
+                &fixtures().join(&case),
                 EngineOptions {
                     threads: 1,
                     prefill_chunk: 7,

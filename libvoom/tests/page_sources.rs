@@ -9,6 +9,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use common::over_store_with;
 use libvoom::engine::{Engine, EngineOptions};
 use vpaged::direct::ReadMode;
 use vpaged::store::{Store, StoreConfig, StoreSource};
@@ -26,20 +27,7 @@ fn fixture_copy(case: &str) -> (tempfile::TempDir, PathBuf) {
 }
 
 fn run(engine: &Engine, prompt: &[u32]) -> (Vec<u32>, Vec<u32>) {
-    let mut kv = engine.new_kv();
-    let logits = engine.forward_all(&mut kv, prompt).unwrap();
-    let params = libvoom::engine::GenerateParams {
-        max_new_tokens: 12,
-        ..Default::default()
-    };
-    let g = engine
-        .generate(
-            prompt,
-            &params,
-            &mut |_| std::ops::ControlFlow::Continue(()),
-        )
-        .unwrap();
-    (logits.iter().map(|v| v.to_bits()).collect(), g.ids)
+    common::run_bits(engine, prompt, 12)
 }
 
 /// Cache bytes the largest layer's pages occupy (16 KiB slots), its routed experts'
@@ -113,24 +101,6 @@ fn over_store(
         ..EngineOptions::default()
     };
     over_store_with(dir, budget, read_mode, opts)
-}
-
-/// [`over_store`] with the engine's options given.
-fn over_store_with(
-    dir: &Path,
-    budget: usize,
-    read_mode: Option<ReadMode>,
-    opts: EngineOptions,
-) -> (Arc<Store>, Engine) {
-    let store = Store::new(StoreConfig {
-        cache_bytes: budget,
-        read_mode,
-        ..Default::default()
-    })
-    .unwrap();
-    let src = StoreSource::open(Arc::clone(&store), dir).unwrap();
-    let e = Engine::with_source(dir, Arc::new(src), opts).unwrap();
-    (store, e)
 }
 
 #[test]

@@ -5,38 +5,10 @@
 
 mod common;
 
-use std::path::Path;
-use std::sync::Arc;
-
 use libvoom::engine::{Engine, EngineOptions};
-use vpaged::store::{Store, StoreConfig, StoreSource};
 
 fn run(engine: &Engine, prompt: &[u32]) -> (Vec<u32>, Vec<u32>) {
-    let mut kv = engine.new_kv();
-    let logits = engine.forward_all(&mut kv, prompt).unwrap();
-    let params = libvoom::engine::GenerateParams {
-        max_new_tokens: 6,
-        ..Default::default()
-    };
-    let g = engine
-        .generate(
-            prompt,
-            &params,
-            &mut |_| std::ops::ControlFlow::Continue(()),
-        )
-        .unwrap();
-    (logits.iter().map(|v| v.to_bits()).collect(), g.ids)
-}
-
-fn over_store(dir: &Path, budget: usize) -> (Arc<Store>, Engine) {
-    let store = Store::new(StoreConfig {
-        cache_bytes: budget,
-        ..Default::default()
-    })
-    .unwrap();
-    let src = StoreSource::open(Arc::clone(&store), dir).unwrap();
-    let e = Engine::with_source(dir, Arc::new(src), EngineOptions::default()).unwrap();
-    (store, e)
+    common::run_bits(engine, prompt, 6)
 }
 
 #[test]
@@ -53,7 +25,7 @@ fn pins_given_up_and_given_back_keep_the_bits() {
             &Engine::open(&dir, EngineOptions::default()).unwrap(),
             &prompt,
         );
-        let (store, e) = over_store(&dir, 64 << 20);
+        let (store, e) = common::over_store_with(&dir, 64 << 20, None, EngineOptions::default());
         let w = e.weights();
         assert!(w.govern(), "{case}: an in-process cache is a lever");
         let open = w.budget();

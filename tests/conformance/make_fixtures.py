@@ -1197,9 +1197,13 @@ def run_case(spec: CaseSpec, out: Path) -> dict:
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=REPO_ROOT / "tests" / "fixtures" / "tiny")
+def generate(all_specs: list[CaseSpec], default_out: Path, script: str, doc: str) -> tuple[list[dict], Path]:
+    """Parses `--out` (default `default_out`) and `--only`, makes those of
+    `all_specs` asked for, and writes their `index.json` (the other cases keeping
+    their entries, in `all_specs`' order); `script` is recorded as the generator.
+    Returns the results and the directory."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=default_out)
     ap.add_argument("--only", nargs="*", help="generate only these case names (index.json keeps the others' entries)")
     args = ap.parse_args()
     torch.use_deterministic_algorithms(True)
@@ -1209,7 +1213,7 @@ def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args.out.mkdir(parents=True, exist_ok=True)
 
-    specs = [s for s in case_specs() if not args.only or s.name in args.only]
+    specs = [s for s in all_specs if not args.only or s.name in args.only]
     results = [run_case(s, args.out) for s in specs]
 
     cases = [{k: v for k, v in r.items() if not k.startswith("_")} for r in results]
@@ -1217,19 +1221,23 @@ def main() -> None:
         # The other cases keep their entries, in the order the specs list them.
         old = {c["name"]: c for c in read_json(args.out / "index.json")["cases"]}
         old.update({c["name"]: c for c in cases})
-        order = [s.name for s in case_specs()]
+        order = [s.name for s in all_specs]
         cases = sorted(old.values(), key=lambda c: order.index(c["name"]) if c["name"] in order else len(order))
     index = {
         "schema_version": SCHEMA_VERSION,
         "generator": {
-            "script": "tests/conformance/make_fixtures.py",
+            "script": script,
             "torch": torch.__version__,
             "transformers": transformers.__version__,
         },
         "cases": cases,
     }
     write_json_like_transformers(args.out / "index.json", index)
+    return results, args.out
 
+
+def main() -> None:
+    results, out = generate(case_specs(), REPO_ROOT / "tests" / "fixtures" / "tiny", "tests/conformance/make_fixtures.py", __doc__)
     print(
         f"{'case':30} {'type':8} {'KiB':>6} {'ckpt':>6} {'rej':>3} {'min_margin':>10}  per prompt: len gen distinct eos margin"
     )
@@ -1242,8 +1250,8 @@ def main() -> None:
             f"{r['name']:30} {r['model_type']:8} {r['bytes'] / 1024:6.0f} {r['checkpoint_bytes'] / 1024:6.0f} "
             f"{r['rejected_prompts']:3d} {r['min_margin']:10.4g}  {per}"
         )
-    total = sum(f.stat().st_size for f in args.out.rglob("*") if f.is_file())
-    print(f"total {total / 1024:.0f} KiB under {args.out}")
+    total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    print(f"total {total / 1024:.0f} KiB under {out}")
 
 
 if __name__ == "__main__":

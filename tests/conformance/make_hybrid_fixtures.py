@@ -22,24 +22,14 @@ made with torch 2.11 and transformers 5.17, the accelerator machine's).
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 from pathlib import Path
 
-import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_fixtures  # noqa: E402
-from make_fixtures import (  # noqa: E402
-    REPO_ROOT,
-    SCHEMA_VERSION,
-    CaseSpec,
-    read_json,
-    run_case,
-    write_json_like_transformers,
-)
+from make_fixtures import REPO_ROOT, CaseSpec  # noqa: E402
 
 make_fixtures.CONFIG_CLASSES.update(
     {
@@ -229,36 +219,11 @@ def case_specs() -> list[CaseSpec]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=REPO_ROOT / "tests" / "fixtures" / "tiny_hybrid")
-    ap.add_argument("--only", nargs="*", help="generate only these case names (index.json keeps the others' entries)")
-    args = ap.parse_args()
-    torch.use_deterministic_algorithms(True)
-    torch.set_num_threads(1)  # one summation order for the references
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    args.out.mkdir(parents=True, exist_ok=True)
-
-    specs = [s for s in case_specs() if not args.only or s.name in args.only]
-    results = [run_case(s, args.out) for s in specs]
-    cases = [{k: v for k, v in r.items() if not k.startswith("_")} for r in results]
-    if args.only and (args.out / "index.json").exists():
-        old = {c["name"]: c for c in read_json(args.out / "index.json")["cases"]}
-        old.update({c["name"]: c for c in cases})
-        order = [s.name for s in case_specs()]
-        cases = sorted(old.values(), key=lambda c: order.index(c["name"]) if c["name"] in order else len(order))
-    write_json_like_transformers(
-        args.out / "index.json",
-        {
-            "schema_version": SCHEMA_VERSION,
-            "generator": {
-                "script": "tests/conformance/make_hybrid_fixtures.py",
-                "torch": torch.__version__,
-                "transformers": transformers.__version__,
-            },
-            "cases": cases,
-        },
+    results, _ = make_fixtures.generate(
+        case_specs(),
+        REPO_ROOT / "tests" / "fixtures" / "tiny_hybrid",
+        "tests/conformance/make_hybrid_fixtures.py",
+        __doc__,
     )
     for r in results:
         per = "  ".join(

@@ -19,7 +19,6 @@ Run: ``python3 tests/conformance/make_vlm_form_fixtures.py [--out tests/fixtures
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 from pathlib import Path
@@ -28,7 +27,7 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_fixtures import REPO_ROOT, read_json, write_json_like_transformers  # noqa: E402
+from make_fixtures import REPO_ROOT, checkpoint_tensors, read_json, write_json_like_transformers  # noqa: E402
 
 CASES = (
     ("qwen3_5_text_dense", "qwen3_5_vlm_form", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -104,7 +103,7 @@ def main() -> None:
             "vision_config": vision,
         }
         write_json_like_transformers(path / "reference.json", ref)
-        stored = sorted(json.loads((path / "model.safetensors").read_bytes()[8 : 8 + int.from_bytes((path / "model.safetensors").read_bytes()[:8], "little")]).keys())
+        stored = sorted(checkpoint_tensors(path))
         print(name, "ok:", copied, "tensors copied;", len(stored), "stored, e.g.", [s for s in stored if "visual" in s][:2], [s for s in stored if "layers.0." in s][:3])
 
 

@@ -260,12 +260,16 @@ impl Placements {
         };
         let idle = Arc::strong_count(&st.current) == 1;
         if st.target != st.current.taken && idle {
-            if st.target < st.current.taken {
-                // Room for the pins about to load.
+            // Growing: the room first, for the pins about to load; shrinking: the
+            // pins first, so that the pages they leave can be evicted.
+            let growing = st.target < st.current.taken;
+            if growing {
                 self.source.set_cache_limit(capacity - st.target);
             }
             st.current = Arc::new(self.place(st.target, false));
-            self.source.set_cache_limit(capacity - st.target);
+            if !growing {
+                self.source.set_cache_limit(capacity - st.target);
+            }
         } else {
             // Within the placement passes hold: no more than its spare room.
             let withheld = st.target.min(st.current.taken + st.current.spare);

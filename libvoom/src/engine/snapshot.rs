@@ -503,10 +503,7 @@ fn states_at(n: usize, kv: &KvCache) -> Option<Vec<usize>> {
     if !kv.has_states() {
         return None;
     }
-    let before = kv
-        .export_states()
-        .1
-        .is_some_and(|(at, _)| at + 1 == n && n > 0);
+    let before = kv.state_before_at().is_some_and(|at| at + 1 == n && n > 0);
     Some(if before { vec![n - 1, n] } else { vec![n] })
 }
 

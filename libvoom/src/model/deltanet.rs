@@ -255,20 +255,24 @@ impl DeltaNet {
             ))
         })?;
         let mut out = vec![0f32; n * vd];
-        let mut kvmem = vec![0f32; l.value_head_dim];
+        // Per-position buffers, reused: the convolution's output, the normed
+        // queries and keys, one head's `Sᵀk`.
+        let mut conv_out = vec![0f32; cd];
+        let mut bufs = Buffers {
+            qk: vec![0f32; 2 * kd],
+            kvmem: vec![0f32; l.value_head_dim],
+        };
         for t in 0..n {
-            let conv_out = convolve(l, &conv, state, &mixed[t * cd..(t + 1) * cd]);
-            let (q, rest) = conv_out.split_at(kd);
-            let (k, v) = rest.split_at(kd);
+            convolve(l, &conv, state, &mixed[t * cd..(t + 1) * cd], &mut conv_out);
+            let (qk, v) = conv_out.split_at(2 * kd);
             self.recur(
                 state,
-                q,
-                k,
+                qk,
                 v,
                 &beta[t * nv..(t + 1) * nv],
                 &a[t * nv..(t + 1) * nv],
                 (&a_log, &dt_bias),
-                &mut kvmem,
+                &mut bufs,
                 &mut out[t * vd..(t + 1) * vd],
             );
             gated_norm(
@@ -285,27 +289,28 @@ impl DeltaNet {
         Ok(())
     }
 
-    /// Step 4 of the module's list for one position: every value head's state
-    /// decayed and updated, its output into `out` (`value_dim`).
+    /// Step 4 of the module's list for one position (`qk`: its queries then keys
+    /// as convolved): every value head's state decayed and updated, its output into
+    /// `out` (`value_dim`).
     #[allow(clippy::too_many_arguments)]
     fn recur(
         &self,
         state: &mut LayerState,
-        q: &[f32],
-        k: &[f32],
+        qk: &[f32],
         v: &[f32],
         b: &[f32],
         a: &[f32],
         (a_log, dt_bias): (&[f32], &[f32]),
-        kvmem: &mut [f32],
+        bufs: &mut Buffers,
         out: &mut [f32],
     ) {
         let l = &self.l;
         let (dk, dv) = (l.key_head_dim, l.value_head_dim);
         let r = l.num_value_heads / l.num_key_heads;
         let scale = (dk as f32).powf(-0.5);
-        let mut qn = vec![0f32; q.len()];
-        let mut kn = vec![0f32; k.len()];
+        let (q, k) = qk.split_at(l.key_dim());
+        let (qn, kn) = bufs.qk.split_at_mut(l.key_dim());
+        let kvmem = &mut bufs.kvmem;
         for kh in 0..l.num_key_heads {
             let s = kh * dk..(kh + 1) * dk;
             l2norm(&q[s.clone()], &mut qn[s.clone()]);
@@ -349,12 +354,18 @@ impl DeltaNet {
     }
 }
 
+/// A position's working buffers in [`DeltaNet::recur`]: the normed queries then
+/// keys, and one head's `Sᵀk`.
+struct Buffers {
+    qk: Vec<f32>,
+    kvmem: Vec<f32>,
+}
+
 /// The causal convolution of one position's input `x` (`conv_dim` channels) with
-/// the `K - 1` inputs before it in `state` (oldest first), then SiLU; `state` moves
-/// on by one.
-fn convolve(l: &LinearAttn, w: &[f32], state: &mut LayerState, x: &[f32]) -> Vec<f32> {
+/// the `K - 1` inputs before it in `state` (oldest first), then SiLU, into `out`;
+/// `state` moves on by one.
+fn convolve(l: &LinearAttn, w: &[f32], state: &mut LayerState, x: &[f32], out: &mut [f32]) {
     let (c, k) = (l.conv_dim(), l.conv_kernel);
-    let mut out = vec![0f32; c];
     for (ch, o) in out.iter_mut().enumerate() {
         let wc = &w[ch * k..(ch + 1) * k];
         let mut acc = 0f32;
@@ -369,7 +380,6 @@ fn convolve(l: &LinearAttn, w: &[f32], state: &mut LayerState, x: &[f32]) -> Vec
         let last = (k - 2) * c;
         state.conv[last..last + c].copy_from_slice(x);
     }
-    out
 }
 
 /// `x / sqrt(Σx² + 1e-6)` (transformers' `l2norm`, FLA's epsilon).

@@ -134,3 +134,118 @@ pub fn smollm2_dir() -> Option<PathBuf> {
         }
     }
 }
+
+/// The ids of a JSON array.
+pub fn json_ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+/// Conformance of the fixture in `dir` with its transformers reference
+/// (`reference.json`) on `opts`: each prompt's greedy ids and eos stop equal, and
+/// its first-step logits within 1e-3 (relative) of transformers'.
+pub fn check_case(dir: &Path, opts: libvoom::engine::EngineOptions) {
+    use libvoom::engine::{Engine, FinishReason, GenerateParams};
+    let name = dir.file_name().unwrap().to_string_lossy();
+    let reference: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+            .unwrap();
+    let backend = opts.backend.name();
+    let engine = Engine::open(dir, opts).unwrap_or_else(|e| panic!("{name} on {backend}: {e}"));
+    let max_new = reference["generation"]["max_new_tokens"].as_u64().unwrap() as usize;
+    for p in reference["prompts"].as_array().unwrap() {
+        let prompt = json_ids(&p["prompt_ids"]);
+        let want = json_ids(&p["generated_ids"]);
+        let params = GenerateParams {
+            max_new_tokens: max_new,
+            record_logits: true,
+            ..Default::default()
+        };
+        let g = engine
+            .generate(&prompt, &params, &mut |_| {
+                std::ops::ControlFlow::Continue(())
+            })
+            .unwrap();
+        let ref_logits: Vec<f32> = p["first_step_logits"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap() as f32)
+            .collect();
+        let ours = &g.logits[0];
+        assert_eq!(ours.len(), ref_logits.len());
+        let worst = ours
+            .iter()
+            .zip(&ref_logits)
+            .map(|(a, b)| (a - b).abs() / b.abs().max(1.0))
+            .fold(0f32, f32::max);
+        assert_eq!(
+            g.ids,
+            want,
+            "{name} on {backend}: prompt of {} tokens: generated ids differ from transformers' \
+             (first-step logits {worst} away, relative)",
+            prompt.len()
+        );
+        assert_eq!(
+            g.finish == FinishReason::Eos,
+            p["stopped_on_eos"].as_bool().unwrap(),
+            "{name}: prompt of {}: eos stop differs",
+            prompt.len()
+        );
+        assert!(
+            worst <= 1e-3,
+            "{name} on {backend}: prompt of {}: first-step logits differ from transformers' by {worst} (relative)",
+            prompt.len()
+        );
+    }
+}
+
+/// The bits of `engine`'s logits at every position of `prompt`, and the ids of a
+/// greedy generation of `max_new` after it.
+pub fn run_bits(
+    engine: &libvoom::engine::Engine,
+    prompt: &[u32],
+    max_new: usize,
+) -> (Vec<u32>, Vec<u32>) {
+    let mut kv = engine.new_kv();
+    let logits = engine.forward_all(&mut kv, prompt).unwrap();
+    let params = libvoom::engine::GenerateParams {
+        max_new_tokens: max_new,
+        ..Default::default()
+    };
+    let g = engine
+        .generate(
+            prompt,
+            &params,
+            &mut |_| std::ops::ControlFlow::Continue(()),
+        )
+        .unwrap();
+    (logits.iter().map(|v| v.to_bits()).collect(), g.ids)
+}
+
+/// An engine with `opts` over a fresh store core of `budget` bytes of page cache
+/// (`read_mode` `None`: the store's choice), and the store.
+pub fn over_store_with(
+    dir: &Path,
+    budget: usize,
+    read_mode: Option<vpaged::direct::ReadMode>,
+    opts: libvoom::engine::EngineOptions,
+) -> (
+    std::sync::Arc<vpaged::store::Store>,
+    libvoom::engine::Engine,
+) {
+    use std::sync::Arc;
+    use vpaged::store::{Store, StoreConfig, StoreSource};
+    let store = Store::new(StoreConfig {
+        cache_bytes: budget,
+        read_mode,
+        ..Default::default()
+    })
+    .unwrap();
+    let src = StoreSource::open(Arc::clone(&store), dir).unwrap();
+    let e = libvoom::engine::Engine::with_source(dir, Arc::new(src), opts).unwrap();
+    (store, e)
+}

@@ -280,6 +280,11 @@ impl KvCache {
         self.states.export()
     }
 
+    /// Where its last committed pass started, when it keeps a recurrent state there.
+    pub fn state_before_at(&self) -> Option<usize> {
+        self.states.before_at()
+    }
+
     /// Sets its committed recurrent state ([`States::import`]): a cache rebuilt from
     /// a snapshot, after its keys and values are committed.
     pub fn import_states(

@@ -141,6 +141,11 @@ impl States {
         )
     }
 
+    /// The position the last committed pass started at, where its state is kept.
+    pub fn before_at(&self) -> Option<usize> {
+        self.before.as_ref().map(|(at, _)| *at)
+    }
+
     /// Sets the committed state (and the appended positions': none) from `flat`, as
     /// [`States::export`] gives it, and the one before the last pass.
     pub fn import(&mut self, flat: &[f32], before: Option<(usize, &[f32])>) -> Result<(), String> {
