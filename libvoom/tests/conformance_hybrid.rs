@@ -14,7 +14,7 @@ use libvoom::backend::BackendKind;
 use libvoom::engine::{Engine, EngineOptions};
 use serde_json::Value;
 
-use common::{check_case, json_ids as ids};
+use common::{check_case, json_ids as ids, SameBits};
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny_hybrid")
@@ -80,7 +80,7 @@ fn logits_bits_do_not_depend_on_chunks_passes_threads_or_backend() {
     for case in cases() {
         let dir = fixtures().join(&case);
         let prompt = long_prompt(&case);
-        let mut seen: Option<Vec<u32>> = None;
+        let mut seen = SameBits::default();
         let runs = BackendKind::available().into_iter().flat_map(|backend| {
             [
                 (1, 1, 1, 0),
@@ -108,15 +108,11 @@ fn logits_bits_do_not_depend_on_chunks_passes_threads_or_backend() {
                 all = e.forward_all(&mut kv, &prompt[..split]).unwrap();
             }
             all.extend(e.forward_all(&mut kv, &prompt[split..]).unwrap());
-            let b = bits(&all);
             let what = format!(
                 "{case}: threads {threads}, chunk {chunk}, KV pages of {page}, split at {split}, {}",
                 backend.name()
             );
-            match &seen {
-                None => seen = Some(b),
-                Some(s) => assert!(s == &b, "logits bits change: {what}"),
-            }
+            seen.check(backend, bits(&all), &what);
         }
     }
 }

@@ -33,10 +33,10 @@ pub enum KernelError {
         expected: usize,
         actual: usize,
     },
-    /// A row index (a token id into an embedding table) past the table.
     /// A backend's own library failed (MLX's message).
     #[error("{0}")]
     Backend(String),
+    /// A row index (a token id into an embedding table) past the table.
     #[error("token id {id} is out of range for a vocabulary of {rows}")]
     RowOutOfRange { id: u32, rows: usize },
     /// A part of a table (an embedding stored in row parts) that does not fit it.

@@ -3,10 +3,11 @@
 //! same bits). Weight views ([`WeightView`], [`VecView`]) and the error type
 //! ([`KernelError`]) are the same for every backend.
 
+pub mod check;
 pub mod cpu;
 mod error;
 pub mod kv;
-#[cfg(feature = "mlx")]
+#[cfg(voom_mlx)]
 pub mod mlx;
 pub mod ops;
 pub mod view;
@@ -22,6 +23,19 @@ use cpu::matmul::Isa;
 pub enum BackendKind {
     /// The CPU, with this instruction set's kernels.
     Cpu(Isa),
+    /// MLX on its default device (Metal on Apple Silicon, the CPU build on Linux),
+    /// in builds that link it (feature `mlx`; on macOS whenever MLX is found).
+    Mlx,
+}
+
+/// What `--backend mlx` says in a build without MLX.
+pub const MLX_MISSING: &str = "this build of vOOM has no MLX backend: install MLX's \
+    wheels (`python3 -m pip install mlx mlx-cpu` on Linux, `python3 -m pip install mlx` \
+    on macOS) and build with `--features mlx`";
+
+/// Whether this build links MLX.
+pub const fn has_mlx() -> bool {
+    cfg!(voom_mlx)
 }
 
 impl BackendKind {
@@ -30,22 +44,41 @@ impl BackendKind {
         BackendKind::Cpu(Isa::detect())
     }
 
-    /// Every backend this machine can run (tests run their checks over each).
+    /// Every backend this machine can run (tests run their checks over each): its
+    /// CPU instruction sets, then MLX where the build links it.
     pub fn available() -> Vec<Self> {
+        let mut all: Vec<Self> = Isa::available().into_iter().map(BackendKind::Cpu).collect();
+        if has_mlx() {
+            all.push(BackendKind::Mlx);
+        }
+        all
+    }
+
+    /// The CPU backends this machine can run.
+    pub fn cpus() -> Vec<Self> {
         Isa::available().into_iter().map(BackendKind::Cpu).collect()
     }
 
-    /// Its name, as `--backend` takes it: `cpu-avx512`, `cpu-avx2`, `cpu-portable`.
+    /// Its name, as `--backend` takes it: `cpu-avx512`, `cpu-avx2`, `cpu-portable`,
+    /// `mlx`.
     pub fn name(self) -> &'static str {
         match self {
             BackendKind::Cpu(Isa::Avx512) => "cpu-avx512",
             BackendKind::Cpu(Isa::Avx2) => "cpu-avx2",
             BackendKind::Cpu(Isa::Portable) => "cpu-portable",
+            BackendKind::Mlx => "mlx",
         }
     }
 
-    /// The backend named `name` ([`BackendKind::name`]), if this machine has it.
+    /// The backend named `name` ([`BackendKind::name`]; `cpu` is the best CPU one),
+    /// if this machine and build have it.
     pub fn parse(name: &str) -> Result<Self, String> {
+        if name == "cpu" {
+            return Ok(BackendKind::Cpu(Isa::detect()));
+        }
+        if name == "mlx" && !has_mlx() {
+            return Err(MLX_MISSING.to_string());
+        }
         let all = Self::available();
         all.iter()
             .copied()

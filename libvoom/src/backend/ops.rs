@@ -109,11 +109,12 @@ pub trait Backend: Send + Sync {
     /// `(rows, cols)`.
     fn shape(&self, x: &Self::Act) -> (usize, usize);
 
-    /// The values, row-major, in host memory.
-    fn download(&self, x: &Self::Act) -> Vec<f32>;
+    /// The values, row-major, in host memory (`Err` when a backend that evaluates
+    /// lazily fails computing them).
+    fn download(&self, x: &Self::Act) -> Result<Vec<f32>, KernelError>;
 
     /// [`Backend::download`], consuming `x` (no copy where it is host memory already).
-    fn download_owned(&self, x: Self::Act) -> Vec<f32>;
+    fn download_owned(&self, x: Self::Act) -> Result<Vec<f32>, KernelError>;
 
     /// A copy of rows `range` of `x`.
     fn rows(&self, x: &Self::Act, range: Range<usize>) -> Result<Self::Act, KernelError>;
@@ -238,5 +239,5 @@ pub trait Backend: Send + Sync {
 
     /// Per row, the `k` largest values with their column, largest first (ties: the
     /// lower column first; NaN is never chosen over a number).
-    fn top_k(&self, x: &Self::Act, k: usize) -> Vec<Vec<(u32, f32)>>;
+    fn top_k(&self, x: &Self::Act, k: usize) -> Result<Vec<Vec<(u32, f32)>>, KernelError>;
 }

@@ -133,6 +133,20 @@ impl<'a> TableView<'a> {
         Ok(())
     }
 
+    /// Writes row `ids[t]`, widened exactly to f32, to `out[t * cols..]` for every
+    /// `t` whose row a part given holds; leaves the others. The caller checked the
+    /// ids and that `out` holds `ids.len() × cols` floats.
+    pub fn gather(&self, ids: &[u32], out: &mut [f32]) {
+        let c = self.cols;
+        for (&id, dst) in ids.iter().zip(out.chunks_exact_mut(c.max(1))) {
+            if let Some(row) = self.row(id as usize) {
+                for (j, v) in dst.iter_mut().enumerate() {
+                    *v = row.get(j);
+                }
+            }
+        }
+    }
+
     /// Row `r` from the part holding it, `None` when no part given holds it.
     pub fn row(&self, r: usize) -> Option<VecView<'a>> {
         self.parts

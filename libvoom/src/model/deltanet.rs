@@ -185,7 +185,7 @@ impl DeltaNet {
          -> Result<Vec<f32>, VoomError> {
             let mut out = b.zeros(n, rows);
             lin.apply(b, w, xn, &mut out)?;
-            Ok(b.download_owned(out))
+            Ok(b.download_owned(out)?)
         };
         let (conv, a_log, dt_bias);
         match &self.inputs {

@@ -826,7 +826,7 @@ impl<B: Backend> Model for Llama<B> {
                             hn
                         }
                     };
-                    out.extend_from_slice(&b.download_owned(rows));
+                    out.extend_from_slice(&b.download_owned(rows)?);
                 }
                 let n = seqs[p.seq].tokens.len();
                 let rows = match seqs[p.seq].want {
@@ -861,7 +861,7 @@ impl<B: Backend> Model for Llama<B> {
             for (si, hn) in &normed {
                 let mut logits = b.zeros(b.shape(hn).0, v);
                 b.matmul(hn, whole, &mut logits)?;
-                let got = b.download_owned(logits);
+                let got = b.download_owned(logits)?;
                 out[*si][at[*si]..at[*si] + got.len()].copy_from_slice(&got);
                 at[*si] += got.len();
             }
@@ -884,7 +884,7 @@ impl<B: Backend> Model for Llama<B> {
                 for (first, part) in &view.parts {
                     let mut logits = b.zeros(m, part.rows);
                     b.matmul(hn, *part, &mut logits)?;
-                    let got = b.download_owned(logits);
+                    let got = b.download_owned(logits)?;
                     for t in 0..m {
                         let dst = (at[*si] + t) * v + first;
                         out[*si][dst..dst + part.rows]
@@ -996,7 +996,7 @@ impl<B: Backend> Llama<B> {
         let w = sweep.lease(&pages)?;
         for (x, pieces) in xs.iter_mut().zip(chunks) {
             let rows = b.shape(x).0;
-            let mut emb = b.download(x);
+            let mut emb = b.download(x)?;
             let mut before = Vec::with_capacity(rows * h);
             for p in pieces {
                 let seq = &seqs[p.seq];
@@ -1017,7 +1017,7 @@ impl<B: Backend> Llama<B> {
             let (mut en, mut hn) = (b.zeros(rows, h), b.zeros(rows, h));
             b.rms_norm(&e, w.vector(enorm), eps, &mut en)?;
             b.rms_norm(&hs, w.vector(hnorm), eps, &mut hn)?;
-            let (en, hn) = (b.download_owned(en), b.download_owned(hn));
+            let (en, hn) = (b.download_owned(en)?, b.download_owned(hn)?);
             let mut both = Vec::with_capacity(rows * 2 * h);
             for r in 0..rows {
                 both.extend_from_slice(&en[r * h..(r + 1) * h]);
@@ -1072,7 +1072,7 @@ impl<B: Backend> Llama<B> {
                 let (rows, qd) = b.shape(&s.q);
                 let mut both = b.zeros(rows, 2 * qd);
                 q.apply(b, &w, &s.xn, &mut both)?;
-                let both = b.download_owned(both);
+                let both = b.download_owned(both)?;
                 let (mut qs, mut gs) = (vec![0f32; rows * qd], vec![0f32; rows * qd]);
                 for (r, row) in both.chunks_exact(2 * qd).enumerate() {
                     for (hh, head) in row.chunks_exact(2 * hd).enumerate() {
@@ -1135,7 +1135,7 @@ impl<B: Backend> Llama<B> {
         if let Some(g) = gate {
             // transformers: `attn_output * torch.sigmoid(gate)`, in float32.
             let (rows, cols) = b.shape(&s.att);
-            let mut att = b.download(&s.att);
+            let mut att = b.download(&s.att)?;
             for (a, &g) in att.iter_mut().zip(&g) {
                 *a *= 1.0 / (1.0 + (-g).exp());
             }

@@ -165,13 +165,13 @@ impl MlaAttention {
             interleaved: m.rope_interleave,
         };
         b.rope(&mut q, &rotary(hd, nope), table)?;
-        let q = b.download_owned(q);
+        let q = b.download_owned(q)?;
         let mut att = vec![0f32; n * heads * vd];
         {
             let w = lw.step(STEP_KV)?;
             let mut ckv = b.zeros(n, rank + rope);
             self.kv_a.apply(b, &w, &xn, &mut ckv)?;
-            let ckv = b.download_owned(ckv);
+            let ckv = b.download_owned(ckv)?;
             let (mut latent, mut k_rot) =
                 (Vec::with_capacity(n * rank), Vec::with_capacity(n * rope));
             for row in ckv.chunks_exact(rank + rope) {
@@ -187,7 +187,7 @@ impl MlaAttention {
             )?;
             let mut k_rot = b.upload(n, rope, &k_rot)?;
             b.rope(&mut k_rot, &rotary(rope, 0), table)?;
-            let (normed, k_rot) = (b.download_owned(normed), b.download_owned(k_rot));
+            let (normed, k_rot) = (b.download_owned(normed)?, b.download_owned(k_rot)?);
             let mut kv_new = Vec::with_capacity(n * (rank + rope));
             for t in 0..n {
                 kv_new.extend_from_slice(&normed[t * rank..(t + 1) * rank]);
@@ -211,7 +211,7 @@ impl MlaAttention {
                     let w_uk = kv_b.slice_rows(h * per_head..h * per_head + nope);
                     b.matmul_t(&b.upload(n, nope, &q_nope)?, w_uk, &mut q_lat)?;
                 }
-                let q_lat = b.download_owned(q_lat);
+                let q_lat = b.download_owned(q_lat)?;
                 for t in 0..n {
                     let at = cat(t);
                     q_cat[at..at + rank].copy_from_slice(&q_lat[t * rank..(t + 1) * rank]);
@@ -235,7 +235,7 @@ impl MlaAttention {
                 &mut out_lat,
             )?;
             // Per head: the weighted latents through W_UV.
-            let out_lat = b.download_owned(out_lat);
+            let out_lat = b.download_owned(out_lat)?;
             for h in 0..heads {
                 let mut lat = Vec::with_capacity(n * rank);
                 for t in 0..n {
@@ -245,7 +245,7 @@ impl MlaAttention {
                 let w_uv = kv_b.slice_rows(h * per_head + nope..(h + 1) * per_head);
                 let mut o = b.zeros(n, vd);
                 b.matmul(&b.upload(n, rank, &lat)?, w_uv, &mut o)?;
-                let o = b.download_owned(o);
+                let o = b.download_owned(o)?;
                 for t in 0..n {
                     let at = t * heads * vd + h * vd;
                     att[at..at + vd].copy_from_slice(&o[t * vd..(t + 1) * vd]);

@@ -163,6 +163,10 @@ pub fn load(
             })?;
             load_on(cfg, source, model, backend)
         }
+        #[cfg(voom_mlx)]
+        BackendKind::Mlx => load_on(cfg, source, model, crate::backend::mlx::MlxBackend::new()?),
+        #[cfg(not(voom_mlx))]
+        BackendKind::Mlx => Err(VoomError::Request(crate::backend::MLX_MISSING.to_string())),
     }
 }
 

@@ -46,7 +46,7 @@ impl Expert {
         b.gated(Activation::Silu, &mut g, &u)?;
         let mut y = b.zeros(rows, self.down.rows);
         b.matmul(&g, w.matrix(&self.down), &mut y)?;
-        Ok(b.download_owned(y))
+        Ok(b.download_owned(y)?)
     }
 }
 
@@ -238,7 +238,7 @@ impl Experts {
         let mut picks = match moe.scoring {
             Scoring::Softmax => {
                 b.softmax(&mut logits)?;
-                b.top_k(&logits, moe.top_k)
+                b.top_k(&logits, moe.top_k)?
             }
             Scoring::SigmoidGroups {
                 n_group,
@@ -249,7 +249,7 @@ impl Experts {
                     .map(|v| w.vector(&v).to_vec())
                     .expect("sigmoid scoring loads a correction bias");
                 b.sigmoid(&mut logits)?;
-                let scores = b.download_owned(logits);
+                let scores = b.download_owned(logits)?;
                 // What the choice ranks: score plus bias.
                 let choice: Vec<f32> = scores
                     .chunks_exact(n)
@@ -257,9 +257,9 @@ impl Experts {
                     .collect();
                 // Each group's two best, summed; the `topk_group` best groups.
                 let size = n / n_group;
-                let best_two = b.top_k(&b.upload(rows * n_group, size, &choice)?, 2);
+                let best_two = b.top_k(&b.upload(rows * n_group, size, &choice)?, 2)?;
                 let group_scores: Vec<f32> = best_two.iter().map(|t| t[0].1 + t[1].1).collect();
-                let groups = b.top_k(&b.upload(rows, n_group, &group_scores)?, topk_group);
+                let groups = b.top_k(&b.upload(rows, n_group, &group_scores)?, topk_group)?;
                 // Experts of the other groups cannot be chosen.
                 let mut masked = vec![f32::NEG_INFINITY; rows * n];
                 for (r, kept) in groups.iter().enumerate() {
@@ -268,7 +268,7 @@ impl Experts {
                         masked[at..at + size].copy_from_slice(&choice[at..at + size]);
                     }
                 }
-                let chosen = b.top_k(&b.upload(rows, n, &masked)?, moe.top_k);
+                let chosen = b.top_k(&b.upload(rows, n, &masked)?, moe.top_k)?;
                 // Weighted by the scores without the bias.
                 chosen
                     .into_iter()
@@ -317,7 +317,7 @@ impl Experts {
         b.rms_norm(x, w.vector(norm), eps, xn)?;
         let picks = self.route(b, moe, w, xn)?;
         Ok(Routed {
-            xn: b.download(xn),
+            xn: b.download(xn)?,
             picks,
         })
     }
@@ -402,7 +402,7 @@ impl Experts {
                     Some(g) => {
                         let mut z = b.zeros(rows, 1);
                         b.matmul(&xn, w.matrix(g), &mut z)?;
-                        let z = b.download_owned(z);
+                        let z = b.download_owned(z)?;
                         for ((o, v), &zr) in o.chunks_exact_mut(h).zip(y.chunks_exact(h)).zip(&z) {
                             let s = 1.0 / (1.0 + (-zr).exp());
                             for (o, &v) in o.iter_mut().zip(v) {

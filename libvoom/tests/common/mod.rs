@@ -113,6 +113,35 @@ pub fn same(
     );
 }
 
+/// Bits are compared within a family of backends: every CPU instruction set gives
+/// the same bits (DESIGN.md invariant 6); MLX gives its own, with the same ids.
+pub fn family(backend: libvoom::backend::BackendKind) -> &'static str {
+    match backend {
+        libvoom::backend::BackendKind::Cpu(_) => "cpu",
+        libvoom::backend::BackendKind::Mlx => "mlx",
+    }
+}
+
+/// Per family ([`family`]), the first bits seen; asserts later ones equal them
+/// (saying how many differ, and where first).
+#[derive(Default)]
+pub struct SameBits(std::collections::HashMap<&'static str, Vec<u32>>);
+
+impl SameBits {
+    pub fn check(&mut self, backend: libvoom::backend::BackendKind, got: Vec<u32>, what: &str) {
+        let want = self.0.entry(family(backend)).or_insert_with(|| got.clone());
+        let differ = want.iter().zip(&got).filter(|(a, b)| a != b).count();
+        let first = want.iter().zip(&got).position(|(a, b)| a != b);
+        assert!(
+            want.len() == got.len() && differ == 0,
+            "logits bits change ({differ} of {} differ, first at {first:?}; lengths {} and {}): {what}",
+            want.len(),
+            want.len(),
+            got.len()
+        );
+    }
+}
+
 /// Each row's float bits.
 pub fn bits(rows: &[Vec<f32>]) -> Vec<Vec<u32>> {
     rows.iter()

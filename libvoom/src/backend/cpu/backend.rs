@@ -11,8 +11,8 @@ use super::rows::Rows;
 use super::threads::{SharedOut, ThreadPool};
 use crate::backend::kv::KvCache;
 use crate::backend::{
-    Activation, AttentionShape, Backend, KernelError, LatentShape, RopeShape, RopeTable, TableView,
-    VecView, WeightView,
+    check, Activation, AttentionShape, Backend, KernelError, LatentShape, RopeShape, RopeTable,
+    TableView, VecView, WeightView,
 };
 
 /// The CPU backend: a thread pool and the instruction set its kernels use.
@@ -86,16 +86,11 @@ impl CpuBackend {
 
 /// `x` must be `rows × cols` (`what` names it in the error).
 fn check_shape(what: &'static str, x: &Rows, rows: usize, cols: usize) -> Result<(), KernelError> {
-    if x.rows() != rows || x.cols() != cols {
-        return Err(KernelError::ActivationLen {
-            what,
-            n: rows,
-            per_token: cols,
-            expected: rows * cols,
-            actual: x.rows() * x.cols(),
-        });
-    }
-    Ok(())
+    check::dims(what, (x.rows(), x.cols()), rows, cols)
+}
+
+fn dims(x: &Rows) -> (usize, usize) {
+    (x.rows(), x.cols())
 }
 
 impl Backend for CpuBackend {
@@ -127,69 +122,35 @@ impl Backend for CpuBackend {
         (x.rows(), x.cols())
     }
 
-    fn download(&self, x: &Rows) -> Vec<f32> {
-        x.as_slice().to_vec()
+    fn download(&self, x: &Rows) -> Result<Vec<f32>, KernelError> {
+        Ok(x.as_slice().to_vec())
     }
 
-    fn download_owned(&self, x: Rows) -> Vec<f32> {
-        x.into_vec()
+    fn download_owned(&self, x: Rows) -> Result<Vec<f32>, KernelError> {
+        Ok(x.into_vec())
     }
 
     fn rows(&self, x: &Rows, range: Range<usize>) -> Result<Rows, KernelError> {
-        if range.start > range.end || range.end > x.rows() {
-            return Err(KernelError::ActivationLen {
-                what: "row range",
-                n: range.end,
-                per_token: x.cols(),
-                expected: range.end.saturating_mul(x.cols()),
-                actual: x.rows() * x.cols(),
-            });
-        }
+        check::row_range(dims(x), &range)?;
         let c = x.cols();
         let data = x.as_slice()[range.start * c..range.end * c].to_vec();
         Ok(Rows::from_vec(range.len(), c, data).expect("length is rows × cols"))
     }
 
     fn stack(&self, parts: &[Rows]) -> Result<Rows, KernelError> {
+        check::stack(parts.iter().map(dims))?;
         let c = parts.first().map_or(0, Rows::cols);
         let rows: usize = parts.iter().map(Rows::rows).sum();
         let mut data = Vec::with_capacity(rows * c);
         for p in parts {
-            if p.cols() != c {
-                return Err(KernelError::ActivationLen {
-                    what: "stacked part",
-                    n: p.rows(),
-                    per_token: c,
-                    expected: p.rows() * c,
-                    actual: p.rows() * p.cols(),
-                });
-            }
             data.extend_from_slice(p.as_slice());
         }
         Ok(Rows::from_vec(rows, c, data).expect("length is rows × cols"))
     }
 
     fn embed(&self, table: &TableView<'_>, ids: &[u32], out: &mut Rows) -> Result<(), KernelError> {
-        table.check()?;
-        check_shape("embedding output", out, ids.len(), table.cols)?;
-        let c = table.cols;
-        for (t, &id) in ids.iter().enumerate() {
-            if id as usize >= table.rows {
-                return Err(KernelError::RowOutOfRange {
-                    id,
-                    rows: table.rows,
-                });
-            }
-            let Some(row) = table.row(id as usize) else {
-                continue;
-            };
-            for (j, v) in out.as_mut_slice()[t * c..(t + 1) * c]
-                .iter_mut()
-                .enumerate()
-            {
-                *v = row.get(j);
-            }
-        }
+        check::embed(table, ids, dims(out))?;
+        table.gather(ids, out.as_mut_slice());
         Ok(())
     }
 
@@ -237,15 +198,7 @@ impl Backend for CpuBackend {
         eps: f32,
     ) -> Result<(), KernelError> {
         weight.check("norm weight", group)?;
-        if group == 0 || !x.cols().is_multiple_of(group) {
-            return Err(KernelError::ActivationLen {
-                what: "grouped norm input",
-                n: x.rows(),
-                per_token: group,
-                expected: x.rows() * x.cols().next_multiple_of(group.max(1)),
-                actual: x.rows() * x.cols(),
-            });
-        }
+        check::groups(dims(x), group)?;
         let w = weight.to_vec();
         self.by_rows(x.as_mut_slice(), group, |_, dst| {
             ops::rms_norm_inplace(dst, group, &w, eps)
@@ -254,23 +207,8 @@ impl Backend for CpuBackend {
     }
 
     fn rope(&self, x: &mut Rows, shape: &RopeShape, table: &RopeTable) -> Result<(), KernelError> {
-        let half = table.half;
-        let hd = shape.head_dim;
-        if hd == 0
-            || half == 0
-            || shape.offset + 2 * half > hd
-            || !x.cols().is_multiple_of(hd)
-            || table.positions() != x.rows()
-            || table.sin.len() != table.cos.len()
-        {
-            return Err(KernelError::ActivationLen {
-                what: "rotary input",
-                n: table.positions(),
-                per_token: x.cols().next_multiple_of(hd.max(1)),
-                expected: table.positions() * x.cols(),
-                actual: x.rows() * x.cols(),
-            });
-        }
+        check::rope(dims(x), shape, table)?;
+        let (half, hd) = (table.half, shape.head_dim);
         let cols = x.cols();
         let (from, to) = (shape.offset, shape.offset + 2 * half);
         self.by_rows(x.as_mut_slice(), cols, |rows, dst| {
@@ -314,20 +252,8 @@ impl Backend for CpuBackend {
         shape: &LatentShape,
         out: &mut Rows,
     ) -> Result<(), KernelError> {
+        check::latent(shape, dims(q), dims(kv_new), dims(out), kv, layer)?;
         let n = q.rows();
-        let w = shape.rank + shape.rope;
-        check_shape("latent attention queries", q, n, shape.heads * w)?;
-        check_shape("latent attention cache vectors", kv_new, n, w)?;
-        check_shape("latent attention output", out, n, shape.heads * shape.rank)?;
-        if kv.width() != w || layer >= kv.layers() {
-            return Err(KernelError::ActivationLen {
-                what: "latent KV cache layer",
-                n: kv.layers(),
-                per_token: kv.width(),
-                expected: w,
-                actual: kv.width(),
-            });
-        }
         let pos0 = kv.layer_len(layer);
         kv.append(layer, kv_new.as_slice(), &[])?;
         let cache = kv.layer(layer)?;
@@ -354,30 +280,8 @@ impl Backend for CpuBackend {
         shape: &AttentionShape,
         out: &mut Rows,
     ) -> Result<(), KernelError> {
+        check::attention(shape, dims(q), dims(k), dims(v), dims(out), kv, layer)?;
         let n = q.rows();
-        let hd = shape.head_dim;
-        if shape.kv_heads == 0 || !shape.heads.is_multiple_of(shape.kv_heads) || hd == 0 {
-            return Err(KernelError::ActivationLen {
-                what: "attention heads",
-                n: shape.heads,
-                per_token: shape.kv_heads,
-                expected: shape.heads.next_multiple_of(shape.kv_heads.max(1)),
-                actual: shape.heads,
-            });
-        }
-        check_shape("attention queries", q, n, shape.heads * hd)?;
-        check_shape("attention keys", k, n, shape.kv_heads * hd)?;
-        check_shape("attention values", v, n, shape.kv_heads * hd)?;
-        check_shape("attention output", out, n, shape.heads * hd)?;
-        if kv.width() != shape.kv_heads * hd || layer >= kv.layers() {
-            return Err(KernelError::ActivationLen {
-                what: "KV cache layer",
-                n: kv.layers(),
-                per_token: kv.width(),
-                expected: shape.kv_heads * hd,
-                actual: kv.width(),
-            });
-        }
         let pos0 = kv.layer_len(layer);
         kv.append(layer, k.as_slice(), v.as_slice())?;
         let view = kv.layer(layer)?;
@@ -432,13 +336,7 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn top_k(&self, x: &Rows, k: usize) -> Vec<Vec<(u32, f32)>> {
-        if x.cols() == 0 {
-            return vec![Vec::new(); x.rows()];
-        }
-        x.as_slice()
-            .chunks_exact(x.cols())
-            .map(|row| ops::top_k(row, k))
-            .collect()
+    fn top_k(&self, x: &Rows, k: usize) -> Result<Vec<Vec<(u32, f32)>>, KernelError> {
+        Ok(ops::top_k_rows(x.as_slice(), x.cols(), x.rows(), k))
     }
 }

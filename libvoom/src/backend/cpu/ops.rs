@@ -105,6 +105,14 @@ pub fn sigmoid(x: &mut [f32]) {
     }
 }
 
+/// [`top_k`] of each of the `rows` rows of `x` (`cols` values each).
+pub fn top_k_rows(x: &[f32], cols: usize, rows: usize, k: usize) -> Vec<Vec<(u32, f32)>> {
+    if cols == 0 {
+        return vec![Vec::new(); rows];
+    }
+    x.chunks_exact(cols).map(|row| top_k(row, k)).collect()
+}
+
 /// The `k` largest values of `row` with their index, largest first; ties go to the
 /// lower index and NaN ranks below every number (so it is chosen only when fewer than
 /// `k` numbers exist). `k` past the row's length gives the whole row, ordered.

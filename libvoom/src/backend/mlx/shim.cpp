@@ -1,22 +1,82 @@
-// The C ABI vOOM calls MLX through (libvoom::backend::mlx). Every function returns
-// 0 on success, or -1 with a message in `err` (MLX throws C++ exceptions, which must
-// not cross into Rust).
+// The C ABI vOOM calls MLX through (libvoom::backend::mlx::ffi).
+//
+// An activation is an `mx::array*` made here (`new`) and freed by `voom_mlx_free`:
+// a node of MLX's lazy graph, always float32 and two-dimensional (rows x cols).
+// Every function but `voom_mlx_version`, `voom_mlx_device` and `voom_mlx_free`
+// returns 0 on success, or -1 with a message in `err` (MLX throws C++ exceptions,
+// which must not cross into Rust). The Rust side serialises every call.
+//
+// Memory borrowed from the caller (a weight page, a KV cache page) is wrapped
+// without a copy where MLX can, and every function that borrows it evaluates its
+// result before it returns, so MLX holds no pointer into it afterwards.
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <limits>
 #include <string>
+#include <vector>
 
 #include "mlx/mlx.h"
 
 namespace mx = mlx::core;
 
-static int fail(const std::exception& e, char* err, int errlen) {
+namespace {
+
+int fail(const char* what, char* err, int errlen) {
     if (err && errlen > 0) {
-        std::strncpy(err, e.what(), errlen - 1);
+        std::strncpy(err, what, errlen - 1);
         err[errlen - 1] = 0;
     }
     return -1;
 }
+
+// Runs `f`, turning an exception into -1 and its message.
+template <class F>
+int guard(char* err, int errlen, F f) {
+    try {
+        f();
+        return 0;
+    } catch (const std::exception& e) {
+        return fail(e.what(), err, errlen);
+    } catch (...) {
+        return fail("unknown C++ exception from MLX", err, errlen);
+    }
+}
+
+mx::array& arr(void* h) { return *static_cast<mx::array*>(h); }
+
+void* own(mx::array a) { return new mx::array(std::move(a)); }
+
+// Dtype codes the Rust side passes: 0 float32, 1 bfloat16, 2 float16.
+mx::Dtype dtype_of(int code) {
+    switch (code) {
+        case 0:
+            return mx::float32;
+        case 1:
+            return mx::bfloat16;
+        case 2:
+            return mx::float16;
+        default:
+            throw std::invalid_argument("unknown weight dtype code");
+    }
+}
+
+// `rows x cols` elements of `dtype` at `p`, borrowed: wrapped without a copy where
+// MLX can (its deleter does nothing). `copied` is raised by the bytes MLX copied.
+mx::array borrow(const void* p, int rows, int cols, mx::Dtype dtype, uint64_t* copied) {
+    mx::array a(const_cast<void*>(p), {rows, cols}, dtype, [](void*) {});
+    if (copied && a.data<void>() != p) {
+        *copied += a.nbytes();
+    }
+    return a;
+}
+
+// Widened exactly to float32 (BF16 and F16 are subsets of it).
+mx::array widen(mx::array a) {
+    return a.dtype() == mx::float32 ? a : mx::astype(a, mx::float32);
+}
+
+}  // namespace
 
 extern "C" {
 
@@ -26,21 +86,231 @@ const char* voom_mlx_version() {
     return v.c_str();
 }
 
-// out[n][m] = sum_k x[n][k] * w[m][k]: f32 activations `x` (n x k) times BF16
-// weights `w` (m x k, row-major as checkpoints store them) widened to f32, on MLX's
-// default device.
-int voom_mlx_matmul_bf16(const float* x, int n, int k, const uint16_t* w, int m,
-                         float* out, char* err, int errlen) {
+// The device MLX computes on by default: "gpu" or "cpu".
+const char* voom_mlx_device() {
     try {
-        mx::array xa(x, {n, k}, mx::float32);
-        mx::array wa(reinterpret_cast<const mx::bfloat16_t*>(w), {m, k}, mx::bfloat16);
-        mx::array y = mx::matmul(xa, mx::transpose(mx::astype(wa, mx::float32)));
-        mx::eval(y);
-        std::memcpy(out, y.data<float>(), sizeof(float) * static_cast<size_t>(n) * m);
-        return 0;
-    } catch (const std::exception& e) {
-        return fail(e, err, errlen);
+        return mx::default_device() == mx::Device::gpu ? "gpu" : "cpu";
+    } catch (...) {
+        return "cpu";
     }
+}
+
+void voom_mlx_free(void* h) { delete static_cast<mx::array*>(h); }
+
+// `rows x cols` zeros.
+int voom_mlx_zeros(int rows, int cols, void** out, char* err, int errlen) {
+    return guard(err, errlen, [&] { *out = own(mx::zeros({rows, cols}, mx::float32)); });
+}
+
+// A copy of `rows x cols` floats of host memory.
+int voom_mlx_upload(const float* data, int rows, int cols, void** out, char* err,
+                    int errlen) {
+    return guard(err, errlen, [&] {
+        *out = own(mx::array(data, {rows, cols}, mx::float32));
+    });
+}
+
+// Evaluates `h` and copies its `len` floats, row-major, to `dst`.
+int voom_mlx_download(void* h, float* dst, size_t len, char* err, int errlen) {
+    return guard(err, errlen, [&] {
+        mx::array c = mx::contiguous(arr(h));
+        mx::eval(c);
+        if (c.size() != len) {
+            throw std::invalid_argument("download length differs from the array's size");
+        }
+        std::memcpy(dst, c.data<float>(), sizeof(float) * len);
+    });
+}
+
+// Rows `start..end` of `h`.
+int voom_mlx_rows(void* h, int start, int end, void** out, char* err, int errlen) {
+    return guard(err, errlen, [&] {
+        mx::array& a = arr(h);
+        *out = own(mx::slice(a, {start, 0}, {end, a.shape(1)}));
+    });
+}
+
+// `parts` one after the other (row-wise).
+int voom_mlx_stack(void* const* parts, int n, void** out, char* err, int errlen) {
+    return guard(err, errlen, [&] {
+        std::vector<mx::array> v;
+        v.reserve(n);
+        for (int i = 0; i < n; i++) v.push_back(arr(parts[i]));
+        *out = own(mx::concatenate(v, 0));
+    });
+}
+
+// `x` times a weight matrix of `rows x cols` elements of `dtype` at `w` (borrowed):
+// `x · wᵀ` (`transposed == 0`: x is n x cols), or `x · w` (`transposed != 0`: x is
+// n x rows), the weight widened to float32. Evaluated before it returns.
+int voom_mlx_matmul(void* x, const void* w, int dtype, int rows, int cols, int transposed,
+                    uint64_t* copied, void** out, char* err, int errlen) {
+    return guard(err, errlen, [&] {
+        mx::array wf = widen(borrow(w, rows, cols, dtype_of(dtype), copied));
+        mx::array y = transposed ? mx::matmul(arr(x), wf) : mx::matmul(arr(x), mx::transpose(wf));
+        mx::eval(y);
+        *out = own(std::move(y));
+    });
+}
+
+// `x + b` for every row (`b` has `x`'s columns).
+int voom_mlx_add_row(void* x, const float* b, int len, void** out, char* err, int errlen) {
+    return guard(err, errlen, [&] {
+        mx::array bias(b, {1, len}, mx::float32);
+        *out = own(mx::add(arr(x), bias));
+    });
+}
+
+// RMSNorm of each `group`-sized piece of every row, as transformers computes it:
+// `w * (x * rsqrt(mean(x²) + eps))`.
+int voom_mlx_rms_norm(void* x, const float* w, int group, float eps, void** out, char* err,
+                      int errlen) {
+    return guard(err, errlen, [&] {
+        mx::array& a = arr(x);
+        mx::array g = mx::reshape(a, {-1, group});
+        mx::array var = mx::mean(mx::square(g), -1, true);
+        mx::array y = mx::multiply(g, mx::rsqrt(mx::add(var, mx::array(eps))));
+        y = mx::multiply(mx::array(w, {1, group}, mx::float32), y);
+        *out = own(mx::reshape(y, a.shape()));
+    });
+}
+
+// Rotary embedding of `2 * half` floats from `offset` of every `head_dim`-sized head
+// of row `t`, by `cos[t * half + i]` and `sin[t * half + i]`: rotate-half pairs
+// `(x[i], x[i + half])`, or interleaved pairs `(x[2i], x[2i + 1])` written back
+// de-interleaved. Each product is rounded, then the sum (no fused multiply-add).
+int voom_mlx_rope(void* x, const float* cos, const float* sin, int half, int head_dim,
+                  int offset, int interleaved, void** out, char* err, int errlen) {
+    return guard(err, errlen, [&] {
+        mx::array& a = arr(x);
+        int n = a.shape(0), cols = a.shape(1), heads = cols / head_dim;
+        mx::array h = mx::reshape(a, {n, heads, head_dim});
+        mx::array c(cos, {n, 1, half}, mx::float32);
+        mx::array s(sin, {n, 1, half}, mx::float32);
+        mx::array x1(0.0f), x2(0.0f);
+        if (interleaved) {
+            mx::array p = mx::slice(h, {0, 0, offset}, {n, heads, offset + 2 * half});
+            p = mx::reshape(p, {n, heads, half, 2});
+            x1 = mx::reshape(mx::slice(p, {0, 0, 0, 0}, {n, heads, half, 1}), {n, heads, half});
+            x2 = mx::reshape(mx::slice(p, {0, 0, 0, 1}, {n, heads, half, 2}), {n, heads, half});
+        } else {
+            x1 = mx::slice(h, {0, 0, offset}, {n, heads, offset + half});
+            x2 = mx::slice(h, {0, 0, offset + half}, {n, heads, offset + 2 * half});
+        }
+        mx::array o1 = mx::subtract(mx::multiply(x1, c), mx::multiply(x2, s));
+        mx::array o2 = mx::add(mx::multiply(x2, c), mx::multiply(x1, s));
+        std::vector<mx::array> parts;
+        if (offset > 0) parts.push_back(mx::slice(h, {0, 0, 0}, {n, heads, offset}));
+        parts.push_back(o1);
+        parts.push_back(o2);
+        if (offset + 2 * half < head_dim) {
+            parts.push_back(mx::slice(h, {0, 0, offset + 2 * half}, {n, heads, head_dim}));
+        }
+        *out = own(mx::reshape(mx::concatenate(parts, 2), {n, cols}));
+    });
+}
+
+int voom_mlx_add(void* x, void* y, void** out, char* err, int errlen) {
+    return guard(err, errlen, [&] { *out = own(mx::add(arr(x), arr(y))); });
+}
+
+// `silu(g) * u`, SiLU as torch computes it on the CPU: `g / (1 + exp(-g))`.
+int voom_mlx_silu_mul(void* g, void* u, void** out, char* err, int errlen) {
+    return guard(err, errlen, [&] {
+        mx::array& a = arr(g);
+        mx::array s = mx::divide(a, mx::add(mx::array(1.0f), mx::exp(mx::negative(a))));
+        *out = own(mx::multiply(s, arr(u)));
+    });
+}
+
+int voom_mlx_clamp(void* x, float limit, void** out, char* err, int errlen) {
+    return guard(err, errlen, [&] {
+        *out = own(mx::clip(arr(x), mx::array(-limit), mx::array(limit)));
+    });
+}
+
+// Softmax of each row: the maximum subtracted, exponentials, each divided by their
+// sum.
+int voom_mlx_softmax(void* x, void** out, char* err, int errlen) {
+    return guard(err, errlen, [&] {
+        mx::array& a = arr(x);
+        mx::array e = mx::exp(mx::subtract(a, mx::max(a, -1, true)));
+        *out = own(mx::divide(e, mx::sum(e, -1, true)));
+    });
+}
+
+// `1 / (1 + exp(-x))`.
+int voom_mlx_sigmoid(void* x, void** out, char* err, int errlen) {
+    return guard(err, errlen, [&] {
+        mx::array& a = arr(x);
+        *out = own(mx::divide(mx::array(1.0f), mx::add(mx::array(1.0f), mx::exp(mx::negative(a)))));
+    });
+}
+
+// Causal attention of the `n` queries `q` (n x heads*dk, positions pos0..pos0+n)
+// over cached positions `lo..pos0+n`, borrowed from host pages: segment `i` holds
+// `seg_len[i]` consecutive positions of `width` floats from `k_seg[i]` (keys) and
+// `v_seg[i]` (values). A position's key is `kv_heads * dk` floats from `k_off`, its
+// value `kv_heads * dv` floats from `v_off`; query head `h` reads key/value head
+// `h / (heads / kv_heads)`. Query `t` attends positions `max(lo_t, ...)..=pos0+t`
+// with `lo_t = pos0 + t + 1 - window` (`window <= 0`: from 0). Scores are the dot
+// product times `scale`; the softmax as `voom_mlx_softmax`, its sum a product with
+// ones (each row summed in increasing position, so positions masked off add exact
+// zeros after the last); the output is the probabilities times the values.
+// Evaluated before it returns.
+int voom_mlx_attention(void* q, const float* const* k_seg, const float* const* v_seg,
+                       const int* seg_len, int nseg, int width, int k_off, int v_off, int dk,
+                       int dv, int heads, int kv_heads, int pos0, int lo, int window,
+                       float scale, uint64_t* copied, void** out, char* err, int errlen) {
+    return guard(err, errlen, [&] {
+        mx::array& qa = arr(q);
+        int n = qa.shape(0);
+        int group = heads / kv_heads;
+        std::vector<mx::array> ks, vs;
+        int total = 0;
+        for (int i = 0; i < nseg; i++) {
+            ks.push_back(borrow(k_seg[i], seg_len[i], width, mx::float32, copied));
+            vs.push_back(borrow(v_seg[i], seg_len[i], width, mx::float32, copied));
+            total += seg_len[i];
+        }
+        if (total != pos0 + n - lo) {
+            throw std::invalid_argument("cached positions do not cover the queries");
+        }
+        mx::array kc = nseg == 1 ? ks[0] : mx::concatenate(ks, 0);
+        mx::array vc = nseg == 1 ? vs[0] : mx::concatenate(vs, 0);
+        int T = total;
+        // [T, kv_heads, d] -> [kv_heads, T, d]
+        mx::array keys = mx::transpose(
+            mx::reshape(mx::slice(kc, {0, k_off}, {T, k_off + kv_heads * dk}), {T, kv_heads, dk}),
+            {1, 0, 2});
+        mx::array vals = mx::transpose(
+            mx::reshape(mx::slice(vc, {0, v_off}, {T, v_off + kv_heads * dv}), {T, kv_heads, dv}),
+            {1, 0, 2});
+        // [n, kv_heads, group, dk] -> [kv_heads, group * n, dk] (rows head-major)
+        mx::array qh = mx::reshape(
+            mx::transpose(mx::reshape(qa, {n, kv_heads, group, dk}), {1, 2, 0, 3}),
+            {kv_heads, group * n, dk});
+        mx::array scores =
+            mx::multiply(mx::matmul(qh, mx::transpose(keys, {0, 2, 1})), mx::array(scale));
+        // Query t (row r: t = r % n) sees absolute positions lo_t..=pos0+t.
+        mx::array pos = mx::arange(lo, lo + T, mx::int32);
+        mx::array qpos = mx::reshape(mx::arange(pos0, pos0 + n, mx::int32), {n, 1});
+        mx::array see = mx::less_equal(mx::reshape(pos, {1, T}), qpos);
+        if (window > 0) {
+            see = mx::logical_and(
+                see, mx::greater(mx::reshape(pos, {1, T}), mx::subtract(qpos, mx::array(window))));
+        }
+        scores = mx::reshape(scores, {kv_heads, group, n, T});
+        scores = mx::where(see, scores, mx::array(-std::numeric_limits<float>::infinity()));
+        mx::array e = mx::exp(mx::subtract(scores, mx::max(scores, -1, true)));
+        mx::array sum = mx::matmul(e, mx::ones({T, 1}, mx::float32));
+        mx::array p = mx::reshape(mx::divide(e, sum), {kv_heads, group * n, T});
+        mx::array o = mx::matmul(p, vals);  // [kv_heads, group * n, dv]
+        o = mx::transpose(mx::reshape(o, {kv_heads, group, n, dv}), {2, 0, 1, 3});
+        mx::array y = mx::reshape(o, {n, heads * dv});
+        mx::eval(y);
+        *out = own(std::move(y));
+    });
 }
 
 }  // extern "C"
