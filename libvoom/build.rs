@@ -62,5 +62,8 @@ fn build(dir: &std::path::Path) {
     println!("cargo:rustc-link-lib=dylib=mlx");
     println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());
     println!("cargo:rustc-env=VOOM_MLX_DIR={}", dir.display());
+    // For dependents' build scripts (DEP_VOOM_MLX_LIB_DIR): link arguments do not
+    // reach another package's binaries, so each gives its own the rpath.
+    println!("cargo:lib_dir={}", lib.display());
     println!("cargo:rustc-cfg=voom_mlx");
 }

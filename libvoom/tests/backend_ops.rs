@@ -442,6 +442,36 @@ fn mismatched_shapes_are_errors_on_every_backend() {
     assert!(BackendKind::parse("metal")
         .unwrap_err()
         .contains("cpu-portable"));
+    assert_eq!(
+        BackendKind::parse("cpu").unwrap(),
+        BackendKind::Cpu(Isa::detect())
+    );
+}
+
+/// In a build without MLX, asking for it says what to install, from the command
+/// line (`--backend mlx`) and from the library alike.
+#[test]
+fn mlx_in_a_build_without_it_says_what_to_install() {
+    if libvoom::backend::has_mlx() {
+        eprintln!("skipped: this build links MLX (tests/mlx_backend.rs runs instead)");
+        return;
+    }
+    let e = BackendKind::parse("mlx").unwrap_err();
+    assert!(
+        e.contains("pip install mlx") && e.contains("--features mlx"),
+        "{e}"
+    );
+    assert!(!BackendKind::available().contains(&BackendKind::Mlx));
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures/tiny/llama_gqa_untied");
+    let opts = libvoom::engine::EngineOptions {
+        backend: BackendKind::Mlx,
+        ..Default::default()
+    };
+    let e = libvoom::engine::Engine::open(&dir, opts)
+        .err()
+        .expect("no MLX here");
+    assert!(e.to_string().contains("pip install mlx"), "{e}");
 }
 
 /// Partial and interleaved rotary: only `2 × half` floats from the offset of each head

@@ -70,6 +70,33 @@ impl BackendKind {
         }
     }
 
+    /// The backend's own name, as its engine reports it: the CPU backends' names,
+    /// `mlx-cpu` or `mlx-gpu` (MLX's default device).
+    pub fn describe(self) -> String {
+        match self {
+            BackendKind::Cpu(_) => self.name().to_string(),
+            #[cfg(voom_mlx)]
+            BackendKind::Mlx => {
+                mlx::MlxBackend::new().map_or_else(|_| "mlx".into(), |b| ops::Backend::name(&b))
+            }
+            #[cfg(not(voom_mlx))]
+            BackendKind::Mlx => "mlx".into(),
+        }
+    }
+
+    /// Whether the backend is batch invariant ([`Backend::batch_invariant`]).
+    pub fn batch_invariant(self) -> bool {
+        match self {
+            BackendKind::Cpu(_) => true,
+            #[cfg(voom_mlx)]
+            BackendKind::Mlx => {
+                mlx::MlxBackend::new().is_ok_and(|b| ops::Backend::batch_invariant(&b))
+            }
+            #[cfg(not(voom_mlx))]
+            BackendKind::Mlx => false,
+        }
+    }
+
     /// The backend named `name` ([`BackendKind::name`]; `cpu` is the best CPU one),
     /// if this machine and build have it.
     pub fn parse(name: &str) -> Result<Self, String> {

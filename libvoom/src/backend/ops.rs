@@ -100,6 +100,14 @@ pub trait Backend: Send + Sync {
     /// Compute threads (or the device's equivalent for reporting).
     fn threads(&self) -> usize;
 
+    /// Whether a position's bits are independent of the other positions and rows
+    /// computed with it (the chunk, the batch, the cache length: DESIGN.md
+    /// invariant 6), as shown by the conformance suites. Where not, the engine
+    /// turns off what needs it to stay exact (prefix reuse, speculation, batching).
+    fn batch_invariant(&self) -> bool {
+        true
+    }
+
     /// `rows × cols` zeros.
     fn zeros(&self, rows: usize, cols: usize) -> Self::Act;
 

@@ -108,6 +108,12 @@ pub struct GenerateParams {
     pub speculative_sampling: bool,
 }
 
+/// Why prefix reuse, speculation and batching are off on a backend that is not
+/// batch invariant.
+const NOT_INVARIANT: &str = "this backend's bits are not shown independent of the rows \
+    computed with them, so prefix reuse, speculation and batching are off (exact ids, \
+    one sequence a pass)";
+
 /// Passes repeated at most to recompute lost KV positions (each finds at least one
 /// more damaged page, and drops it).
 const MAX_RECOVERIES: usize = 256;
@@ -188,6 +194,11 @@ pub struct Generation {
     pub prefix_reused: usize,
     /// What speculation did, when a drafter ran.
     pub speculation: Option<SpecReport>,
+    /// The backend that computed it ("cpu-avx512", "mlx-cpu").
+    pub backend: String,
+    /// What the engine turned off to keep the ids exact on this backend, when
+    /// anything ([`Engine::exactness_note`]).
+    pub exactness_note: Option<String>,
 }
 
 /// How a generation decodes beyond its parameters: a constraint on what it may
@@ -408,7 +419,21 @@ impl Engine {
             None
         };
         let eos = eos_ids(dir, model.config(), tokenizer.as_ref());
-        let prefix_bytes = opts.prefix_cache_bytes;
+        // Reusing a prefix continues from positions computed in another pass: exact
+        // only on a batch-invariant backend.
+        let invariant = model.batch_invariant();
+        if !invariant {
+            tracing::warn!(
+                backend = %model.backend_name(),
+                "{}",
+                NOT_INVARIANT
+            );
+        }
+        let prefix_bytes = if invariant {
+            opts.prefix_cache_bytes
+        } else {
+            0
+        };
         let opts_kv_pool = opts
             .kv_budget
             .as_ref()
@@ -416,6 +441,7 @@ impl Engine {
         let snapshots = opts
             .prefix_disk
             .as_ref()
+            .filter(|_| invariant)
             .and_then(|cfg| open_snapshots(dir, &name, model.as_ref(), cfg));
         Ok(Engine {
             dir: dir.to_path_buf(),
@@ -520,6 +546,19 @@ impl Engine {
     }
 
     /// The backend it computes on ("cpu-avx2").
+    /// Whether its backend is batch invariant ([`crate::backend::Backend::batch_invariant`]).
+    /// Where not, prefix reuse, speculation and batching are off (each sequence a
+    /// pass of its own, its prompt in one pass), so that the ids stay exact.
+    pub fn batch_invariant(&self) -> bool {
+        self.model.batch_invariant()
+    }
+
+    /// What the engine turned off to keep the ids exact on this backend (`None`:
+    /// nothing).
+    pub fn exactness_note(&self) -> Option<String> {
+        (!self.batch_invariant()).then(|| format!("{}: {NOT_INVARIANT}", self.backend_name()))
+    }
+
     pub fn backend_name(&self) -> String {
         self.model.backend_name()
     }

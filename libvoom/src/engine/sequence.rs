@@ -82,6 +82,9 @@ impl<'a> Sequence<'a> {
         constraint: Option<Box<dyn TokenConstraint + 'a>>,
         drafter: Option<Box<dyn Drafter + 'a>>,
     ) -> Result<Self, VoomError> {
+        // Speculation verifies drafts beside the next position: exact only where a
+        // position's bits do not depend on the rows computed with it.
+        let drafter = drafter.filter(|_| engine.batch_invariant());
         if prompt.is_empty() {
             return Err(VoomError::Request("the prompt is empty".into()));
         }
@@ -107,6 +110,8 @@ impl<'a> Sequence<'a> {
             decode_page_wait_secs: 0.0,
             decode_passes: 0,
             prefix_reused: 0,
+            backend: engine.backend_name(),
+            exactness_note: engine.exactness_note(),
             speculation: drafter.as_ref().map(|d| SpecReport {
                 drafter: d.name(),
                 scheme: "exact".into(),
@@ -501,7 +506,12 @@ impl Engine {
         on_token: &mut dyn FnMut(usize, u32) -> ControlFlow<()>,
     ) -> Result<(), VoomError> {
         let decoding = seqs.iter().any(|s| matches!(s.state, State::Tokens(..)));
-        let mut room = if decoding {
+        // A backend that is not batch invariant computes one sequence a pass, its
+        // whole prompt at once: batched, or split, its bits could change.
+        let alone = !self.batch_invariant();
+        let mut room = if alone {
+            usize::MAX
+        } else if decoding {
             prompt_room
         } else {
             prompt_room.max(1)
@@ -509,6 +519,9 @@ impl Engine {
         // (sequence index, its positions' range, want)
         let mut plan = Vec::new();
         for (i, s) in seqs.iter().enumerate() {
+            if alone && !plan.is_empty() {
+                break;
+            }
             let share = if s.prefilling() { room } else { usize::MAX };
             if s.prefilling() && share == 0 {
                 continue;

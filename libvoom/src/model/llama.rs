@@ -528,6 +528,10 @@ impl<B: Backend> Model for Llama<B> {
         self.backend.name()
     }
 
+    fn batch_invariant(&self) -> bool {
+        self.backend.batch_invariant()
+    }
+
     fn threads(&self) -> usize {
         self.backend.threads()
     }

@@ -51,6 +51,9 @@ pub trait Model: Send + Sync {
     /// Compute threads of its backend.
     fn threads(&self) -> usize;
 
+    /// Whether its backend is batch invariant ([`Backend::batch_invariant`]).
+    fn batch_invariant(&self) -> bool;
+
     /// Bytes of KV cache one position takes (every layer's keys and values).
     fn kv_bytes_per_position(&self) -> u64 {
         let cfg = self.config();

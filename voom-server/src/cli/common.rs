@@ -42,9 +42,10 @@ pub struct EngineArgs {
     /// [default: the model's].
     #[arg(long)]
     pub max_context: Option<usize>,
-    /// Compute backend: `cpu-avx512`, `cpu-avx2` or `cpu-portable` (the same bits;
-    /// default: the
-    /// fastest this machine has).
+    /// Compute backend: `cpu` (the fastest CPU kernels this machine has, the
+    /// default), `cpu-avx512`, `cpu-avx2`, `cpu-portable` (all the same bits), or
+    /// `mlx` (MLX on its default device: Metal on Apple Silicon; in builds with
+    /// the `mlx` feature). Every response names the backend.
     #[arg(long, env = "VOOM_BACKEND", value_parser = parse_backend)]
     pub backend: Option<libvoom::backend::BackendKind>,
     /// Positions per KV page (what a page of the KV budget spills and reads back;
@@ -174,7 +175,7 @@ fn read_io(s: &Settings) -> Result<vpaged::store::IoConfig> {
 }
 
 /// A `--backend` name this machine has.
-fn parse_backend(s: &str) -> Result<libvoom::backend::BackendKind, String> {
+pub fn parse_backend(s: &str) -> Result<libvoom::backend::BackendKind, String> {
     libvoom::backend::BackendKind::parse(s)
 }
 
@@ -855,6 +856,11 @@ pub fn result_json(
         "profile": profile.as_ref().map(|p| p.name.as_str()),
         "profile_digest": profile.as_ref().map(|p| p.digest.as_str()),
         "exact": true,
+        // The backend that computed it, and what was turned off to keep its ids
+        // exact (a backend not shown batch invariant: no prefix reuse, speculation
+        // or batching).
+        "backend": g.backend,
+        "exactness_note": g.exactness_note,
         "page_source": engine.source().describe(),
         // How a memory budget placed the weights (none with a cache_budget or the
         // daemon).

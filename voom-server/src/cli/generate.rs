@@ -132,8 +132,12 @@ pub fn run(a: GenerateArgs) -> Result<()> {
                 g.ids.len().saturating_sub(1)
             )
         });
+        if let Some(note) = &g.exactness_note {
+            eprintln!("[{note}]");
+        }
         eprintln!(
-            "[{} prompt tokens, {:.1} tok/s prefill; {} generated, {:.1} tok/s decode; {}{spec}]",
+            "[{}: {} prompt tokens, {:.1} tok/s prefill; {} generated, {:.1} tok/s decode; {}{spec}]",
+            g.backend,
             g.prompt_tokens,
             g.prefill_tokens_per_sec(),
             g.ids.len(),

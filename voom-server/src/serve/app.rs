@@ -25,6 +25,10 @@ pub struct App {
     pub max_body_bytes: usize,
     pub receive_timeout: Duration,
     pub profile: Profile,
+    /// The backend every engine computes on ("cpu-avx512", "mlx-gpu"), and what is
+    /// turned off on it to keep ids exact (none where it is batch invariant).
+    pub backend: String,
+    pub exactness_note: Option<String>,
     pub started: Instant,
     pub access: Arc<Access>,
     /// KiB of request bodies that may be held at once, from reading through
@@ -151,6 +155,9 @@ impl App {
         if let Ok(v) = HeaderValue::from_str(&self.profile.digest) {
             h.insert("x-voom-profile-digest", v);
         }
+        if let Ok(v) = HeaderValue::from_str(&self.backend) {
+            h.insert("x-voom-backend", v);
+        }
     }
 
     /// The `voom` object added to response bodies.
@@ -160,6 +167,8 @@ impl App {
             "profile": self.profile.name,
             "profile_digest": self.profile.digest,
             "exact": self.profile.exact,
+            "backend": self.backend,
+            "exactness_note": self.exactness_note,
         })
     }
 }

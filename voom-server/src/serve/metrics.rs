@@ -298,6 +298,8 @@ mod tests {
             decode_pages: None,
             decode_passes: 7,
             prefix_reused: 40,
+            backend: "cpu-portable".into(),
+            exactness_note: None,
             speculation: Some(libvoom::speculate::SpecReport {
                 drafter: "prompt-lookup".into(),
                 scheme: "exact".into(),

@@ -388,6 +388,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
         profile.digest,
         profile.settings
     );
+    let backend = a.engine.backend.unwrap_or_default();
     let app = Arc::new(App {
         catalog: Catalog::new(models_dir, resolved.settings.clone()),
         worker,
@@ -395,6 +396,13 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
         max_body_bytes: a.max_body_bytes,
         receive_timeout: Duration::from_secs_f64(a.receive_timeout.max(0.001)),
         profile,
+        backend: backend.describe(),
+        exactness_note: (!backend.batch_invariant()).then(|| {
+            format!(
+                "{}: prefix reuse, speculation and batching are off (not shown batch invariant)",
+                backend.describe()
+            )
+        }),
         started: Instant::now(),
         access: Arc::new(access),
         body_budget: Arc::new(tokio::sync::Semaphore::new(app::body_budget_kib(

@@ -90,14 +90,6 @@ impl MlxBackend {
         self.copied.load(Ordering::Relaxed)
     }
 
-    /// Whether a position's bits are independent of the other positions and rows
-    /// computed with it (chunk, batch width, cache length): shown for MLX's CPU
-    /// build by `libvoom/tests/mlx_backend.rs` and the conformance suites; not
-    /// shown for its GPU kernels, whose products and reductions tile by shape.
-    pub fn batch_invariant(&self) -> bool {
-        self.device == "cpu"
-    }
-
     fn input<'a>(&self, x: &'a MlxAct) -> Result<Input<'a>, KernelError> {
         match &x.arr {
             Some(h) => Ok(Input::Ref(h)),
@@ -278,6 +270,13 @@ impl Backend for MlxBackend {
 
     fn threads(&self) -> usize {
         1
+    }
+
+    /// Shown for MLX's CPU build (its products are the reference BLAS's, summed in
+    /// order) by the conformance suites and `libvoom/tests/mlx_backend.rs`; not
+    /// shown for its GPU kernels, whose products and reductions tile by shape.
+    fn batch_invariant(&self) -> bool {
+        self.device == "cpu"
     }
 
     fn zeros(&self, rows: usize, cols: usize) -> MlxAct {

@@ -1,0 +1,465 @@
+//! The MLX backend's ops (builds that link MLX: feature `mlx`), each against the CPU
+//! backend's (within float32 rounding: the two sum in different orders), and MLX's
+//! own batch invariance: a row's bits do not depend on the rows computed with it,
+//! nor a query's on the cache's length or page size. The conformance suites run
+//! every architecture on MLX (`BackendKind::available()` includes it).
+#![cfg(voom_mlx)]
+
+use libvoom::backend::cpu::matmul::Isa;
+use libvoom::backend::cpu::CpuBackend;
+use libvoom::backend::mlx::MlxBackend;
+use libvoom::backend::{
+    Activation, AttentionShape, Backend, BackendKind, KernelError, LatentShape, RopeShape,
+    RopeTable, TableView, VecView, WeightView,
+};
+use libvoom::kv::KvCache;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use voom_formats::DType;
+
+fn random(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| rng.gen_range(-2.0f32..2.0)).collect()
+}
+
+fn bf16_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter()
+        .flat_map(|x| ((x.to_bits() >> 16) as u16).to_le_bytes())
+        .collect()
+}
+
+fn bits(x: &[f32]) -> Vec<u32> {
+    x.iter().map(|v| v.to_bits()).collect()
+}
+
+fn cpu() -> CpuBackend {
+    CpuBackend::new(2, Isa::Portable).unwrap()
+}
+
+fn mlx() -> MlxBackend {
+    MlxBackend::new().unwrap()
+}
+
+/// `got` within `tol` (relative to 1 + |want|) of `want`.
+fn close(what: &str, got: &[f32], want: &[f32], tol: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= tol * (1.0 + w.abs()),
+            "{what}[{i}]: MLX {g} vs CPU {w}"
+        );
+    }
+}
+
+#[test]
+fn mlx_is_listed_and_named() {
+    assert!(BackendKind::available().contains(&BackendKind::Mlx));
+    assert_eq!(BackendKind::parse("mlx").unwrap(), BackendKind::Mlx);
+    let b = mlx();
+    assert!(
+        b.name() == "mlx-cpu" || b.name() == "mlx-gpu",
+        "{}",
+        b.name()
+    );
+    assert!(!MlxBackend::version().is_empty());
+}
+
+fn product<B: Backend>(b: &B, x: &[f32], n: usize, w: WeightView<'_>, t: bool) -> Vec<f32> {
+    let k = if t { w.rows } else { w.cols };
+    let xa = b.upload(n, k, x).unwrap();
+    let mut out = b.zeros(n, if t { w.cols } else { w.rows });
+    if t {
+        b.matmul_t(&xa, w, &mut out).unwrap();
+    } else {
+        b.matmul(&xa, w, &mut out).unwrap();
+    }
+    b.download_owned(out).unwrap()
+}
+
+/// BF16, F16 and F32 weights (an F32 view at an odd address too: copied to an
+/// aligned buffer, and counted), both products, against the CPU's.
+#[test]
+fn products_match_the_cpu_for_every_dtype_and_alignment() {
+    let mut rng = ChaCha8Rng::seed_from_u64(1);
+    let (n, rows, cols) = (5, 37, 70);
+    let vals = random(&mut rng, rows * cols);
+    let bf16 = bf16_bytes(&vals);
+    let f16: Vec<u8> = vals
+        .iter()
+        .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+        .collect();
+    let mut f32b = vec![0u8];
+    f32b.extend(vals.iter().flat_map(|v| v.to_le_bytes()));
+    let (c, m) = (cpu(), mlx());
+    for (dtype, bytes) in [
+        (DType::BF16, &bf16[..]),
+        (DType::F16, &f16[..]),
+        (DType::F32, &f32b[1..]),
+    ] {
+        let w = WeightView::new(dtype, rows, cols, bytes).unwrap();
+        let x = random(&mut rng, n * cols);
+        close(
+            &format!("{dtype} matmul"),
+            &product(&m, &x, n, w, false),
+            &product(&c, &x, n, w, false),
+            1e-5,
+        );
+        let xt = random(&mut rng, n * rows);
+        close(
+            &format!("{dtype} matmul_t"),
+            &product(&m, &xt, n, w, true),
+            &product(&c, &xt, n, w, true),
+            1e-5,
+        );
+    }
+    assert!(
+        m.copied_bytes() >= (rows * cols * 4) as u64,
+        "the misaligned F32 view was copied and counted"
+    );
+}
+
+/// A row's product has the same bits whether 1, 3 or 40 rows are computed together
+/// (MLX's CPU build; its GPU is not claimed batch invariant).
+#[test]
+fn a_products_rows_do_not_depend_on_the_rows_beside_them() {
+    let m = mlx();
+    if !m.batch_invariant() {
+        eprintln!("skipped: {} is not claimed batch invariant", m.name());
+        return;
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(2);
+    let (rows, cols) = (96, 576);
+    let w = bf16_bytes(&random(&mut rng, rows * cols));
+    let w = WeightView::new(DType::BF16, rows, cols, &w).unwrap();
+    let x = random(&mut rng, 40 * cols);
+    let all = product(&m, &x, 40, w, false);
+    for (from, n) in [(0, 1), (7, 3), (39, 1), (0, 40)] {
+        let part = product(&m, &x[from * cols..(from + n) * cols], n, w, false);
+        assert_eq!(
+            bits(&part),
+            bits(&all[from * rows..(from + n) * rows]),
+            "rows {from}..{}",
+            from + n
+        );
+    }
+}
+
+fn elementwise<B: Backend>(b: &B, x: &[f32], y: &[f32], rows: usize, cols: usize) -> Vec<Vec<f32>> {
+    let up = |v: &[f32]| b.upload(rows, cols, v).unwrap();
+    let w: Vec<f32> = (0..cols).map(|i| 0.5 + i as f32 / cols as f32).collect();
+    let wb = bf16_bytes(&w);
+    let norm = VecView {
+        dtype: DType::BF16,
+        bytes: &wb,
+        plus_one: false,
+    };
+    let mut out = Vec::new();
+    let mut n = b.zeros(rows, cols);
+    b.rms_norm(&up(x), norm, 1e-6, &mut n).unwrap();
+    out.push(b.download_owned(n).unwrap());
+    let mut g = up(x);
+    b.rms_norm_groups(
+        &mut g,
+        8,
+        VecView {
+            plus_one: true,
+            ..norm.clone_view(8)
+        },
+        1e-5,
+    )
+    .unwrap();
+    out.push(b.download_owned(g).unwrap());
+    let mut a = up(x);
+    b.add(&mut a, &up(y)).unwrap();
+    b.add_bias(&mut a, norm).unwrap();
+    out.push(b.download_owned(a).unwrap());
+    let mut s = up(x);
+    b.gated(Activation::Silu, &mut s, &up(y)).unwrap();
+    out.push(b.download_owned(s).unwrap());
+    let mut c = up(x);
+    b.clamp(&mut c, 1.25).unwrap();
+    out.push(b.download_owned(c).unwrap());
+    let mut sm = up(x);
+    b.softmax(&mut sm).unwrap();
+    out.push(b.download_owned(sm).unwrap());
+    let mut sg = up(x);
+    b.sigmoid(&mut sg).unwrap();
+    out.push(b.download_owned(sg).unwrap());
+    out
+}
+
+/// The first `n` values of a vector view.
+trait CloneView<'a> {
+    fn clone_view(&self, n: usize) -> VecView<'a>;
+}
+
+impl<'a> CloneView<'a> for VecView<'a> {
+    fn clone_view(&self, n: usize) -> VecView<'a> {
+        VecView {
+            dtype: self.dtype,
+            bytes: &self.bytes[..n * self.dtype.size()],
+            plus_one: self.plus_one,
+        }
+    }
+}
+
+#[test]
+fn norms_activations_and_softmax_match_the_cpu() {
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    let (rows, cols) = (6, 48);
+    let (x, y) = (random(&mut rng, rows * cols), random(&mut rng, rows * cols));
+    let got = elementwise(&mlx(), &x, &y, rows, cols);
+    let want = elementwise(&cpu(), &x, &y, rows, cols);
+    let names = [
+        "rms_norm",
+        "rms_norm_groups (zero-centred)",
+        "add + bias",
+        "silu gate",
+        "clamp",
+        "softmax",
+        "sigmoid",
+    ];
+    for ((g, w), name) in got.iter().zip(&want).zip(names) {
+        close(name, g, w, 2e-6);
+    }
+}
+
+fn rotary<B: Backend>(b: &B, x: &[f32], rows: usize, shape: &RopeShape, t: &RopeTable) -> Vec<f32> {
+    let cols = x.len() / rows;
+    let mut a = b.upload(rows, cols, x).unwrap();
+    b.rope(&mut a, shape, t).unwrap();
+    b.download_owned(a).unwrap()
+}
+
+#[test]
+fn rotary_embedding_matches_the_cpu_in_every_layout() {
+    let mut rng = ChaCha8Rng::seed_from_u64(4);
+    let (rows, hd, heads, half) = (3, 16, 2, 6);
+    let x = random(&mut rng, rows * hd * heads);
+    let table = RopeTable {
+        half,
+        cos: (0..rows * half).map(|i| (i as f32 * 0.37).cos()).collect(),
+        sin: (0..rows * half).map(|i| (i as f32 * 0.37).sin()).collect(),
+    };
+    for shape in [
+        RopeShape {
+            head_dim: hd,
+            offset: 0,
+            interleaved: false,
+        },
+        RopeShape {
+            head_dim: hd,
+            offset: 4,
+            interleaved: false,
+        },
+        RopeShape {
+            head_dim: hd,
+            offset: 2,
+            interleaved: true,
+        },
+    ] {
+        let got = rotary(&mlx(), &x, rows, &shape, &table);
+        let want = rotary(&cpu(), &x, rows, &shape, &table);
+        // Element-wise products and sums, each rounded: the same bits.
+        assert_eq!(bits(&got), bits(&want), "{shape:?}");
+    }
+}
+
+/// Attention of `n` queries after `pos0` cached positions (pages of `page`).
+#[allow(clippy::too_many_arguments)]
+fn attend<B: Backend>(
+    b: &B,
+    shape: &AttentionShape,
+    kc: &[f32],
+    vc: &[f32],
+    q: &[f32],
+    pos0: usize,
+    n: usize,
+    page: usize,
+) -> Vec<f32> {
+    let kvd = shape.kv_heads * shape.head_dim;
+    let qd = shape.heads * shape.head_dim;
+    let mut kv = KvCache::with_page(1, kvd, pos0 + n, page);
+    if pos0 > 0 {
+        kv.append(0, &kc[..pos0 * kvd], &vc[..pos0 * kvd]).unwrap();
+        kv.commit(&vec![0; pos0]);
+    }
+    let up = |v: &[f32], c| b.upload(n, c, v).unwrap();
+    let mut out = b.zeros(n, qd);
+    b.attention(
+        &up(q, qd),
+        &up(&kc[pos0 * kvd..(pos0 + n) * kvd], kvd),
+        &up(&vc[pos0 * kvd..(pos0 + n) * kvd], kvd),
+        &mut kv,
+        0,
+        shape,
+        &mut out,
+    )
+    .unwrap();
+    b.download_owned(out).unwrap()
+}
+
+/// Grouped-query attention (groups of 1 and 3, a sliding window, pages of several
+/// sizes) matches the CPU's; and on MLX's CPU build a query's bits do not depend on
+/// the queries computed with it nor on the page size.
+#[test]
+fn attention_matches_the_cpu_and_a_querys_bits_stand_alone() {
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    let m = mlx();
+    for (heads, window, pos0, n, page) in [
+        (2, None, 0, 9, 4),
+        (6, None, 5, 7, 3),
+        (6, Some(6), 10, 8, 5),
+        (6, Some(4), 0, 12, 128),
+    ] {
+        let shape = AttentionShape {
+            heads,
+            kv_heads: 2,
+            head_dim: 8,
+            window,
+        };
+        let (qd, kvd, total) = (heads * 8, 16, pos0 + n);
+        let (kc, vc, q) = (
+            random(&mut rng, total * kvd),
+            random(&mut rng, total * kvd),
+            random(&mut rng, n * qd),
+        );
+        let got = attend(&m, &shape, &kc, &vc, &q, pos0, n, page);
+        let want = attend(&cpu(), &shape, &kc, &vc, &q, pos0, n, page);
+        close(
+            &format!("attention {shape:?} from {pos0}"),
+            &got,
+            &want,
+            1e-5,
+        );
+        if !m.batch_invariant() {
+            continue;
+        }
+        // The last query alone, after every other position cached, pages of 1.
+        let last = attend(&m, &shape, &kc, &vc, &q[(n - 1) * qd..], total - 1, 1, 1);
+        assert_eq!(
+            bits(&last),
+            bits(&got[(n - 1) * qd..]),
+            "the last query alone ({shape:?}, from {pos0})"
+        );
+    }
+}
+
+fn latent<B: Backend>(b: &B, shape: &LatentShape, c: &[f32], q: &[f32], n: usize) -> Vec<f32> {
+    let w = shape.rank + shape.rope;
+    let mut kv = KvCache::with_page(1, w, n, 3);
+    let mut out = b.zeros(n, shape.heads * shape.rank);
+    b.latent_attention(
+        &b.upload(n, shape.heads * w, q).unwrap(),
+        &b.upload(n, w, c).unwrap(),
+        &mut kv,
+        0,
+        shape,
+        &mut out,
+    )
+    .unwrap();
+    b.download_owned(out).unwrap()
+}
+
+#[test]
+fn latent_attention_matches_the_cpu() {
+    let mut rng = ChaCha8Rng::seed_from_u64(6);
+    let shape = LatentShape {
+        heads: 3,
+        rank: 10,
+        rope: 4,
+        scale: 0.3,
+    };
+    let n = 7;
+    let c = random(&mut rng, n * 14);
+    let q = random(&mut rng, n * 3 * 14);
+    close(
+        "latent attention",
+        &latent(&mlx(), &shape, &c, &q, n),
+        &latent(&cpu(), &shape, &c, &q, n),
+        1e-5,
+    );
+}
+
+#[test]
+fn gathers_slices_stacks_and_top_k_are_exact() {
+    let m = mlx();
+    let table: Vec<f32> = (0..20).map(|i| i as f32 * 0.5).collect();
+    let tb = bf16_bytes(&table);
+    let view = WeightView::new(DType::BF16, 5, 4, &tb).unwrap();
+    let mut out = m.zeros(3, 4);
+    m.embed(&TableView::whole(view), &[4, 0, 2], &mut out)
+        .unwrap();
+    let got = m.download(&out).unwrap();
+    assert_eq!(&got[..4], &table[16..20]);
+    assert_eq!(&got[4..8], &table[..4]);
+    assert_eq!(
+        m.embed(&TableView::whole(view), &[5], &mut m.zeros(1, 4))
+            .unwrap_err(),
+        KernelError::RowOutOfRange { id: 5, rows: 5 }
+    );
+    let rows = m.rows(&out, 1..3).unwrap();
+    assert_eq!(m.shape(&rows), (2, 4));
+    let stacked = m.stack(&[rows, m.zeros(1, 4)]).unwrap();
+    let s = m.download_owned(stacked).unwrap();
+    assert_eq!(&s[..8], &got[4..12]);
+    assert_eq!(&s[8..], &[0.0; 4]);
+    let scores = m
+        .upload(2, 4, &[0.1, 0.9, 0.9, -1.0, 3.0, 2.0, 1.0, 0.0])
+        .unwrap();
+    assert_eq!(
+        m.top_k(&scores, 2).unwrap(),
+        vec![vec![(1, 0.9), (2, 0.9)], vec![(0, 3.0), (1, 2.0)]]
+    );
+}
+
+/// Bad shapes are errors naming what was wrong, never reads out of bounds.
+#[test]
+fn shapes_that_do_not_match_are_errors() {
+    let m = mlx();
+    let w = vec![0u8; 4 * 3 * 2];
+    let view = WeightView::new(DType::BF16, 4, 3, &w).unwrap();
+    let x = m.upload(2, 5, &[0.0; 10]).unwrap();
+    let e = m.matmul(&x, view, &mut m.zeros(2, 4)).unwrap_err();
+    assert!(e.to_string().contains("matmul input"), "{e}");
+    assert!(m.upload(2, 5, &[0.0; 9]).is_err());
+    assert!(m.rows(&x, 1..3).is_err());
+    let mut y = m.zeros(2, 5);
+    assert!(m.add(&mut y, &m.zeros(2, 4)).is_err());
+    let bad = WeightView {
+        dtype: DType::BF16,
+        rows: 4,
+        cols: 3,
+        bytes: &w[..20],
+    };
+    assert!(m.matmul(&m.zeros(1, 3), bad, &mut m.zeros(1, 4)).is_err());
+}
+
+/// MLX is driven from several threads at once (engines on a server): every call is
+/// serialised, and each thread gets the bits it gets alone.
+#[test]
+fn several_threads_get_their_own_bits() {
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    let (rows, cols) = (64, 128);
+    let w = bf16_bytes(&random(&mut rng, rows * cols));
+    let x = random(&mut rng, 8 * cols);
+    let m = mlx();
+    let view = WeightView::new(DType::BF16, rows, cols, &w).unwrap();
+    let alone = product(&m, &x, 8, view, false);
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..4)
+            .map(|_| {
+                s.spawn(|| {
+                    let view = WeightView::new(DType::BF16, rows, cols, &w).unwrap();
+                    (0..10)
+                        .map(|_| product(&m, &x, 8, view, false))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        for h in hs {
+            for got in h.join().unwrap() {
+                assert_eq!(bits(&got), bits(&alone));
+            }
+        }
+    });
+}
