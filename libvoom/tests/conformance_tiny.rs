@@ -110,9 +110,10 @@ fn logits_bits_do_not_depend_on_chunking_threads_or_backend() {
             let mut kv2 = e.new_kv();
             let last = e.prefill(&mut kv2, &prompt).unwrap();
             let v = e.config().vocab_size;
-            assert_eq!(
-                bits(&all[all.len() - v..]),
-                bits(&last),
+            // (Where the backend is batch invariant: MLX's GPU kernels are not claimed
+            // to be, and `SameBits` says so.)
+            assert!(
+                !backend.batch_invariant() || bits(&all[all.len() - v..]) == bits(&last),
                 "{case}: all-positions and last-position logits differ (threads {threads}, chunk {chunk}, KV pages of {page}, {name})"
             );
             seen.check(

@@ -52,6 +52,7 @@ pub const KEYS: &[&str] = &[
     "prefix_disk_min",
     "max_context",
     "threads",
+    "backend",
     "verify",
     "sampling",
 ];
@@ -261,6 +262,9 @@ pub struct Settings {
     pub max_context: Option<usize>,
     /// Compute threads (0: all cores).
     pub threads: usize,
+    /// The compute backend (`libvoom::backend::BackendKind::parse`): `cpu` (the
+    /// fastest CPU kernels), `cpu-avx512`, `cpu-avx2`, `cpu-portable`, or `mlx`.
+    pub backend: String,
     pub verify: Verify,
     pub sampling: Sampling,
 }
@@ -320,6 +324,7 @@ impl Default for Settings {
             prefix_disk_min: DEFAULT_PREFIX_DISK_MIN,
             max_context: None,
             threads: 0,
+            backend: "cpu".into(),
             verify: Verify::FirstUse,
             sampling: Sampling::default(),
         }
@@ -375,6 +380,7 @@ pub struct Overrides {
     pub prefix_disk_min: Option<usize>,
     pub max_context: Option<usize>,
     pub threads: Option<usize>,
+    pub backend: Option<String>,
     pub verify: Option<Verify>,
 }
 
@@ -418,6 +424,7 @@ const NAMES: &[(&str, &str, &str)] = &[
     ),
     ("max_context", "--max-context", "VOOM_MAX_CONTEXT"),
     ("threads", "--threads", "VOOM_THREADS"),
+    ("backend", "--backend", "VOOM_BACKEND"),
     ("verify", "--verify", "VOOM_VERIFY"),
 ];
 
@@ -473,6 +480,9 @@ impl Overrides {
             prefix_disk_min: read(get, "prefix_disk_min", num)?,
             max_context: read(get, "max_context", num)?,
             threads: read(get, "threads", num)?,
+            backend: read(get, "backend", |s| {
+                libvoom::backend::BackendKind::parse(s).map(|_| s.to_string())
+            })?,
             verify: read(get, "verify", str::parse)?,
         })
     }
@@ -504,6 +514,7 @@ struct ProfileFile {
     prefix_disk_min: Option<usize>,
     max_context: Option<usize>,
     threads: Option<usize>,
+    backend: Option<String>,
     verify: Option<String>,
     sampling: Option<Sampling>,
 }
@@ -587,6 +598,9 @@ fn parse(text: &str, file: &str) -> Result<ProfileFile, ProfileError> {
     if let Some(v) = &p.verify {
         v.parse::<Verify>()
             .map_err(|e| invalid(format!("verify {e}")))?;
+    }
+    if let Some(b) = &p.backend {
+        libvoom::backend::BackendKind::parse(b).map_err(|e| invalid(format!("backend: {e}")))?;
     }
     if p.memory_budget.is_some_and(|b| b.0 == 0) {
         return Err(invalid("memory_budget must be more than 0 bytes".into()));
@@ -943,6 +957,7 @@ pub fn resolve(
     pick!(prefix_disk_min, id, id);
     pick!(max_context, id, Some);
     pick!(threads, id, id);
+    pick!(backend, id, id);
     // Checked when the file was parsed.
     let verify = |v: String| v.parse::<Verify>().unwrap_or(Verify::FirstUse);
     pick!(verify, verify, id);
@@ -1218,6 +1233,7 @@ mod tests {
     fn bad_values_are_errors() {
         let cases = [
             ("verify: sometimes\n", "verify"),
+            ("backend: metal\n", "backend"),
             ("cache_budget: 2QiB\n", "unknown byte unit"),
             ("cache_budget: 0\n", "cache_budget"),
             ("threads: -1\n", "threads"),
@@ -1398,6 +1414,30 @@ read_piece: 8MiB
         assert!(e.to_string().contains("VOOM_KV_BUDGET='lots'"), "{e}");
         let e = Overrides::from_env(&|k| (k == "VOOM_VERIFY").then(|| "never".into())).unwrap_err();
         assert!(e.to_string().contains("VOOM_VERIFY"), "{e}");
+        let e =
+            Overrides::from_env(&|k| (k == "VOOM_BACKEND").then(|| "metal".into())).unwrap_err();
+        assert!(e.to_string().contains("VOOM_BACKEND='metal'"), "{e}");
+    }
+
+    /// The backend is a setting like the others: flag over environment over
+    /// profile over the built-in `cpu`, each source recorded.
+    #[test]
+    fn the_backend_comes_from_flag_env_or_profile() {
+        let (_d, dirs) = dir_with(&[("p.yaml", "backend: cpu-portable\n")]);
+        let r = resolve(&dirs, "p", &none(), &none()).unwrap();
+        assert_eq!(r.settings.backend, "cpu-portable");
+        let env = Overrides::from_env(&|k| (k == "VOOM_BACKEND").then(|| "cpu".into())).unwrap();
+        let r = resolve(&dirs, "p", &none(), &env).unwrap();
+        assert_eq!(r.settings.backend, "cpu");
+        assert_eq!(r.sources["backend"].to_string(), "env VOOM_BACKEND");
+        let flags = Overrides {
+            backend: Some("cpu-portable".into()),
+            ..Overrides::default()
+        };
+        let r = resolve(&dirs, "p", &flags, &env).unwrap();
+        assert_eq!(r.sources["backend"].to_string(), "flag --backend");
+        let r = resolve(&dirs, "default", &none(), &none()).unwrap();
+        assert_eq!(r.settings.backend, "cpu");
     }
 
     #[test]

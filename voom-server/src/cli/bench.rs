@@ -25,6 +25,10 @@ pub struct BenchArgs {
     /// (pulled if missing) and a synthetic Llama of --synthetic-gb.
     #[arg(long = "model")]
     pub models: Vec<String>,
+    /// Measure only the synthetic models (no default SmolLM2: a machine that cannot
+    /// pull it).
+    #[arg(long)]
+    pub synthetic_only: bool,
     /// Size of the synthetic random-weights Llama in GB of BF16 (0: none).
     #[arg(long, default_value_t = 1.5)]
     pub synthetic_gb: f64,
@@ -114,7 +118,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         bail!("--runs and --prompt-tokens must be positive and --decode-tokens at least 2");
     }
     let mut dirs: Vec<PathBuf> = Vec::new();
-    if a.models.is_empty() {
+    if a.models.is_empty() && !a.synthetic_only {
         dirs.push(common::resolve_model("smollm2-135m-instruct", true)?);
     } else {
         for m in &a.models {

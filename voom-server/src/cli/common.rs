@@ -46,7 +46,8 @@ pub struct EngineArgs {
     /// default), `cpu-avx512`, `cpu-avx2`, `cpu-portable` (all the same bits), or
     /// `mlx` (MLX on its default device: Metal on Apple Silicon; in builds with
     /// the `mlx` feature). Every response names the backend.
-    #[arg(long, env = "VOOM_BACKEND", value_parser = parse_backend)]
+    /// [env: VOOM_BACKEND] [profile: backend] [default: cpu]
+    #[arg(long, value_parser = parse_backend)]
     pub backend: Option<libvoom::backend::BackendKind>,
     /// Positions per KV page (what a page of the KV budget spills and reads back;
     /// results do not depend on it) [default: 128].
@@ -201,6 +202,7 @@ impl EngineArgs {
             prefix_disk_min: self.prefix_disk_min,
             max_context: self.max_context,
             threads: self.threads,
+            backend: self.backend.map(|b| b.name().to_string()),
             verify: self.verify,
         }
     }
@@ -238,6 +240,8 @@ impl EngineArgs {
     pub fn options(settings: &Settings, max_context: Option<usize>) -> EngineOptions {
         EngineOptions {
             threads: settings.threads,
+            // Checked when the settings were resolved.
+            backend: libvoom::backend::BackendKind::parse(&settings.backend).unwrap_or_default(),
             verify: settings.verify.mode(),
             max_context,
             prefetch_depth: settings.prefetch_depth,
@@ -368,7 +372,7 @@ impl SpecArgs {
         let dir = resolve_model(name, false).with_context(|| format!("--draft {name}"))?;
         let opts = EngineOptions {
             threads: target.threads(),
-            backend: engine.backend.unwrap_or_default(),
+            backend: EngineArgs::options(&engine.resolve()?.settings, None).backend,
             max_context: Some(target.max_context()),
             ..EngineOptions::default()
         };

@@ -133,6 +133,7 @@ fn print_text(r: &Resolved) -> std::io::Result<()> {
         ("kv_budget", size(s.kv_budget)),
         ("max_context", opt(s.max_context.map(|v| v.to_string()))),
         ("threads", s.threads.to_string()),
+        ("backend", s.backend.clone()),
         ("verify", s.verify.as_str().to_string()),
         (
             "sampling.temperature",

@@ -388,7 +388,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
         profile.digest,
         profile.settings
     );
-    let backend = a.engine.backend.unwrap_or_default();
+    let backend = EngineArgs::options(&resolved.settings, None).backend;
     let app = Arc::new(App {
         catalog: Catalog::new(models_dir, resolved.settings.clone()),
         worker,

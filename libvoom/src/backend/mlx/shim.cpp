@@ -10,6 +10,7 @@
 // without a copy where MLX can, and every function that borrows it evaluates its
 // result before it returns, so MLX holds no pointer into it afterwards.
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <limits>
@@ -75,6 +76,15 @@ mx::array borrow(const void* p, int rows, int cols, mx::Dtype dtype, uint64_t* c
 mx::array widen(mx::array a) {
     return a.dtype() == mx::float32 ? a : mx::astype(a, mx::float32);
 }
+
+// Float32 products on NVIDIA GPUs would otherwise use TF32 tensor cores, which round
+// each factor to 10 mantissa bits: not the reference's arithmetic. MLX reads the
+// variable once, at its first product; this runs when the program is loaded, before
+// any thread exists, and overrides any value set.
+[[maybe_unused]] const bool tf32_off = [] {
+    setenv("MLX_ENABLE_TF32", "0", 1);
+    return true;
+}();
 
 }  // namespace
 
