@@ -263,7 +263,8 @@ pub struct Settings {
     /// Compute threads (0: all cores).
     pub threads: usize,
     /// The compute backend (`libvoom::backend::BackendKind::parse`): `cpu` (the
-    /// fastest CPU kernels), `cpu-avx512`, `cpu-avx2`, `cpu-portable`, or `mlx`.
+    /// fastest CPU kernels), `cpu-avx512`, `cpu-avx2`, `cpu-neon`, `cpu-portable`, or
+    /// `mlx`.
     pub backend: String,
     pub verify: Verify,
     pub sampling: Sampling,

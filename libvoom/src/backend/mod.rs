@@ -65,6 +65,7 @@ impl BackendKind {
         match self {
             BackendKind::Cpu(Isa::Avx512) => "cpu-avx512",
             BackendKind::Cpu(Isa::Avx2) => "cpu-avx2",
+            BackendKind::Cpu(Isa::Neon) => "cpu-neon",
             BackendKind::Cpu(Isa::Portable) => "cpu-portable",
             BackendKind::Mlx => "mlx",
         }

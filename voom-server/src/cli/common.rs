@@ -43,7 +43,8 @@ pub struct EngineArgs {
     #[arg(long)]
     pub max_context: Option<usize>,
     /// Compute backend: `cpu` (the fastest CPU kernels this machine has, the
-    /// default), `cpu-avx512`, `cpu-avx2`, `cpu-portable` (all the same bits), or
+    /// default), `cpu-avx512`, `cpu-avx2` (x86_64), `cpu-neon` (aarch64), `cpu-portable`
+    /// (all the same bits), or
     /// `mlx` (MLX on its default device: Metal on Apple Silicon; in builds with
     /// the `mlx` feature). Every response names the backend.
     /// [env: VOOM_BACKEND] [profile: backend] [default: cpu]

@@ -17,7 +17,7 @@ impl Isa {
         match self {
             Isa::Avx512 => 4,
             Isa::Avx2 => 2,
-            Isa::Portable => 1,
+            Isa::Neon | Isa::Portable => 1,
         }
     }
 }

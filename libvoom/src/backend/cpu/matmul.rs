@@ -21,9 +21,10 @@
 //! output element; instruction-level parallelism comes from computing a tile of
 //! several rows and tokens at once, never from splitting one element's sum. The
 //! portable path emulates the same lanes with `f32::mul_add`, so it produces the same
-//! bits (it is what runs on CPUs without AVX2+FMA+F16C and, for now, on aarch64).
-//! It is written in a form LLVM vectorises (checked on x86-64-v3; on aarch64 `fmla`
-//! is fused too, so vectorising it there cannot change the bits).
+//! bits (it is what runs on CPUs without AVX2+FMA+F16C or NEON). It is written in a
+//! form LLVM vectorises (checked on x86-64-v3; on aarch64 `fmla` is fused too, so
+//! vectorising it there cannot change the bits). On aarch64 the NEON path
+//! (`matmul_neon.rs`) keeps each 8-lane accumulator in two 128-bit registers.
 //!
 //! Decode (one token) streams `W` once, with software prefetch; prefill reuses each
 //! `W` tile from L1/L2 across all tokens of the call, converting each 8-element
@@ -71,9 +72,11 @@ const CHUNKS_PER_THREAD: usize = 4;
 /// contiguous weight bytes; tiles longer than this prefetch per row instead. On a
 /// 2 vCPU EPYC, 576-column BF16 rows (1152 bytes) read as four interleaved short
 /// streams reach about half the read bandwidth without it.
+#[cfg(target_arch = "x86_64")]
 const PREFETCH_AHEAD: usize = 16 << 10;
 
 /// Software prefetch distance (bytes) within each row, for tiles of long rows.
+#[cfg(target_arch = "x86_64")]
 const PREFETCH_ROW: usize = 2 << 10;
 
 /// Below this many multiply-adds a call runs on the caller alone: waking workers
@@ -89,6 +92,9 @@ pub enum Isa {
     Avx512,
     /// x86_64 with AVX2, FMA and F16C.
     Avx2,
+    /// aarch64 with NEON (every aarch64 CPU): each eight-lane accumulator in two
+    /// 128-bit registers (`matmul_neon.rs`).
+    Neon,
     /// Lane-emulating scalar code (any CPU).
     Portable,
 }
@@ -114,14 +120,25 @@ impl Isa {
                 }
             });
         }
+        #[cfg(target_arch = "aarch64")]
+        if std::arch::is_aarch64_feature_detected!("neon") {
+            return Isa::Neon;
+        }
         #[allow(unreachable_code)]
         Isa::Portable
     }
 
     /// Every instruction set this CPU can run, best first (tests compare them all).
     pub fn available() -> Vec<Isa> {
-        let all = [Isa::Avx512, Isa::Avx2, Isa::Portable];
-        let best = all.iter().position(|&i| i == Isa::detect()).unwrap_or(2);
+        let all: &[Isa] = if cfg!(target_arch = "aarch64") {
+            &[Isa::Neon, Isa::Portable]
+        } else {
+            &[Isa::Avx512, Isa::Avx2, Isa::Portable]
+        };
+        let best = all
+            .iter()
+            .position(|&i| i == Isa::detect())
+            .unwrap_or(all.len() - 1);
         all[best..].to_vec()
     }
 
@@ -132,6 +149,7 @@ impl Isa {
 
     /// Whether the AVX2 kernels (every kernel but the matrix product's tiles,
     /// which AVX-512 widens) may run: the CPU has AVX2, FMA and F16C.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(crate) fn avx2(self) -> bool {
         matches!(self, Isa::Avx512 | Isa::Avx2)
     }
@@ -141,6 +159,7 @@ impl Isa {
         match self {
             Isa::Avx512 => "avx512",
             Isa::Avx2 => "avx2",
+            Isa::Neon => "neon",
             Isa::Portable => "portable",
         }
     }
@@ -264,6 +283,10 @@ fn axpy_isa(isa: Isa, y: &mut [f32], a: f32, x: &[f32]) {
         // and that the lengths are equal.
         return unsafe { avx2::axpy(y, a, x) };
     }
+    #[cfg(target_arch = "aarch64")]
+    if isa == Isa::Neon {
+        return neon::axpy(y, a, x);
+    }
     let _ = isa;
     for (o, &v) in y.iter_mut().zip(x) {
         *o = a.mul_add(v, *o);
@@ -326,6 +349,15 @@ unsafe fn compute_rows(
                 _ => avx2::rows::<DT_F32>(x, n, w, rows, out.0),
             }
         },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: forwarded contract; NEON is checked by the caller (`Isa::supported`).
+        Isa::Neon => unsafe {
+            match dt {
+                DT_BF16 => neon::rows::<DT_BF16>(x, n, w, rows, out.0),
+                DT_F16 => neon::rows::<DT_F16>(x, n, w, rows, out.0),
+                _ => neon::rows::<DT_F32>(x, n, w, rows, out.0),
+            }
+        },
         // SAFETY: forwarded contract.
         _ => unsafe {
             match dt {
@@ -349,6 +381,10 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     if Isa::detect().avx2() {
         // SAFETY: features checked; equal lengths checked.
         return unsafe { avx2::dot_f32(a, b) };
+    }
+    #[cfg(target_arch = "aarch64")]
+    if Isa::detect() == Isa::Neon {
+        return neon::dot_f32(a, b);
     }
     portable::dot_f32(a, b)
 }
@@ -396,6 +432,13 @@ pub fn attention_scores_isa(
         }
     }
     let d = q.len();
+    #[cfg(target_arch = "aarch64")]
+    if isa == Isa::Neon {
+        for (j, s) in scores.iter_mut().enumerate() {
+            *s = neon::dot_f32(q, &keys[j * stride..j * stride + d]) * scale;
+        }
+        return;
+    }
     for (j, s) in scores.iter_mut().enumerate() {
         *s = portable::dot_f32(q, &keys[j * stride..j * stride + d]) * scale;
     }
@@ -442,6 +485,13 @@ pub fn weighted_sum_add_isa(isa: Isa, p: &[f32], values: &[f32], stride: usize, 
         // SAFETY: features checked (assert_isa); every value slice is in bounds
         // (asserted above).
         unsafe { avx2::weighted_sum_add(p, values, stride, out) };
+        return;
+    }
+    #[cfg(target_arch = "aarch64")]
+    if isa == Isa::Neon {
+        for (j, &pj) in p.iter().enumerate() {
+            neon::axpy(out, pj, &values[j * stride..j * stride + d]);
+        }
         return;
     }
     for (j, &pj) in p.iter().enumerate() {
@@ -732,6 +782,10 @@ mod portable {
         out
     }
 }
+
+#[cfg(target_arch = "aarch64")]
+#[path = "matmul_neon.rs"]
+mod neon;
 
 /// The x86 tile kernel and its row loop, compiled for one set of target features
 /// and tile shapes: `avx2` (16 registers) and `avx512` (32) share this code, so
@@ -1210,6 +1264,15 @@ mod tests {
     }
 
     const DTYPES: [DType; 3] = [DType::BF16, DType::F16, DType::F32];
+
+    /// NEON is every aarch64 CPU's, and it is what runs there (the tests under
+    /// `qemu-aarch64` compare it with the portable path).
+    #[test]
+    #[cfg(target_arch = "aarch64")]
+    fn neon_is_detected_on_aarch64() {
+        assert_eq!(Isa::detect(), Isa::Neon);
+        assert_eq!(Isa::available(), vec![Isa::Neon, Isa::Portable]);
+    }
 
     /// Close to an f64 reference: the error bound of a chain of `cols/8 + 11`
     /// roundings relative to Σ|w·x|, plus subnormal slack.
