@@ -108,6 +108,22 @@ pub trait Backend: Send + Sync {
         true
     }
 
+    /// Bytes of weight and KV pages copied so far instead of computed on in place
+    /// (a device that cannot wrap host memory, an address not aligned for it); 0
+    /// for the CPU, which reads every page where it lies.
+    fn copied_bytes(&self) -> u64 {
+        0
+    }
+
+    /// Bytes a product with a weight matrix of `elems` elements holds beside the
+    /// page while it runs (a copy the backend makes, its f32 widening): the memory
+    /// planner counts it for the largest matrix. 0 for the CPU, which reads the page
+    /// in place.
+    fn weight_scratch_bytes(&self, elems: u64) -> u64 {
+        let _ = elems;
+        0
+    }
+
     /// `rows × cols` zeros.
     fn zeros(&self, rows: usize, cols: usize) -> Self::Act;
 

@@ -559,6 +559,12 @@ impl Engine {
         (!self.batch_invariant()).then(|| format!("{}: {NOT_INVARIANT}", self.backend_name()))
     }
 
+    /// Bytes of weight and KV pages the backend copied instead of computing on them
+    /// in place, over the engine's life ([`crate::backend::Backend::copied_bytes`]).
+    pub fn backend_copied_bytes(&self) -> u64 {
+        self.model.backend_copied_bytes()
+    }
+
     pub fn backend_name(&self) -> String {
         self.model.backend_name()
     }

@@ -532,6 +532,10 @@ impl<B: Backend> Model for Llama<B> {
         self.backend.batch_invariant()
     }
 
+    fn backend_copied_bytes(&self) -> u64 {
+        self.backend.copied_bytes()
+    }
+
     fn threads(&self) -> usize {
         self.backend.threads()
     }
@@ -645,6 +649,22 @@ impl<B: Backend> Model for Llama<B> {
                 Some(_) => 1,
                 None => cfg.num_heads / cfg.num_kv_heads.max(1),
             };
+        // A backend that copies a weight page for its product (MLX where it cannot
+        // wrap it) holds the copy beside the page: counted for the largest matrix
+        // (the embedding or head, else an MLP or attention projection).
+        let largest = [
+            cfg.vocab_size,
+            cfg.intermediate_size,
+            qd,
+            cfg.moe.as_ref().map_or(0, |m| {
+                m.expert_intermediate_size.max(m.shared_intermediate_size)
+            }),
+        ]
+        .into_iter()
+        .max()
+        .unwrap_or(0)
+            * h;
+        let copies = self.backend.weight_scratch_bytes(largest as u64);
         let floats = tokens * (h + cfg.rotary_dim)
             + 2 * chunk * per_chunk
             + mla
@@ -653,7 +673,7 @@ impl<B: Backend> Model for Llama<B> {
             + cfg.vocab_size
             + self.threads() * context * attention_rows
             + experts;
-        (floats * std::mem::size_of::<f32>()) as u64
+        (floats * std::mem::size_of::<f32>()) as u64 + copies
     }
 
     fn forward_batch(

@@ -54,6 +54,10 @@ pub trait Model: Send + Sync {
     /// Whether its backend is batch invariant ([`Backend::batch_invariant`]).
     fn batch_invariant(&self) -> bool;
 
+    /// Bytes its backend copied instead of computing in place
+    /// ([`Backend::copied_bytes`]).
+    fn backend_copied_bytes(&self) -> u64;
+
     /// Bytes of KV cache one position takes (every layer's keys and values).
     fn kv_bytes_per_position(&self) -> u64 {
         let cfg = self.config();

@@ -866,6 +866,9 @@ pub fn result_json(
         // or batching).
         "backend": g.backend,
         "exactness_note": g.exactness_note,
+        // Weight and KV bytes the backend copied instead of computing on them in
+        // place (0 on the CPU; MLX where it cannot wrap a page).
+        "backend_copied_bytes": engine.backend_copied_bytes(),
         "page_source": engine.source().describe(),
         // How a memory budget placed the weights (none with a cache_budget or the
         // daemon).

@@ -1,6 +1,12 @@
 //! [`MlxBackend`]: the backend interface on MLX's default device (Metal on Apple
 //! Silicon, the CPU build on Linux).
 //!
+//! Weight and KV pages are handed to MLX as external memory, which it wraps where it
+//! can (Metal, pages aligned to its 16 KiB pages) and copies otherwise (its Linux
+//! CPU and CUDA builds copy every page): a copy lives only until the product that
+//! needed it is evaluated, is counted ([`Backend::copied_bytes`]), and the memory
+//! planner sets it aside for the largest matrix ([`Backend::weight_scratch_bytes`]).
+//!
 //! Activations are MLX arrays ([`MlxAct`]), float32, evaluated lazily: element-wise
 //! ops, norms and rotary embeddings only add to MLX's graph, which is evaluated by
 //! the next op that reads borrowed memory (a product with a weight page, attention
@@ -81,13 +87,6 @@ impl MlxBackend {
     /// "cpu" or "gpu".
     pub fn device(&self) -> &str {
         &self.device
-    }
-
-    /// Bytes of borrowed memory (weight and KV pages) copied so far instead of read
-    /// in place: on MLX's CPU build nothing (pages are wrapped); on Metal, pages not
-    /// aligned to its pages.
-    pub fn copied_bytes(&self) -> u64 {
-        self.copied.load(Ordering::Relaxed)
     }
 
     fn input<'a>(&self, x: &'a MlxAct) -> Result<Input<'a>, KernelError> {
@@ -277,6 +276,19 @@ impl Backend for MlxBackend {
     /// shown for its GPU kernels, whose products and reductions tile by shape.
     fn batch_invariant(&self) -> bool {
         self.device == "cpu"
+    }
+
+    /// Borrowed memory MLX copied instead of wrapping: on its CPU and CUDA builds
+    /// every page (MLX 0.32 copies any external pointer there); on Metal, pages it
+    /// cannot map as a buffer (not aligned to its 16 KiB pages).
+    fn copied_bytes(&self) -> u64 {
+        self.copied.load(Ordering::Relaxed)
+    }
+
+    /// The page copied (at most 4 bytes an element) and widened to f32 (4 more),
+    /// both alive until the product is evaluated.
+    fn weight_scratch_bytes(&self, elems: u64) -> u64 {
+        elems * 8
     }
 
     fn zeros(&self, rows: usize, cols: usize) -> MlxAct {
