@@ -1154,16 +1154,159 @@ pub(super) mod avx2 {
     }
 }
 
-/// The matrix product's tiles with AVX-512's 32 registers ([`wide_tile_shape`]):
-/// the AVX2 module's code and eight-lane arithmetic, compiled with AVX-512 F, VL
-/// and BW enabled so that the tile's 29 live registers fit.
+/// The matrix product's tiles with AVX-512: rows in pairs, one 512-bit register
+/// holding two elements' eight-lane accumulators (row `r`'s lanes in its low half,
+/// row `r + 1`'s in its high half, one token), the token's eight activations
+/// broadcast to both halves. Each half is the AVX2 kernel's accumulator, lane for
+/// lane, so every element keeps the module doc's order (and the other paths' bits),
+/// with half the multiply-add instructions; an odd last row takes a 256-bit
+/// accumulator as in AVX2. Tiles of [`wide_tile_shape`]: 4 rows x 6 tokens take 12
+/// accumulators, 2 weight and 2 activation registers of the 32.
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::avx2::{hsum, load8};
     use super::*;
     use std::arch::x86_64::*;
 
-    x86_tiles!("avx2,fma,f16c,avx512f,avx512vl,avx512bw", wide_tile_shape);
+    /// `lo` in the low half, `hi` in the high half.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw")]
+    fn pair(lo: __m256, hi: __m256) -> __m512 {
+        _mm512_castpd_ps(_mm512_insertf64x4::<1>(
+            _mm512_castpd256_pd512(_mm256_castps_pd(lo)),
+            _mm256_castps_pd(hi),
+        ))
+    }
+
+    /// The high half.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw")]
+    fn high(v: __m512) -> __m256 {
+        _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)))
+    }
+
+    /// One tile: rows `o0..o0+R` x tokens `t0..t0+T`.
+    ///
+    /// # Safety
+    /// As [`compute_rows`], with `o0 + R <= w.rows` and `t0 + T <= n`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw")]
+    unsafe fn tile<const DT: u8, const R: usize, const T: usize>(
+        x: &[f32],
+        w: &WeightView<'_>,
+        o0: usize,
+        t0: usize,
+        out: *mut f32,
+    ) {
+        let cols = w.cols;
+        let size = elem_size(DT);
+        let k8 = cols - cols % 8;
+        let (pairs, odd) = (R / 2, R % 2 == 1);
+        // SAFETY (pointer arithmetic below): rows o0..o0+R and tokens t0..t0+T are in
+        // bounds, each has `cols` elements, and every offset used is < cols.
+        let wp: [*const u8; R] = std::array::from_fn(|r| {
+            // SAFETY: row o0 + r < w.rows starts inside the checked bytes.
+            unsafe { w.bytes.as_ptr().add((o0 + r) * cols * size) }
+        });
+        let xp: [*const f32; T] = std::array::from_fn(|t| {
+            // SAFETY: token t0 + t < n starts inside `x` (n * cols elements).
+            unsafe { x.as_ptr().add((t0 + t) * cols) }
+        });
+        // Rows 2p and 2p+1 in acc2[p] (only `pairs` of the R used); the odd row in
+        // acc1.
+        let mut acc2 = [[_mm512_setzero_ps(); T]; R];
+        let mut acc1 = [_mm256_setzero_ps(); T];
+        let block = |acc2: &mut [[__m512; T]; R], acc1: &mut [__m256; T], k: usize| {
+            // SAFETY: callers pass k + 8 <= cols, so every load is in bounds.
+            unsafe {
+                let mut wv = [_mm512_setzero_ps(); R];
+                for p in 0..pairs {
+                    wv[p] = pair(
+                        load8::<DT>(wp[2 * p].add(k * size)),
+                        load8::<DT>(wp[2 * p + 1].add(k * size)),
+                    );
+                }
+                let w1 = if odd {
+                    load8::<DT>(wp[R - 1].add(k * size))
+                } else {
+                    _mm256_setzero_ps()
+                };
+                for t in 0..T {
+                    let xv = _mm256_loadu_ps(xp[t].add(k));
+                    let xx = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(xv)));
+                    for p in 0..pairs {
+                        acc2[p][t] = _mm512_fmadd_ps(wv[p], xx, acc2[p][t]);
+                    }
+                    if odd {
+                        acc1[t] = _mm256_fmadd_ps(w1, xv, acc1[t]);
+                    }
+                }
+            }
+        };
+        // Software prefetch as the AVX2 tiles do (x86_tiles!).
+        let blocks_per_line = 64 / (8 * size);
+        let line_k = 8 * blocks_per_line;
+        let kl = k8 - k8 % line_k;
+        let row_mode = R * cols * size > PREFETCH_AHEAD;
+        let mut pf: [*const u8; R] = std::array::from_fn(|r| {
+            if row_mode {
+                wp[r].wrapping_add(PREFETCH_ROW)
+            } else {
+                wp[0].wrapping_add(PREFETCH_AHEAD + 64 * r)
+            }
+        });
+        let pf_step = if row_mode { 64 } else { 64 * R };
+        let mut k = 0;
+        while k < kl {
+            for p in &mut pf {
+                _mm_prefetch::<_MM_HINT_T0>(p.cast::<i8>());
+                *p = p.wrapping_add(pf_step);
+            }
+            for j in 0..blocks_per_line {
+                block(&mut acc2, &mut acc1, k + 8 * j);
+            }
+            k += line_k;
+        }
+        while k < k8 {
+            block(&mut acc2, &mut acc1, k);
+            k += 8;
+        }
+        for r in 0..R {
+            for t in 0..T {
+                let lanes = if r / 2 < pairs {
+                    let a = acc2[r / 2][t];
+                    if r % 2 == 0 {
+                        _mm512_castps512_ps256(a)
+                    } else {
+                        high(a)
+                    }
+                } else {
+                    acc1[t]
+                };
+                let mut s = hsum(lanes);
+                for kk in k8..cols {
+                    // SAFETY: kk < cols.
+                    let (wv, xv) = unsafe { (load1::<DT>(wp[r], kk), *xp[t].add(kk)) };
+                    s = wv.mul_add(xv, s);
+                }
+                // SAFETY: (t0+t, o0+r) is within the output and owned by this thread.
+                unsafe { out.add((t0 + t) * w.rows + o0 + r).write(s) };
+            }
+        }
+    }
+
+    /// # Safety
+    /// As [`compute_rows`].
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw")]
+    pub(super) unsafe fn rows<const DT: u8>(
+        x: &[f32],
+        n: usize,
+        w: &WeightView<'_>,
+        rows: Range<usize>,
+        out: *mut f32,
+    ) {
+        tile_rows!(tile, wide_tile_shape, DT, x, n, w, rows, out)
+    }
 }
 
 #[cfg(test)]
