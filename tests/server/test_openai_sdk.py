@@ -182,8 +182,12 @@ def test_provenance_headers_and_fingerprint(client, model):
     )
     assert raw.headers["x-voom-checkpoint"].startswith(model + "@")
     assert raw.headers["x-voom-profile"]
+    # Every response names the backend that computed it.
+    assert raw.headers["x-voom-backend"].startswith("cpu-")
     r = raw.parse()
     assert r.system_fingerprint and r.system_fingerprint.startswith("voom-")
+    assert r.model_extra["voom"]["backend"] == raw.headers["x-voom-backend"]
+    assert r.model_extra["voom"]["exactness_note"] is None
 
 
 @pytest.mark.parametrize(

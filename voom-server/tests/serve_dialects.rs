@@ -110,7 +110,13 @@ fn messages_greedy_text_equals_voom_generate_streamed_or_not() {
             .unwrap()
             .starts_with("tiny-chat@"));
         assert!(r.header("x-voom-profile").is_some());
+        // Every response names its backend (a CPU one here: batch invariant, so
+        // nothing was turned off).
+        let backend = r.header("x-voom-backend").unwrap().to_string();
+        assert!(backend.starts_with("cpu-"), "{backend}");
         let j = r.json();
+        assert_eq!(j["voom"]["backend"], backend.as_str(), "{j}");
+        assert_eq!(j["voom"]["exactness_note"], Value::Null, "{j}");
         assert!(j["id"].as_str().unwrap().starts_with("msg_"), "{j}");
         assert_eq!(j["type"], "message");
         assert_eq!(j["role"], "assistant");
