@@ -64,6 +64,10 @@ pub struct EngineOptions {
     /// to beyond it ([`crate::kv::spill`]); `None`: no budget. Results do not
     /// depend on it.
     pub kv_budget: Option<(usize, PathBuf)>,
+    /// Treat the backend as not batch invariant whatever it claims: prefix reuse,
+    /// speculation and batching off, one sequence a pass, as on a backend whose
+    /// invariance is not shown ([`Engine::exactness_note`]). The ids do not change.
+    pub distrust_batch_invariance: bool,
 }
 
 impl Default for EngineOptions {
@@ -81,6 +85,7 @@ impl Default for EngineOptions {
             prefix_cache_bytes: 0,
             prefix_disk: None,
             kv_budget: None,
+            distrust_batch_invariance: false,
         }
     }
 }
@@ -421,7 +426,7 @@ impl Engine {
         let eos = eos_ids(dir, model.config(), tokenizer.as_ref());
         // Reusing a prefix continues from positions computed in another pass: exact
         // only on a batch-invariant backend.
-        let invariant = model.batch_invariant();
+        let invariant = model.batch_invariant() && !opts.distrust_batch_invariance;
         if !invariant {
             tracing::warn!(
                 backend = %model.backend_name(),
@@ -550,7 +555,7 @@ impl Engine {
     /// Where not, prefix reuse, speculation and batching are off (each sequence a
     /// pass of its own, its prompt in one pass), so that the ids stay exact.
     pub fn batch_invariant(&self) -> bool {
-        self.model.batch_invariant()
+        self.model.batch_invariant() && !self.opts.distrust_batch_invariance
     }
 
     /// What the engine turned off to keep the ids exact on this backend (`None`:
