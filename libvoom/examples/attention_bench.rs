@@ -78,6 +78,7 @@ fn main() {
         .flat_map(|x| x.to_le_bytes())
         .collect();
     let view = WeightView {
+        lease: None,
         dtype: DType::F32,
         rows,
         cols,

@@ -414,6 +414,7 @@ fn mismatched_shapes_are_errors_on_every_backend() {
         };
         assert!(b.rms_norm(&x, norm, 1e-5, &mut short).is_err());
         let bad_dtype = WeightView {
+            lease: None,
             dtype: DType::I8,
             rows: 4,
             cols: 3,

@@ -7,7 +7,7 @@
 
 use libvoom::backend::cpu::matmul::Isa;
 use libvoom::backend::cpu::CpuBackend;
-use libvoom::backend::mlx::MlxBackend;
+use libvoom::backend::mlx::{MlxAct, MlxBackend};
 use libvoom::backend::{
     Activation, AttentionShape, Backend, BackendKind, KernelError, LatentShape, RopeShape,
     RopeTable, TableView, VecView, WeightView,
@@ -15,7 +15,10 @@ use libvoom::backend::{
 use libvoom::kv::KvCache;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use voom_formats::DType;
+use vpaged::{PageId, PageLease};
 
 fn random(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
     (0..n).map(|_| rng.gen_range(-2.0f32..2.0)).collect()
@@ -413,6 +416,7 @@ fn shapes_that_do_not_match_are_errors() {
     let mut y = m.zeros(2, 5);
     assert!(m.add(&mut y, &m.zeros(2, 4)).is_err());
     let bad = WeightView {
+        lease: None,
         dtype: DType::BF16,
         rows: 4,
         cols: 3,
@@ -449,4 +453,210 @@ fn several_threads_get_their_own_bits() {
             }
         }
     });
+}
+
+/// Counts how many holders of leased test pages were dropped (pages released).
+struct Page {
+    bytes: Vec<u8>,
+    released: Arc<AtomicUsize>,
+}
+
+impl Drop for Page {
+    fn drop(&mut self) {
+        self.released.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// `bytes` as a leased page whose release is counted in `released`.
+fn leased_page(id: u32, bytes: Vec<u8>, released: &Arc<AtomicUsize>) -> PageLease {
+    let page = Arc::new(Page {
+        bytes,
+        released: released.clone(),
+    });
+    let (ptr, len) = (page.bytes.as_ptr(), page.bytes.len());
+    // SAFETY: the bytes live in `page`, which the lease keeps alive, never written.
+    unsafe { PageLease::new(PageId(id), ptr, len, page) }
+}
+
+/// One Llama decoder layer over `n` new positions: every product with a leased BF16
+/// page; `settle` runs after each op (a download, to force an evaluation, or
+/// nothing).
+fn llama_layer(
+    b: &MlxBackend,
+    pages: &[PageLease],
+    x: &[f32],
+    n: usize,
+    settle: &dyn Fn(&MlxAct),
+) -> Vec<f32> {
+    let (d, hd, heads, kv_heads, ff) = (16, 4, 4, 2, 24);
+    let view = |i: usize, rows, cols| {
+        WeightView::new(DType::BF16, rows, cols, pages[i].bytes())
+            .unwrap()
+            .leased(&pages[i])
+    };
+    let ones = vec![1.0f32; d];
+    let norm = VecView {
+        dtype: DType::F32,
+        bytes: bytemuck_f32(&ones),
+        plus_one: false,
+    };
+    let shape = AttentionShape {
+        heads,
+        kv_heads,
+        head_dim: hd,
+        window: None,
+    };
+    let mut kv = KvCache::with_page(1, kv_heads * hd, n, 8);
+    let mut h = b.upload(n, d, x).unwrap();
+    let mut normed = b.zeros(n, d);
+    b.rms_norm(&h, norm, 1e-5, &mut normed).unwrap();
+    settle(&normed);
+    let mut q = b.zeros(n, heads * hd);
+    let mut k = b.zeros(n, kv_heads * hd);
+    let mut v = b.zeros(n, kv_heads * hd);
+    b.matmul(&normed, view(0, heads * hd, d), &mut q).unwrap();
+    settle(&q);
+    b.matmul(&normed, view(1, kv_heads * hd, d), &mut k)
+        .unwrap();
+    settle(&k);
+    b.matmul(&normed, view(2, kv_heads * hd, d), &mut v)
+        .unwrap();
+    settle(&v);
+    let mut att = b.zeros(n, heads * hd);
+    b.attention(&q, &k, &v, &mut kv, 0, &shape, &mut att)
+        .unwrap();
+    settle(&att);
+    let mut o = b.zeros(n, d);
+    b.matmul(&att, view(3, d, heads * hd), &mut o).unwrap();
+    settle(&o);
+    b.add(&mut h, &o).unwrap();
+    settle(&h);
+    b.rms_norm(&h, norm, 1e-5, &mut normed).unwrap();
+    settle(&normed);
+    let (mut gate, mut up) = (b.zeros(n, ff), b.zeros(n, ff));
+    b.matmul(&normed, view(4, ff, d), &mut gate).unwrap();
+    settle(&gate);
+    b.matmul(&normed, view(5, ff, d), &mut up).unwrap();
+    settle(&up);
+    b.gated(Activation::Silu, &mut gate, &up).unwrap();
+    settle(&gate);
+    let mut down = b.zeros(n, d);
+    b.matmul(&gate, view(6, d, ff), &mut down).unwrap();
+    settle(&down);
+    b.add(&mut h, &down).unwrap();
+    b.download_owned(h).unwrap()
+}
+
+fn bytemuck_f32(v: &[f32]) -> &[u8] {
+    // SAFETY: reinterpreting initialised f32s as bytes (alignment 1, same length in
+    // bytes, same lifetime).
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), std::mem::size_of_val(v)) }
+}
+
+/// A layer's products stay in MLX's lazy graph, each holding its page's lease until
+/// MLX is done with it: the layer is evaluated once for its keys and values and once
+/// for its output (attention once more where MLX wraps the cache's pages: Metal),
+/// not once per product; its bits equal those of the same layer evaluated op by op;
+/// and every page is released once nothing holds it.
+#[test]
+fn a_layer_is_one_graph_whose_pages_stay_leased_until_it_is_evaluated() {
+    let mut rng = ChaCha8Rng::seed_from_u64(21);
+    let shapes = [
+        (16, 16),
+        (8, 16),
+        (8, 16),
+        (16, 16),
+        (24, 16),
+        (24, 16),
+        (16, 24),
+    ];
+    let released = Arc::new(AtomicUsize::new(0));
+    let pages: Vec<PageLease> = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, &(r, c))| leased_page(i as u32, bf16_bytes(&random(&mut rng, r * c)), &released))
+        .collect();
+    let n = 5;
+    let x = random(&mut rng, n * 16);
+    let b = mlx();
+
+    let eager_b = mlx();
+    let eager = llama_layer(&eager_b, &pages, &x, n, &|a| {
+        eager_b.download(a).unwrap();
+    });
+    let eager_evals = eager_b.evaluations();
+
+    let before = b.evaluations();
+    let lazy = llama_layer(&b, &pages, &x, n, &|_| {});
+    let evals = b.evaluations() - before;
+    assert_eq!(
+        bits(&lazy),
+        bits(&eager),
+        "where MLX evaluates changes no bit"
+    );
+    let wraps_pages = b.copied_bytes() == 0;
+    let most = if wraps_pages { 3 } else { 2 };
+    assert!(
+        (1..=most).contains(&evals),
+        "{evals} evaluations for one layer (at most {most}); op by op took {eager_evals}"
+    );
+    assert!(eager_evals >= 12, "{eager_evals} evaluations op by op");
+
+    assert_eq!(
+        released.load(Ordering::SeqCst),
+        0,
+        "the test still holds every page"
+    );
+    drop(pages);
+    assert_eq!(
+        released.load(Ordering::SeqCst),
+        shapes.len(),
+        "every page released once MLX and the caller are done with it"
+    );
+}
+
+/// A product whose graph is never evaluated releases its page when the graph goes;
+/// a view naming a lease that does not hold its bytes is computed (and evaluated
+/// before the product returns wherever MLX would wrap it) without keeping it.
+#[test]
+fn a_pending_product_keeps_its_page_until_the_graph_is_dropped() {
+    let mut rng = ChaCha8Rng::seed_from_u64(22);
+    let released = Arc::new(AtomicUsize::new(0));
+    let w = bf16_bytes(&random(&mut rng, 8 * 16));
+    let page = leased_page(0, w.clone(), &released);
+    let other = leased_page(1, vec![0; 4], &released);
+    let b = mlx();
+    let x = b.upload(3, 16, &random(&mut rng, 48)).unwrap();
+    let mut out = b.zeros(3, 8);
+    let view = WeightView::new(DType::BF16, 8, 16, page.bytes()).unwrap();
+    b.matmul(&x, view.leased(&page), &mut out).unwrap();
+    drop(page);
+    drop(out);
+    assert_eq!(
+        released.load(Ordering::SeqCst),
+        1,
+        "released once the unevaluated product is dropped"
+    );
+
+    let stray = WeightView::new(DType::BF16, 8, 16, &w)
+        .unwrap()
+        .leased(&other);
+    assert!(stray.kept_by().is_none());
+    let mut y = b.zeros(3, 8);
+    b.matmul(&x, stray, &mut y).unwrap();
+    let want = product(
+        &cpu(),
+        &b.download(&x).unwrap(),
+        3,
+        WeightView::new(DType::BF16, 8, 16, &w).unwrap(),
+        false,
+    );
+    close(
+        "product with a stray lease",
+        &b.download_owned(y).unwrap(),
+        &want,
+        1e-5,
+    );
+    drop(other);
+    assert_eq!(released.load(Ordering::SeqCst), 2);
 }

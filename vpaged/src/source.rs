@@ -221,6 +221,11 @@ pub trait LeaseHolder: Send + Sync {}
 impl<T: Send + Sync> LeaseHolder for T {}
 
 /// A lease on one page's bytes. The bytes are valid while the lease lives.
+///
+/// A clone shares the lease: the page is released when the last clone is dropped
+/// (a backend that reads the bytes after the call that was given them, such as a
+/// lazily evaluated graph, keeps a clone until it is done).
+#[derive(Clone)]
 pub struct PageLease {
     ptr: *const u8,
     len: usize,
@@ -274,5 +279,42 @@ impl std::fmt::Debug for PageLease {
             .field("id", &self.id)
             .field("len", &self.len)
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    struct Holder {
+        bytes: Vec<u8>,
+        released: Arc<AtomicUsize>,
+    }
+
+    impl Drop for Holder {
+        fn drop(&mut self) {
+            self.released.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn a_page_is_released_once_when_its_last_clone_goes() {
+        let released = Arc::new(AtomicUsize::new(0));
+        let holder = Arc::new(Holder {
+            bytes: vec![7, 8, 9],
+            released: released.clone(),
+        });
+        let (ptr, len) = (holder.bytes.as_ptr(), holder.bytes.len());
+        // SAFETY: the bytes live in `holder`, which the lease keeps alive, and are
+        // never written.
+        let lease = unsafe { PageLease::new(PageId(3), ptr, len, holder) };
+        let clone = lease.clone();
+        drop(lease);
+        assert_eq!(released.load(Ordering::SeqCst), 0, "a clone still holds it");
+        assert_eq!(clone.bytes(), &[7, 8, 9]);
+        assert_eq!(clone.id(), PageId(3));
+        drop(clone);
+        assert_eq!(released.load(Ordering::SeqCst), 1);
     }
 }

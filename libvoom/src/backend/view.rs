@@ -6,6 +6,7 @@ use std::ops::Range;
 
 use voom_formats::dtype::read_f32;
 use voom_formats::DType;
+use vpaged::PageLease;
 
 use super::KernelError;
 
@@ -21,6 +22,10 @@ pub struct WeightView<'a> {
     pub cols: usize,
     /// Exactly `rows * cols * dtype.size()` bytes; no alignment is required.
     pub bytes: &'a [u8],
+    /// The lease `bytes` lie in, where they are a page's: a backend that reads them
+    /// after the op returns (MLX's lazy graph) keeps a clone of it until it has
+    /// ([`WeightView::kept_by`]). `None`: the bytes are only the call's to read.
+    pub lease: Option<&'a PageLease>,
 }
 
 impl<'a> WeightView<'a> {
@@ -36,9 +41,28 @@ impl<'a> WeightView<'a> {
             rows,
             cols,
             bytes,
+            lease: None,
         };
         w.check()?;
         Ok(w)
+    }
+
+    /// This view with `lease` named as the one keeping its bytes alive.
+    pub fn leased(self, lease: &'a PageLease) -> Self {
+        WeightView {
+            lease: Some(lease),
+            ..self
+        }
+    }
+
+    /// The lease keeping the bytes alive, when one is named and its bytes hold the
+    /// view's (a lease named for other bytes is ignored: keeping it would not keep
+    /// these).
+    pub fn kept_by(&self) -> Option<&'a PageLease> {
+        let lease = self.lease?;
+        let page = lease.bytes().as_ptr_range();
+        let own = self.bytes.as_ptr_range();
+        (page.start <= own.start && own.end <= page.end).then_some(lease)
     }
 
     /// Re-checks the invariants of a view (its fields are public).
@@ -77,6 +101,7 @@ impl<'a> WeightView<'a> {
             rows: range.len(),
             cols: self.cols,
             bytes: &self.bytes[range.start * row..range.end * row],
+            lease: self.lease,
         }
     }
 
@@ -211,5 +236,42 @@ impl VecView<'_> {
             });
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use vpaged::PageId;
+
+    use super::*;
+
+    fn lease(bytes: Arc<Vec<u8>>) -> PageLease {
+        let (ptr, len) = (bytes.as_ptr(), bytes.len());
+        // SAFETY: the bytes live in the Arc the lease holds, never written.
+        unsafe { PageLease::new(PageId(0), ptr, len, bytes) }
+    }
+
+    #[test]
+    fn a_lease_keeps_a_view_only_when_it_holds_the_views_bytes() {
+        let page = lease(Arc::new(vec![1u8; 32]));
+        let other = lease(Arc::new(vec![2u8; 32]));
+        let whole = WeightView::new(DType::BF16, 4, 4, page.bytes()).unwrap();
+        assert!(whole.kept_by().is_none(), "no lease named");
+        let kept = whole.leased(&page);
+        assert!(std::ptr::eq(kept.kept_by().unwrap(), &page));
+        let rows = kept.slice_rows(1..3);
+        assert!(
+            std::ptr::eq(rows.kept_by().unwrap(), &page),
+            "a slice keeps it"
+        );
+        assert!(
+            whole.leased(&other).kept_by().is_none(),
+            "another page's lease"
+        );
+        let outside = [0u8; 8];
+        let stray = WeightView::new(DType::BF16, 1, 4, &outside).unwrap();
+        assert!(stray.leased(&page).kept_by().is_none());
     }
 }

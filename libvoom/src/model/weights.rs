@@ -517,6 +517,7 @@ impl Leased {
                             rows: p.rows,
                             cols: t.cols,
                             bytes: lease.bytes(),
+                            lease: Some(lease),
                         },
                     ))
                 })
@@ -526,8 +527,13 @@ impl Leased {
 
     pub fn matrix(&self, m: &Matrix) -> WeightView<'_> {
         let row = m.cols * m.dtype.size();
-        let page = self.bytes(m.page);
+        let lease = self
+            .leases
+            .get(&m.page)
+            .expect("page acquired for this step");
+        let page = lease.bytes();
         WeightView {
+            lease: Some(lease),
             dtype: m.dtype,
             rows: m.rows,
             cols: m.cols,

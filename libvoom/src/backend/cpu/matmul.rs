@@ -768,6 +768,7 @@ mod portable {
     pub(super) fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
         let mut out = 0.0f32;
         let w = WeightView {
+            lease: None,
             dtype: DType::F32,
             rows: 1,
             cols: a.len(),
@@ -1599,6 +1600,7 @@ mod tests {
         ));
         // A view built from its public fields with a wrong length is caught too.
         let bad = WeightView {
+            lease: None,
             dtype: DType::F32,
             rows: 3,
             cols: 3,

@@ -161,6 +161,7 @@ pub(super) unsafe fn rows<const DT: u8>(
 pub(super) fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     let mut out = 0.0f32;
     let w = WeightView {
+        lease: None,
         dtype: DType::F32,
         rows: 1,
         cols: a.len(),

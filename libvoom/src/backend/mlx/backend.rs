@@ -3,28 +3,38 @@
 //!
 //! Weight and KV pages are handed to MLX as external memory, which it wraps where it
 //! can (Metal, pages aligned to its 16 KiB pages) and copies otherwise (its Linux
-//! CPU and CUDA builds copy every page): a copy lives only until the product that
-//! needed it is evaluated, is counted ([`Backend::copied_bytes`]), and the memory
-//! planner sets it aside for the largest matrix ([`Backend::weight_scratch_bytes`]).
+//! CPU and CUDA builds copy every page when the array is made): a copy is counted
+//! ([`Backend::copied_bytes`]), and the memory planner sets one aside for the
+//! largest matrix ([`Backend::weight_scratch_bytes`]).
 //!
+//! # One graph per layer
 //! Activations are MLX arrays ([`MlxAct`]), float32, evaluated lazily: element-wise
-//! ops, norms and rotary embeddings only add to MLX's graph, which is evaluated by
-//! the next op that reads borrowed memory (a product with a weight page, attention
-//! over KV pages: each evaluates its result before it returns, so MLX keeps no
-//! pointer into a page the engine may release) or by a download.
+//! ops, norms, rotary embeddings and products only add to MLX's graph. A product
+//! hands MLX a clone of the page's lease ([`WeightView::kept_by`]), released when
+//! MLX frees the page's buffer (at once where it copied it), so the page stays
+//! leased while the graph may read it, and the product needs no evaluation of its
+//! own. A layer's graph is evaluated where the engine needs values on the host:
+//! the new keys and values appended to the KV cache (one evaluation of both),
+//! a router's top-k, the logits. Attention reads the cache's pages, which have no
+//! lease: where MLX wraps them (Metal) it is evaluated before it returns, where it
+//! copies them it stays in the graph. A view with no lease that MLX wraps is
+//! evaluated before the product returns. [`MlxBackend::evaluations`] counts the
+//! evaluations.
 //!
 //! # Arithmetic
 //! Float32 activations over BF16 (F16, F32) weights widened exactly to float32, as
 //! the reference computes; each op as transformers writes it (`shim.cpp` says how).
 //! The bits are MLX's, not the CPU backend's: the CPU and MLX backends agree on
 //! token ids, and each is batch invariant where [`MlxBackend::batch_invariant`]
-//! says so.
+//! says so. Where an evaluation happens does not change a value.
 
 use std::ffi::{c_char, c_int, c_void};
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::ffi::{self, int, make, status, Handle};
+use vpaged::PageLease;
+
 use crate::backend::cpu::ops::top_k_rows;
 use crate::backend::kv::KvCache;
 use crate::backend::{
@@ -64,6 +74,16 @@ pub struct MlxBackend {
     /// Bytes of weights and KV pages MLX (or an alignment fix here) copied instead
     /// of reading them in place.
     copied: AtomicU64,
+    /// Graph evaluations this backend asked of MLX that computed something.
+    evaluations: AtomicU64,
+}
+
+/// Releases a lease a product handed MLX (`shim.cpp` calls it once, when MLX
+/// frees the page's buffer).
+unsafe extern "C" fn release_lease(ctx: *mut c_void) {
+    // SAFETY: `ctx` came from `Box::into_raw` of a `Box<PageLease>` in
+    // `MlxBackend::product`, and the shim calls this exactly once for it.
+    drop(unsafe { Box::from_raw(ctx.cast::<PageLease>()) });
 }
 
 impl MlxBackend {
@@ -75,7 +95,36 @@ impl MlxBackend {
                 unsafe { ffi::voom_mlx_device() },
             ),
             copied: AtomicU64::new(0),
+            evaluations: AtomicU64::new(0),
         })
+    }
+
+    /// Graph evaluations so far that computed something (a download of values
+    /// already computed is not one).
+    pub fn evaluations(&self) -> u64 {
+        self.evaluations.load(Ordering::Relaxed)
+    }
+
+    fn count(&self, evaluated: c_int) {
+        if evaluated != 0 {
+            self.evaluations.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Evaluates `xs` together (their pending graph computed once).
+    fn eval(&self, xs: &[&MlxAct]) -> Result<(), KernelError> {
+        let ptrs: Vec<_> = xs
+            .iter()
+            .filter_map(|x| x.arr.as_ref().map(Handle::ptr))
+            .collect();
+        let n = int("arrays", ptrs.len())?;
+        let mut evaluated = 0;
+        // SAFETY: `ptrs` are live arrays.
+        status(|err, len| unsafe {
+            ffi::voom_mlx_eval(ptrs.as_ptr(), n, &mut evaluated, err, len)
+        })?;
+        self.count(evaluated);
+        Ok(())
     }
 
     /// The version of the MLX linked ("0.32.4").
@@ -146,29 +195,51 @@ impl MlxBackend {
         let mut buf = Vec::new();
         let p = self.aligned(w.bytes, w.dtype.size(), &mut buf);
         let (rows, cols) = (int("weight rows", w.rows)?, int("weight columns", w.cols)?);
-        let mut copied = 0u64;
-        let y = {
-            let a = self.input(x)?;
-            // SAFETY: `p` points at `rows × cols` elements of the dtype coded (checked
-            // by `w.check()`, or the aligned copy), alive until this call returns;
-            // the shim evaluates its result before returning, so keeps no pointer
-            // into them.
-            make(|o, err, len| unsafe {
-                ffi::voom_mlx_matmul(
-                    a.ptr(),
-                    p.cast(),
-                    code,
-                    rows,
-                    cols,
-                    c_int::from(transposed),
-                    &mut copied,
-                    o,
-                    err,
-                    len,
-                )
-            })?
+        // The page's lease, when `p` is its bytes in place (an aligned copy here is
+        // the call's own, which MLX copies or the call evaluates).
+        let keep = w.kept_by().filter(|_| p == w.bytes.as_ptr());
+        let (keep_ctx, keep_release) = match keep {
+            Some(l) => (
+                Box::into_raw(Box::new(l.clone())).cast::<c_void>(),
+                Some(release_lease as unsafe extern "C" fn(*mut c_void)),
+            ),
+            None => (std::ptr::null_mut(), None),
         };
+        let (mut copied, mut evaluated) = (0u64, 0);
+        let a = match self.input(x) {
+            Ok(a) => a,
+            Err(e) => {
+                if let Some(release) = keep_release {
+                    // SAFETY: `keep_ctx` was made above and not handed to the shim.
+                    unsafe { release(keep_ctx) };
+                }
+                return Err(e);
+            }
+        };
+        // SAFETY: `p` points at `rows × cols` elements of the dtype coded (checked
+        // by `w.check()`, or the aligned copy), alive until this call returns, and
+        // after it while the lease in `keep_ctx` lives (which the shim owns from
+        // here and releases once); with no lease, the shim evaluates before it
+        // returns if it did not copy them.
+        let y = make(|o, err, len| unsafe {
+            ffi::voom_mlx_matmul(
+                a.ptr(),
+                p.cast(),
+                code,
+                rows,
+                cols,
+                c_int::from(transposed),
+                keep_ctx,
+                keep_release,
+                &mut copied,
+                &mut evaluated,
+                o,
+                err,
+                len,
+            )
+        })?;
         self.copied.fetch_add(copied, Ordering::Relaxed);
+        self.count(evaluated);
         out.arr = Some(y);
         Ok(())
     }
@@ -218,13 +289,13 @@ impl MlxBackend {
             int("first position", lo)?,
             int("window", window)?,
         ];
-        let mut copied = 0u64;
+        let (mut copied, mut evaluated) = (0u64, 0);
         let y = {
             let a = self.input(q)?;
             // SAFETY: each segment pointer points at `lens[i] × width` floats of a
             // page `view` holds alive until this call returns (checked above); the
-            // shim evaluates its result before returning, so keeps no pointer into
-            // them.
+            // shim evaluates its result before returning unless MLX copied them all,
+            // so keeps no pointer into them.
             make(|o, err, len| unsafe {
                 ffi::voom_mlx_attention(
                     a.ptr(),
@@ -244,6 +315,7 @@ impl MlxBackend {
                     args[10],
                     scale,
                     &mut copied,
+                    &mut evaluated,
                     o,
                     err,
                     len,
@@ -251,6 +323,7 @@ impl MlxBackend {
             })?
         };
         self.copied.fetch_add(copied, Ordering::Relaxed);
+        self.count(evaluated);
         out.arr = Some(y);
         Ok(())
     }
@@ -327,11 +400,13 @@ impl Backend for MlxBackend {
     fn download(&self, x: &MlxAct) -> Result<Vec<f32>, KernelError> {
         let mut v = vec![0f32; x.rows * x.cols];
         if let Some(h) = &x.arr {
+            let mut evaluated = 0;
             // SAFETY: `v` holds exactly the array's `rows × cols` floats (the shim
             // checks the size before copying).
             status(|err, len| unsafe {
-                ffi::voom_mlx_download(h.ptr(), v.as_mut_ptr(), v.len(), err, len)
+                ffi::voom_mlx_download(h.ptr(), v.as_mut_ptr(), v.len(), &mut evaluated, err, len)
             })?;
+            self.count(evaluated);
         }
         Ok(v)
     }
@@ -519,6 +594,8 @@ impl Backend for MlxBackend {
     ) -> Result<(), KernelError> {
         check::attention(shape, dims(q), dims(k), dims(v), dims(out), kv, layer)?;
         let pos0 = kv.layer_len(layer);
+        // The layer's graph so far, evaluated once for both.
+        self.eval(&[k, v])?;
         kv.append(layer, &self.download(k)?, &self.download(v)?)?;
         let hd = shape.head_dim;
         let lo = shape.window.map_or(0, |w| (pos0 + 1).saturating_sub(w));

@@ -32,6 +32,14 @@ extern "C" {
         h: *mut c_void,
         dst: *mut f32,
         len: usize,
+        evaluated: *mut c_int,
+        err: *mut c_char,
+        errlen: c_int,
+    ) -> c_int;
+    pub fn voom_mlx_eval(
+        hs: *const *mut c_void,
+        n: c_int,
+        evaluated: *mut c_int,
         err: *mut c_char,
         errlen: c_int,
     ) -> c_int;
@@ -57,7 +65,10 @@ extern "C" {
         rows: c_int,
         cols: c_int,
         transposed: c_int,
+        keep_ctx: *mut c_void,
+        keep_release: Option<unsafe extern "C" fn(*mut c_void)>,
         copied: *mut u64,
+        evaluated: *mut c_int,
         out: *mut *mut c_void,
         err: *mut c_char,
         errlen: c_int,
@@ -142,6 +153,7 @@ extern "C" {
         window: c_int,
         scale: f32,
         copied: *mut u64,
+        evaluated: *mut c_int,
         out: *mut *mut c_void,
         err: *mut c_char,
         errlen: c_int,

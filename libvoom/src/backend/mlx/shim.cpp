@@ -7,13 +7,18 @@
 // which must not cross into Rust). The Rust side serialises every call.
 //
 // Memory borrowed from the caller (a weight page, a KV cache page) is wrapped
-// without a copy where MLX can, and every function that borrows it evaluates its
-// result before it returns, so MLX holds no pointer into it afterwards.
+// without a copy where MLX can (Metal), and copied where it cannot (MLX's CPU and
+// CUDA builds copy when the array is made). A weight page comes with a keep-alive
+// (the caller's lease), released when MLX frees the wrapping buffer, so a product
+// stays in the lazy graph; memory wrapped with no keep-alive (KV pages) is read by
+// an evaluation before the function returns. Functions that evaluate say so in
+// `evaluated`, so the caller can count graph evaluations.
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <limits>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -62,14 +67,53 @@ mx::Dtype dtype_of(int code) {
     }
 }
 
+// The caller's keep-alive of borrowed memory: `release(ctx)` runs once, when the
+// last copy of the shared pointer goes (the array's buffer freed, or at once when
+// MLX copied the memory).
+struct Keep {
+    void* ctx;
+    void (*release)(void*);
+    Keep(void* c, void (*r)(void*)) : ctx(c), release(r) {}
+    Keep(const Keep&) = delete;
+    Keep& operator=(const Keep&) = delete;
+    ~Keep() {
+        if (release) release(ctx);
+    }
+};
+
+// Takes ownership of `ctx`: released even when making the pointer fails.
+std::shared_ptr<Keep> keep_of(void* ctx, void (*release)(void*)) {
+    Keep* k;
+    try {
+        k = new Keep(ctx, release);
+    } catch (...) {
+        if (release) release(ctx);
+        throw;
+    }
+    // Should making the control block fail, the pointer is deleted: released.
+    return std::shared_ptr<Keep>(k);
+}
+
 // `rows x cols` elements of `dtype` at `p`, borrowed: wrapped without a copy where
-// MLX can (its deleter does nothing). `copied` is raised by the bytes MLX copied.
-mx::array borrow(const void* p, int rows, int cols, mx::Dtype dtype, uint64_t* copied) {
-    mx::array a(const_cast<void*>(p), {rows, cols}, dtype, [](void*) {});
-    if (copied && a.data<void>() != p) {
+// MLX can, `keep` alive until MLX frees the buffer. `copied` is raised by the bytes
+// MLX copied; `wrapped` says whether it did not.
+mx::array borrow(const void* p, int rows, int cols, mx::Dtype dtype, std::shared_ptr<Keep> keep,
+                 uint64_t* copied, bool* wrapped) {
+    mx::array a(const_cast<void*>(p), {rows, cols}, dtype, [keep](void*) {});
+    bool in_place = a.data<void>() == p;
+    if (copied && !in_place) {
         *copied += a.nbytes();
     }
+    if (wrapped) *wrapped = in_place;
     return a;
+}
+
+// Evaluates `v`; 1 in `evaluated` when any of it was not computed yet.
+void eval_counted(std::vector<mx::array> v, int* evaluated) {
+    bool pending = false;
+    for (auto& a : v) pending = pending || !a.is_available();
+    mx::eval(v);
+    if (evaluated) *evaluated = pending ? 1 : 0;
 }
 
 // Widened exactly to float32 (BF16 and F16 are subsets of it).
@@ -121,14 +165,27 @@ int voom_mlx_upload(const float* data, int rows, int cols, void** out, char* err
 }
 
 // Evaluates `h` and copies its `len` floats, row-major, to `dst`.
-int voom_mlx_download(void* h, float* dst, size_t len, char* err, int errlen) {
+int voom_mlx_download(void* h, float* dst, size_t len, int* evaluated, char* err,
+                      int errlen) {
     return guard(err, errlen, [&] {
+        bool pending = !arr(h).is_available();
         mx::array c = mx::contiguous(arr(h));
         mx::eval(c);
+        if (evaluated) *evaluated = pending ? 1 : 0;
         if (c.size() != len) {
             throw std::invalid_argument("download length differs from the array's size");
         }
         std::memcpy(dst, c.data<float>(), sizeof(float) * len);
+    });
+}
+
+// Evaluates the `n` arrays `hs` together.
+int voom_mlx_eval(void* const* hs, int n, int* evaluated, char* err, int errlen) {
+    return guard(err, errlen, [&] {
+        std::vector<mx::array> v;
+        v.reserve(n);
+        for (int i = 0; i < n; i++) v.push_back(arr(hs[i]));
+        eval_counted(std::move(v), evaluated);
     });
 }
 
@@ -150,15 +207,26 @@ int voom_mlx_stack(void* const* parts, int n, void** out, char* err, int errlen)
     });
 }
 
-// `x` times a weight matrix of `rows x cols` elements of `dtype` at `w` (borrowed):
-// `x · wᵀ` (`transposed == 0`: x is n x cols), or `x · w` (`transposed != 0`: x is
-// n x rows), the weight widened to float32. Evaluated before it returns.
+// `x` times a weight matrix of `rows x cols` elements of `dtype` at `w` (borrowed,
+// kept alive by `keep_ctx` until `keep_release(keep_ctx)`, which runs exactly once,
+// failure or not; `keep_release` null: no keep-alive): `x · wᵀ` (`transposed == 0`:
+// x is n x cols), or `x · w` (`transposed != 0`: x is n x rows), the weight widened
+// to float32. Left in the lazy graph when the weight was copied or is kept alive;
+// evaluated before it returns when it is wrapped with nothing keeping it.
 int voom_mlx_matmul(void* x, const void* w, int dtype, int rows, int cols, int transposed,
-                    uint64_t* copied, void** out, char* err, int errlen) {
+                    void* keep_ctx, void (*keep_release)(void*), uint64_t* copied,
+                    int* evaluated, void** out, char* err, int errlen) {
+    // Owned from here, whatever happens next.
+    std::shared_ptr<Keep> keep;
+    int rc = guard(err, errlen, [&] { keep = keep_of(keep_ctx, keep_release); });
+    if (rc != 0) return rc;
     return guard(err, errlen, [&] {
-        mx::array wf = widen(borrow(w, rows, cols, dtype_of(dtype), copied));
+        if (evaluated) *evaluated = 0;
+        bool wrapped = false;
+        mx::array wf =
+            widen(borrow(w, rows, cols, dtype_of(dtype), std::move(keep), copied, &wrapped));
         mx::array y = transposed ? mx::matmul(arr(x), wf) : mx::matmul(arr(x), mx::transpose(wf));
-        mx::eval(y);
+        if (wrapped && !keep_release) eval_counted({y}, evaluated);
         *out = own(std::move(y));
     });
 }
@@ -267,20 +335,26 @@ int voom_mlx_sigmoid(void* x, void** out, char* err, int errlen) {
 // product times `scale`; the softmax as `voom_mlx_softmax`, its sum a product with
 // ones (each row summed in increasing position, so positions masked off add exact
 // zeros after the last); the output is the probabilities times the values.
-// Evaluated before it returns.
+// The pages are the cache's, with no keep-alive: evaluated before it returns when
+// MLX wrapped any of them, left in the graph when it copied them all.
 int voom_mlx_attention(void* q, const float* const* k_seg, const float* const* v_seg,
                        const int* seg_len, int nseg, int width, int k_off, int v_off, int dk,
                        int dv, int heads, int kv_heads, int pos0, int lo, int window,
-                       float scale, uint64_t* copied, void** out, char* err, int errlen) {
+                       float scale, uint64_t* copied, int* evaluated, void** out, char* err,
+                       int errlen) {
     return guard(err, errlen, [&] {
+        if (evaluated) *evaluated = 0;
+        bool any_wrapped = false;
         mx::array& qa = arr(q);
         int n = qa.shape(0);
         int group = heads / kv_heads;
         std::vector<mx::array> ks, vs;
         int total = 0;
         for (int i = 0; i < nseg; i++) {
-            ks.push_back(borrow(k_seg[i], seg_len[i], width, mx::float32, copied));
-            vs.push_back(borrow(v_seg[i], seg_len[i], width, mx::float32, copied));
+            bool kw = false, vw = false;
+            ks.push_back(borrow(k_seg[i], seg_len[i], width, mx::float32, nullptr, copied, &kw));
+            vs.push_back(borrow(v_seg[i], seg_len[i], width, mx::float32, nullptr, copied, &vw));
+            any_wrapped = any_wrapped || kw || vw;
             total += seg_len[i];
         }
         if (total != pos0 + n - lo) {
@@ -318,7 +392,7 @@ int voom_mlx_attention(void* q, const float* const* k_seg, const float* const* v
         mx::array o = mx::matmul(p, vals);  // [kv_heads, group * n, dv]
         o = mx::transpose(mx::reshape(o, {kv_heads, group, n, dv}), {2, 0, 1, 3});
         mx::array y = mx::reshape(o, {n, heads * dv});
-        mx::eval(y);
+        if (any_wrapped) eval_counted({y}, evaluated);
         *out = own(std::move(y));
     });
 }
