@@ -5,6 +5,8 @@
 //! every architecture on MLX (`BackendKind::available()` includes it).
 #![cfg(voom_mlx)]
 
+mod common;
+
 use libvoom::backend::cpu::matmul::Isa;
 use libvoom::backend::cpu::CpuBackend;
 use libvoom::backend::mlx::{MlxAct, MlxBackend};
@@ -659,4 +661,33 @@ fn a_pending_product_keeps_its_page_until_the_graph_is_dropped() {
     );
     drop(other);
     assert_eq!(released.load(Ordering::SeqCst), 2);
+}
+
+/// Through the engine: each forward pass of a dense model is one evaluation per
+/// layer (its keys and values) and one for the logits (one more per layer, for
+/// attention, where MLX wraps the cache's pages).
+#[test]
+fn an_engine_pass_evaluates_once_per_layer() {
+    use libvoom::engine::{Engine, EngineOptions};
+    let dir = common::fixtures().join("llama_sharded");
+    let layers = 3;
+    let engine = Engine::open(
+        &dir,
+        EngineOptions {
+            backend: BackendKind::Mlx,
+            ..EngineOptions::default()
+        },
+    )
+    .unwrap();
+    let prompt = common::prompt_of(&dir, 2);
+    let before = engine.backend_evaluations();
+    let g = common::greedy(&engine, &prompt, 6);
+    let evals = engine.backend_evaluations() - before;
+    let passes = 1 + g.decode_passes as u64;
+    let per_pass = [layers + 1, 2 * layers + 1];
+    let wraps = engine.backend_copied_bytes() == 0;
+    assert!(
+        evals == passes * per_pass[0] || (wraps && evals == passes * per_pass[1]),
+        "{evals} evaluations over {passes} passes of {layers} layers"
+    );
 }

@@ -115,6 +115,13 @@ pub trait Backend: Send + Sync {
         0
     }
 
+    /// Graph evaluations so far that computed something, for a backend that builds
+    /// a lazy graph (MLX: one a layer, where values go to the host); 0 for one that
+    /// computes each op when called (the CPU).
+    fn evaluations(&self) -> u64 {
+        0
+    }
+
     /// Bytes a product with a weight matrix of `elems` elements holds beside the
     /// page while it runs (a copy the backend makes, its f32 widening): the memory
     /// planner counts it for the largest matrix. 0 for the CPU, which reads the page

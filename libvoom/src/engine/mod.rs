@@ -570,6 +570,13 @@ impl Engine {
         self.model.backend_copied_bytes()
     }
 
+    /// Graph evaluations of a lazy backend over the engine's life (MLX: one a layer
+    /// and one for the logits, each pass; 0 on the CPU)
+    /// ([`crate::backend::Backend::evaluations`]).
+    pub fn backend_evaluations(&self) -> u64 {
+        self.model.backend_evaluations()
+    }
+
     pub fn backend_name(&self) -> String {
         self.model.backend_name()
     }

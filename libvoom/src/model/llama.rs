@@ -536,6 +536,10 @@ impl<B: Backend> Model for Llama<B> {
         self.backend.copied_bytes()
     }
 
+    fn backend_evaluations(&self) -> u64 {
+        self.backend.evaluations()
+    }
+
     fn threads(&self) -> usize {
         self.backend.threads()
     }

@@ -58,6 +58,9 @@ pub trait Model: Send + Sync {
     /// ([`Backend::copied_bytes`]).
     fn backend_copied_bytes(&self) -> u64;
 
+    /// Graph evaluations of its backend ([`Backend::evaluations`]).
+    fn backend_evaluations(&self) -> u64;
+
     /// Bytes of KV cache one position takes (every layer's keys and values).
     fn kv_bytes_per_position(&self) -> u64 {
         let cfg = self.config();

@@ -869,6 +869,8 @@ pub fn result_json(
         // Weight and KV bytes the backend copied instead of computing on them in
         // place (0 on the CPU; MLX where it cannot wrap a page).
         "backend_copied_bytes": engine.backend_copied_bytes(),
+        // Graph evaluations of a lazy backend (MLX: one a layer a pass; 0 on the CPU).
+        "backend_evaluations": engine.backend_evaluations(),
         "page_source": engine.source().describe(),
         // How a memory budget placed the weights (none with a cache_budget or the
         // daemon).

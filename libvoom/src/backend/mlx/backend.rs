@@ -18,7 +18,7 @@
 //! a router's top-k, the logits. Attention reads the cache's pages, which have no
 //! lease: where MLX wraps them (Metal) it is evaluated before it returns, where it
 //! copies them it stays in the graph. A view with no lease that MLX wraps is
-//! evaluated before the product returns. [`MlxBackend::evaluations`] counts the
+//! evaluated before the product returns. [`Backend::evaluations`] counts the
 //! evaluations.
 //!
 //! # Arithmetic
@@ -97,12 +97,6 @@ impl MlxBackend {
             copied: AtomicU64::new(0),
             evaluations: AtomicU64::new(0),
         })
-    }
-
-    /// Graph evaluations so far that computed something (a download of values
-    /// already computed is not one).
-    pub fn evaluations(&self) -> u64 {
-        self.evaluations.load(Ordering::Relaxed)
     }
 
     fn count(&self, evaluated: c_int) {
@@ -362,6 +356,12 @@ impl Backend for MlxBackend {
     /// both alive until the product is evaluated.
     fn weight_scratch_bytes(&self, elems: u64) -> u64 {
         elems * 8
+    }
+
+    /// Evaluations that computed something (a download of values already computed
+    /// is not one).
+    fn evaluations(&self) -> u64 {
+        self.evaluations.load(Ordering::Relaxed)
     }
 
     fn zeros(&self, rows: usize, cols: usize) -> MlxAct {
