@@ -788,53 +788,55 @@ mod portable {
 #[path = "matmul_neon.rs"]
 mod neon;
 
-/// Runs `block(k)` for every eight-element block `k < k8` of a tile's rows (`wp`,
-/// `cols` elements of `size` bytes each), in increasing `k`, with software prefetch:
-/// one cache line per row per line step. Short rows: along the tile's contiguous
-/// bytes (its R rows are adjacent), PREFETCH_AHEAD beyond what the tile has
-/// consumed, i.e. into the next tiles: R short interleaved streams are picked up too
-/// late by the hardware prefetchers. Long rows: each row's own stream, PREFETCH_ROW
-/// ahead. Prefetches never fault; addresses are only computed (wrapping), never
-/// dereferenced. Shared by the AVX2 and AVX-512 tiles.
+/// Runs `$block(k)` for every eight-element block `k < $k8` of a tile's rows (`$wp`,
+/// `$cols` elements of `$size` bytes each), in increasing `k`, with software
+/// prefetch: one cache line per row per line step. Short rows: along the tile's
+/// contiguous bytes (its R rows are adjacent), PREFETCH_AHEAD beyond what the tile
+/// has consumed, i.e. into the next tiles: R short interleaved streams are picked up
+/// too late by the hardware prefetchers. Long rows: each row's own stream,
+/// PREFETCH_ROW ahead. Prefetches never fault; addresses are only computed
+/// (wrapping), never dereferenced. Shared by the AVX2 and AVX-512 tiles.
+///
+/// A macro, not a function taking a closure: a closure is compiled without the
+/// enclosing function's target features, so its intrinsics would not inline (a
+/// function version halved SmolLM2's prefill on AVX-512).
 #[cfg(target_arch = "x86_64")]
-#[inline(always)]
-fn prefetched_blocks<const R: usize>(
-    wp: &[*const u8; R],
-    cols: usize,
-    size: usize,
-    k8: usize,
-    mut block: impl FnMut(usize),
-) {
-    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-    let blocks_per_line = 64 / (8 * size);
-    let line_k = 8 * blocks_per_line;
-    let kl = k8 - k8 % line_k;
-    let row_mode = R * cols * size > PREFETCH_AHEAD;
-    let mut pf: [*const u8; R] = std::array::from_fn(|r| {
-        if row_mode {
-            wp[r].wrapping_add(PREFETCH_ROW)
-        } else {
-            wp[0].wrapping_add(PREFETCH_AHEAD + 64 * r)
+macro_rules! prefetched_blocks {
+    ($wp:expr, $cols:expr, $size:expr, $k8:expr, |$k:ident| $block:expr) => {{
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let (wp, cols, size, k8) = ($wp, $cols, $size, $k8);
+        let blocks_per_line = 64 / (8 * size);
+        let line_k = 8 * blocks_per_line;
+        let kl = k8 - k8 % line_k;
+        let row_mode = R * cols * size > PREFETCH_AHEAD;
+        let mut pf: [*const u8; R] = std::array::from_fn(|r| {
+            if row_mode {
+                wp[r].wrapping_add(PREFETCH_ROW)
+            } else {
+                wp[0].wrapping_add(PREFETCH_AHEAD + 64 * r)
+            }
+        });
+        let pf_step = if row_mode { 64 } else { 64 * R };
+        let mut base = 0;
+        while base < kl {
+            for p in &mut pf {
+                // Expanded in the tiles' unsafe fns: SSE is part of every x86_64 CPU,
+                // and a prefetch is a hint that never faults, whatever the address.
+                _mm_prefetch::<_MM_HINT_T0>(p.cast::<i8>());
+                *p = p.wrapping_add(pf_step);
+            }
+            for j in 0..blocks_per_line {
+                let $k = base + 8 * j;
+                $block;
+            }
+            base += line_k;
         }
-    });
-    let pf_step = if row_mode { 64 } else { 64 * R };
-    let mut k = 0;
-    while k < kl {
-        for p in &mut pf {
-            // SAFETY: SSE is part of every x86_64 CPU; a prefetch is a hint that
-            // never faults, whatever the address.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast::<i8>()) };
-            *p = p.wrapping_add(pf_step);
+        while base < k8 {
+            let $k = base;
+            $block;
+            base += 8;
         }
-        for j in 0..blocks_per_line {
-            block(k + 8 * j);
-        }
-        k += line_k;
-    }
-    while k < k8 {
-        block(k);
-        k += 8;
-    }
+    }};
 }
 
 /// The x86 tile kernel and its row loop, compiled for one set of target features
@@ -887,7 +889,7 @@ macro_rules! x86_tiles {
                     }
                 }
             };
-            prefetched_blocks(&wp, cols, size, k8, |k| block(&mut acc, k));
+            prefetched_blocks!(&wp, cols, size, k8, |k| block(&mut acc, k));
             for r in 0..R {
                 for t in 0..T {
                     let mut s = hsum(acc[r][t]);
@@ -1261,7 +1263,7 @@ mod avx512 {
                 }
             }
         };
-        prefetched_blocks(&wp, cols, size, k8, |k| block(&mut acc2, &mut acc1, k));
+        prefetched_blocks!(&wp, cols, size, k8, |k| block(&mut acc2, &mut acc1, k));
         for r in 0..R {
             for t in 0..T {
                 let lanes = if r / 2 < pairs {
