@@ -684,3 +684,50 @@ fn sigmoid_is_the_logistic_function_on_every_backend() {
         assert_eq!(g.to_bits(), (1.0f32 / (1.0 + (-v).exp())).to_bits());
     }
 }
+
+/// The multiply-adds a backend reports are those of the products and attention it
+/// computed: rows × weight elements a product, and per query and head the positions
+/// it sees times the key and value sizes (causal, or the window's).
+#[test]
+fn multiply_adds_count_products_and_attention() {
+    let mut rng = ChaCha8Rng::seed_from_u64(31);
+    for b in backends() {
+        let w = bf16_bytes(&random(&mut rng, 6 * 8));
+        let view = WeightView::new(DType::BF16, 6, 8, &w).unwrap();
+        let x = b.upload(3, 8, &random(&mut rng, 24)).unwrap();
+        let mut out = b.zeros(3, 6);
+        let before = b.multiply_adds();
+        b.matmul(&x, view, &mut out).unwrap();
+        assert_eq!(b.multiply_adds() - before, 3 * 6 * 8, "{}", b.name());
+        let mut back = b.zeros(3, 8);
+        b.matmul_t(&out, view, &mut back).unwrap();
+        assert_eq!(b.multiply_adds() - before, 2 * 3 * 6 * 8, "{}", b.name());
+
+        // Two KV heads of 4, four query heads; 2 positions cached, then 3 new: the new
+        // ones see 3, 4 and 5 positions, or at most 4 with a window of 4.
+        for (window, seen) in [(None, 3 + 4 + 5), (Some(4), 3 + 4 + 4)] {
+            let shape = AttentionShape {
+                heads: 4,
+                kv_heads: 2,
+                head_dim: 4,
+                window,
+            };
+            let mut kv = KvCache::with_page(1, 8, 5, 4);
+            kv.append(0, &random(&mut rng, 16), &random(&mut rng, 16))
+                .unwrap();
+            kv.commit(&[0, 0]);
+            let up = |n, c, rng: &mut ChaCha8Rng| b.upload(n, c, &random(rng, n * c)).unwrap();
+            let (q, k, v) = (up(3, 16, &mut rng), up(3, 8, &mut rng), up(3, 8, &mut rng));
+            let mut att = b.zeros(3, 16);
+            let before = b.multiply_adds();
+            b.attention(&q, &k, &v, &mut kv, 0, &shape, &mut att)
+                .unwrap();
+            assert_eq!(
+                b.multiply_adds() - before,
+                seen * 4 * (4 + 4),
+                "{} window {window:?}",
+                b.name()
+            );
+        }
+    }
+}

@@ -170,3 +170,28 @@ fn kv_layer(
     }
     Ok(())
 }
+
+/// Multiply-adds of a product of `n` rows with a `rows × cols` weight matrix.
+pub fn product_terms(n: usize, rows: usize, cols: usize) -> u64 {
+    (n as u64) * (rows as u64) * (cols as u64)
+}
+
+/// Multiply-adds of attention of `n` queries at positions `pos0..pos0 + n` over
+/// every position each sees (`window`: the last `w`, its own included), `heads`
+/// heads of a `dk`-float score and a `dv`-float weighted sum per position seen.
+pub fn attention_terms(
+    n: usize,
+    pos0: usize,
+    window: Option<usize>,
+    heads: usize,
+    dk: usize,
+    dv: usize,
+) -> u64 {
+    let seen: u64 = (0..n)
+        .map(|t| {
+            let all = (pos0 + t + 1) as u64;
+            window.map_or(all, |w| all.min(w as u64))
+        })
+        .sum();
+    seen * (heads as u64) * ((dk + dv) as u64)
+}

@@ -122,6 +122,14 @@ pub trait Backend: Send + Sync {
         0
     }
 
+    /// Multiply-adds of the products and attention computed so far
+    /// ([`super::check::product_terms`], [`super::check::attention_terms`]): what a
+    /// prefill's rate is measured against the multiply-add peak by (other ops are
+    /// not counted, so a rate from it is a lower bound).
+    fn multiply_adds(&self) -> u64 {
+        0
+    }
+
     /// Bytes a product with a weight matrix of `elems` elements holds beside the
     /// page while it runs (a copy the backend makes, its f32 widening): the memory
     /// planner counts it for the largest matrix. 0 for the CPU, which reads the page

@@ -197,6 +197,10 @@ pub struct Generation {
     /// Prompt positions taken from a prefix computed before ([`prefix`]) instead of
     /// computed.
     pub prefix_reused: usize,
+    /// Multiply-adds of the products and attention the backend computed from the
+    /// start to the end of the prefill ([`crate::backend::Backend::multiply_adds`]):
+    /// this sequence's, and those of any sequence stepped with it meanwhile.
+    pub prefill_multiply_adds: u64,
     /// What speculation did, when a drafter ran.
     pub speculation: Option<SpecReport>,
     /// The backend that computed it ("cpu-avx512", "mlx-cpu").
@@ -575,6 +579,12 @@ impl Engine {
     /// ([`crate::backend::Backend::evaluations`]).
     pub fn backend_evaluations(&self) -> u64 {
         self.model.backend_evaluations()
+    }
+
+    /// Multiply-adds of the products and attention computed over the engine's life
+    /// ([`crate::backend::Backend::multiply_adds`]).
+    pub fn backend_multiply_adds(&self) -> u64 {
+        self.model.backend_multiply_adds()
     }
 
     pub fn backend_name(&self) -> String {

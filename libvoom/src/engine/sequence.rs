@@ -61,6 +61,8 @@ pub struct Sequence<'a> {
     hidden: Vec<f32>,
     hidden_from: usize,
     started: Instant,
+    /// The backend's multiply-adds when it started ([`Engine::backend_multiply_adds`]).
+    macs_at_start: u64,
     decode_started: Option<Instant>,
     waited_prefill: Duration,
     waited_decode: Duration,
@@ -110,6 +112,7 @@ impl<'a> Sequence<'a> {
             decode_page_wait_secs: 0.0,
             decode_passes: 0,
             prefix_reused: 0,
+            prefill_multiply_adds: 0,
             backend: engine.backend_name(),
             exactness_note: engine.exactness_note(),
             speculation: drafter.as_ref().map(|d| SpecReport {
@@ -137,6 +140,7 @@ impl<'a> Sequence<'a> {
             hidden: Vec::new(),
             hidden_from: 0,
             started: Instant::now(),
+            macs_at_start: engine.backend_multiply_adds(),
             decode_started: None,
             waited_prefill: Duration::ZERO,
             waited_decode: Duration::ZERO,
@@ -255,6 +259,8 @@ impl<'a> Sequence<'a> {
                     return Ok(());
                 }
                 self.out.prefill_secs = self.started.elapsed().as_secs_f64();
+                self.out.prefill_multiply_adds =
+                    engine.backend_multiply_adds() - self.macs_at_start;
                 self.out.prefill_page_wait_secs = self.waited_prefill.as_secs_f64();
                 engine.keep_prefix(&self.prompt, &self.kv, true);
                 self.decode_started = Some(Instant::now());

@@ -540,6 +540,10 @@ impl<B: Backend> Model for Llama<B> {
         self.backend.evaluations()
     }
 
+    fn backend_multiply_adds(&self) -> u64 {
+        self.backend.multiply_adds()
+    }
+
     fn threads(&self) -> usize {
         self.backend.threads()
     }

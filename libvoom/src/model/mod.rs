@@ -61,6 +61,9 @@ pub trait Model: Send + Sync {
     /// Graph evaluations of its backend ([`Backend::evaluations`]).
     fn backend_evaluations(&self) -> u64;
 
+    /// Multiply-adds its backend computed ([`Backend::multiply_adds`]).
+    fn backend_multiply_adds(&self) -> u64;
+
     /// Bytes of KV cache one position takes (every layer's keys and values).
     fn kv_bytes_per_position(&self) -> u64 {
         let cfg = self.config();

@@ -1,12 +1,16 @@
 //! `voom bench`: prefill and decode tokens/s, with the weight bytes streamed per
 //! decode token and the ratio to the memory read bandwidth measured in the same run
-//! (BENCHMARKS.md). Resident decode is bound by bandwidth / bytes touched per token.
+//! (BENCHMARKS.md). Resident decode is bound by bandwidth / bytes touched per token;
+//! prefill on the CPU by its f32 multiply-adds: the prefill's multiply-adds a second
+//! against the peak of the backend's instruction set, probed in the same runs.
 
 use std::ops::ControlFlow;
 use std::path::PathBuf;
 
 use anyhow::{bail, Result};
 use clap::Args;
+use libvoom::backend::cpu::fma_peak::fma_gflops;
+use libvoom::backend::cpu::matmul::Isa;
 use libvoom::backend::cpu::membw::{read_bandwidth, ReadProbe};
 use libvoom::engine::{Engine, EngineOptions, GenerateParams};
 use voom_formats::Checkpoint;
@@ -268,6 +272,24 @@ pub fn run(a: BenchArgs) -> Result<()> {
             let (mut bw, mut wbw) = (Vec::new(), Vec::new());
             let mut prefill = vec![Vec::new(); engines.len()];
             let mut decode = vec![Vec::new(); engines.len()];
+            let mut prefill_macs = vec![0u64; engines.len()];
+            // The CPU instruction set each engine computes with (none: not the CPU),
+            // and the multiply-add peak of each, probed between runs.
+            let isas: Vec<Option<Isa>> = engines
+                .iter()
+                .map(|(_, e)| {
+                    let name = e.backend_name();
+                    Isa::available()
+                        .into_iter()
+                        .find(|i| name == format!("cpu-{}", i.name()))
+                })
+                .collect();
+            let mut peaks: Vec<(Isa, Vec<f64>)> = Vec::new();
+            for isa in isas.iter().flatten() {
+                if !peaks.iter().any(|(i, _)| i == isa) {
+                    peaks.push((*isa, Vec::new()));
+                }
+            }
             let (mut llama_prefill, mut llama_decode) = (Vec::new(), Vec::new());
             for _ in 0..a.runs {
                 if let Some(l) = &llama {
@@ -284,11 +306,19 @@ pub fn run(a: BenchArgs) -> Result<()> {
                     secs += f.mapping().len() as f64 / (gbs * 1e9);
                 }
                 wbw.push(bytes / secs / 1e9);
+                for (isa, v) in &mut peaks {
+                    v.push(fma_gflops(
+                        *isa,
+                        threads,
+                        std::time::Duration::from_millis(300),
+                    ));
+                }
                 for (i, (_, engine)) in engines.iter().enumerate() {
                     let g =
                         engine.generate(&prompt, &params, &mut |_| ControlFlow::Continue(()))?;
                     prefill[i].push(g.prefill_tokens_per_sec());
                     decode[i].push(g.decode_tokens_per_sec());
+                    prefill_macs[i] = g.prefill_multiply_adds;
                 }
             }
             let spread = |v: &[f64]| {
@@ -325,6 +355,20 @@ pub fn run(a: BenchArgs) -> Result<()> {
                     "ratio_to_bound": achieved / wbw_med,
                     "ratio_to_memory_probe": achieved / bw_med,
                 });
+                // Prefill against the multiply-add peak (CPU backends): its products'
+                // and attention's multiply-adds (two operations each) a second.
+                let pre_gflops =
+                    2.0 * prefill_macs[i] as f64 / a.prompt_tokens.max(1) as f64 * pre_med / 1e9;
+                let peak = isas[i].and_then(|isa| {
+                    let v = &peaks.iter().find(|(p, _)| *p == isa)?.1;
+                    Some(median(&mut v.clone()))
+                });
+                r["prefill_multiply_adds"] = prefill_macs[i].into();
+                r["prefill_gflops"] = pre_gflops.into();
+                if let Some(p) = peak {
+                    r["fma_peak_gflops"] = p.into();
+                    r["prefill_ratio_to_fma_peak"] = (pre_gflops / p).into();
+                }
                 if !a.json {
                     vpaged::outln!(
                         "{:<28} {:<8} threads {}  prefill {:>7.1} tok/s [{:.1}..{:.1}]  decode {:>6.2} tok/s [{:.2}..{:.2}]  {:.1} MB/token  {:>5.2} GB/s = {:>3.0}% of weights read {:.2} GB/s ({:>3.0}% of probe {:.2} GB/s)",
@@ -344,6 +388,16 @@ pub fn run(a: BenchArgs) -> Result<()> {
                         100.0 * achieved / bw_med,
                         bw_med
                     )?;
+                    if let Some(p) = peak {
+                        vpaged::outln!(
+                            "{:<28} prefill {:.1} GFLOP/s (its products' and attention's multiply-adds) = {:>3.0}% of the f32 multiply-add peak {:.1} GFLOP/s ({} threads)",
+                            "",
+                            pre_gflops,
+                            100.0 * pre_gflops / p,
+                            p,
+                            threads,
+                        )?;
+                    }
                 }
                 if let (Some(l), true) = (&llama, i == 0) {
                     let (lp, ld) = (
@@ -357,6 +411,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
                         "decode_tokens_per_sec": ld,
                         "prefill_ratio": pre_med / lp,
                         "decode_ratio": dec_med / ld,
+                        // vOOM's multiply-adds at llama.cpp's rate: the same work.
+                        "prefill_gflops_same_work": pre_gflops * lp / pre_med,
                     });
                     if !a.json {
                         vpaged::outln!(

@@ -298,6 +298,7 @@ mod tests {
             decode_pages: None,
             decode_passes: 7,
             prefix_reused: 40,
+            prefill_multiply_adds: 0,
             backend: "cpu-portable".into(),
             exactness_note: None,
             speculation: Some(libvoom::speculate::SpecReport {

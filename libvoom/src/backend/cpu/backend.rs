@@ -2,6 +2,7 @@
 //! instruction set's kernels. Every instruction set gives the same bits.
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::activation;
 use super::attention;
@@ -20,6 +21,8 @@ use crate::backend::{
 pub struct CpuBackend {
     pool: ThreadPool,
     isa: Isa,
+    /// Multiply-adds of products and attention so far ([`Backend::multiply_adds`]).
+    macs: AtomicU64,
 }
 
 impl CpuBackend {
@@ -45,11 +48,19 @@ impl CpuBackend {
             isa.supported(),
             "{isa:?} kernels requested on a CPU without them"
         );
-        CpuBackend { pool, isa }
+        CpuBackend {
+            pool,
+            isa,
+            macs: AtomicU64::new(0),
+        }
     }
 
     pub fn isa(&self) -> Isa {
         self.isa
+    }
+
+    fn count(&self, macs: u64) {
+        self.macs.fetch_add(macs, Ordering::Relaxed);
     }
 
     pub fn pool(&self) -> &ThreadPool {
@@ -102,6 +113,10 @@ impl Backend for CpuBackend {
 
     fn threads(&self) -> usize {
         self.pool.threads()
+    }
+
+    fn multiply_adds(&self) -> u64 {
+        self.macs.load(Ordering::Relaxed)
     }
 
     fn zeros(&self, rows: usize, cols: usize) -> Rows {
@@ -157,6 +172,7 @@ impl Backend for CpuBackend {
     fn matmul(&self, x: &Rows, w: WeightView<'_>, out: &mut Rows) -> Result<(), KernelError> {
         check_shape("matmul input", x, x.rows(), w.cols)?;
         check_shape("matmul output", out, x.rows(), w.rows)?;
+        self.count(check::product_terms(x.rows(), w.rows, w.cols));
         matmul::matmul_isa(
             self.isa,
             &self.pool,
@@ -233,6 +249,7 @@ impl Backend for CpuBackend {
     fn matmul_t(&self, x: &Rows, w: WeightView<'_>, out: &mut Rows) -> Result<(), KernelError> {
         check_shape("transposed matmul input", x, x.rows(), w.rows)?;
         check_shape("transposed matmul output", out, x.rows(), w.cols)?;
+        self.count(check::product_terms(x.rows(), w.rows, w.cols));
         matmul::matmul_t_isa(
             self.isa,
             &self.pool,
@@ -255,6 +272,15 @@ impl Backend for CpuBackend {
         check::latent(shape, dims(q), dims(kv_new), dims(out), kv, layer)?;
         let n = q.rows();
         let pos0 = kv.layer_len(layer);
+        let w = shape.rank + shape.rope;
+        self.count(check::attention_terms(
+            n,
+            pos0,
+            None,
+            shape.heads,
+            w,
+            shape.rank,
+        ));
         kv.append(layer, kv_new.as_slice(), &[])?;
         let cache = kv.layer(layer)?;
         attention::attend_latent(
@@ -283,6 +309,15 @@ impl Backend for CpuBackend {
         check::attention(shape, dims(q), dims(k), dims(v), dims(out), kv, layer)?;
         let n = q.rows();
         let pos0 = kv.layer_len(layer);
+        let hd = shape.head_dim;
+        self.count(check::attention_terms(
+            n,
+            pos0,
+            shape.window,
+            shape.heads,
+            hd,
+            hd,
+        ));
         kv.append(layer, k.as_slice(), v.as_slice())?;
         let view = kv.layer(layer)?;
         attention::attend(

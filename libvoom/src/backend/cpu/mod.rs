@@ -5,6 +5,7 @@ pub mod activation;
 mod attention;
 mod backend;
 pub mod exp;
+pub mod fma_peak;
 pub mod grouped;
 pub mod matmul;
 pub mod membw;

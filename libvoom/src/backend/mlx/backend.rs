@@ -76,6 +76,8 @@ pub struct MlxBackend {
     copied: AtomicU64,
     /// Graph evaluations this backend asked of MLX that computed something.
     evaluations: AtomicU64,
+    /// Multiply-adds of products and attention ([`Backend::multiply_adds`]).
+    macs: AtomicU64,
 }
 
 /// Releases a lease a product handed MLX (`shim.cpp` calls it once, when MLX
@@ -96,6 +98,7 @@ impl MlxBackend {
             ),
             copied: AtomicU64::new(0),
             evaluations: AtomicU64::new(0),
+            macs: AtomicU64::new(0),
         })
     }
 
@@ -186,6 +189,10 @@ impl MlxBackend {
             DType::F16 => 2,
             other => return Err(KernelError::UnsupportedDType(other)),
         };
+        self.macs.fetch_add(
+            check::product_terms(x.rows, w.rows, w.cols),
+            Ordering::Relaxed,
+        );
         let mut buf = Vec::new();
         let p = self.aligned(w.bytes, w.dtype.size(), &mut buf);
         let (rows, cols) = (int("weight rows", w.rows)?, int("weight columns", w.cols)?);
@@ -253,6 +260,11 @@ impl MlxBackend {
         out: &mut MlxAct,
     ) -> Result<(), KernelError> {
         let n = q.rows;
+        let seen = (window > 0).then_some(window);
+        self.macs.fetch_add(
+            check::attention_terms(n, pos0, seen, heads, dk, dv),
+            Ordering::Relaxed,
+        );
         let view = kv.layer(layer)?;
         let width = view.width;
         let values = if view.v.is_empty() { &view.k } else { &view.v };
@@ -362,6 +374,10 @@ impl Backend for MlxBackend {
     /// is not one).
     fn evaluations(&self) -> u64 {
         self.evaluations.load(Ordering::Relaxed)
+    }
+
+    fn multiply_adds(&self) -> u64 {
+        self.macs.load(Ordering::Relaxed)
     }
 
     fn zeros(&self, rows: usize, cols: usize) -> MlxAct {
