@@ -493,11 +493,12 @@ impl Leased {
         })
     }
 
+    fn lease(&self, id: PageId) -> &PageLease {
+        self.leases.get(&id).expect("page acquired for this step")
+    }
+
     fn bytes(&self, id: PageId) -> &[u8] {
-        self.leases
-            .get(&id)
-            .expect("page acquired for this step")
-            .bytes()
+        self.lease(id).bytes()
     }
 
     /// The parts of `t` this lease holds (a table leased part by part holds some).
@@ -527,10 +528,7 @@ impl Leased {
 
     pub fn matrix(&self, m: &Matrix) -> WeightView<'_> {
         let row = m.cols * m.dtype.size();
-        let lease = self
-            .leases
-            .get(&m.page)
-            .expect("page acquired for this step");
+        let lease = self.lease(m.page);
         let page = lease.bytes();
         WeightView {
             lease: Some(lease),

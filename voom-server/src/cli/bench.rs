@@ -12,6 +12,7 @@ use clap::Args;
 use libvoom::backend::cpu::fma_peak::fma_gflops;
 use libvoom::backend::cpu::matmul::Isa;
 use libvoom::backend::cpu::membw::{read_bandwidth, ReadProbe};
+use libvoom::backend::BackendKind;
 use libvoom::engine::{Engine, EngineOptions, GenerateParams};
 use voom_formats::Checkpoint;
 
@@ -277,11 +278,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
             // and the multiply-add peak of each, probed between runs.
             let isas: Vec<Option<Isa>> = engines
                 .iter()
-                .map(|(_, e)| {
-                    let name = e.backend_name();
-                    Isa::available()
-                        .into_iter()
-                        .find(|i| name == format!("cpu-{}", i.name()))
+                .map(|(_, e)| match BackendKind::parse(&e.backend_name()) {
+                    Ok(BackendKind::Cpu(isa)) => Some(isa),
+                    _ => None,
                 })
                 .collect();
             let mut peaks: Vec<(Isa, Vec<f64>)> = Vec::new();

@@ -797,9 +797,11 @@ mod neon;
 /// PREFETCH_ROW ahead. Prefetches never fault; addresses are only computed
 /// (wrapping), never dereferenced. Shared by the AVX2 and AVX-512 tiles.
 ///
-/// A macro, not a function taking a closure: a closure is compiled without the
-/// enclosing function's target features, so its intrinsics would not inline (a
-/// function version halved SmolLM2's prefill on AVX-512).
+/// A macro, not a function taking a closure: a function without the tiles' target
+/// features cannot inline a closure that has them (a callee is never inlined into a
+/// caller with fewer target features), so each block became a call with the
+/// accumulators in memory (a function version halved SmolLM2's prefill on
+/// AVX-512).
 #[cfg(target_arch = "x86_64")]
 macro_rules! prefetched_blocks {
     ($wp:expr, $cols:expr, $size:expr, $k8:expr, |$k:ident| $block:expr) => {{

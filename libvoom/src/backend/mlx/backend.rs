@@ -196,6 +196,7 @@ impl MlxBackend {
         let mut buf = Vec::new();
         let p = self.aligned(w.bytes, w.dtype.size(), &mut buf);
         let (rows, cols) = (int("weight rows", w.rows)?, int("weight columns", w.cols)?);
+        let a = self.input(x)?;
         // The page's lease, when `p` is its bytes in place (an aligned copy here is
         // the call's own, which MLX copies or the call evaluates).
         let keep = w.kept_by().filter(|_| p == w.bytes.as_ptr());
@@ -207,16 +208,6 @@ impl MlxBackend {
             None => (std::ptr::null_mut(), None),
         };
         let (mut copied, mut evaluated) = (0u64, 0);
-        let a = match self.input(x) {
-            Ok(a) => a,
-            Err(e) => {
-                if let Some(release) = keep_release {
-                    // SAFETY: `keep_ctx` was made above and not handed to the shim.
-                    unsafe { release(keep_ctx) };
-                }
-                return Err(e);
-            }
-        };
         // SAFETY: `p` points at `rows × cols` elements of the dtype coded (checked
         // by `w.check()`, or the aligned copy), alive until this call returns, and
         // after it while the lease in `keep_ctx` lives (which the shim owns from
