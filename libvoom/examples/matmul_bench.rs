@@ -1,12 +1,12 @@
 //! Bench of the CPU matmul kernels against the machine's measured read bandwidth.
 //!
 //! `cargo run --release -p libvoom --example matmul_bench [-- --quick] [--shape RxC]
-//! [--no-prefill] [--portable | --avx2]`
+//! [--no-prefill] [--tokens N] [--portable | --avx2]`
 //!
 //! Decode (one token) is memory bound: it reports GB/s of weights streamed and the
 //! ratio to `read_bandwidth` measured in the same run on the same thread count.
 //! Weights are cycled over a set of copies much larger than the last-level cache, so
-//! every call reads DRAM. Prefill (64 tokens) is compute bound: it reports GFLOP/s.
+//! every call reads DRAM. Prefill (64 tokens, or `--tokens N`) is compute bound: it reports GFLOP/s.
 //! Every figure is the median of several timed passes.
 
 use std::time::{Duration, Instant};
@@ -30,6 +30,13 @@ fn main() {
         .and_then(|s| s.split_once('x'))
         .and_then(|(r, c)| Some((r.parse().ok()?, c.parse().ok()?)));
     let no_prefill = args.iter().any(|a| a == "--no-prefill");
+    // `--tokens N`: tokens of a prefill call (the engine's prefill chunk is 256).
+    let tokens: usize = args
+        .iter()
+        .position(|a| a == "--tokens")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(64);
     let reps = if quick { 3 } else { 7 };
     // `--portable` measures the lane-emulating fallback instead of the best kernels,
     // `--avx2` the AVX2 tiles on a CPU that also has AVX-512.
@@ -87,7 +94,7 @@ fn main() {
                 let gflops = if no_prefill {
                     f64::NAN
                 } else {
-                    prefill(&set, pool, isa, 64, reps)
+                    prefill(&set, pool, isa, tokens, reps)
                 };
                 println!(
                     "{:>12} {:>5} {:>3} | {:>9.1} {:>7.2} {:>7.2} {:>5.0}% | {:>13.1}",

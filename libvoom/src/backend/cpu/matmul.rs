@@ -64,6 +64,13 @@ fn dtype_code(d: DType) -> Result<u8, KernelError> {
 /// (a multiple of both tile heights of [`tile_shape`]).
 const ROW_GRANULE: usize = 12;
 
+/// Tokens from which AVX-512 products widen each 16-row panel once per call and
+/// run over it packed (`matmul_packed.rs`) instead of tiling the weights in place.
+/// Below it, widening and transposing cost more than they save (`matmul_bench
+/// --tokens N`: at 16 tokens packing was the slower, from about 64 the faster).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+const PACKED_MIN_TOKENS: usize = 48;
+
 /// Row chunks per thread: more balance load (a late or preempted thread claims
 /// fewer), fewer keep each thread's weight stream long (prefetch warm-up per chunk).
 const CHUNKS_PER_THREAD: usize = 4;
@@ -208,8 +215,19 @@ pub fn matmul_isa(
         unsafe { compute_rows(isa, dt, x, n, &w, rows, dst) }
     };
     let macs = w.rows.saturating_mul(w.cols).saturating_mul(n);
-    split(pool, w.rows, macs, ROW_GRANULE, job);
+    split(pool, w.rows, macs, row_granule(isa, n), job);
     Ok(())
+}
+
+/// Rows per chunk granule of an `n`-token call: whole packed panels where AVX-512
+/// packs, else [`ROW_GRANULE`].
+fn row_granule(isa: Isa, n: usize) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 && n >= PACKED_MIN_TOKENS {
+        return packed::PANEL;
+    }
+    let _ = (isa, n);
+    ROW_GRANULE
 }
 
 /// Runs `job` over `0..items` on the caller when the work (`macs`) is small or the
@@ -788,6 +806,10 @@ mod portable {
 #[path = "matmul_neon.rs"]
 mod neon;
 
+#[cfg(target_arch = "x86_64")]
+#[path = "matmul_packed.rs"]
+mod packed;
+
 /// Runs `$block(k)` for every eight-element block `k < $k8` of a tile's rows (`$wp`,
 /// `$cols` elements of `$size` bytes each), in increasing `k`, with software
 /// prefetch: one cache line per row per line step. Short rows: along the tile's
@@ -1300,6 +1322,10 @@ mod avx512 {
         rows: Range<usize>,
         out: *mut f32,
     ) {
+        if n >= PACKED_MIN_TOKENS {
+            // SAFETY: forwarded contract; this CPU has AVX-512 (the caller's).
+            return unsafe { super::packed::rows::<DT>(x, n, w, rows, out) };
+        }
         tile_rows!(tile, wide_tile_shape, DT, x, n, w, rows, out)
     }
 }
@@ -1519,6 +1545,48 @@ mod tests {
     }
 
     /// Infinite and NaN weights propagate as IEEE arithmetic says, on every path.
+    /// Many tokens (AVX-512 packs the weights from `PACKED_MIN_TOKENS`): panels of
+    /// sixteen rows cut short, column blocks with carried accumulators, tails, token
+    /// groups cut short, and thread chunks, all with the bits of the order.
+    #[test]
+    fn many_tokens_have_the_bits_of_the_order() {
+        let mut rng = ChaCha8Rng::seed_from_u64(5);
+        let pools: Vec<ThreadPool> = (1..=3).map(|t| ThreadPool::new(t).unwrap()).collect();
+        let shapes = [(1, 9), (16, 16), (17, 263), (40, 520), (33, 1031), (70, 96)];
+        let ns = [
+            PACKED_MIN_TOKENS - 1,
+            PACKED_MIN_TOKENS,
+            PACKED_MIN_TOKENS + 1,
+            PACKED_MIN_TOKENS + 2,
+            100,
+        ];
+        let most = ns.iter().copied().max().unwrap();
+        for dtype in DTYPES {
+            for &(rows, cols) in &shapes {
+                let wb = random_weights(&mut rng, dtype, rows * cols);
+                let w = WeightView::new(dtype, rows, cols, &wb).unwrap();
+                let x = random_x(&mut rng, most * cols);
+                let want = spec_matmul(&x, most, &w);
+                for &n in &ns {
+                    for isa in isas() {
+                        for pool in &pools {
+                            let mut out = vec![f32::NAN; n * rows];
+                            matmul_isa(isa, pool, &x[..n * cols], n, w, &mut out).unwrap();
+                            for (i, (g, e)) in out.iter().zip(&want).enumerate() {
+                                assert_eq!(
+                                    g.to_bits(),
+                                    e.to_bits(),
+                                    "{dtype} {rows}x{cols} n={n} {isa:?} threads={} elem {i}",
+                                    pool.threads()
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn non_finite_weights_propagate() {
         let pool = ThreadPool::single();
