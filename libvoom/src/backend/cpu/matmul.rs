@@ -28,8 +28,12 @@
 //!
 //! Decode (one token) streams `W` once, with software prefetch; prefill reuses each
 //! `W` tile from L1/L2 across all tokens of the call, converting each 8-element
-//! block once per group of tokens of a tile (see `tile_shape`). Threads split the
-//! rows; an element's value never depends on which thread or tile computed it.
+//! block once per group of tokens of a tile (see `tile_shape`). On AVX-512, calls
+//! of [`PACKED_MIN_TOKENS`] tokens or more widen each panel of sixteen rows to f32
+//! once and transpose it, then keep step 1's eight lanes of sixteen rows in eight
+//! registers (`matmul_packed.rs`): the same operations in the same order, without a
+//! conversion per tile or a horizontal sum per element. Threads split the rows; an
+//! element's value never depends on which thread or tile computed it.
 
 use std::ops::Range;
 
