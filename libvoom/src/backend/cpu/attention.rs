@@ -48,6 +48,11 @@ struct Cache<'a> {
     v_off: usize,
 }
 
+/// Groups of rows (positions) from which AVX-512 transposes each block of keys once
+/// for all of them (`packed_scores`) instead of scoring keys in place.
+#[cfg(target_arch = "x86_64")]
+const PACKED_GROUPS: usize = 4;
+
 /// The most rows a group takes (at least [`Isa::attention_group`] of every set).
 const GROUP_MAX: usize = 4;
 
@@ -67,6 +72,22 @@ impl Cache<'_> {
             grouped::scores(isa, q, keys, stride, scale, &mut part[..m]);
             at += n;
         }
+    }
+
+    /// Pointers to the keys of positions `from..to` (at most [`BLOCK_K`]) in
+    /// `out`: how many.
+    #[cfg(target_arch = "x86_64")]
+    fn key_ptrs(&self, from: usize, to: usize, out: &mut [*const f32; BLOCK_K]) -> usize {
+        let stride = self.view.width;
+        let mut at = 0;
+        for (p, off, n) in self.view.segments(from, to) {
+            let keys = &self.keys[p][off * stride + self.k_off..];
+            for i in 0..n {
+                out[at + i] = keys[i * stride..].as_ptr();
+            }
+            at += n;
+        }
+        at
     }
 
     /// `out[r] += Σ_j p[r][j - from] · value_j` for every row `r` and `j` in
@@ -135,10 +156,11 @@ fn attend_rows(
         scores.resize(rows.len() * width, 0.0);
     }
     let groups = groups(rows, isa.attention_group().min(GROUP_MAX));
-    // Scores, a block of keys at a time for every group.
-    let mut kb = lo;
-    while kb < hi {
-        let ke = (kb + BLOCK_K).min(hi);
+    #[cfg(target_arch = "x86_64")]
+    let d = rows[0].q.len();
+    // The scores of every group for keys kb..ke; with `kt`, from the block
+    // transposed (`packed_scores`).
+    let mut score_groups = |kb: usize, ke: usize, kt: Option<&[f32]>| {
         for &(i, m) in &groups {
             let r = &rows[i];
             let (a, b) = (kb.max(r.lo), ke.min(r.hi));
@@ -156,10 +178,55 @@ fn attend_rows(
             {
                 *d = &mut chunk[a - r.lo..b - r.lo];
             }
-            cache.scores(isa, &q[..m], a, scale, &mut s[..m]);
+            match kt {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: `kt` is only given where the CPU has AVX-512 (below), as
+                // the block kb..ke of `d`-float keys transposed into `with_block`'s
+                // scratch with rows of BLOCK_K; every query has `d` floats, every
+                // score row b - a, and a - kb < b - kb <= ke - kb <= BLOCK_K.
+                Some(kt) => unsafe {
+                    super::packed_scores::scores(
+                        &q[..m],
+                        kt,
+                        d,
+                        BLOCK_K,
+                        a - kb..b - kb,
+                        scale,
+                        &mut s[..m],
+                    )
+                },
+                _ => cache.scores(isa, &q[..m], a, scale, &mut s[..m]),
+            }
         }
-        kb = ke;
+    };
+    // Scores, a block of keys at a time.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
+    let mut score_blocks = |mut kt: Option<&mut [f32]>| {
+        let mut kb = lo;
+        while kb < hi {
+            let ke = (kb + BLOCK_K).min(hi);
+            #[cfg(target_arch = "x86_64")]
+            if let Some(kt) = kt.as_deref_mut() {
+                let mut ptrs = [std::ptr::null(); BLOCK_K];
+                let m = cache.key_ptrs(kb, ke, &mut ptrs);
+                // SAFETY: `kt` is only given where the CPU has AVX-512 (below);
+                // each key holds `d` floats (the rows' query length), m <= BLOCK_K,
+                // and `kt` is `with_block`'s scratch for `d` and BLOCK_K.
+                unsafe { super::packed_scores::transpose(&ptrs[..m], d, BLOCK_K, kt) };
+            }
+            score_groups(kb, ke, kt.as_deref());
+            kb = ke;
+        }
+    };
+    // Transposing a block pays where several positions share it.
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 && groups.len() >= PACKED_GROUPS {
+        super::packed_scores::with_block(d, BLOCK_K, |kt| score_blocks(Some(kt)));
+    } else {
+        score_blocks(None);
     }
+    #[cfg(not(target_arch = "x86_64"))]
+    score_blocks(None);
     for (i, r) in rows.iter_mut().enumerate() {
         softmax::softmax(isa, &mut scores[i * width..i * width + (r.hi - r.lo)]);
         r.out.fill(0.0);
@@ -377,39 +444,43 @@ mod tests {
                 (8, 2, 32, None, 0, 2 * BLOCK_K + 9),
                 (10, 1, 128, Some(40), 3, BLOCK_K + 1),
             ] {
-                let shape = AttentionShape {
-                    heads,
-                    kv_heads: 2,
-                    head_dim: 12,
-                    window,
-                };
-                let (qd, kvd) = (heads * 12, 24);
-                let total = pos0 + n;
-                let mut r =
-                    |len| -> Vec<f32> { (0..len).map(|_| rng.gen_range(-2.0..2.0)).collect() };
-                let (kc, vc, q) = (r(total * kvd), r(total * kvd), r(n * qd));
-                let mut kv = KvCache::with_page(1, kvd, total, page);
-                kv.append(0, &kc, &vc).unwrap();
-                kv.commit(&vec![0; total]);
-                let pool = ThreadPool::new(threads).unwrap();
-                let mut out = vec![0f32; n * qd];
-                attend(
-                    isa,
-                    &pool,
-                    &shape,
-                    &q,
-                    &kv.layer(0).unwrap(),
-                    pos0,
-                    n,
-                    &mut out,
-                );
-                let want = reference(isa, &shape, &q, &kc, &vc, pos0, n);
-                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                assert_eq!(
+                // Heads of 12 (a tail of four) and 40 (AVX-512 transposes keys sixteen
+                // dimensions at a time, then eight, then the tail).
+                for hd in [12, 40] {
+                    let shape = AttentionShape {
+                        heads,
+                        kv_heads: 2,
+                        head_dim: hd,
+                        window,
+                    };
+                    let (qd, kvd) = (heads * hd, 2 * hd);
+                    let total = pos0 + n;
+                    let mut r =
+                        |len| -> Vec<f32> { (0..len).map(|_| rng.gen_range(-2.0..2.0)).collect() };
+                    let (kc, vc, q) = (r(total * kvd), r(total * kvd), r(n * qd));
+                    let mut kv = KvCache::with_page(1, kvd, total, page);
+                    kv.append(0, &kc, &vc).unwrap();
+                    kv.commit(&vec![0; total]);
+                    let pool = ThreadPool::new(threads).unwrap();
+                    let mut out = vec![0f32; n * qd];
+                    attend(
+                        isa,
+                        &pool,
+                        &shape,
+                        &q,
+                        &kv.layer(0).unwrap(),
+                        pos0,
+                        n,
+                        &mut out,
+                    );
+                    let want = reference(isa, &shape, &q, &kc, &vc, pos0, n);
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
                     bits(&out),
                     bits(&want),
-                    "{isa:?}, {heads} heads, {threads} threads, pages of {page}, window {window:?}, {n} queries from {pos0}"
+                    "{isa:?}, {heads} heads of {hd}, {threads} threads, pages of {page}, window {window:?}, {n} queries from {pos0}"
                 );
+                }
             }
         }
     }

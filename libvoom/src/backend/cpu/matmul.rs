@@ -813,6 +813,8 @@ mod neon;
 #[cfg(target_arch = "x86_64")]
 #[path = "matmul_packed.rs"]
 mod packed;
+#[cfg(target_arch = "x86_64")]
+pub(super) use packed::transpose16;
 
 /// Runs `$block(k)` for every eight-element block `k < $k8` of a tile's rows (`$wp`,
 /// `$cols` elements of `$size` bytes each), in increasing `k`, with software
@@ -1556,7 +1558,15 @@ mod tests {
     fn many_tokens_have_the_bits_of_the_order() {
         let mut rng = ChaCha8Rng::seed_from_u64(5);
         let pools: Vec<ThreadPool> = (1..=3).map(|t| ThreadPool::new(t).unwrap()).collect();
-        let shapes = [(1, 9), (16, 16), (17, 263), (40, 520), (33, 1031), (70, 96)];
+        let shapes = [
+            (1, 9),
+            (16, 16),
+            (17, 263),
+            (40, 520),
+            (33, 1031),
+            (70, 96),
+            (83, 300),
+        ];
         let ns = [
             PACKED_MIN_TOKENS - 1,
             PACKED_MIN_TOKENS,

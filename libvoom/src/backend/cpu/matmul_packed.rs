@@ -18,8 +18,9 @@
 //! Blocking: a panel of [`KC`] columns (16 KiB of f32) stays in the first-level
 //! cache while every token of the call passes over it, [`TOKENS`] at a time (8
 //! lanes x 3 tokens = 24 accumulator registers of 32). Longer rows are taken
-//! [`KC`] columns at a time, the accumulators kept in a scratch array between
-//! blocks (storing and reloading an f32 changes no bit).
+//! [`KC`] columns at a time, [`GROUP`] panels through each block before the next,
+//! the accumulators kept in a scratch array between blocks (storing and reloading
+//! an f32 changes no bit).
 
 use std::arch::x86_64::*;
 use std::cell::RefCell;
@@ -38,6 +39,12 @@ const KC: usize = 256;
 
 /// Floats of one token's accumulators (eight lanes of a panel).
 const ACC: usize = 8 * PANEL;
+
+/// Panels that go through a column block together, so that the block's columns of
+/// every token's activations (a quarter of a MiB for 256 tokens) are read from the
+/// second-level cache by each panel after the first; their accumulators between
+/// blocks take `GROUP * ACC` floats a token.
+const GROUP: usize = 4;
 
 thread_local! {
     /// The packed panel and the accumulators between column blocks, per thread.
@@ -59,7 +66,7 @@ pub(super) unsafe fn rows<const DT: u8>(
     let k8 = w.cols - w.cols % 8;
     // Packed columns: a block plus a tail of up to seven.
     let panel_len = PANEL * (KC + 8);
-    let acc_len = if k8 > KC { n * ACC } else { 0 };
+    let acc_len = if k8 > KC { GROUP * n * ACC } else { 0 };
     SCRATCH.with(|s| {
         let mut s = s.borrow_mut();
         // 15 floats of slack to start the panel on a 64-byte line.
@@ -77,7 +84,7 @@ pub(super) unsafe fn rows<const DT: u8>(
 
 /// # Safety
 /// As [`rows`]; `panel` 64-byte aligned with `PANEL * (KC + 8)` floats, `acc`
-/// `n * ACC` floats if `w.cols` has more than `KC` columns of full blocks.
+/// `GROUP * n * ACC` floats if `w.cols` has more than `KC` columns of full blocks.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw")]
 unsafe fn drive<const DT: u8>(
     x: &[f32],
@@ -90,57 +97,80 @@ unsafe fn drive<const DT: u8>(
 ) {
     let cols = w.cols;
     let k8 = cols - cols % 8;
-    let mut o = rows.start;
-    while o < rows.end {
-        let live = (rows.end - o).min(PANEL);
+    let size = elem_size(DT);
+    // Columns k0.. of a block: (its full blocks' end, whether it is the last, its
+    // end with the tail columns, which the last block packs too).
+    let block = |k0: usize| {
+        let k1 = (k0 + KC).min(k8);
+        (k1, k1 == k8, if k1 == k8 { cols } else { k1 })
+    };
+    let mut g = rows.start;
+    while g < rows.end {
+        let gend = (g + GROUP * PANEL).min(rows.end);
         let mut k0 = 0;
         loop {
-            let k1 = (k0 + KC).min(k8);
-            let last = k1 == k8;
-            // The last block packs the tail columns too.
-            let kend = if last { cols } else { k1 };
-            // SAFETY: rows o..o+live < w.rows and columns k0..kend <= cols are in
-            // the checked weight bytes; the panel holds kend - k0 <= KC + 7 columns.
-            unsafe { pack::<DT>(w, o, live, k0, kend, panel.as_mut_ptr()) };
-            // The next block's weights come from memory while this one computes.
-            let (no, nk0) = if last { (o + live, 0) } else { (o, k1) };
-            if no < rows.end {
-                let nlive = (rows.end - no).min(PANEL);
-                let nk1 = (nk0 + KC).min(k8);
-                let nend = if nk1 == k8 { cols } else { nk1 };
-                prefetch_block(w, elem_size(DT), no, nlive, nk0, nend);
-            }
-            let step = Step {
-                panel: panel.as_ptr(),
-                blocks: (k1 - k0) / 8,
-                tail: kend - k1,
-                first: k0 == 0,
-                last,
-                acc: acc.as_mut_ptr(),
-            };
-            let mut t = 0;
-            while t < n {
-                let tn = (n - t).min(TOKENS);
-                // SAFETY: tokens t..t+tn < n; x holds n*cols floats, so the columns
-                // k0..kend of each are in bounds; acc holds n tokens' lanes when
-                // `first && last` is false; out rows o..o+live of these tokens are
-                // this call's (the caller's contract).
-                unsafe {
-                    let xs = x.as_ptr().add(t * cols + k0);
-                    match tn {
-                        3 => micro::<3>(&step, xs, cols, t, out, w.rows, o, live),
-                        2 => micro::<2>(&step, xs, cols, t, out, w.rows, o, live),
-                        _ => micro::<1>(&step, xs, cols, t, out, w.rows, o, live),
-                    }
+            let (k1, last, kend) = block(k0);
+            let mut o = g;
+            let mut pi = 0;
+            while o < gend {
+                let live = (gend - o).min(PANEL);
+                // SAFETY: rows o..o+live < w.rows and columns k0..kend <= cols are
+                // in the checked weight bytes; the panel holds kend - k0 <= KC + 7
+                // columns.
+                unsafe { pack::<DT>(w, o, live, k0, kend, panel.as_mut_ptr()) };
+                // The next panel's weights come from memory while this one computes:
+                // the group's next panel, its first at the next block, or the next
+                // group's first.
+                let next = if o + live < gend {
+                    Some((o + live, k0))
+                } else if !last {
+                    Some((g, k1))
+                } else if gend < rows.end {
+                    Some((gend, 0))
+                } else {
+                    None
+                };
+                if let Some((no, nk0)) = next {
+                    let nlive = (rows.end - no).min(PANEL);
+                    prefetch_block(w, size, no, nlive, nk0, block(nk0).2);
                 }
-                t += tn;
+                let step = Step {
+                    panel: panel.as_ptr(),
+                    blocks: (k1 - k0) / 8,
+                    tail: kend - k1,
+                    first: k0 == 0,
+                    last,
+                    // Panel pi < GROUP of the group: dereferenced only where there
+                    // is more than one block, when acc holds GROUP panels.
+                    acc: acc.as_mut_ptr().wrapping_add(pi * n * ACC),
+                };
+                let mut t = 0;
+                while t < n {
+                    let tn = (n - t).min(TOKENS);
+                    // SAFETY: tokens t..t+tn < n; x holds n*cols floats, so the
+                    // columns k0..kend of each are in bounds; acc holds this panel's
+                    // n tokens' lanes when `first && last` is false; out rows
+                    // o..o+live of these tokens are this call's (the caller's
+                    // contract).
+                    unsafe {
+                        let xs = x.as_ptr().add(t * cols + k0);
+                        match tn {
+                            3 => micro::<3>(&step, xs, cols, t, out, w.rows, o, live),
+                            2 => micro::<2>(&step, xs, cols, t, out, w.rows, o, live),
+                            _ => micro::<1>(&step, xs, cols, t, out, w.rows, o, live),
+                        }
+                    }
+                    t += tn;
+                }
+                o += live;
+                pi += 1;
             }
             if last {
                 break;
             }
             k0 = k1;
         }
-        o += live;
+        g = gend;
     }
 }
 
@@ -236,7 +266,7 @@ unsafe fn load16<const DT: u8>(p: *const u8) -> __m512 {
 /// Transposes a 16 x 16 block of f32 held as sixteen rows.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw")]
-fn transpose16(v: &mut [__m512; 16]) {
+pub(in crate::backend::cpu) fn transpose16(v: &mut [__m512; 16]) {
     // Pairs of rows interleaved by 32, then 64 bits, then 128-bit quarters.
     let mut t = [_mm512_setzero_ps(); 16];
     for i in 0..8 {

@@ -10,6 +10,8 @@ pub mod grouped;
 pub mod matmul;
 pub mod membw;
 pub mod ops;
+#[cfg(target_arch = "x86_64")]
+mod packed_scores;
 mod rows;
 pub mod softmax;
 pub mod threads;
