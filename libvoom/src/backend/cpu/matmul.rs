@@ -71,7 +71,8 @@ const ROW_GRANULE: usize = 12;
 /// Tokens from which AVX-512 products widen each 16-row panel once per call and
 /// run over it packed (`matmul_packed.rs`) instead of tiling the weights in place.
 /// Below it, widening and transposing cost more than they save (`matmul_bench
-/// --tokens N`: at 16 tokens packing was the slower, from about 64 the faster).
+/// --tokens N`: at 16 tokens packing was the slower, from 24 to 32 about even,
+/// from 64 the faster).
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 const PACKED_MIN_TOKENS: usize = 48;
 
@@ -1550,7 +1551,6 @@ mod tests {
         }
     }
 
-    /// Infinite and NaN weights propagate as IEEE arithmetic says, on every path.
     /// Many tokens (AVX-512 packs the weights from `PACKED_MIN_TOKENS`): panels of
     /// sixteen rows cut short, column blocks with carried accumulators, tails, token
     /// groups cut short, and thread chunks, all with the bits of the order.
@@ -1601,6 +1601,7 @@ mod tests {
         }
     }
 
+    /// Infinite and NaN weights propagate as IEEE arithmetic says, on every path.
     #[test]
     fn non_finite_weights_propagate() {
         let pool = ThreadPool::single();
