@@ -222,3 +222,131 @@ fn walk(d: &std::path::Path) -> Vec<std::path::PathBuf> {
     }
     out
 }
+
+/// Regression (issue 41, 1): a snapshot file replaced under its name after it was
+/// indexed (another prompt's snapshot moved over it) is never used for the prompt
+/// the name was indexed for, and nothing of it reaches the memory cache: the
+/// prompt is computed cold, exactly, then and on every later repeat.
+#[test]
+fn a_snapshot_replaced_under_its_name_is_never_used_for_another_prompt() {
+    use libvoom::engine::snapshot::DiskPrefixes;
+    for (case, src) in [
+        ("llama_gqa_untied", fixtures()),
+        ("qwen3_next_moe_legacy_config", common::hybrid_fixtures()),
+    ] {
+        let (_d, dir) = copy_with_manifest(&src.join(case));
+        let store = tempfile::tempdir().unwrap();
+        let opts = || EngineOptions {
+            prefix_cache_bytes: 64 << 20,
+            prefix_disk: Some(DiskPrefixes {
+                dir: store.path().to_path_buf(),
+                budget: 64 << 20,
+                min_tokens: 32,
+            }),
+            ..EngineOptions::default()
+        };
+        let cold = Engine::open(&dir, EngineOptions::default()).unwrap();
+        let a = prompt_of(&dir, 3);
+        let mut b = prompt_of(&dir, 2);
+        b.extend(prompt_of(&dir, 3));
+        assert_ne!(a[..32], b[..32], "{case}: the two prompts share no prefix");
+        let want = greedy(&cold, &a, 6);
+
+        let first = Engine::open(&dir, opts()).unwrap();
+        greedy(&first, &a, 6);
+        first.flush_prefixes();
+        let a_file = walk(store.path());
+        assert_eq!(a_file.len(), 1, "{case}");
+        greedy(&first, &b, 6);
+        first.flush_prefixes();
+        let b_file: Vec<_> = walk(store.path())
+            .into_iter()
+            .filter(|f| f != &a_file[0])
+            .collect();
+        assert_eq!(b_file.len(), 1, "{case}");
+        drop(first);
+
+        // A server that indexed both snapshots; then B's file is moved over A's.
+        let server = Engine::open(&dir, opts()).unwrap();
+        assert_eq!(server.snapshot_status().unwrap().0, 2, "{case}");
+        let tmp = a_file[0].with_extension("swap");
+        std::fs::copy(&b_file[0], &tmp).unwrap();
+        std::fs::rename(&tmp, &a_file[0]).unwrap();
+        let g = greedy(&server, &a, 6);
+        assert_eq!(g.prefix_reused, 0, "{case}: another prompt's KV was used");
+        same(case, "after the swap", &want, &g);
+        // Nothing wrong stuck in memory: a repeat reuses the prompt's own KV.
+        let g = greedy(&server, &a, 6);
+        same(case, "repeated after the swap", &want, &g);
+        // B's own snapshot is still B's.
+        let cold_b = greedy(&cold, &b, 6);
+        same(case, "B after the swap", &cold_b, &greedy(&server, &b, 6));
+    }
+}
+
+/// Regression (issue 41, 2): a run whose pages are not verified (verification
+/// off) writes no snapshot, so a copy of the model with changed weights (and the
+/// genuine manifest) leaves nothing that the genuine model would reuse.
+#[test]
+fn a_run_on_unverified_weights_writes_no_snapshot() {
+    use libvoom::engine::snapshot::DiskPrefixes;
+    use vpaged::VerifyMode;
+    let case = "llama_gqa_untied";
+    let (_g, genuine) = copy_with_manifest(&fixtures().join(case));
+    let (_c, changed) = copy_with_manifest(&fixtures().join(case));
+    // Change the bytes of one weight (the manifest still names the genuine ones).
+    let ckpt = voom_formats::Checkpoint::open(&changed).unwrap();
+    let (name, loc) = ckpt
+        .tensors()
+        .map(|(n, l)| (n.to_string(), l.clone()))
+        .find(|(n, _)| n.ends_with("layers.0.self_attn.v_proj.weight"))
+        .unwrap();
+    let path = ckpt.files[loc.file].path.clone();
+    let (offset, len) = (loc.info.offset as usize, loc.info.len as usize);
+    drop(ckpt);
+    let mut bytes = std::fs::read(&path).unwrap();
+    for (i, b) in bytes[offset..offset + len].iter_mut().enumerate() {
+        // BF16 pairs: the high byte's exponent bits scaled, the low byte scrambled.
+        *b = if i % 2 == 1 { b.wrapping_add(1) } else { !*b };
+    }
+    std::fs::write(&path, bytes).unwrap();
+
+    let store = tempfile::tempdir().unwrap();
+    let opts = |verify| EngineOptions {
+        verify,
+        prefix_cache_bytes: 64 << 20,
+        prefix_disk: Some(DiskPrefixes {
+            dir: store.path().to_path_buf(),
+            budget: 64 << 20,
+            min_tokens: 32,
+        }),
+        ..EngineOptions::default()
+    };
+    let long = prompt_of(&genuine, 3);
+    let want = greedy(
+        &Engine::open(&genuine, EngineOptions::default()).unwrap(),
+        &long,
+        6,
+    );
+    let off = Engine::open(&changed, opts(VerifyMode::Off)).unwrap();
+    let bad = greedy(&off, &long, 6);
+    assert_ne!(
+        common::bits(&bad.logits),
+        common::bits(&want.logits),
+        "{name}: the changed weight changes nothing"
+    );
+    assert!(
+        off.snapshot_status().is_none(),
+        "unverified pages kept snapshots"
+    );
+    off.flush_prefixes();
+    drop(off);
+    assert!(walk(store.path()).is_empty(), "a snapshot was written");
+    let g = greedy(
+        &Engine::open(&genuine, opts(VerifyMode::FirstUse)).unwrap(),
+        &long,
+        6,
+    );
+    assert_eq!(g.prefix_reused, 0);
+    same(case, "genuine after the changed copy", &want, &g);
+}

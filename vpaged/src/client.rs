@@ -104,6 +104,7 @@ impl DaemonClient {
         let e = |d: String| Self::err(socket, d);
         let mut stream =
             UnixStream::connect(socket).map_err(|x| e(format!("cannot connect: {x}")))?;
+        crate::socket_path::check_peer(&stream).map_err(e)?;
         set_timeouts(&stream, Some(HANDSHAKE_TIMEOUT)).map_err(|x| e(x.to_string()))?;
         let hello = Message::Hello {
             version: PROTOCOL_VERSION,
@@ -717,6 +718,12 @@ impl PageSource for DaemonSource {
             capacity_bytes: n("capacity"),
             withheld_bytes: n("withheld"),
         })
+    }
+
+    /// The daemon publishes a page in its arena only once it is verified (a daemon
+    /// the client checked is running as this user or root: `DaemonClient::connect`).
+    fn verifies(&self) -> bool {
+        true
     }
 
     fn describe(&self) -> String {

@@ -381,6 +381,12 @@ impl PageSource for EmbeddedStore {
         Ok(())
     }
 
+    /// With a manifest and verification on (first use or eager); a page whose file
+    /// changed since it was verified is verified again before it is served.
+    fn verifies(&self) -> bool {
+        self.entries.is_some()
+    }
+
     fn describe(&self) -> String {
         format!("embedded:{}", self.dir.display())
     }

@@ -6,6 +6,14 @@
 //! live daemon answers on, a regular file, a directory, a symbolic link (never
 //! followed, whatever it points to) or anything else at the path is refused with an
 //! error naming the path and what is there, and left as it is.
+//!
+//! Who else can reach the socket matters as much. A directory that others may write
+//! (and that has no sticky bit) lets them move the daemon's socket away and listen in
+//! its place: the daemon refuses such a directory, and such an ancestor, when it
+//! starts ([`check_socket_dir`]), and warns where its directory is shared but sticky
+//! (`/tmp`: others cannot move the socket, but may take its name while no daemon
+//! runs). Engines check, before sending anything, that the process serving the socket
+//! runs as their user or as root ([`check_peer`]).
 
 use std::io::ErrorKind;
 use std::os::unix::fs::FileTypeExt;
@@ -15,6 +23,17 @@ use std::path::{Path, PathBuf};
 /// Why the daemon cannot listen at a socket path.
 #[derive(Debug, thiserror::Error)]
 pub enum SocketPathError {
+    #[error(
+        "{path} (mode {mode:o}, owner uid {owner}) {why}: another user could put their \
+         own socket in the daemon's place; choose a --socket in a directory only you \
+         can write (such as $XDG_RUNTIME_DIR or ~/.voom)"
+    )]
+    SharedDirectory {
+        path: PathBuf,
+        mode: u32,
+        owner: u32,
+        why: &'static str,
+    },
     #[error("another vpaged is serving {path}")]
     InUse { path: PathBuf },
     #[error(
@@ -89,4 +108,69 @@ pub fn clear_stale_socket(path: &Path) -> Result<(), SocketPathError> {
             source,
         }),
     }
+}
+
+/// Checks the directories above a socket path (its parent and each ancestor, as
+/// given, made absolute): each must be owned by this user or root, and not writable
+/// by group or others unless it has the sticky bit (which keeps others from moving
+/// what is not theirs). Returns a warning for a parent that is shared but sticky.
+pub fn check_socket_dir(socket: &Path) -> Result<Option<String>, SocketPathError> {
+    use std::os::unix::fs::MetadataExt;
+    let socket = std::path::absolute(socket).map_err(|source| SocketPathError::Io {
+        what: "resolve",
+        path: socket.to_path_buf(),
+        source,
+    })?;
+    // SAFETY: geteuid and getuid have no preconditions and cannot fail.
+    let me = unsafe { (libc::geteuid(), libc::getuid()) };
+    let mut warning = None;
+    for (i, dir) in socket.ancestors().skip(1).enumerate() {
+        let m = std::fs::metadata(dir).map_err(|source| SocketPathError::Io {
+            what: "inspect",
+            path: dir.to_path_buf(),
+            source,
+        })?;
+        let (mode, owner) = (m.mode() & 0o7777, m.uid());
+        let shared = |why| SocketPathError::SharedDirectory {
+            path: dir.to_path_buf(),
+            mode,
+            owner,
+            why,
+        };
+        if owner != 0 && owner != me.0 && owner != me.1 {
+            return Err(shared("belongs to another user"));
+        }
+        let writable_by_others = mode & 0o022 != 0;
+        let sticky = mode & 0o1000 != 0;
+        if writable_by_others && !sticky {
+            return Err(shared("is writable by others"));
+        }
+        if writable_by_others && i == 0 {
+            warning = Some(format!(
+                "the socket's directory {} (mode {mode:o}) is shared with other users: \
+                 they cannot move the socket, but may take its name while no daemon runs \
+                 (engines refuse a socket served by another user)",
+                dir.display()
+            ));
+        }
+    }
+    Ok(warning)
+}
+
+/// Checks that the process serving a connected socket runs as this user (real or
+/// effective uid) or as root, before anything is sent to it: another user's socket in
+/// the daemon's place would read the engine's requests and could serve it anything.
+pub fn check_peer(stream: &UnixStream) -> Result<(), String> {
+    let peer = crate::protocol::fdpass::peer_uid(stream)
+        .map_err(|e| format!("cannot tell which user serves it: {e}"))?;
+    // SAFETY: geteuid and getuid have no preconditions and cannot fail.
+    let me = unsafe { (libc::geteuid(), libc::getuid()) };
+    if peer == 0 || peer == me.0 || peer == me.1 {
+        return Ok(());
+    }
+    Err(format!(
+        "it is served by a process of uid {peer}, not of this user (uid {}) or root: \
+         refusing to send it anything (another user's socket may be in the daemon's place)",
+        me.0
+    ))
 }

@@ -212,6 +212,16 @@ pub trait PageSource: Send + Sync {
         Ok(())
     }
 
+    /// Whether every page it serves was checked against the store's page manifest
+    /// (the blake3 of its bytes) before it was served, so that what is computed on
+    /// its pages is what the manifest names. False (the default) for sources that
+    /// serve bytes unchecked (an embedded store opened with verification off, or
+    /// without a manifest). Things kept beyond one run and keyed by the manifest
+    /// (prompt-prefix snapshots) are written and read only where this holds.
+    fn verifies(&self) -> bool {
+        false
+    }
+
     /// A short description for logs and responses ("embedded", "vpaged:/run/...").
     fn describe(&self) -> String;
 }

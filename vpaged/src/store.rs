@@ -1813,10 +1813,12 @@ pub fn streaming_window_bytes(manifest: &Manifest, top_k: usize) -> usize {
 /// reads it: 2 for mixtral, 8 for the others); 8, the most any family defaults to,
 /// where the config cannot be read (a larger window only pins less).
 pub fn routed_top_k(dir: &Path) -> usize {
-    let Some(v) = std::fs::read(dir.join("config.json"))
-        .ok()
-        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
-    else {
+    let Some(v) = voom_formats::file::read_limited(
+        &dir.join("config.json"),
+        voom_formats::file::SIDE_FILE_MAX_BYTES,
+    )
+    .ok()
+    .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok()) else {
         return 8;
     };
     match v.get("num_experts_per_tok").and_then(|k| k.as_u64()) {
@@ -1965,7 +1967,10 @@ impl KeptManifest {
     }
 
     fn is_fresh(&self, model: &Path) -> bool {
-        let Ok(text) = std::fs::read(self.dir.join(KEPT_RECORD)) else {
+        let Ok(text) = voom_formats::file::read_limited(
+            &self.dir.join(KEPT_RECORD),
+            voom_formats::file::SIDE_FILE_MAX_BYTES,
+        ) else {
             return false;
         };
         self.manifest().is_file()
@@ -2019,8 +2024,16 @@ fn load_checked_at(dir: &Path, path: &Path) -> Result<LoadedManifest, StoreError
     let mut file = voom_formats::file::open(&path).map_err(io)?;
     // Taken before reading: a change after it shows at the next re-check.
     let stamp = FileStamp::from_metadata(&file.metadata().map_err(io)?);
+    let limit = voom_formats::manifest::MANIFEST_MAX_BYTES;
     let mut bytes = Vec::new();
-    std::io::Read::read_to_end(&mut file, &mut bytes).map_err(io)?;
+    std::io::Read::read_to_end(&mut std::io::Read::take(&mut file, limit + 1), &mut bytes)
+        .map_err(io)?;
+    if bytes.len() as u64 > limit {
+        return Err(io(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("more than {limit} bytes is refused"),
+        )));
+    }
     // Parsed from the very bytes read, which the digest describes.
     let manifest = Manifest::from_bytes(&path, &bytes)?;
     manifest.check_matches(&Checkpoint::open(dir)?)?;
@@ -2200,6 +2213,12 @@ impl PageSource for StoreSource {
             capacity_bytes: c.capacity as u64,
             withheld_bytes: c.withheld as u64,
         })
+    }
+
+    /// The store core verifies every page it loads, on every tier (a checkpoint
+    /// without a manifest is hashed when it opens).
+    fn verifies(&self) -> bool {
+        true
     }
 
     fn describe(&self) -> String {

@@ -447,10 +447,21 @@ impl Engine {
             .kv_budget
             .as_ref()
             .map(|(bytes, dir)| KvPool::new(*bytes, dir));
+        // A snapshot is keyed by the manifest: it is written (and read) only by a
+        // run whose every page was checked against that manifest, or a copy of the
+        // model with changed weights would leave KV the genuine one reuses.
+        let verified = source.verifies();
+        let has_manifest = dir.join(voom_formats::manifest::MANIFEST_FILE).exists();
+        if opts.prefix_disk.is_some() && invariant && !verified && has_manifest {
+            tracing::warn!(
+                "model {name}: prompt prefixes are not persisted: {} serves pages not verified against the page manifest (verification is off)",
+                source.describe()
+            );
+        }
         let snapshots = opts
             .prefix_disk
             .as_ref()
-            .filter(|_| invariant)
+            .filter(|_| invariant && verified)
             .and_then(|cfg| open_snapshots(dir, &name, model.as_ref(), cfg));
         Ok(Engine {
             dir: dir.to_path_buf(),
@@ -605,7 +616,12 @@ impl Engine {
         let mem = self.prefixes().take(prompt);
         let need = mem.as_ref().map_or(prefix::MIN_PREFIX, |kv| kv.len() + 1);
         if let Some(s) = &self.snapshots {
-            if let Some(kv) = s.take(prompt, need, &self.new_kv()) {
+            // `take` checked the snapshot's ids against the prompt; so does this,
+            // before its KV reaches the memory cache (where a wrong one would stick).
+            let kv = s
+                .take(prompt, need, &self.new_kv())
+                .filter(|kv| kv.ids().get(..kv.len()) == prompt.get(..kv.len()));
+            if let Some(kv) = kv {
                 let mut p = self.prefixes();
                 p.insert(&prompt[..kv.len()], &kv);
                 p.count_reused(kv.len());

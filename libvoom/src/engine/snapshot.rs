@@ -209,15 +209,20 @@ impl SnapshotDir {
                 .filter(|(_, e)| e.at.is_some() == like.has_states())
                 .map(|(i, e)| (i, e.serves(prompt, limit)))
                 .max_by_key(|&(_, n)| n)?;
-            if best.1 < min {
+            // A cache of a smaller context may take a prefix of a longer snapshot
+            // (one with states only where a copy of them is: `read` checks).
+            let len = best.1.min(like.capacity());
+            if len < min {
                 return None;
             }
             s.clock += 1;
             let clock = s.clock;
             s.index[best.0].used = clock;
-            (s.index[best.0].path.clone(), best.1)
+            (s.index[best.0].path.clone(), len)
         };
-        match read(&path, &self.key, like, len) {
+        // The file is read again, whole: what it holds now is checked against the
+        // prompt it is used for (it may have been replaced since it was indexed).
+        match read(&path, &self.key, like, &prompt[..len]) {
             Ok(kv) => Some(kv),
             Err(why) => {
                 tracing::warn!(
@@ -521,7 +526,8 @@ fn at_of(head: &[u8]) -> Option<Vec<usize>> {
 /// hash: that is checked when it is read whole).
 type Indexed = (Vec<u32>, u64, Option<Vec<usize>>);
 fn read_ids(path: &Path, key: &[u8; 32]) -> Result<Indexed, String> {
-    let mut f = std::fs::File::open(path).map_err(|e| e.to_string())?;
+    // A regular file only: a FIFO in the directory would block an open for ever.
+    let mut f = voom_formats::file::open(path).map_err(|e| e.to_string())?;
     let bytes = f.metadata().map_err(|e| e.to_string())?.len();
     let head = header(&mut f, bytes, key)?;
     let n = u32_at(&head, 40) as usize;
@@ -576,11 +582,14 @@ fn expected_len(head: &[u8]) -> u64 {
         .unwrap_or(u64::MAX)
 }
 
-/// The first `len` positions of the snapshot at `path` (checked whole) as a cache
+/// The positions of `prefix` from the snapshot at `path` (checked whole) as a cache
 /// like `like`: read a layer's keys (then values) at a time, hashing as it goes;
-/// the cache built is returned only when the whole file's blake3 matches.
-fn read(path: &Path, key: &[u8; 32], like: &KvCache, len: usize) -> Result<KvCache, String> {
-    let f = std::fs::File::open(path).map_err(|e| e.to_string())?;
+/// the cache built is returned only when the whole file's blake3 matches and its
+/// ids begin with `prefix`, all of it (a file renamed over another's, or replaced
+/// since it was indexed, holds another prompt's KV: never used for this one).
+fn read(path: &Path, key: &[u8; 32], like: &KvCache, prefix: &[u32]) -> Result<KvCache, String> {
+    let len = prefix.len();
+    let f = voom_formats::file::open(path).map_err(|e| e.to_string())?;
     let size = f.metadata().map_err(|e| e.to_string())?.len();
     let mut f = std::io::BufReader::with_capacity(1 << 20, f);
     let head = header(&mut f, size, key)?;
@@ -614,7 +623,11 @@ fn read(path: &Path, key: &[u8; 32], like: &KvCache, len: usize) -> Result<KvCac
     take(&mut buf, 4 * n)?;
     // What was asked for (a cache of a smaller context may take a prefix of a
     // longer snapshot; one with states, only where a copy of them is).
-    let len = len.min(n).min(like.capacity());
+    if len > n || len > like.capacity() {
+        return Err(format!(
+            "it holds {n} positions where {len} were asked for (replaced since it was indexed?)"
+        ));
+    }
     if let Some(at) = at_of(&head) {
         if !at.contains(&len) {
             return Err(format!("its recurrent state is not at position {len}"));
@@ -624,6 +637,11 @@ fn read(path: &Path, key: &[u8; 32], like: &KvCache, len: usize) -> Result<KvCac
         .chunks_exact(4)
         .map(|c| u32_at(c, 0))
         .collect();
+    if let Some(at) = ids.iter().zip(prefix).position(|(a, b)| a != b) {
+        return Err(format!(
+            "its ids are not the prompt's (they differ at position {at}): another prompt's snapshot"
+        ));
+    }
     let mut kv = like.clone();
     kv.clear();
     let floats = |b: &[u8], count: usize| -> Vec<f32> {

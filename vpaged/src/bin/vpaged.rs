@@ -11,7 +11,7 @@ use anyhow::{Context, Result};
 use clap::Parser;
 use vpaged::config::{DaemonArgs, DaemonConfig};
 use vpaged::daemon::{bind_private, Daemon, DaemonLimits};
-use vpaged::socket_path::clear_stale_socket;
+use vpaged::socket_path::{check_socket_dir, clear_stale_socket};
 use vpaged::stdout;
 use vpaged::store::{Store, StoreConfig};
 
@@ -75,6 +75,10 @@ fn run(cli: Cli) -> Result<()> {
     if let Some(parent) = socket.parent() {
         std::fs::create_dir_all(parent)
             .with_context(|| format!("creating {}", parent.display()))?;
+    }
+    // A directory others can write would let them take the socket's place.
+    if let Some(warning) = check_socket_dir(&socket)? {
+        tracing::warn!("{warning}");
     }
     // Only a stale socket is replaced; a live one, or any other file, is refused.
     clear_stale_socket(&socket)?;
