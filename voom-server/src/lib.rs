@@ -11,5 +11,6 @@ pub mod memory;
 pub mod profile;
 pub mod registry;
 pub mod serve;
+pub mod staging;
 pub mod store;
 pub mod synth;

@@ -531,11 +531,79 @@ pub struct Loaded {
 }
 
 /// Parses and checks one profile file's text; `file` names it in errors.
+/// Collections nested deeper than this are refused before the YAML is parsed (a
+/// profile nests two levels).
+pub const MAX_NESTING: usize = 32;
+
+/// Refuses YAML whose collections nest deeper than [`MAX_NESTING`], in one linear
+/// pass, before the parser sees it: the YAML parser's work grows with the square
+/// of the nesting (100,000 levels of `[` took 28 s of CPU to reject). Counted:
+/// flow collections (`[`, `{`) outside quoted scalars and comments, and compact
+/// block entries opened on one line (`- - - x`). Indented block nesting needs a
+/// line per level, each longer than the last: the file's size bound keeps it
+/// small. The count is conservative: a bracket in an unquoted scalar counts too.
+fn check_nesting(text: &str) -> Result<(), String> {
+    let deep = |line: usize, col: usize| {
+        Err(format!(
+            "line {line}, column {col}: collections nested more than {MAX_NESTING} deep"
+        ))
+    };
+    let mut flow = 0usize;
+    // Inside a quoted scalar (they may span lines): its quote character.
+    let mut quote: Option<char> = None;
+    for (ln, line) in text.lines().enumerate() {
+        let mut prev = None::<char>; // the last character that was not a space
+        let mut escaped = false;
+        let mut compact = 0usize;
+        let mut at_entry = true; // only indentation and compact entries so far
+        let mut chars = line.char_indices().peekable();
+        while let Some((col, c)) = chars.next() {
+            if let Some(q) = quote {
+                if escaped {
+                    escaped = false;
+                } else if q == '"' && c == '\\' {
+                    escaped = true;
+                } else if c == q {
+                    quote = None;
+                }
+                prev = Some(c);
+                continue;
+            }
+            let next_blank = chars.peek().is_none_or(|&(_, n)| n == ' ' || n == '\t');
+            match c {
+                ' ' | '\t' => continue,
+                '#' if col == 0 || line[..col].ends_with([' ', '\t']) => break,
+                '\'' | '"' if prev.is_none_or(|p| "[{,:-?".contains(p)) => quote = Some(c),
+                '[' | '{' => {
+                    flow += 1;
+                    if flow > MAX_NESTING {
+                        return deep(ln + 1, col + 1);
+                    }
+                }
+                ']' | '}' => flow = flow.saturating_sub(1),
+                '-' | '?' if at_entry && next_blank => {
+                    compact += 1;
+                    if compact > MAX_NESTING {
+                        return deep(ln + 1, col + 1);
+                    }
+                }
+                _ => {}
+            }
+            if !(matches!(c, '-' | '?') && at_entry && next_blank) {
+                at_entry = false;
+            }
+            prev = Some(c);
+        }
+    }
+    Ok(())
+}
+
 fn parse(text: &str, file: &str) -> Result<ProfileFile, ProfileError> {
     let invalid = |detail: String| ProfileError::Invalid {
         file: file.to_string(),
         detail,
     };
+    check_nesting(text).map_err(invalid)?;
     let value: serde_norway::Value =
         serde_norway::from_str(text).map_err(|e| invalid(format!("not valid YAML: {e}")))?;
     let value = match value {
@@ -772,11 +840,18 @@ impl ProfileDirs {
     }
 }
 
+/// The largest profile file read: profiles are a few lines.
+pub const PROFILE_MAX_BYTES: u64 = 1 << 20;
+
 fn load_file(path: &Path, name: &str) -> Result<Loaded, ProfileError> {
-    let text = std::fs::read_to_string(path).map_err(|e| ProfileError::Io {
+    let io = |source| ProfileError::Io {
         path: path.to_path_buf(),
-        source: e,
-    })?;
+        source,
+    };
+    // A regular file only (a FIFO or a device is refused, never read), bounded.
+    let bytes = voom_formats::file::read_limited(path, PROFILE_MAX_BYTES).map_err(io)?;
+    let text = String::from_utf8(bytes)
+        .map_err(|e| io(std::io::Error::new(std::io::ErrorKind::InvalidData, e)))?;
     let file = parse(&text, &path.display().to_string())?;
     Ok(Loaded::new(name, Origin::File(path.to_path_buf()), file))
 }

@@ -44,9 +44,14 @@ pub fn is_model_dir(dir: &Path) -> bool {
     dir.join("config.json").is_file()
 }
 
-/// Lists model names in the store, sorted.
+/// Lists model names in the store, sorted (reclaiming first what interrupted
+/// imports and pulls left: [`crate::staging::reclaim`]).
 pub fn list_models() -> Result<Vec<String>> {
     let dir = models_dir()?;
+    crate::staging::reclaim(&dir);
+    if let Ok(home) = voom_home() {
+        crate::staging::reclaim(&home);
+    }
     let mut out = Vec::new();
     let rd = match std::fs::read_dir(&dir) {
         Ok(rd) => rd,

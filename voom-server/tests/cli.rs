@@ -1191,3 +1191,172 @@ fn generate_drafts_and_keeps_the_reference_ids() {
         "{e}"
     );
 }
+
+/// A llama GGUF of F32 weights, about `layers` x 46 MB: large enough that its import
+/// takes a while (an interrupt lands during it), valid so that it completes.
+fn slow_gguf(path: &Path, layers: usize) {
+    use voom_formats::gguf::{GgmlType, GgufArray, GgufValue, GgufWriter};
+    let (embd, ff, heads) = (1024usize, 2816usize, 8usize);
+    // GPT-2's byte alphabet as the vocabulary, after three special tokens.
+    let mut tokens: Vec<String> = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+        .map(String::from)
+        .to_vec();
+    let mut types = vec![3i32; 3];
+    let mut next = 256u32;
+    for b in 0..=255u8 {
+        let c = if matches!(b, b'!'..=b'~' | 0xa1..=0xac | 0xae..=0xff) {
+            u32::from(b)
+        } else {
+            next += 1;
+            next - 1
+        };
+        tokens.push(char::from_u32(c).unwrap().to_string());
+        types.push(1);
+    }
+    let vocab = tokens.len();
+    let mut w = GgufWriter::new();
+    let s = |x: &str| GgufValue::String(x.into());
+    let u = GgufValue::U32;
+    w.add_kv("general.architecture", s("llama"));
+    w.add_kv("llama.block_count", u(layers as u32));
+    w.add_kv("llama.context_length", u(256));
+    w.add_kv("llama.embedding_length", u(embd as u32));
+    w.add_kv("llama.feed_forward_length", u(ff as u32));
+    w.add_kv("llama.attention.head_count", u(heads as u32));
+    w.add_kv("llama.attention.head_count_kv", u(heads as u32));
+    w.add_kv("llama.rope.freq_base", GgufValue::F32(10000.0));
+    w.add_kv(
+        "llama.attention.layer_norm_rms_epsilon",
+        GgufValue::F32(1e-5),
+    );
+    w.add_kv("llama.vocab_size", u(vocab as u32));
+    w.add_kv("llama.rope.dimension_count", u((embd / heads) as u32));
+    w.add_kv("tokenizer.ggml.model", s("gpt2"));
+    w.add_kv("tokenizer.ggml.pre", s("gpt-2"));
+    w.add_kv(
+        "tokenizer.ggml.tokens",
+        GgufValue::Array(GgufArray::String(tokens)),
+    );
+    w.add_kv(
+        "tokenizer.ggml.token_type",
+        GgufValue::Array(GgufArray::I32(types)),
+    );
+    w.add_kv(
+        "tokenizer.ggml.merges",
+        GgufValue::Array(GgufArray::String(vec![])),
+    );
+    w.add_kv("tokenizer.ggml.bos_token_id", u(1));
+    w.add_kv("tokenizer.ggml.eos_token_id", u(2));
+    let f32s = |n: usize, seed: usize| -> Vec<u8> {
+        (0..n)
+            .flat_map(|i| (((i * 7 + seed) % 13) as f32 / 64.0 - 0.1).to_le_bytes())
+            .collect()
+    };
+    let t = |w: &mut GgufWriter, name: &str, dims: &[u64], seed: usize| {
+        let n = dims.iter().product::<u64>() as usize;
+        w.add_tensor(name, dims, GgmlType::F32, &f32s(n, seed));
+    };
+    t(&mut w, "token_embd.weight", &[embd as u64, vocab as u64], 1);
+    t(&mut w, "output_norm.weight", &[embd as u64], 2);
+    for l in 0..layers {
+        let (e, f) = (embd as u64, ff as u64);
+        for (name, dims) in [
+            ("attn_norm", vec![e]),
+            ("ffn_norm", vec![e]),
+            ("attn_q", vec![e, e]),
+            ("attn_k", vec![e, e]),
+            ("attn_v", vec![e, e]),
+            ("attn_output", vec![e, e]),
+            ("ffn_gate", vec![e, f]),
+            ("ffn_up", vec![e, f]),
+            ("ffn_down", vec![f, e]),
+        ] {
+            t(&mut w, &format!("blk.{l}.{name}.weight"), &dims, l + 3);
+        }
+    }
+    std::fs::write(path, w.to_bytes()).unwrap();
+}
+
+/// The entries of a directory, sorted.
+fn entries(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
+/// Starts `voom import GGUF m --force` and returns it once its staging directory
+/// holds the weights being written (the import is under way).
+fn import_under_way(home: &Path, gguf: &Path) -> std::process::Child {
+    let mut child = voom()
+        .env("VOOM_HOME", home)
+        .arg("import")
+        .arg(gguf)
+        .args(["m", "--force"])
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let staged = home
+        .join("models")
+        .join(format!(".m.importing-{}", child.id()));
+    let t = std::time::Instant::now();
+    while !staged.join("model.safetensors").exists() {
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the import ended first"
+        );
+        assert!(t.elapsed().as_secs() < 60, "no staging directory");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    child
+}
+
+/// Regression (issue 41, 3): an import interrupted by SIGINT or SIGTERM removes its
+/// staging directory (and leaves the model it would replace as it was); one killed
+/// outright leaves it, and the next `voom list` (or import) reclaims it. Nothing
+/// stays hidden beside the models.
+#[test]
+fn an_interrupted_import_leaves_nothing_behind() {
+    let home = tempfile::tempdir().unwrap();
+    let models = home.path().join("models");
+    let model = models.join("m");
+    copy_dir(&tiny("llama_gqa_untied"), &model);
+    let gguf = home.path().join("big.gguf");
+    slow_gguf(&gguf, 2);
+    let config = std::fs::read(model.join("config.json")).unwrap();
+    for (sig, code) in [(libc::SIGINT, 130), (libc::SIGTERM, 143)] {
+        let mut child = import_under_way(home.path(), &gguf);
+        // SAFETY: a signal to our own child process.
+        unsafe { libc::kill(child.id() as i32, sig) };
+        let status = child.wait().unwrap();
+        assert_eq!(status.code(), Some(code), "{status}");
+        assert_eq!(entries(&models), vec!["m"], "after signal {sig}");
+        assert_eq!(std::fs::read(model.join("config.json")).unwrap(), config);
+    }
+    let mut child = import_under_way(home.path(), &gguf);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let left = format!(".m.importing-{}", child.id());
+    assert_eq!(entries(&models), vec![left.clone(), "m".to_string()]);
+    let o = voom()
+        .env("VOOM_HOME", home.path())
+        .arg("list")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains(&left), "{}", stderr(&o));
+    assert_eq!(entries(&models), vec!["m"]);
+    // The import itself, uninterrupted, replaces the model, with nothing left.
+    let o = voom()
+        .env("VOOM_HOME", home.path())
+        .arg("import")
+        .arg(&gguf)
+        .args(["m", "--force"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(entries(&models), vec!["m"]);
+    assert_ne!(std::fs::read(model.join("config.json")).unwrap(), config);
+}

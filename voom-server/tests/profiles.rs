@@ -402,3 +402,62 @@ fn home_profiles_shadow_the_shipped_ones() {
         .unwrap());
     assert!(stdout(&o).contains("my profile"), "{}", stdout(&o));
 }
+
+/// Regression (issue 41, 5 and 6): a profile that is a device, a FIFO or too large
+/// is refused without being read, and one nested past the limit is refused before
+/// the YAML parser sees it (100,000 levels of `[` took the parser 28 s of CPU).
+#[test]
+fn hostile_profile_files_are_refused_at_once() {
+    let home = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("fifo.yaml");
+    assert!(Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap()
+        .success());
+    let big = dir.path().join("big.yaml");
+    std::fs::write(&big, format!("notes: \"{}\"\n", "x".repeat(2 << 20))).unwrap();
+    let deep_flow = dir.path().join("flow.yaml");
+    std::fs::write(&deep_flow, "[".repeat(100_000)).unwrap();
+    let deep_map = dir.path().join("map.yaml");
+    std::fs::write(&deep_map, format!("notes: {}", "{a: ".repeat(100_000))).unwrap();
+    let deep_block = dir.path().join("block.yaml");
+    std::fs::write(&deep_block, "- ".repeat(100_000) + "x\n").unwrap();
+    let dev = PathBuf::from("/dev/zero");
+    let cases: [(&Path, &str); 6] = [
+        (&dev, "not a regular file"),
+        (&fifo, "not a regular file"),
+        (&big, "more than 1048576 bytes"),
+        (&deep_flow, "nested more than 32 deep"),
+        (&deep_map, "nested more than 32 deep"),
+        (&deep_block, "nested more than 32 deep"),
+    ];
+    for (path, want) in cases {
+        let o = voom(home.path())
+            .args(["profiles", "show"])
+            .arg(path)
+            .output()
+            .unwrap();
+        let e = stderr(&o);
+        assert_eq!(o.status.code(), Some(1), "{}: {e}", path.display());
+        assert!(
+            e.contains(want) && e.contains(&*path.to_string_lossy()),
+            "{}: '{want}' not in: {e}",
+            path.display()
+        );
+    }
+    // Brackets and dashes inside quoted scalars and comments are not nesting.
+    let fine = dir.path().join("fine.yaml");
+    let quoted = "[".repeat(100);
+    std::fs::write(
+        &fine,
+        format!("inherits: default\nnotes: \"{quoted} - - - it's\" # {quoted}\n"),
+    )
+    .unwrap();
+    ok(voom(home.path())
+        .args(["profiles", "show"])
+        .arg(&fine)
+        .output()
+        .unwrap());
+}

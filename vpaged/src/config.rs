@@ -167,9 +167,15 @@ pub struct FileConfig {
     pub nas: Vec<NasMount>,
 }
 
+/// The largest daemon configuration file read.
+pub const CONFIG_MAX_BYTES: u64 = 1 << 20;
+
 impl FileConfig {
     pub fn load(path: &Path) -> Result<Self, String> {
-        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        // A regular file only (a FIFO or a device is refused, never read), bounded.
+        let bytes = voom_formats::file::read_limited(path, CONFIG_MAX_BYTES)
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        let text = String::from_utf8(bytes).map_err(|e| format!("{}: {e}", path.display()))?;
         toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
     }
 }

@@ -66,7 +66,18 @@ pub enum TraceError {
     Io(#[from] std::io::Error),
 }
 
+/// The largest trace file read ([`Trace::read_file`]): a pass a line, a few bytes
+/// an expert; a million-token trace of a 61-layer model fits.
+pub const TRACE_MAX_BYTES: u64 = 1 << 30;
+
 impl Trace {
+    /// Reads the trace file at `path`: a regular file (a FIFO or a device is
+    /// refused, never read) of at most [`TRACE_MAX_BYTES`].
+    pub fn read_file(path: &std::path::Path) -> Result<Trace, TraceError> {
+        let bytes = voom_formats::file::read_limited(path, TRACE_MAX_BYTES)?;
+        Trace::read(&mut bytes.as_slice())
+    }
+
     /// Writes the header and every pass, a JSON line each.
     pub fn write(&self, out: &mut dyn Write) -> std::io::Result<()> {
         writeln!(out, "{}", json_line(&self.header))?;

@@ -86,6 +86,27 @@ pub fn import_gguf(
     out_dir: &Path,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<ImportReport, ImportError> {
+    import_with(gguf_path, out_dir, true, progress)
+}
+
+/// [`import_gguf`] into `dir`, an existing empty directory, with no staging of its
+/// own: for a caller that builds more beside the import (a page manifest) in a
+/// staging directory it names, renames and cleans up itself. A failed import
+/// leaves `dir` partly written.
+pub fn import_gguf_unstaged(
+    gguf_path: &Path,
+    dir: &Path,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<ImportReport, ImportError> {
+    import_with(gguf_path, dir, false, progress)
+}
+
+fn import_with(
+    gguf_path: &Path,
+    out_dir: &Path,
+    staged: bool,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<ImportReport, ImportError> {
     let gguf = GgufFile::open(gguf_path)?;
     let path = gguf_path.to_path_buf();
 
@@ -116,8 +137,16 @@ pub fn import_gguf(
         });
     }
     // Claim the destination before the expensive conversion.
-    let staging = Staging::new(out_dir)?;
-    let dir = staging.path();
+    let staging = if staged {
+        Some(Staging::new(out_dir)?)
+    } else {
+        let mut entries = fs::read_dir(out_dir).map_err(|e| ImportError::io(out_dir, e))?;
+        if entries.next().is_some() {
+            return Err(ImportError::OutputExists(out_dir.to_path_buf()));
+        }
+        None
+    };
+    let dir = staging.as_ref().map_or(out_dir, |s| s.path());
     let plan = llama::plan_tensors(&gguf, &params)?;
 
     let mut bytes_written = 0u64;
@@ -171,7 +200,9 @@ pub fn import_gguf(
     write_file(&tok_path, tok.tokenizer_json.as_bytes())?;
     bytes_written += tok.tokenizer_json.len() as u64;
 
-    staging.commit()?;
+    if let Some(staging) = staging {
+        staging.commit()?;
+    }
     Ok(ImportReport {
         architecture,
         name,

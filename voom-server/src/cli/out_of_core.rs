@@ -351,11 +351,7 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
         let decode_tps = r["timing"]["decode_tokens_per_sec"].as_f64().unwrap_or(0.0);
         let mut experts = match (&trace_path, &moe) {
             (Some(t), Some(m)) => {
-                let read = std::fs::File::open(t)
-                    .map_err(vpaged::expert_trace::TraceError::from)
-                    .and_then(|f| {
-                        vpaged::expert_trace::Trace::read(&mut std::io::BufReader::new(f))
-                    });
+                let read = vpaged::expert_trace::Trace::read_file(t);
                 let _ = std::fs::remove_file(t);
                 let trace = read
                     .with_context(|| format!("reading the run's routing trace {}", t.display()))?;

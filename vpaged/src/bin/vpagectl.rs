@@ -595,8 +595,7 @@ fn expert_plan(
     if !(0.0..1.0).contains(&fit) {
         anyhow::bail!("--fit {fit}: a share of the passes, at least 0 and below 1");
     }
-    let f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
-    let trace = vpaged::expert_trace::Trace::read(&mut std::io::BufReader::new(f))
+    let trace = vpaged::expert_trace::Trace::read_file(path)
         .with_context(|| format!("reading {}", path.display()))?;
     let passes = trace.passes.len();
     let fitted = (passes as f64 * fit).floor() as usize;
