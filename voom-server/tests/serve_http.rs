@@ -188,6 +188,16 @@ fn malformed_openai_requests_are_400_naming_the_field_before_any_model_work() {
         let r = s.post("/v1/chat/completions", body);
         assert_openai_error(&r, 400, param, what);
     }
+    // top_p's range is open below: said in words, not as a 300-digit decimal.
+    let r = s.post_json(
+        "/v1/chat/completions",
+        &json!({"model": MODEL, "messages": user, "top_p": 0}),
+    );
+    assert_openai_error(&r, 400, "top_p", "top_p zero");
+    assert_eq!(
+        r.json()["error"]["message"],
+        "'top_p' must be above 0 and at most 1, not 0"
+    );
     let completion_cases: Vec<(&str, Value, &str)> = vec![
         ("prompt missing", json!({"model": MODEL}), "prompt"),
         (

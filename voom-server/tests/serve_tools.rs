@@ -443,6 +443,18 @@ fn bad_schemas_and_choices_are_400s_naming_the_field() {
             "tools[0].function.name",
             "has space",
         ),
+        // Regression (issue 41): a stop sequence would cut the JSON where it looks
+        // complete (`{"` with finish_reason stop), so the two are refused together.
+        (
+            json!({"response_format": {"type": "json_object"}, "stop": ["\""]}),
+            "stop",
+            "JSON response format",
+        ),
+        (
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}, "stop": "}"}),
+            "stop",
+            "JSON response format",
+        ),
     ];
     for (extra, param, says) in cases {
         let mut body = json!({"model": MODEL, "messages": user("hi"), "max_tokens": 4});
@@ -552,4 +564,37 @@ fn streaming_auto_streams_text_as_it_comes() {
         deltas.len() > 3,
         "the text came in one piece at the end: {deltas:?}"
     );
+}
+
+/// Regression (issue 41): stop sequences with constrained JSON output are refused in
+/// the Anthropic dialect too (`stop_sequences` with `output_config.format`), and by
+/// completions; stop sequences alone, and JSON alone, are served.
+#[test]
+fn stop_sequences_and_json_output_are_refused_together() {
+    let s = Server::start(&[]);
+    let msg = |extra: Value| {
+        let mut b = json!({"model": MODEL, "max_tokens": 4,
+            "messages": [{"role": "user", "content": "hi"}]});
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        s.post_json("/v1/messages", &b)
+    };
+    let format = json!({"format": {"type": "json_schema", "schema": {"type": "object"}}});
+    let r = msg(json!({"stop_sequences": ["\""], "output_config": format}));
+    assert_anthropic_error(
+        &r,
+        400,
+        "invalid_request_error",
+        "stop_sequences",
+        "messages",
+    );
+    assert_eq!(msg(json!({"stop_sequences": ["\""]})).status, 200);
+    assert_eq!(msg(json!({"output_config": format})).status, 200);
+    let r = s.post_json(
+        "/v1/completions",
+        &json!({"model": MODEL, "prompt": "hi", "max_tokens": 4, "stop": ["x"],
+            "response_format": {"type": "json_object"}}),
+    );
+    assert_openai_error(&r, 400, "stop", "completions");
 }

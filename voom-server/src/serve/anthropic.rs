@@ -117,7 +117,7 @@ pub fn parse(b: &Body) -> Result<MessagesRequest, ApiError> {
     let stream = b.bool("stream")?.unwrap_or(false);
     let sampling = Sampling {
         temperature: b.f64_in("temperature", 0.0, 1.0)?,
-        top_p: b.f64_in("top_p", f64::MIN_POSITIVE, 1.0)?,
+        top_p: b.f64_above("top_p", 0.0, 1.0)?,
         top_k: b.u64_in("top_k", 0, u32::MAX as u64)?,
         seed: b.u64_in("seed", 0, u64::MAX)?,
     };
@@ -167,6 +167,15 @@ pub fn parse(b: &Body) -> Result<MessagesRequest, ApiError> {
         return Err(ApiError::invalid(
             "messages",
             "a final assistant message (prefill) cannot be combined with tools or an output format",
+        ));
+    }
+    if format.is_some() && !stop.is_empty() {
+        // As in prepare (which would name OpenAI's `stop`): a stop sequence would
+        // cut the JSON where it looks complete.
+        return Err(ApiError::invalid(
+            "stop_sequences",
+            "'stop_sequences' cannot be combined with a JSON output format: a stop \
+             sequence inside the JSON would cut it short where it looks complete",
         ));
     }
     Ok(MessagesRequest {

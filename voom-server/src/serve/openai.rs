@@ -407,7 +407,7 @@ fn common(b: &Body) -> Result<Common, ApiError> {
     let max_tokens = b.u64_in("max_tokens", 1, u32::MAX as u64)?;
     let sampling = Sampling {
         temperature: b.f64_in("temperature", 0.0, 2.0)?,
-        top_p: b.f64_in("top_p", f64::MIN_POSITIVE, 1.0)?,
+        top_p: b.f64_above("top_p", 0.0, 1.0)?,
         top_k: b.u64_in("top_k", 0, u32::MAX as u64)?,
         seed: match b.get("seed") {
             None => None,

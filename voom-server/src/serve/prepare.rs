@@ -141,6 +141,17 @@ pub fn prepare(app: &App, req: GenerateRequest<'_>) -> Result<Prepared, ApiError
     }
     // The grammar: forced calls, calls or the answer, or the answer alone.
     let forced_tools = tool_parser.as_ref().is_some_and(|t| t.forced);
+    // A stop sequence matching inside a JSON answer would cut it (`{"`) and end it
+    // as `stop`, which a client cannot tell from a complete answer: the two are not
+    // combined (docs/server.md). Forced tool calls ignore stop sequences (they cut
+    // text only), so an agent loop's stops stay allowed with tools.
+    if !stop.is_empty() && response_format.is_some() {
+        return Err(ApiError::invalid(
+            "stop",
+            "stop sequences cannot be combined with a JSON response format: a stop \
+             sequence inside the JSON would cut it short where it looks complete",
+        ));
+    }
     let grammar = match (lark, response_format) {
         (Some(l), _) => Some(Grammar::lark(&l)),
         // (With tools active, `lark` is set whenever a response format is.)

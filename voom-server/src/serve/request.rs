@@ -74,6 +74,24 @@ impl Body {
         }
     }
 
+    /// A number in `(lo, hi]` (above `lo`, at most `hi`), as `top_p` is.
+    pub fn f64_above(&self, key: &str, lo: f64, hi: f64) -> Result<Option<f64>, ApiError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::Number(n)) => {
+                let x = n.as_f64().unwrap_or(f64::NAN);
+                if !(x > lo && x <= hi) {
+                    return Err(ApiError::invalid(
+                        key,
+                        format!("'{key}' must be above {lo} and at most {hi}, not {x}"),
+                    ));
+                }
+                Ok(Some(x))
+            }
+            Some(v) => Err(wrong(key, "a number", v)),
+        }
+    }
+
     pub fn u64_in(&self, key: &str, lo: u64, hi: u64) -> Result<Option<u64>, ApiError> {
         match self.get(key) {
             None => Ok(None),

@@ -185,7 +185,7 @@ pub fn parse(b: &Body) -> Result<ResponsesRequest, ApiError> {
     }
     let sampling = Sampling {
         temperature: b.f64_in("temperature", 0.0, 2.0)?,
-        top_p: b.f64_in("top_p", f64::MIN_POSITIVE, 1.0)?,
+        top_p: b.f64_above("top_p", 0.0, 1.0)?,
         top_k: b.u64_in("top_k", 0, u32::MAX as u64)?,
         seed: b.u64_in("seed", 0, u64::MAX)?,
     };
