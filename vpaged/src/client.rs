@@ -412,7 +412,11 @@ impl DaemonSource {
                 }
             }
         }
-        let text = voom_formats::file::read(&manifest_path).map_err(|x| StoreError::Store {
+        let text = voom_formats::file::read_limited(
+            &manifest_path,
+            voom_formats::manifest::MANIFEST_MAX_BYTES,
+        )
+        .map_err(|x| StoreError::Store {
             store: dir.clone(),
             detail: format!("cannot read the manifest {}: {x}", manifest_path.display()),
         })?;

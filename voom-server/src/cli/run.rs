@@ -1,6 +1,6 @@
 //! `voom run MODEL [PROMPT]`: answer one prompt, or chat interactively.
 
-use std::io::{BufRead, Write};
+use std::io::{BufRead, Read, Write};
 
 use anyhow::Result;
 use clap::Args;
@@ -62,15 +62,14 @@ pub fn run(a: RunArgs) -> Result<()> {
         engine.source().describe()
     );
     let stdin = std::io::stdin();
-    let mut lines = stdin.lock().lines();
+    let mut input = stdin.lock();
     loop {
         eprint!(">>> ");
         std::io::stderr().flush().ok();
-        let Some(line) = lines.next() else {
+        let Some(line) = read_line(&mut input, MAX_LINE_BYTES)? else {
             eprintln!();
             break;
         };
-        let line = line?;
         if line.trim().is_empty() {
             continue;
         }
@@ -92,4 +91,50 @@ pub fn run(a: RunArgs) -> Result<()> {
     }
     engine.flush_prefixes();
     Ok(())
+}
+
+/// The longest message line read from standard input (a whole context of text is
+/// far less).
+const MAX_LINE_BYTES: u64 = 16 << 20;
+
+/// One line of `input` without its newline, of at most `limit` bytes (more is an
+/// error: standard input may be `/dev/zero`); `None` at the end.
+fn read_line(input: &mut impl BufRead, limit: u64) -> Result<Option<String>> {
+    let mut buf = Vec::new();
+    let n = input.by_ref().take(limit + 1).read_until(b'\n', &mut buf)?;
+    if n == 0 {
+        return Ok(None);
+    }
+    if buf.last() == Some(&b'\n') {
+        buf.pop();
+    } else if buf.len() as u64 > limit {
+        anyhow::bail!("a line of standard input is longer than {limit} bytes");
+    }
+    Ok(Some(String::from_utf8(buf).map_err(|e| {
+        anyhow::anyhow!("standard input is not UTF-8: {e}")
+    })?))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn lines_are_bounded() {
+        let mut input: &[u8] = b"hi\n\nthere";
+        assert_eq!(
+            super::read_line(&mut input, 8).unwrap().as_deref(),
+            Some("hi")
+        );
+        assert_eq!(
+            super::read_line(&mut input, 8).unwrap().as_deref(),
+            Some("")
+        );
+        assert_eq!(
+            super::read_line(&mut input, 8).unwrap().as_deref(),
+            Some("there")
+        );
+        assert_eq!(super::read_line(&mut input, 8).unwrap(), None);
+        let zeros = vec![0u8; 100];
+        let e = super::read_line(&mut zeros.as_slice(), 8).unwrap_err();
+        assert!(e.to_string().contains("longer than 8 bytes"), "{e}");
+    }
 }
