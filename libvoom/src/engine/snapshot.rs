@@ -137,6 +137,11 @@ impl SnapshotDir {
                 .mode(0o700)
                 .create(&dir)?;
         }
+        // Another user who can write the directory could put their KV under a
+        // prompt's name: only the owner's own, private directories are used.
+        for d in [cfg.dir.as_path(), dir.as_path()] {
+            private_dir(d)?;
+        }
         let mut index = Vec::new();
         for e in std::fs::read_dir(&dir)? {
             let path = e?.path();
@@ -314,6 +319,29 @@ impl SnapshotDir {
         });
         tx.try_send(job).is_ok()
     }
+}
+
+/// Checks that `dir` is this user's and that no one else can write it (an error of
+/// kind `PermissionDenied` naming it otherwise).
+fn private_dir(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(dir)?;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    let why = if m.uid() != me {
+        format!("belongs to uid {}, not this user ({me})", m.uid())
+    } else if m.mode() & 0o022 != 0 {
+        format!("is writable by others (mode {:o})", m.mode() & 0o7777)
+    } else {
+        return Ok(());
+    };
+    Err(std::io::Error::new(
+        std::io::ErrorKind::PermissionDenied,
+        format!(
+            "{} {why}: its snapshots could be another user's",
+            dir.display()
+        ),
+    ))
 }
 
 /// Snapshots queued for the writer at most (each holds its cache's pages).
@@ -831,6 +859,20 @@ mod tests {
         s.save(&ids[..30], &cut);
         s.flush();
         assert_eq!(s.held().0, 2);
+    }
+
+    #[test]
+    fn a_directory_others_can_write_is_not_used() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = tempfile::tempdir().unwrap();
+        let root = d.path().join("prefixes");
+        std::fs::create_dir(&root).unwrap();
+        std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let e = SnapshotDir::open(cfg(&root), [7; 32]).err().unwrap();
+        assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied);
+        assert!(e.to_string().contains("writable by others"), "{e}");
+        std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o700)).unwrap();
+        assert!(SnapshotDir::open(cfg(&root), [7; 32]).is_ok());
     }
 
     #[test]
