@@ -178,15 +178,43 @@ fn watch(read_fd: RawFd) {
     }
     // Held until the process exits: nothing renames a staged directory meanwhile.
     let s = state();
-    for p in &s.paths {
+    for (i, p) in s.paths.iter().enumerate() {
         if p.exists() {
-            match std::fs::remove_dir_all(p) {
+            match remove_while_written(p, i) {
                 Ok(()) => eprintln!("voom: interrupted: removed {}", p.display()),
                 Err(e) => eprintln!("voom: interrupted: could not remove {}: {e}", p.display()),
             }
         }
     }
     std::process::exit(128 + i32::from(b));
+}
+
+/// Removes `path`, a directory that other threads of this process may still be
+/// writing into. It is first renamed aside (to [`removing_name`]): no new entry can
+/// then be made under its old name, so the removal does not race with files being
+/// created in it (which would leave it non-empty). Should the rename fail, it is
+/// removed where it is, a few times over.
+fn remove_while_written(path: &Path, i: usize) -> std::io::Result<()> {
+    let aside = path
+        .parent()
+        .map(|d| d.join(removing_name(i)))
+        .filter(|a| std::fs::rename(path, a).is_ok());
+    let target = aside.as_deref().unwrap_or(path);
+    let mut tries = 0;
+    loop {
+        match std::fs::remove_dir_all(target) {
+            Ok(()) => return Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(_) if tries < 10 => tries += 1,
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// The name a directory is renamed to while this process removes it: reclaimed like
+/// the others should the process die meanwhile.
+fn removing_name(i: usize) -> String {
+    format!(".removing-{}-{i}", std::process::id())
 }
 
 /// The name of the directory staging the model `name` for this process.
@@ -214,6 +242,8 @@ pub enum Staged {
     Old { model: String, pid: u32 },
     /// `.pull-PID-*`.
     Pull { pid: u32 },
+    /// `.removing-PID-*`: one of the above, being removed after an interrupt.
+    Removing { pid: u32 },
 }
 
 impl Staged {
@@ -223,6 +253,12 @@ impl Staged {
         if let Some(rest) = file_name.strip_prefix(".pull-") {
             let (pid, _) = rest.split_once('-')?;
             return Some(Staged::Pull {
+                pid: pid.parse().ok()?,
+            });
+        }
+        if let Some(rest) = file_name.strip_prefix(".removing-") {
+            let (pid, _) = rest.split_once('-')?;
+            return Some(Staged::Removing {
                 pid: pid.parse().ok()?,
             });
         }
@@ -250,7 +286,10 @@ impl Staged {
 
     fn pid(&self) -> u32 {
         match self {
-            Staged::Importing { pid, .. } | Staged::Old { pid, .. } | Staged::Pull { pid } => *pid,
+            Staged::Importing { pid, .. }
+            | Staged::Old { pid, .. }
+            | Staged::Pull { pid }
+            | Staged::Removing { pid } => *pid,
         }
     }
 }
@@ -340,6 +379,10 @@ mod tests {
             Staged::parse(&format!("{}abc", pull_prefix())),
             Some(Staged::Pull { pid })
         );
+        assert_eq!(
+            Staged::parse(&removing_name(3)),
+            Some(Staged::Removing { pid })
+        );
         // An older voom's doubly prefixed name.
         assert_eq!(
             Staged::parse("..smollm2.importing-77.importing-77"),
@@ -353,6 +396,7 @@ mod tests {
             ".hidden",
             ".m.importing-x",
             ".pull-",
+            ".removing-x-1",
             "prefixes",
             ".m.old-",
         ] {
@@ -397,5 +441,37 @@ mod tests {
         want.sort();
         assert_eq!(left, want);
         assert!(d.path().join("c/sub/f").exists());
+    }
+
+    /// Regression: a directory removed on interrupt while another thread still
+    /// creates files in it (the import writing its next file) is removed all the
+    /// same; removed in place, the last `rmdir` could find it non-empty.
+    #[test]
+    fn a_directory_still_being_written_is_removed() {
+        for round in 0..20 {
+            let d = tempfile::tempdir().unwrap();
+            let staged = d.path().join(importing_name("m"));
+            std::fs::create_dir(&staged).unwrap();
+            let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let writer = {
+                let (staged, stop) = (staged.clone(), stop.clone());
+                std::thread::spawn(move || {
+                    let mut n = 0u64;
+                    while !stop.load(Ordering::Relaxed) {
+                        // Fails once the directory has gone from its name.
+                        let _ = std::fs::write(staged.join(format!("f{n}")), b"x");
+                        n += 1;
+                    }
+                })
+            };
+            while std::fs::read_dir(&staged).unwrap().count() < 50 {
+                std::thread::yield_now();
+            }
+            remove_while_written(&staged, round).unwrap();
+            stop.store(true, Ordering::Relaxed);
+            writer.join().unwrap();
+            let left: Vec<_> = std::fs::read_dir(d.path()).unwrap().collect();
+            assert!(left.is_empty(), "round {round}: {left:?}");
+        }
     }
 }

@@ -62,8 +62,15 @@ pub struct Trace {
 pub enum TraceError {
     #[error("expert trace, line {line}: {detail}")]
     Malformed { line: usize, detail: String },
+    /// (The I/O error is in the message, not a source: shown once in a chain.)
     #[error("expert trace: {0}")]
-    Io(#[from] std::io::Error),
+    Io(std::io::Error),
+}
+
+impl From<std::io::Error> for TraceError {
+    fn from(e: std::io::Error) -> Self {
+        TraceError::Io(e)
+    }
 }
 
 /// The largest trace file read ([`Trace::read_file`]): a pass a line, a few bytes
