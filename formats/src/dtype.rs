@@ -19,13 +19,20 @@ pub enum DType {
     BF16,
     F32,
     F64,
+    /// FP8 e4m3 (OCP "FN": no infinities; `0x7f`/`0xff` are NaN), safetensors `F8_E4M3`.
+    #[serde(rename = "F8_E4M3")]
+    F8E4M3,
+    /// FP8 e5m2, safetensors `F8_E5M2`: known, so that a checkpoint of it is refused
+    /// by name (no release vOOM knows stores weights in it).
+    #[serde(rename = "F8_E5M2")]
+    F8E5M2,
 }
 
 impl DType {
     /// Bytes per element.
     pub fn size(self) -> usize {
         match self {
-            DType::Bool | DType::U8 | DType::I8 => 1,
+            DType::Bool | DType::U8 | DType::I8 | DType::F8E4M3 | DType::F8E5M2 => 1,
             DType::U16 | DType::I16 | DType::F16 | DType::BF16 => 2,
             DType::U32 | DType::I32 | DType::F32 => 4,
             DType::U64 | DType::I64 | DType::F64 => 8,
@@ -48,6 +55,8 @@ impl DType {
             DType::BF16 => "BF16",
             DType::F32 => "F32",
             DType::F64 => "F64",
+            DType::F8E4M3 => "F8_E4M3",
+            DType::F8E5M2 => "F8_E5M2",
         }
     }
 
@@ -67,6 +76,8 @@ impl DType {
             "BF16" => DType::BF16,
             "F32" => DType::F32,
             "F64" => DType::F64,
+            "F8_E4M3" => DType::F8E4M3,
+            "F8_E5M2" => DType::F8E5M2,
             _ => return None,
         })
     }
@@ -147,9 +158,21 @@ mod tests {
 
     #[test]
     fn names_round_trip() {
-        for d in [DType::BF16, DType::F16, DType::F32, DType::I64, DType::Bool] {
+        for d in [
+            DType::BF16,
+            DType::F16,
+            DType::F32,
+            DType::I64,
+            DType::Bool,
+            DType::F8E4M3,
+            DType::F8E5M2,
+        ] {
             assert_eq!(DType::from_safetensors(d.as_str()), Some(d));
+            // The manifest's JSON spells it as safetensors does.
+            let json = serde_json::to_string(&d).unwrap();
+            assert_eq!(json, format!("\"{}\"", d.as_str()));
+            assert_eq!(serde_json::from_str::<DType>(&json).unwrap(), d);
         }
-        assert_eq!(DType::from_safetensors("F8_E4M3"), None);
+        assert_eq!(DType::from_safetensors("F8_E8M0"), None);
     }
 }

@@ -79,7 +79,7 @@ fn main() {
         .collect();
     let view = WeightView {
         lease: None,
-        dtype: DType::F32,
+        format: libvoom::backend::view::WeightFormat::Plain(DType::F32),
         rows,
         cols,
         bytes: &w,

@@ -415,7 +415,7 @@ fn mismatched_shapes_are_errors_on_every_backend() {
         assert!(b.rms_norm(&x, norm, 1e-5, &mut short).is_err());
         let bad_dtype = WeightView {
             lease: None,
-            dtype: DType::I8,
+            format: libvoom::backend::view::WeightFormat::Plain(DType::I8),
             rows: 4,
             cols: 3,
             bytes: &w[..12],

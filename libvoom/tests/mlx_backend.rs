@@ -419,7 +419,7 @@ fn shapes_that_do_not_match_are_errors() {
     assert!(m.add(&mut y, &m.zeros(2, 4)).is_err());
     let bad = WeightView {
         lease: None,
-        dtype: DType::BF16,
+        format: libvoom::backend::view::WeightFormat::Plain(DType::BF16),
         rows: 4,
         cols: 3,
         bytes: &w[..20],

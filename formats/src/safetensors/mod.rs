@@ -43,9 +43,7 @@ const WHAT: &str = "safetensors header";
 
 /// Element types the reference format defines that vOOM does not compute on.
 /// They are reported as unsupported rather than unknown.
-const KNOWN_UNSUPPORTED_DTYPES: &[&str] = &[
-    "F8_E4M3", "F8_E5M2", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4", "C64",
-];
+const KNOWN_UNSUPPORTED_DTYPES: &[&str] = &["F8_E8M0", "F6_E2M3", "F6_E3M2", "F4", "C64"];
 
 /// One tensor's entry in a safetensors header.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]

@@ -239,13 +239,16 @@ fn rejects_unknown_dtype() {
 
 #[test]
 fn reports_reference_dtypes_voom_lacks_as_unsupported() {
-    let h = format!("{{{}}}", t("w", "F8_E4M3", "[1]", 0, 1));
+    let h = format!("{{{}}}", t("w", "F8_E8M0", "[1]", 0, 1));
     match err(&h, 1) {
         FormatError::Unsupported { what, .. } => {
-            assert_eq!(what, "dtype 'F8_E4M3' of tensor 'w'")
+            assert_eq!(what, "dtype 'F8_E8M0' of tensor 'w'")
         }
         other => panic!("{other:?}"),
     }
+    // FP8 parses: the engine says whether it computes on it.
+    let h = format!("{{{}}}", t("w", "F8_E4M3", "[1]", 0, 1));
+    assert_eq!(parse(&h, 1).unwrap().tensors[0].dtype, DType::F8E4M3);
 }
 
 #[test]

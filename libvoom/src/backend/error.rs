@@ -24,6 +24,26 @@ pub enum KernelError {
         expected: usize,
         actual: usize,
     },
+    /// A block-scaled weight whose scales do not match its shape.
+    #[error("weight {rows}x{cols} of {format} needs {expected} bytes of scales, got {actual}")]
+    ScalesLen {
+        rows: usize,
+        cols: usize,
+        format: String,
+        expected: usize,
+        actual: usize,
+    },
+    /// A block shape the kernels do not compute on (FP8 blocks of columns are a
+    /// power of two of at least 8; MXFP4 rows are whole blocks of 32).
+    #[error(
+        "weight blocks of {block_rows}x{block_cols} (from row {row0} of the first) are not \
+         supported: blocks of columns are a power of two, at least 8, and divide MXFP4 rows"
+    )]
+    BlockShape {
+        block_rows: usize,
+        block_cols: usize,
+        row0: usize,
+    },
     /// The activation or output slice does not match `n` and the weight shape.
     #[error("{what} has {actual} elements, expected {expected} ({n} tokens x {per_token})")]
     ActivationLen {

@@ -10,17 +10,136 @@ use vpaged::PageLease;
 
 use super::KernelError;
 
+/// How a weight matrix's elements are stored (and, for the block-scaled formats,
+/// where their scales are). Every format reads as f32 exactly as its definition
+/// says ([`WeightView::get`] is the scalar specification the kernels follow).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum WeightFormat<'a> {
+    /// One BF16, F16 or F32 element each (little-endian), widened exactly.
+    Plain(DType),
+    /// FP8 e4m3 (one byte each, OCP "FN": no infinities, `0x7f`/`0xff` NaN), one
+    /// scale per block of rows x columns: an element reads as its e4m3 value times
+    /// its block's scale, rounded once to f32 (DeepSeek-V3's and Qwen3-FP8's
+    /// `weight` with `weight_scale_inv`).
+    Fp8(BlockScales<'a>),
+    /// MXFP4: two e2m1 elements a byte, the low nibble first; each 32 elements of a
+    /// row share one e8m0 scale byte (`scales`, `rows x cols/32`). An element reads
+    /// as its e2m1 value times 2^(scale - 127), exactly (gpt-oss's `*_blocks` with
+    /// `*_scales`).
+    Mxfp4 { scales: &'a [u8] },
+}
+
+impl WeightFormat<'_> {
+    /// The dtype the weight's own bytes are stored as: the plain dtype, `F8E4M3`,
+    /// or `U8` (MXFP4's packed pairs).
+    pub fn dtype(&self) -> DType {
+        match self {
+            WeightFormat::Plain(d) => *d,
+            WeightFormat::Fp8(_) => DType::F8E4M3,
+            WeightFormat::Mxfp4 { .. } => DType::U8,
+        }
+    }
+
+    /// Bytes of a `rows x cols` weight's own elements (not its scales), `None` on
+    /// overflow.
+    pub fn bytes_for(&self, rows: usize, cols: usize) -> Option<usize> {
+        let n = rows.checked_mul(cols)?;
+        match self {
+            WeightFormat::Plain(d) => n.checked_mul(d.size()),
+            WeightFormat::Fp8(_) => Some(n),
+            WeightFormat::Mxfp4 { .. } => Some(n / 2),
+        }
+    }
+
+    /// Its name in messages and listings: `BF16`, `FP8 e4m3 128x128`, `MXFP4`.
+    pub fn describe(&self) -> String {
+        match self {
+            WeightFormat::Plain(d) => d.to_string(),
+            WeightFormat::Fp8(s) => format!("FP8 e4m3 {}x{}", s.block_rows, s.block_cols),
+            WeightFormat::Mxfp4 { .. } => "MXFP4".into(),
+        }
+    }
+}
+
+/// The scales of an FP8 weight: one per block of `block_rows x block_cols`, stored
+/// row-major over the blocks, edge blocks partial (DeepSeek-V3's 576-row
+/// `kv_a_proj_with_mqa` has five block rows of 128).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BlockScales<'a> {
+    /// F32 or BF16 (little-endian).
+    pub dtype: DType,
+    pub block_rows: usize,
+    /// A power of two, at least 8 (every eight-element block of the kernels lies in
+    /// one scale block).
+    pub block_cols: usize,
+    /// The view's row 0 is this row of the first block row of `bytes`: a view of
+    /// some rows of a weight ([`WeightView::slice_rows`]) keeps its rows' scales.
+    pub row0: usize,
+    /// `ceil((row0 + rows) / block_rows) x ceil(cols / block_cols)` scales.
+    pub bytes: &'a [u8],
+}
+
+impl BlockScales<'_> {
+    /// Block columns of a weight of `cols` columns.
+    pub fn blocks_per_row(&self, cols: usize) -> usize {
+        cols.div_ceil(self.block_cols.max(1))
+    }
+
+    /// The scale of element (`r`, `k`) of the view, as f32 (exact: F32, or BF16
+    /// widened). The caller checked the view.
+    #[inline]
+    pub fn get(&self, cols: usize, r: usize, k: usize) -> f32 {
+        let i =
+            ((self.row0 + r) / self.block_rows) * self.blocks_per_row(cols) + k / self.block_cols;
+        read_f32(self.dtype, self.bytes, i)
+    }
+}
+
+/// The e4m3 (FN) value of byte `b`, exactly: sign, four exponent bits biased by 7,
+/// three mantissa bits; exponent 0 subnormal (`m x 2^-9`); `0x7f`/`0xff` NaN.
+#[inline]
+pub fn e4m3_to_f32(b: u8) -> f32 {
+    let sign = if b & 0x80 != 0 { -1.0f32 } else { 1.0 };
+    let e = i32::from((b >> 3) & 0xf);
+    let m = f32::from(b & 7);
+    if b & 0x7f == 0x7f {
+        f32::NAN
+    } else if e == 0 {
+        sign * m * (2.0f32).powi(-9)
+    } else {
+        sign * (1.0 + m / 8.0) * (2.0f32).powi(e - 7)
+    }
+}
+
+/// The e2m1 values of the sixteen nibbles: sign, two exponent bits biased by 1, one
+/// mantissa bit (`0b0001` the subnormal 0.5).
+pub const E2M1: [f32; 16] = [
+    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+];
+
+/// 2^(e - 127) for an e8m0 scale byte, exactly (`e` 0 is the subnormal 2^-127);
+/// 255 is NaN.
+#[inline]
+pub fn e8m0_to_f32(e: u8) -> f32 {
+    match e {
+        0 => f32::from_bits(0x0040_0000),
+        255 => f32::NAN,
+        e => f32::from_bits(u32::from(e) << 23),
+    }
+}
+
 /// A row-major weight matrix `[rows = out features, cols = in features]` viewed in
 /// place. [`WeightView::new`] checks the invariants; every backend op checks them
 /// again, so a view built from its public fields can never cause an out-of-bounds
 /// read.
 #[derive(Clone, Copy, Debug)]
 pub struct WeightView<'a> {
-    /// BF16, F16 or F32 (little-endian).
-    pub dtype: DType,
+    /// How the elements are stored: BF16, F16 or F32, or a block-scaled format.
+    pub format: WeightFormat<'a>,
     pub rows: usize,
     pub cols: usize,
-    /// Exactly `rows * cols * dtype.size()` bytes; no alignment is required.
+    /// Exactly [`WeightFormat::bytes_for`] `(rows, cols)` bytes; no alignment is
+    /// required.
     pub bytes: &'a [u8],
     /// The lease `bytes` lie in, where they are a page's: a backend that reads them
     /// after the op returns (MLX's lazy graph) keeps a clone of it until it has
@@ -29,15 +148,26 @@ pub struct WeightView<'a> {
 }
 
 impl<'a> WeightView<'a> {
-    /// A checked view: `dtype` is BF16/F16/F32 and `bytes.len() == rows*cols*size`.
+    /// A checked view of a plain matrix: `dtype` is BF16/F16/F32 and
+    /// `bytes.len() == rows*cols*size`.
     pub fn new(
         dtype: DType,
         rows: usize,
         cols: usize,
         bytes: &'a [u8],
     ) -> Result<Self, KernelError> {
+        Self::of(WeightFormat::Plain(dtype), rows, cols, bytes)
+    }
+
+    /// A checked view of a matrix stored in `format`.
+    pub fn of(
+        format: WeightFormat<'a>,
+        rows: usize,
+        cols: usize,
+        bytes: &'a [u8],
+    ) -> Result<Self, KernelError> {
         let w = WeightView {
-            dtype,
+            format,
             rows,
             cols,
             bytes,
@@ -45,6 +175,30 @@ impl<'a> WeightView<'a> {
         };
         w.check()?;
         Ok(w)
+    }
+
+    /// The dtype of the weight's own bytes ([`WeightFormat::dtype`]).
+    pub fn dtype(&self) -> DType {
+        self.format.dtype()
+    }
+
+    /// Element (`r`, `k`) as f32, as its format defines it: the scalar
+    /// specification every kernel computes the same value as.
+    ///
+    /// # Panics
+    /// If the view does not pass [`WeightView::check`] or (`r`, `k`) is outside it.
+    pub fn get(&self, r: usize, k: usize) -> f32 {
+        assert!(r < self.rows && k < self.cols);
+        let i = r * self.cols + k;
+        match self.format {
+            WeightFormat::Plain(d) => read_f32(d, self.bytes, i),
+            WeightFormat::Fp8(s) => e4m3_to_f32(self.bytes[i]) * s.get(self.cols, r, k),
+            WeightFormat::Mxfp4 { scales } => {
+                let b = self.bytes[i / 2];
+                let nib = if i.is_multiple_of(2) { b & 0xf } else { b >> 4 };
+                E2M1[nib as usize] * e8m0_to_f32(scales[i / 32])
+            }
+        }
     }
 
     /// This view with `lease` named as the one keeping its bytes alive.
@@ -67,21 +221,68 @@ impl<'a> WeightView<'a> {
 
     /// Re-checks the invariants of a view (its fields are public).
     pub fn check(&self) -> Result<(), KernelError> {
-        check_dtype(self.dtype)?;
+        let dtype = self.dtype();
+        let overflow = || KernelError::ShapeOverflow {
+            rows: self.rows,
+            cols: self.cols,
+            dtype,
+        };
         let expected = self
-            .rows
-            .checked_mul(self.cols)
-            .and_then(|e| e.checked_mul(self.dtype.size()))
-            .ok_or(KernelError::ShapeOverflow {
-                rows: self.rows,
-                cols: self.cols,
-                dtype: self.dtype,
-            })?;
+            .format
+            .bytes_for(self.rows, self.cols)
+            .ok_or_else(overflow)?;
+        let scales = |expected: usize, actual: usize| KernelError::ScalesLen {
+            rows: self.rows,
+            cols: self.cols,
+            format: self.format.describe(),
+            expected,
+            actual,
+        };
+        match self.format {
+            WeightFormat::Plain(d) => check_dtype(d)?,
+            WeightFormat::Fp8(s) => {
+                if !matches!(s.dtype, DType::F32 | DType::BF16) {
+                    return Err(KernelError::UnsupportedDType(s.dtype));
+                }
+                if s.block_rows == 0
+                    || s.block_cols < 8
+                    || !s.block_cols.is_power_of_two()
+                    || s.row0 >= s.block_rows
+                {
+                    return Err(KernelError::BlockShape {
+                        block_rows: s.block_rows,
+                        block_cols: s.block_cols,
+                        row0: s.row0,
+                    });
+                }
+                let n = (s.row0 + self.rows)
+                    .div_ceil(s.block_rows)
+                    .checked_mul(s.blocks_per_row(self.cols))
+                    .and_then(|n| n.checked_mul(s.dtype.size()))
+                    .ok_or_else(overflow)?;
+                if s.bytes.len() != n {
+                    return Err(scales(n, s.bytes.len()));
+                }
+            }
+            WeightFormat::Mxfp4 { scales: sc } => {
+                if !self.cols.is_multiple_of(32) {
+                    return Err(KernelError::BlockShape {
+                        block_rows: 1,
+                        block_cols: 32,
+                        row0: 0,
+                    });
+                }
+                let n = self.rows * (self.cols / 32);
+                if sc.len() != n {
+                    return Err(scales(n, sc.len()));
+                }
+            }
+        }
         if self.bytes.len() != expected {
             return Err(KernelError::WeightLen {
                 rows: self.rows,
                 cols: self.cols,
-                dtype: self.dtype,
+                dtype,
                 expected,
                 actual: self.bytes.len(),
             });
@@ -89,15 +290,37 @@ impl<'a> WeightView<'a> {
         Ok(())
     }
 
-    /// Rows `range` of this matrix, as a view of the same bytes.
+    /// Rows `range` of this matrix, as a view of the same bytes (and of the scales
+    /// of those rows).
     ///
     /// # Panics
-    /// If `range` is not within `0..rows` (a caller bug, not bad input).
+    /// If `range` is not within `0..rows` (a caller bug, not bad input), or the view
+    /// does not pass [`WeightView::check`].
     pub fn slice_rows(&self, range: Range<usize>) -> WeightView<'a> {
         assert!(range.start <= range.end && range.end <= self.rows);
-        let row = self.cols * self.dtype.size();
+        let row = self.format.bytes_for(1, self.cols).expect("a checked view");
+        let format = match self.format {
+            WeightFormat::Plain(d) => WeightFormat::Plain(d),
+            WeightFormat::Fp8(s) => {
+                let first = s.row0 + range.start;
+                let last = (s.row0 + range.end).div_ceil(s.block_rows);
+                let per = s.blocks_per_row(self.cols) * s.dtype.size();
+                let from = (first / s.block_rows).min(last);
+                WeightFormat::Fp8(BlockScales {
+                    row0: first % s.block_rows,
+                    bytes: &s.bytes[from * per..last * per],
+                    ..s
+                })
+            }
+            WeightFormat::Mxfp4 { scales } => {
+                let per = self.cols / 32;
+                WeightFormat::Mxfp4 {
+                    scales: &scales[range.start * per..range.end * per],
+                }
+            }
+        };
         WeightView {
-            dtype: self.dtype,
+            format,
             rows: range.len(),
             cols: self.cols,
             bytes: &self.bytes[range.start * row..range.end * row],
@@ -108,11 +331,15 @@ impl<'a> WeightView<'a> {
     /// Row `r` as a vector view.
     ///
     /// # Panics
-    /// If `r >= rows` (a caller bug).
+    /// If `r >= rows` (a caller bug), or the weight is not plain (its rows are not
+    /// vectors of a dtype: read them with [`WeightView::get`]).
     pub fn row(&self, r: usize) -> VecView<'a> {
+        let WeightFormat::Plain(dtype) = self.format else {
+            panic!("row of a {} weight", self.format.describe());
+        };
         let v = self.slice_rows(r..r + 1);
         VecView {
-            dtype: v.dtype,
+            dtype,
             bytes: v.bytes,
             plus_one: false,
         }

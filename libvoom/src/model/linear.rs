@@ -32,7 +32,7 @@ impl Linear {
     }
 
     pub fn pages(&self) -> impl Iterator<Item = PageId> + '_ {
-        std::iter::once(self.w.page).chain(self.bias.iter().map(|b| b.page))
+        self.w.pages().chain(self.bias.iter().map(|b| b.page))
     }
 
     /// `out = x · wᵀ (+ bias)`, on the leases `w` of its step.

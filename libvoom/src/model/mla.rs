@@ -112,11 +112,13 @@ impl MlaAttention {
             Query::Plain(l) => q.extend(l.pages()),
             Query::LowRank { a, norm, b } => {
                 q.extend(a.pages());
-                q.extend([norm.page, b.page]);
+                q.push(norm.page);
+                q.extend(b.pages());
             }
         }
         let mut kv: Vec<PageId> = self.kv_a.pages().collect();
-        kv.extend([self.kv_norm.page, self.kv_b.page]);
+        kv.push(self.kv_norm.page);
+        kv.extend(self.kv_b.pages());
         vec![q, kv, self.o.pages().collect()]
     }
 

@@ -26,8 +26,13 @@ pub(super) struct Expert {
 impl Expert {
     /// Its pages (one each, or the fused tensors all experts share), each once.
     fn pages(&self) -> Vec<PageId> {
-        let mut v = vec![self.gate.page, self.up.page, self.down.page];
-        v.dedup();
+        let mut v: Vec<PageId> = [self.gate, self.up, self.down]
+            .iter()
+            .flat_map(|m| m.pages())
+            .collect();
+        // Gate and up as parts of one fused tensor share their pages.
+        let mut seen = std::collections::HashSet::new();
+        v.retain(|p| seen.insert(*p));
         v
     }
 
@@ -203,7 +208,8 @@ impl Experts {
 
     /// The router step's pages after the MLP norm: the router and its bias.
     pub fn router_pages(&self) -> Vec<PageId> {
-        std::iter::once(self.router.page)
+        self.router
+            .pages()
             .chain(self.bias.map(|b| b.page))
             .collect()
     }
@@ -212,7 +218,7 @@ impl Experts {
     pub fn shared_pages(&self) -> Option<Vec<PageId>> {
         self.shared.as_ref().map(|s| {
             let mut v = s.pages();
-            v.extend(self.shared_gate.as_ref().map(|g| g.page));
+            v.extend(self.shared_gate.iter().flat_map(|g| g.pages()));
             v
         })
     }

@@ -6,6 +6,7 @@ use std::collections::{BTreeSet, HashMap};
 use voom_formats::DType;
 use vpaged::{PageId, PageLease, PageSource};
 
+use crate::backend::view::{BlockScales, WeightFormat};
 use crate::backend::{TableView, VecView, WeightView};
 use crate::VoomError;
 
@@ -162,6 +163,7 @@ impl<'a> WeightFinder<'a> {
         Ok(Matrix {
             page,
             dtype,
+            scales: None,
             first: 0,
             rows: rows.len,
             cols: cols.len,
@@ -191,6 +193,7 @@ impl<'a> WeightFinder<'a> {
                 .map(|i| Matrix {
                     page,
                     dtype,
+                    scales: None,
                     first: i * rows.len,
                     rows: rows.len,
                     cols: cols.len,
@@ -220,6 +223,7 @@ impl<'a> WeightFinder<'a> {
             out.extend((0..r.count as usize).map(|i| Matrix {
                 page: id,
                 dtype: meta.dtype,
+                scales: None,
                 first: i * rows.len,
                 rows: rows.len,
                 cols: cols.len,
@@ -358,25 +362,74 @@ impl Dim {
 }
 
 /// A `[rows, cols]` matrix: rows `first..first + rows` of its page's (a tensor of
-/// its own has `first` 0; a fused tensor's part, another).
+/// its own has `first` 0; a fused tensor's part, another), and, for a block-scaled
+/// format, where its scales are.
 #[derive(Debug, Clone, Copy)]
 pub struct Matrix {
     pub page: PageId,
+    /// The dtype of the weight's own bytes (`F8E4M3`, `U8` for MXFP4's pairs).
     pub dtype: DType,
+    pub scales: Option<Scales>,
     pub first: usize,
     pub rows: usize,
     pub cols: usize,
+}
+
+/// The scales of a block-scaled [`Matrix`], in a page of their own that is leased
+/// with the weight's ([`Matrix::pages`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Scales {
+    pub page: PageId,
+    pub kind: ScaleKind,
+    /// FP8: the block row of the page the matrix's row 0 lies in; MXFP4: the row of
+    /// the page's scales that is the matrix's row 0.
+    pub first: usize,
+    /// FP8: the matrix's row 0 is this row of block row `first`; MXFP4: 0.
+    pub row0: usize,
+}
+
+/// What a [`Scales`] page holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScaleKind {
+    /// One F32 or BF16 scale per block of `block_rows x block_cols` FP8 elements.
+    Fp8 {
+        dtype: DType,
+        block_rows: usize,
+        block_cols: usize,
+    },
+    /// One e8m0 byte per 32 MXFP4 elements of a row.
+    Mxfp4,
 }
 
 impl Matrix {
     /// Rows `start..start + rows` of this matrix (`rows` within it).
     pub fn sub_rows(&self, start: usize, rows: usize) -> Matrix {
         assert!(start + rows <= self.rows, "rows within the matrix");
+        let scales = self.scales.map(|s| match s.kind {
+            ScaleKind::Fp8 { block_rows, .. } => {
+                let r = s.row0 + start;
+                Scales {
+                    first: s.first + r / block_rows,
+                    row0: r % block_rows,
+                    ..s
+                }
+            }
+            ScaleKind::Mxfp4 => Scales {
+                first: s.first + start,
+                ..s
+            },
+        });
         Matrix {
             first: self.first + start,
             rows,
+            scales,
             ..*self
         }
+    }
+
+    /// The pages computing with the matrix leases: its own, and its scales'.
+    pub fn pages(&self) -> impl Iterator<Item = PageId> {
+        std::iter::once(self.page).chain(self.scales.map(|s| s.page))
     }
 }
 
@@ -460,6 +513,12 @@ pub struct Vector {
     pub plus_one: bool,
 }
 
+/// Elements `first * per..(first + n) * per` of a page's bytes, or all of them
+/// where the page is shorter than that (for the kernels' length checks to report).
+fn part(bytes: &[u8], per: usize, first: usize, n: usize) -> &[u8] {
+    bytes.get(first * per..(first + n) * per).unwrap_or(bytes)
+}
+
 impl Vector {
     /// This vector read as offsets from one where `yes` (a zero-centred RMSNorm).
     pub fn plus_one(self, yes: bool) -> Vector {
@@ -514,7 +573,7 @@ impl Leased {
                     Some((
                         p.first,
                         WeightView {
-                            dtype: t.dtype,
+                            format: WeightFormat::Plain(t.dtype),
                             rows: p.rows,
                             cols: t.cols,
                             bytes: lease.bytes(),
@@ -527,19 +586,43 @@ impl Leased {
     }
 
     pub fn matrix(&self, m: &Matrix) -> WeightView<'_> {
-        let row = m.cols * m.dtype.size();
         let lease = self.lease(m.page);
         let page = lease.bytes();
+        // A page shorter than its shape (a source's fault) keeps its bytes whole, for
+        // the kernels' length check to report rather than a panic here; so do scales.
+        let format = match m.scales {
+            None => WeightFormat::Plain(m.dtype),
+            Some(s) => {
+                let held = self.bytes(s.page);
+                match s.kind {
+                    ScaleKind::Fp8 {
+                        dtype,
+                        block_rows,
+                        block_cols,
+                    } => {
+                        let per = m.cols.div_ceil(block_cols) * dtype.size();
+                        let n = (s.row0 + m.rows).div_ceil(block_rows);
+                        WeightFormat::Fp8(BlockScales {
+                            dtype,
+                            block_rows,
+                            block_cols,
+                            row0: s.row0,
+                            bytes: part(held, per, s.first, n),
+                        })
+                    }
+                    ScaleKind::Mxfp4 => WeightFormat::Mxfp4 {
+                        scales: part(held, m.cols / 32, s.first, m.rows),
+                    },
+                }
+            }
+        };
+        let row = format.bytes_for(1, m.cols).unwrap_or(0);
         WeightView {
             lease: Some(lease),
-            dtype: m.dtype,
+            format,
             rows: m.rows,
             cols: m.cols,
-            // A page shorter than its shape (a source's fault) keeps its bytes whole,
-            // for the kernels' length check to report rather than a panic here.
-            bytes: page
-                .get(m.first * row..(m.first + m.rows) * row)
-                .unwrap_or(page),
+            bytes: part(page, row, m.first, m.rows),
         }
     }
 

@@ -204,7 +204,7 @@ pub fn matmul_isa(
     out: &mut [f32],
 ) -> Result<(), KernelError> {
     w.check()?;
-    let dt = dtype_code(w.dtype)?;
+    let dt = dtype_code(w.dtype())?;
     check_len("x", x.len(), n, w.cols)?;
     check_len("out", out.len(), n, w.rows)?;
     assert_isa(isa);
@@ -276,7 +276,10 @@ pub fn matmul_t_isa(
     if n == 0 || c == 0 {
         return Ok(());
     }
-    let wide: Vec<f32> = (0..k).flat_map(|r| w.row(r).to_vec()).collect();
+    // Every format widens by its definition ([`WeightView::get`]), exactly.
+    let wide: Vec<f32> = (0..k)
+        .flat_map(|r| (0..c).map(move |j| w.get(r, j)))
+        .collect();
     let dst = SharedOut(out.as_mut_ptr());
     let job = |cols: Range<usize>| {
         for t in 0..n {
@@ -792,7 +795,7 @@ mod portable {
         let mut out = 0.0f32;
         let w = WeightView {
             lease: None,
-            dtype: DType::F32,
+            format: crate::backend::view::WeightFormat::Plain(DType::F32),
             rows: 1,
             cols: a.len(),
             // SAFETY: reinterpreting initialised f32s as bytes (alignment 1, same
@@ -1384,12 +1387,12 @@ mod tests {
     }
 
     fn spec_matmul(x: &[f32], n: usize, w: &WeightView<'_>) -> Vec<f32> {
-        let row = w.cols * w.dtype.size();
+        let row = w.cols * w.dtype().size();
         let mut out = vec![0.0; n * w.rows];
         for t in 0..n {
             for o in 0..w.rows {
                 out[t * w.rows + o] = spec_dot(
-                    w.dtype,
+                    w.dtype(),
                     &w.bytes[o * row..(o + 1) * row],
                     &x[t * w.cols..(t + 1) * w.cols],
                 );
@@ -1688,7 +1691,7 @@ mod tests {
         // A view built from its public fields with a wrong length is caught too.
         let bad = WeightView {
             lease: None,
-            dtype: DType::F32,
+            format: crate::backend::view::WeightFormat::Plain(DType::F32),
             rows: 3,
             cols: 3,
             bytes: &b,

@@ -162,7 +162,7 @@ pub(super) fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     let mut out = 0.0f32;
     let w = WeightView {
         lease: None,
-        dtype: DType::F32,
+        format: crate::backend::view::WeightFormat::Plain(DType::F32),
         rows: 1,
         cols: a.len(),
         // SAFETY: reinterpreting initialised f32s as bytes (alignment 1, same length

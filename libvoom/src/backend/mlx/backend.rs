@@ -37,6 +37,7 @@ use vpaged::PageLease;
 
 use crate::backend::cpu::ops::top_k_rows;
 use crate::backend::kv::KvCache;
+use crate::backend::view::WeightFormat;
 use crate::backend::{
     check, Activation, AttentionShape, Backend, KernelError, LatentShape, RopeShape, RopeTable,
     TableView, VecView, WeightView,
@@ -183,18 +184,18 @@ impl MlxBackend {
         out: &mut MlxAct,
     ) -> Result<(), KernelError> {
         w.check()?;
-        let code = match w.dtype {
-            DType::F32 => 0,
-            DType::BF16 => 1,
-            DType::F16 => 2,
-            other => return Err(KernelError::UnsupportedDType(other)),
+        let code = match w.format {
+            WeightFormat::Plain(DType::F32) => 0,
+            WeightFormat::Plain(DType::BF16) => 1,
+            WeightFormat::Plain(DType::F16) => 2,
+            other => return Err(KernelError::UnsupportedDType(other.dtype())),
         };
         self.macs.fetch_add(
             check::product_terms(x.rows, w.rows, w.cols),
             Ordering::Relaxed,
         );
         let mut buf = Vec::new();
-        let p = self.aligned(w.bytes, w.dtype.size(), &mut buf);
+        let p = self.aligned(w.bytes, w.dtype().size(), &mut buf);
         let (rows, cols) = (int("weight rows", w.rows)?, int("weight columns", w.cols)?);
         let a = self.input(x)?;
         // The page's lease, when `p` is its bytes in place (an aligned copy here is
