@@ -17,7 +17,13 @@
 //! 3. the tail `k = cols - cols % 8 .. cols` in increasing order, `s = fma(W, x, s)`.
 //!
 //! Weights are converted to f32 exactly (BF16 and F16 are subsets of f32), so the
-//! conversion never changes a value. The AVX2 path keeps one 8-lane register per
+//! conversion never changes a value. Block-scaled weights enter step 1 as their
+//! format defines them ([`WeightView::get`]): an FP8 element is `e4m3 × scale`
+//! rounded once to f32, an MXFP4 element `e2m1 × 2^(e − 127)` (exact), computed
+//! inside the tile for each block of eight (every block lies in one scale block),
+//! never as a widened copy of the matrix; the order of the sums is the same. On
+//! AVX-512 they run the tiles at every token count (the packed path is for plain
+//! weights). The AVX2 path keeps one 8-lane register per
 //! output element; instruction-level parallelism comes from computing a tile of
 //! several rows and tokens at once, never from splitting one element's sum. The
 //! portable path emulates the same lanes with `f32::mul_add`, so it produces the same
@@ -40,13 +46,19 @@ use std::ops::Range;
 use voom_formats::DType;
 
 use super::threads::{SharedOut, ThreadPool};
+use crate::backend::view::{e8m0_to_f32, WeightFormat, E2M1};
 pub use crate::backend::{KernelError, WeightView};
 
 const DT_BF16: u8 = 0;
 const DT_F16: u8 = 1;
 const DT_F32: u8 = 2;
+/// FP8 e4m3 with block scales ([`WeightFormat::Fp8`]).
+const DT_FP8: u8 = 3;
+/// MXFP4 with e8m0 scales ([`WeightFormat::Mxfp4`]).
+const DT_MXFP4: u8 = 4;
 
 /// Bytes per element of dtype code `DT`.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 const fn elem_size(dt: u8) -> usize {
     if dt == DT_F32 {
         4
@@ -55,13 +67,183 @@ const fn elem_size(dt: u8) -> usize {
     }
 }
 
-fn dtype_code(d: DType) -> Result<u8, KernelError> {
-    crate::backend::view::check_dtype(d)?;
-    Ok(match d {
-        DType::BF16 => DT_BF16,
-        DType::F16 => DT_F16,
-        _ => DT_F32,
+/// Bytes of eight consecutive elements of a row of dtype code `DT` (every format's
+/// rows are whole such blocks, but for a plain or FP8 tail).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+const fn block8_bytes(dt: u8) -> usize {
+    match dt {
+        DT_F32 => 32,
+        DT_FP8 => 8,
+        DT_MXFP4 => 4,
+        _ => 16,
+    }
+}
+
+/// Where element `k` of a row of dtype code `DT` starts, in bytes from the row's
+/// start (`k` a multiple of 8 for MXFP4).
+#[inline(always)]
+const fn k_bytes(dt: u8, k: usize) -> usize {
+    match dt {
+        DT_F32 => 4 * k,
+        DT_FP8 => k,
+        DT_MXFP4 => k / 2,
+        _ => 2 * k,
+    }
+}
+
+fn dtype_code(f: &WeightFormat<'_>) -> Result<u8, KernelError> {
+    Ok(match f {
+        WeightFormat::Plain(d) => {
+            crate::backend::view::check_dtype(*d)?;
+            match d {
+                DType::BF16 => DT_BF16,
+                DType::F16 => DT_F16,
+                _ => DT_F32,
+            }
+        }
+        WeightFormat::Fp8(_) => DT_FP8,
+        WeightFormat::Mxfp4 { .. } => DT_MXFP4,
     })
+}
+
+/// The e4m3 value of every byte ([`e4m3_to_f32`], computed at compile time): the
+/// kernels' conversion where they look values up.
+static E4M3_F32: [f32; 256] = e4m3_table();
+
+const fn e4m3_table() -> [f32; 256] {
+    let mut t = [0.0f32; 256];
+    let mut b = 0;
+    while b < 256 {
+        let sign = ((b & 0x80) as u32) << 24;
+        let e = ((b >> 3) & 0xf) as i32;
+        let m = (b & 7) as u32;
+        let bits = if b & 0x7f == 0x7f {
+            0x7fc0_0000
+        } else if e == 0 && m == 0 {
+            sign
+        } else if e == 0 {
+            // 0.mmm x 2^-6, normalised.
+            let (mut m, mut exp) = (m, -6i32);
+            while m & 8 == 0 {
+                m <<= 1;
+                exp -= 1;
+            }
+            sign | (((exp + 127) as u32) << 23) | ((m & 7) << 20)
+        } else {
+            sign | (((e + 120) as u32) << 23) | (m << 20)
+        };
+        t[b] = f32::from_bits(bits);
+        b += 1;
+    }
+    t
+}
+
+/// The high bytes of the F16 bits of the e2m1 values (`E2M1`; the low bytes are
+/// all zero): the SIMD paths look MXFP4 nibbles up in it, then widen F16 to f32.
+#[cfg_attr(
+    not(any(target_arch = "x86_64", target_arch = "aarch64")),
+    allow(dead_code)
+)]
+const E2M1_F16_HIGH_BYTES: [u8; 16] = [
+    0x00, 0x38, 0x3c, 0x3e, 0x40, 0x42, 0x44, 0x46, 0x80, 0xb8, 0xbc, 0xbe, 0xc0, 0xc2, 0xc4, 0xc6,
+];
+
+/// Where a block-scaled weight's scales are, as the tiles read them (for a plain
+/// weight, nothing: never read). MXFP4 is the case of blocks of one row and 32
+/// columns with e8m0 scales.
+#[derive(Clone, Copy)]
+struct ScaleMap {
+    base: *const u8,
+    block_rows: usize,
+    row0: usize,
+    /// Bytes of scales per block row.
+    stride: usize,
+    /// log2 of the columns a scale covers.
+    shift: u32,
+    /// FP8 scales stored as BF16 (else F32).
+    bf16: bool,
+}
+
+impl ScaleMap {
+    /// The map of a checked view.
+    fn of(w: &WeightView<'_>) -> ScaleMap {
+        match w.format {
+            WeightFormat::Plain(_) => ScaleMap {
+                base: std::ptr::null(),
+                block_rows: 1,
+                row0: 0,
+                stride: 0,
+                shift: 0,
+                bf16: false,
+            },
+            WeightFormat::Fp8(s) => ScaleMap {
+                base: s.bytes.as_ptr(),
+                block_rows: s.block_rows,
+                row0: s.row0,
+                stride: s.blocks_per_row(w.cols) * s.dtype.size(),
+                shift: s.block_cols.trailing_zeros(),
+                bf16: s.dtype == DType::BF16,
+            },
+            WeightFormat::Mxfp4 { scales } => ScaleMap {
+                base: scales.as_ptr(),
+                block_rows: 1,
+                row0: 0,
+                stride: w.cols / 32,
+                shift: 5,
+                bf16: false,
+            },
+        }
+    }
+
+    /// The scales of row `o` of the view (a null pointer for a plain weight).
+    #[inline(always)]
+    fn row(&self, o: usize) -> *const u8 {
+        self.base
+            .wrapping_add((self.row0 + o) / self.block_rows * self.stride)
+    }
+
+    /// The scale of element `k` of the row whose scales are at `s`.
+    ///
+    /// # Safety
+    /// `s` is [`ScaleMap::row`] of a row of a checked block-scaled view (`DT_FP8`
+    /// or `DT_MXFP4`), `k` within the row.
+    #[inline(always)]
+    unsafe fn get<const DT: u8>(&self, s: *const u8, k: usize) -> f32 {
+        let i = k >> self.shift;
+        // SAFETY: the checked scales hold every block of the row (the caller's).
+        unsafe {
+            if DT == DT_MXFP4 {
+                e8m0_to_f32(*s.add(i))
+            } else if self.bf16 {
+                f32::from_bits(u32::from(s.add(2 * i).cast::<u16>().read_unaligned()) << 16)
+            } else {
+                s.add(4 * i).cast::<f32>().read_unaligned()
+            }
+        }
+    }
+}
+
+/// Weight element `k` of a row (at `row`, its scales at `srow`) as f32: the
+/// format's definition ([`WeightView::get`]), for the tails past the last block
+/// of eight.
+///
+/// # Safety
+/// `row` is a row of a checked view of code `DT`, `srow` its [`ScaleMap::row`],
+/// `k` within the row.
+#[inline(always)]
+unsafe fn load1q<const DT: u8>(row: *const u8, k: usize, sm: &ScaleMap, srow: *const u8) -> f32 {
+    // SAFETY: forwarded contract.
+    unsafe {
+        match DT {
+            DT_FP8 => E4M3_F32[*row.add(k) as usize] * sm.get::<DT>(srow, k),
+            DT_MXFP4 => {
+                let b = *row.add(k / 2);
+                let nib = if k.is_multiple_of(2) { b & 0xf } else { b >> 4 };
+                E2M1[nib as usize] * sm.get::<DT>(srow, k)
+            }
+            _ => load1::<DT>(row, k),
+        }
+    }
 }
 
 /// Rows per chunk granule: chunks of rows handed to threads are multiples of this
@@ -204,7 +386,7 @@ pub fn matmul_isa(
     out: &mut [f32],
 ) -> Result<(), KernelError> {
     w.check()?;
-    let dt = dtype_code(w.dtype())?;
+    let dt = dtype_code(&w.format)?;
     check_len("x", x.len(), n, w.cols)?;
     check_len("out", out.len(), n, w.rows)?;
     assert_isa(isa);
@@ -220,19 +402,27 @@ pub fn matmul_isa(
         unsafe { compute_rows(isa, dt, x, n, &w, rows, dst) }
     };
     let macs = w.rows.saturating_mul(w.cols).saturating_mul(n);
-    split(pool, w.rows, macs, row_granule(isa, n), job);
+    split(pool, w.rows, macs, row_granule(isa, dt, n), job);
     Ok(())
 }
 
 /// Rows per chunk granule of an `n`-token call: whole packed panels where AVX-512
 /// packs, else [`ROW_GRANULE`].
-fn row_granule(isa: Isa, n: usize) -> usize {
+fn row_granule(isa: Isa, dt: u8, n: usize) -> usize {
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx512 && n >= PACKED_MIN_TOKENS {
+    if isa == Isa::Avx512 && packs(dt, n) {
         return packed::PANEL;
     }
-    let _ = (isa, n);
+    let _ = (isa, dt, n);
     ROW_GRANULE
+}
+
+/// Whether an AVX-512 product of `n` tokens of code `dt` runs packed
+/// (`matmul_packed.rs`): many tokens over a plain weight. Block-scaled weights run
+/// the tiles at every `n` (their bits are the same either way).
+#[cfg(target_arch = "x86_64")]
+fn packs(dt: u8, n: usize) -> bool {
+    n >= PACKED_MIN_TOKENS && dt <= DT_F32
 }
 
 /// Runs `job` over `0..items` on the caller when the work (`macs`) is small or the
@@ -363,6 +553,8 @@ unsafe fn compute_rows(
             match dt {
                 DT_BF16 => avx512::rows::<DT_BF16>(x, n, w, rows, out.0),
                 DT_F16 => avx512::rows::<DT_F16>(x, n, w, rows, out.0),
+                DT_FP8 => avx512::rows::<DT_FP8>(x, n, w, rows, out.0),
+                DT_MXFP4 => avx512::rows::<DT_MXFP4>(x, n, w, rows, out.0),
                 _ => avx512::rows::<DT_F32>(x, n, w, rows, out.0),
             }
         },
@@ -372,6 +564,8 @@ unsafe fn compute_rows(
             match dt {
                 DT_BF16 => avx2::rows::<DT_BF16>(x, n, w, rows, out.0),
                 DT_F16 => avx2::rows::<DT_F16>(x, n, w, rows, out.0),
+                DT_FP8 => avx2::rows::<DT_FP8>(x, n, w, rows, out.0),
+                DT_MXFP4 => avx2::rows::<DT_MXFP4>(x, n, w, rows, out.0),
                 _ => avx2::rows::<DT_F32>(x, n, w, rows, out.0),
             }
         },
@@ -381,6 +575,8 @@ unsafe fn compute_rows(
             match dt {
                 DT_BF16 => neon::rows::<DT_BF16>(x, n, w, rows, out.0),
                 DT_F16 => neon::rows::<DT_F16>(x, n, w, rows, out.0),
+                DT_FP8 => neon::rows::<DT_FP8>(x, n, w, rows, out.0),
+                DT_MXFP4 => neon::rows::<DT_MXFP4>(x, n, w, rows, out.0),
                 _ => neon::rows::<DT_F32>(x, n, w, rows, out.0),
             }
         },
@@ -389,6 +585,8 @@ unsafe fn compute_rows(
             match dt {
                 DT_BF16 => portable::rows::<DT_BF16>(x, n, w, rows, out.0),
                 DT_F16 => portable::rows::<DT_F16>(x, n, w, rows, out.0),
+                DT_FP8 => portable::rows::<DT_FP8>(x, n, w, rows, out.0),
+                DT_MXFP4 => portable::rows::<DT_MXFP4>(x, n, w, rows, out.0),
                 _ => portable::rows::<DT_F32>(x, n, w, rows, out.0),
             }
         },
@@ -703,14 +901,27 @@ mod portable {
         f32::from_bits(sign | mag)
     }
 
-    /// Eight weights of type `DT` from the start of `b`, exactly converted.
+    /// Eight weights of code `DT` from the start of `b`, exactly converted; a
+    /// block-scaled format's with the scale `s` of their block (one block holds all
+    /// eight).
     ///
     /// # Panics
     /// If `b` is shorter than 8 elements (callers slice within the row).
     #[inline(always)]
-    fn load8<const DT: u8>(b: &[u8]) -> [f32; 8] {
+    fn load8<const DT: u8>(b: &[u8], s: f32) -> [f32; 8] {
         let mut o = [0.0f32; 8];
-        if DT == DT_F32 {
+        if DT == DT_FP8 {
+            let b = &b[..8];
+            for l in 0..8 {
+                o[l] = E4M3_F32[b[l] as usize] * s;
+            }
+        } else if DT == DT_MXFP4 {
+            let b = &b[..4];
+            for l in 0..8 {
+                let nib = (b[l / 2] >> (4 * (l % 2))) & 0xf;
+                o[l] = E2M1[nib as usize] * s;
+            }
+        } else if DT == DT_F32 {
             let b = &b[..32];
             for l in 0..8 {
                 o[l] = f32::from_le_bytes([b[4 * l], b[4 * l + 1], b[4 * l + 2], b[4 * l + 3]]);
@@ -754,11 +965,12 @@ mod portable {
         out: *mut f32,
     ) {
         let cols = w.cols;
-        let size = elem_size(DT);
         let k8 = cols - cols % 8;
-        let row_bytes = cols * size;
+        let row_bytes = k_bytes(DT, cols);
         let wr: [&[u8]; R] =
             std::array::from_fn(|r| &w.bytes[(o0 + r) * row_bytes..(o0 + r + 1) * row_bytes]);
+        let sm = ScaleMap::of(w);
+        let sr: [*const u8; R] = std::array::from_fn(|r| sm.row(o0 + r));
         let xr: [&[f32]; T] = std::array::from_fn(|t| &x[(t0 + t) * cols..(t0 + t + 1) * cols]);
         let mut acc = [[[0.0f32; 8]; T]; R];
         let mut k = 0;
@@ -767,7 +979,13 @@ mod portable {
             // out of line (and the lanes then go through memory).
             let mut wv = [[0.0f32; 8]; R];
             for r in 0..R {
-                wv[r] = load8::<DT>(&wr[r][k * size..]);
+                let s = if DT > DT_F32 {
+                    // SAFETY: `sr[r]` is row o0 + r's scales, k < cols.
+                    unsafe { sm.get::<DT>(sr[r], k) }
+                } else {
+                    1.0
+                };
+                wv[r] = load8::<DT>(&wr[r][k_bytes(DT, k)..], s);
             }
             for t in 0..T {
                 let xv = load8_f32(&xr[t][k..]);
@@ -781,8 +999,8 @@ mod portable {
             for t in 0..T {
                 let mut s = hsum8(&acc[r][t]);
                 for (kk, &xv) in xr[t].iter().enumerate().skip(k8) {
-                    // SAFETY: `kk < cols`, within the row slice.
-                    s = unsafe { load1::<DT>(wr[r].as_ptr(), kk) }.mul_add(xv, s);
+                    // SAFETY: `kk < cols`, within the row slice; `sr[r]` its scales.
+                    s = unsafe { load1q::<DT>(wr[r].as_ptr(), kk, &sm, sr[r]) }.mul_add(xv, s);
                 }
                 // SAFETY: (t0+t, o0+r) is within the `n*rows` output and belongs to
                 // this thread's rows.
@@ -821,7 +1039,7 @@ mod packed;
 pub(super) use packed::transpose16;
 
 /// Runs `$block(k)` for every eight-element block `k < $k8` of a tile's rows (`$wp`,
-/// `$cols` elements of `$size` bytes each), in increasing `k`, with software
+/// `$cols` elements, `$b8` bytes per eight), in increasing `k`, with software
 /// prefetch: one cache line per row per line step. Short rows: along the tile's
 /// contiguous bytes (its R rows are adjacent), PREFETCH_AHEAD beyond what the tile
 /// has consumed, i.e. into the next tiles: R short interleaved streams are picked up
@@ -836,13 +1054,13 @@ pub(super) use packed::transpose16;
 /// AVX-512).
 #[cfg(target_arch = "x86_64")]
 macro_rules! prefetched_blocks {
-    ($wp:expr, $cols:expr, $size:expr, $k8:expr, |$k:ident| $block:expr) => {{
+    ($wp:expr, $cols:expr, $b8:expr, $k8:expr, |$k:ident| $block:expr) => {{
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        let (wp, cols, size, k8) = ($wp, $cols, $size, $k8);
-        let blocks_per_line = 64 / (8 * size);
+        let (wp, cols, b8, k8) = ($wp, $cols, $b8, $k8);
+        let blocks_per_line = 64 / b8;
         let line_k = 8 * blocks_per_line;
         let kl = k8 - k8 % line_k;
-        let row_mode = R * cols * size > PREFETCH_AHEAD;
+        let row_mode = R * cols * b8 / 8 > PREFETCH_AHEAD;
         let mut pf: [*const u8; R] = std::array::from_fn(|r| {
             if row_mode {
                 wp[r].wrapping_add(PREFETCH_ROW)
@@ -893,14 +1111,15 @@ macro_rules! x86_tiles {
             out: *mut f32,
         ) {
             let cols = w.cols;
-            let size = elem_size(DT);
             let k8 = cols - cols % 8;
             // SAFETY (pointer arithmetic below): rows o0..o0+R and tokens t0..t0+T are in
             // bounds, each has `cols` elements, and every offset used is < cols.
             let wp: [*const u8; R] = std::array::from_fn(|r| {
                 // SAFETY: row o0 + r < w.rows starts inside the checked bytes.
-                unsafe { w.bytes.as_ptr().add((o0 + r) * cols * size) }
+                unsafe { w.bytes.as_ptr().add((o0 + r) * k_bytes(DT, cols)) }
             });
+            let sm = ScaleMap::of(w);
+            let sr: [*const u8; R] = std::array::from_fn(|r| sm.row(o0 + r));
             let xp: [*const f32; T] = std::array::from_fn(|t| {
                 // SAFETY: token t0 + t < n starts inside `x` (n * cols elements).
                 unsafe { x.as_ptr().add((t0 + t) * cols) }
@@ -913,7 +1132,7 @@ macro_rules! x86_tiles {
                 unsafe {
                     let mut wv = [_mm256_setzero_ps(); R];
                     for r in 0..R {
-                        wv[r] = load8::<DT>(wp[r].add(k * size));
+                        wv[r] = load8q::<DT>(wp[r], k, &sm, sr[r]);
                     }
                     for t in 0..T {
                         let xv = _mm256_loadu_ps(xp[t].add(k));
@@ -923,13 +1142,14 @@ macro_rules! x86_tiles {
                     }
                 }
             };
-            prefetched_blocks!(&wp, cols, size, k8, |k| block(&mut acc, k));
+            prefetched_blocks!(&wp, cols, block8_bytes(DT), k8, |k| block(&mut acc, k));
             for r in 0..R {
                 for t in 0..T {
                     let mut s = hsum(acc[r][t]);
                     for kk in k8..cols {
-                        // SAFETY: kk < cols.
-                        let (wv, xv) = unsafe { (load1::<DT>(wp[r], kk), *xp[t].add(kk)) };
+                        let (wv, xv) =
+                            // SAFETY: kk < cols; `sr[r]` is the row's scales.
+                            unsafe { (load1q::<DT>(wp[r], kk, &sm, sr[r]), *xp[t].add(kk)) };
                         s = wv.mul_add(xv, s);
                     }
                     // SAFETY: (t0+t, o0+r) is within the output and owned by this thread.
@@ -974,6 +1194,52 @@ pub(super) mod avx2 {
                 }
                 DT_F16 => _mm256_cvtph_ps(_mm_loadu_si128(p.cast::<__m128i>())),
                 _ => _mm256_loadu_ps(p.cast::<f32>()),
+            }
+        }
+    }
+
+    /// Eight weights of code `DT` from element `k` of the row at `row` (its scales
+    /// at `srow`), as f32: [`load8`] for a plain weight; FP8 bytes widened exactly
+    /// (placed in F16 bit positions, which scales every e4m3 value by 2^-8 exactly,
+    /// normals and subnormals alike, then times 2^8; `0x7f`/`0xff` set to NaN) and
+    /// multiplied by the block's scale (one rounding); MXFP4 nibbles looked up as
+    /// F16 bits (e2m1 values are F16 values) and multiplied by 2^(e - 127) (exact).
+    ///
+    /// # Safety
+    /// `row` a row of a checked view of code `DT`, `srow` its scales, `k + 8 <=
+    /// cols`; CPU has AVX2+FMA+F16C.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn load8q<const DT: u8>(
+        row: *const u8,
+        k: usize,
+        sm: &ScaleMap,
+        srow: *const u8,
+    ) -> __m256 {
+        // SAFETY: the caller guarantees the eight elements and their scale.
+        unsafe {
+            match DT {
+                DT_FP8 => {
+                    let b = _mm_cvtepu8_epi16(_mm_loadl_epi64(row.add(k).cast::<__m128i>()));
+                    let mag = _mm_and_si128(b, _mm_set1_epi16(0x7f));
+                    let sign = _mm_slli_epi16::<8>(_mm_and_si128(b, _mm_set1_epi16(0x80)));
+                    let h = _mm_or_si128(sign, _mm_slli_epi16::<7>(mag));
+                    let v = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0));
+                    let nan = _mm256_cvtepi16_epi32(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f)));
+                    let v = _mm256_blendv_ps(v, _mm256_set1_ps(f32::NAN), _mm256_castsi256_ps(nan));
+                    _mm256_mul_ps(v, _mm256_set1_ps(sm.get::<DT>(srow, k)))
+                }
+                DT_MXFP4 => {
+                    let x = row.add(k / 2).cast::<u32>().read_unaligned();
+                    let lo = _mm_cvtsi32_si128((x & 0x0f0f_0f0f) as i32);
+                    let hi = _mm_cvtsi32_si128(((x >> 4) & 0x0f0f_0f0f) as i32);
+                    let idx = _mm_unpacklo_epi8(lo, hi);
+                    let table = _mm_loadu_si128(E2M1_F16_HIGH_BYTES.as_ptr().cast::<__m128i>());
+                    let high = _mm_shuffle_epi8(table, idx);
+                    let h = _mm_unpacklo_epi8(_mm_setzero_si128(), high);
+                    _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(sm.get::<DT>(srow, k)))
+                }
+                _ => load8::<DT>(row.add(k_bytes(DT, k))),
             }
         }
     }
@@ -1218,7 +1484,7 @@ pub(super) mod avx2 {
 /// accumulators, 2 weight and 2 activation registers of the 32.
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::avx2::{hsum, load8};
+    use super::avx2::{hsum, load8q};
     use super::*;
     use std::arch::x86_64::*;
 
@@ -1253,15 +1519,16 @@ mod avx512 {
         out: *mut f32,
     ) {
         let cols = w.cols;
-        let size = elem_size(DT);
         let k8 = cols - cols % 8;
         let (pairs, odd) = (R / 2, R % 2 == 1);
         // SAFETY (pointer arithmetic below): rows o0..o0+R and tokens t0..t0+T are in
         // bounds, each has `cols` elements, and every offset used is < cols.
         let wp: [*const u8; R] = std::array::from_fn(|r| {
             // SAFETY: row o0 + r < w.rows starts inside the checked bytes.
-            unsafe { w.bytes.as_ptr().add((o0 + r) * cols * size) }
+            unsafe { w.bytes.as_ptr().add((o0 + r) * k_bytes(DT, cols)) }
         });
+        let sm = ScaleMap::of(w);
+        let sr: [*const u8; R] = std::array::from_fn(|r| sm.row(o0 + r));
         let xp: [*const f32; T] = std::array::from_fn(|t| {
             // SAFETY: token t0 + t < n starts inside `x` (n * cols elements).
             unsafe { x.as_ptr().add((t0 + t) * cols) }
@@ -1276,12 +1543,12 @@ mod avx512 {
                 let mut wv = [_mm512_setzero_ps(); R];
                 for p in 0..pairs {
                     wv[p] = pair(
-                        load8::<DT>(wp[2 * p].add(k * size)),
-                        load8::<DT>(wp[2 * p + 1].add(k * size)),
+                        load8q::<DT>(wp[2 * p], k, &sm, sr[2 * p]),
+                        load8q::<DT>(wp[2 * p + 1], k, &sm, sr[2 * p + 1]),
                     );
                 }
                 let w1 = if odd {
-                    load8::<DT>(wp[R - 1].add(k * size))
+                    load8q::<DT>(wp[R - 1], k, &sm, sr[R - 1])
                 } else {
                     _mm256_setzero_ps()
                 };
@@ -1297,7 +1564,9 @@ mod avx512 {
                 }
             }
         };
-        prefetched_blocks!(&wp, cols, size, k8, |k| block(&mut acc2, &mut acc1, k));
+        prefetched_blocks!(&wp, cols, block8_bytes(DT), k8, |k| block(
+            &mut acc2, &mut acc1, k
+        ));
         for r in 0..R {
             for t in 0..T {
                 let lanes = if r / 2 < pairs {
@@ -1312,8 +1581,8 @@ mod avx512 {
                 };
                 let mut s = hsum(lanes);
                 for kk in k8..cols {
-                    // SAFETY: kk < cols.
-                    let (wv, xv) = unsafe { (load1::<DT>(wp[r], kk), *xp[t].add(kk)) };
+                    // SAFETY: kk < cols; `sr[r]` is the row's scales.
+                    let (wv, xv) = unsafe { (load1q::<DT>(wp[r], kk, &sm, sr[r]), *xp[t].add(kk)) };
                     s = wv.mul_add(xv, s);
                 }
                 // SAFETY: (t0+t, o0+r) is within the output and owned by this thread.
@@ -1332,13 +1601,17 @@ mod avx512 {
         rows: Range<usize>,
         out: *mut f32,
     ) {
-        if n >= PACKED_MIN_TOKENS {
+        if packs(DT, n) {
             // SAFETY: forwarded contract; this CPU has AVX-512 (the caller's).
             return unsafe { super::packed::rows::<DT>(x, n, w, rows, out) };
         }
         tile_rows!(tile, wide_tile_shape, DT, x, n, w, rows, out)
     }
 }
+
+#[cfg(test)]
+#[path = "matmul_quant_tests.rs"]
+mod quant_tests;
 
 #[cfg(test)]
 mod tests {

@@ -68,6 +68,64 @@ unsafe fn load8<const DT: u8>(p: *const u8) -> (float32x4_t, float32x4_t) {
     }
 }
 
+/// Eight weights of code `DT` from element `k` of the row at `row` (its scales at
+/// `srow`), as f32: [`load8`] for a plain weight; FP8 bytes placed in F16 bit
+/// positions (every e4m3 value scaled by 2^-8 exactly), widened by `fcvtl`, times
+/// 2^8, `0x7f`/`0xff` set to NaN, then times the block's scale (one rounding);
+/// MXFP4 nibbles looked up as F16 bits (`tbl`) and widened, times 2^(e - 127).
+/// The x86 paths' values, bit for bit.
+///
+/// # Safety
+/// `row` a row of a checked view of code `DT`, `srow` its scales, `k + 8 <= cols`.
+#[inline(always)]
+unsafe fn load8q<const DT: u8>(
+    row: *const u8,
+    k: usize,
+    sm: &ScaleMap,
+    srow: *const u8,
+) -> (float32x4_t, float32x4_t) {
+    // SAFETY: the caller guarantees the eight elements and their scale; byte loads
+    // need no alignment.
+    unsafe {
+        match DT {
+            DT_FP8 => {
+                let b = vmovl_u8(vld1_u8(row.add(k)));
+                let mag = vandq_u16(b, vdupq_n_u16(0x7f));
+                let sign = vshlq_n_u16::<8>(vandq_u16(b, vdupq_n_u16(0x80)));
+                let h = vorrq_u16(sign, vshlq_n_u16::<7>(mag));
+                let nan = vceqq_u16(mag, vdupq_n_u16(0x7f));
+                let two8 = vdupq_n_f32(256.0);
+                let s = vdupq_n_f32(sm.get::<DT>(srow, k));
+                let one = |h: uint16x4_t, nan: uint16x4_t| {
+                    let v = vmulq_f32(f16x4(h), two8);
+                    // Sign-extended: all ones where NaN.
+                    let all = vreinterpretq_u32_s32(vmovl_s16(vreinterpret_s16_u16(nan)));
+                    let v = vbslq_f32(all, vdupq_n_f32(f32::NAN), v);
+                    vmulq_f32(v, s)
+                };
+                (
+                    one(vget_low_u16(h), vget_low_u16(nan)),
+                    one(vget_high_u16(h), vget_high_u16(nan)),
+                )
+            }
+            DT_MXFP4 => {
+                let x = row.add(k / 2).cast::<u32>().read_unaligned();
+                let lo = vcreate_u8(u64::from(x & 0x0f0f_0f0f));
+                let hi = vcreate_u8(u64::from((x >> 4) & 0x0f0f_0f0f));
+                let idx = vzip1_u8(lo, hi);
+                let high = vqtbl1_u8(vld1q_u8(E2M1_F16_HIGH_BYTES.as_ptr()), idx);
+                let h = vshll_n_u8::<8>(high);
+                let s = vdupq_n_f32(sm.get::<DT>(srow, k));
+                (
+                    vmulq_f32(f16x4(vget_low_u16(h)), s),
+                    vmulq_f32(f16x4(vget_high_u16(h)), s),
+                )
+            }
+            _ => load8::<DT>(row.add(k_bytes(DT, k))),
+        }
+    }
+}
+
 /// Eight activations at `p`.
 ///
 /// # Safety
@@ -102,12 +160,13 @@ unsafe fn tile<const DT: u8, const R: usize, const T: usize>(
     out: *mut f32,
 ) {
     let cols = w.cols;
-    let size = elem_size(DT);
     let k8 = cols - cols % 8;
     let wp: [*const u8; R] = std::array::from_fn(|r| {
         // SAFETY: row o0 + r < w.rows starts inside the checked bytes.
-        unsafe { w.bytes.as_ptr().add((o0 + r) * cols * size) }
+        unsafe { w.bytes.as_ptr().add((o0 + r) * k_bytes(DT, cols)) }
     });
+    let sm = ScaleMap::of(w);
+    let sr: [*const u8; R] = std::array::from_fn(|r| sm.row(o0 + r));
     let xp: [*const f32; T] = std::array::from_fn(|t| {
         // SAFETY: token t0 + t < n starts inside `x` (n * cols elements).
         unsafe { x.as_ptr().add((t0 + t) * cols) }
@@ -121,7 +180,7 @@ unsafe fn tile<const DT: u8, const R: usize, const T: usize>(
         while k < k8 {
             let mut wv = [(z, z); R];
             for r in 0..R {
-                wv[r] = load8::<DT>(wp[r].add(k * size));
+                wv[r] = load8q::<DT>(wp[r], k, &sm, sr[r]);
             }
             for t in 0..T {
                 let xv = load8_f32(xp[t].add(k));
@@ -136,7 +195,7 @@ unsafe fn tile<const DT: u8, const R: usize, const T: usize>(
             for t in 0..T {
                 let mut s = hsum(acc[r][t]);
                 for kk in k8..cols {
-                    s = load1::<DT>(wp[r], kk).mul_add(*xp[t].add(kk), s);
+                    s = load1q::<DT>(wp[r], kk, &sm, sr[r]).mul_add(*xp[t].add(kk), s);
                 }
                 // SAFETY: (t0+t, o0+r) is within the output and owned by this thread.
                 out.add((t0 + t) * w.rows + o0 + r).write(s);
