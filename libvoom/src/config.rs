@@ -16,6 +16,7 @@ use std::path::Path;
 
 use serde_json::{Map, Value};
 
+use crate::quantization::Quantization;
 use crate::VoomError;
 
 /// Upper bounds on `config.json` values, far above any published model's. They keep a
@@ -311,6 +312,8 @@ pub struct ModelConfig {
     pub bos_token_id: Option<u32>,
     /// Each below `vocab_size` (see [`token_ids`]).
     pub eos_token_ids: Vec<u32>,
+    /// How the weights that are not BF16 are stored (`quantization_config`).
+    pub quant: Quantization,
 }
 
 /// The subset of HF `config.json` keys vOOM reads, each with its JSON type checked
@@ -658,12 +661,7 @@ impl ModelConfig {
                 )))
             }
         };
-        if hf.quantization_config.is_some() {
-            return Err(err(
-                "quantized checkpoints ('quantization_config') are not supported in exact mode"
-                    .into(),
-            ));
-        }
+        let quant = Quantization::from_config(hf.quantization_config.as_ref()).map_err(err)?;
         let act = hf.hidden_act.as_deref().unwrap_or("silu");
         if act != "silu" {
             return Err(err(format!(
@@ -866,6 +864,7 @@ impl ModelConfig {
             sliding_window: Vec::new(),
             bos_token_id: None,
             eos_token_ids: Vec::new(),
+            quant,
         };
         // The per-layer lists are sized by num_layers: only once it is in range.
         cfg.check_scalars().map_err(err)?;
@@ -2260,8 +2259,21 @@ mod tests {
             "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]},"#,
             1,
         );
-        let e = parse(&fp8).unwrap_err();
-        assert!(e.to_string().contains("quantization_config"), "{e}");
+        assert_eq!(
+            parse(&fp8).unwrap().quant,
+            Quantization::Fp8 {
+                block_rows: 128,
+                block_cols: 128,
+                not_convert: vec![]
+            }
+        );
+        let gptq = ds.replacen(
+            r#""pretraining_tp": 1,"#,
+            r#""pretraining_tp": 1, "quantization_config": {"quant_method": "gptq"},"#,
+            1,
+        );
+        let e = parse(&gptq).unwrap_err();
+        assert!(e.to_string().contains("quant_method' is 'gptq'"), "{e}");
 
         let glm = r#"{"architectures": ["Glm4MoeForCausalLM"], "attention_bias": true,
             "attention_dropout": 0.0, "pad_token_id": 151329, "eos_token_id": [151329, 151336, 151338],

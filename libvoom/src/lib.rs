@@ -34,6 +34,7 @@ pub mod import;
 pub mod model;
 pub mod mtp;
 pub mod placement;
+pub mod quantization;
 pub mod sampler;
 pub mod speculate;
 pub mod text;

@@ -251,7 +251,7 @@ impl<B: Backend> Llama<B> {
     ) -> Result<Self, VoomError> {
         let config = Path::new(model).join("config.json");
         cfg.validate(&config)?;
-        let f = WeightFinder::new(source, model);
+        let f = WeightFinder::new(source, model).with_quant(cfg.quant.clone());
         let in_checkpoint = f.layer_count()?;
         // Multi-token-prediction layers follow the decoder's (DeepSeek-V3 stores its
         // one as layer 61 of 61).

@@ -8,6 +8,7 @@ use vpaged::{PageId, PageLease, PageSource};
 
 use crate::backend::view::{BlockScales, WeightFormat};
 use crate::backend::{TableView, VecView, WeightView};
+use crate::quantization::Quantization;
 use crate::VoomError;
 
 /// Looks weights up by name with a path prefix, like `vb.pp("self_attn")`.
@@ -19,6 +20,8 @@ pub struct WeightFinder<'a> {
     /// Where the language model's `model.*` tensors are: `model.`, or in a
     /// vision-language checkpoint (Qwen3.5 as released) `model.language_model.`.
     trunk: &'static str,
+    /// How config.json says quantized weights are stored.
+    quant: Quantization,
 }
 
 impl<'a> WeightFinder<'a> {
@@ -44,7 +47,13 @@ impl<'a> WeightFinder<'a> {
             model: model.to_string(),
             index,
             trunk,
+            quant: Quantization::None,
         }
+    }
+
+    /// This finder, reading quantized weights as `quant` (config.json's) says.
+    pub fn with_quant(self, quant: Quantization) -> Self {
+        WeightFinder { quant, ..self }
     }
 
     /// The checkpoint's name of tensor `name` (`model.*` under the trunk).
@@ -102,6 +111,17 @@ impl<'a> WeightFinder<'a> {
     /// The one page of tensor `name`, checked against `dims`; a tensor stored in row
     /// parts is an error here (only tables are read part by part).
     fn find(&self, name: &str, dims: &[Dim]) -> Result<(PageId, DType), VoomError> {
+        let (meta, _) = self.find_meta(name, dims)?;
+        self.check_dtype(name, meta.dtype)?;
+        Ok((meta.id, meta.dtype))
+    }
+
+    /// [`WeightFinder::find`] of a page of any dtype, with its stored name.
+    fn find_meta<'n>(
+        &self,
+        name: &'n str,
+        dims: &[Dim],
+    ) -> Result<(&'a vpaged::PageMeta, std::borrow::Cow<'n, str>), VoomError> {
         let stored = self.stored(name);
         let name = stored.as_ref();
         let ids = self
@@ -119,18 +139,42 @@ impl<'a> WeightFinder<'a> {
                 ),
             ));
         }
-        self.check(name, meta, dims)?;
-        Ok((meta.id, meta.dtype))
+        self.check_shape(name, meta, dims)?;
+        Ok((meta, stored.into_owned().into()))
+    }
+
+    /// Checks that a weight's dtype is one the kernels compute on as it is.
+    fn check_dtype(&self, name: &str, dtype: DType) -> Result<(), VoomError> {
+        if dtype.is_compute_float() {
+            return Ok(());
+        }
+        Err(self.err(
+            name,
+            match dtype {
+                DType::F8E5M2 => "dtype F8_E5M2 is not supported: no release vOOM knows stores \
+                                  its weights in it (FP8 runs as e4m3 with block scales)"
+                    .into(),
+                DType::F8E4M3 => "dtype F8_E4M3 is not supported for this tensor (FP8 runs for \
+                                  the linear layers' weights, with their block scales)"
+                    .into(),
+                d => format!("dtype {d} is not supported (BF16, F16, F32)"),
+            },
+        ))
     }
 
     /// Checks a page's dtype and shape against `dims` (config.json's).
     fn check(&self, name: &str, meta: &vpaged::PageMeta, dims: &[Dim]) -> Result<(), VoomError> {
-        if !meta.dtype.is_compute_float() {
-            return Err(self.err(
-                name,
-                format!("dtype {} is not supported (BF16, F16, F32)", meta.dtype),
-            ));
-        }
+        self.check_dtype(name, meta.dtype)?;
+        self.check_shape(name, meta, dims)
+    }
+
+    /// Checks a page's shape against `dims` (config.json's).
+    fn check_shape(
+        &self,
+        name: &str,
+        meta: &vpaged::PageMeta,
+        dims: &[Dim],
+    ) -> Result<(), VoomError> {
         let expected: Vec<usize> = dims.iter().map(|d| d.len).collect();
         if meta.shape != expected {
             let why = match dims
@@ -157,13 +201,21 @@ impl<'a> WeightFinder<'a> {
         Ok(())
     }
 
-    /// A `[rows, cols]` matrix.
+    /// A `[rows, cols]` matrix: BF16, F16 or F32, or FP8 with its block scales
+    /// (`{name}_scale_inv`) where config.json's `quantization_config` says so.
     pub fn matrix(&self, name: &str, rows: &Dim, cols: &Dim) -> Result<Matrix, VoomError> {
-        let (page, dtype) = self.find(name, &[rows.clone(), cols.clone()])?;
+        let (meta, stored) = self.find_meta(name, &[rows.clone(), cols.clone()])?;
+        let (page, dtype) = (meta.id, meta.dtype);
+        let scales = if dtype == DType::F8E4M3 {
+            Some(self.fp8_scales(&stored, rows, cols)?)
+        } else {
+            self.check_dtype(&stored, dtype)?;
+            None
+        };
         Ok(Matrix {
             page,
             dtype,
-            scales: None,
+            scales,
             first: 0,
             rows: rows.len,
             cols: cols.len,
@@ -243,6 +295,67 @@ impl<'a> WeightFinder<'a> {
         Ok(out)
     }
 
+    /// The block scales of FP8 weight `name` (its stored name): the page
+    /// `{name}_scale_inv`, F32 or BF16, of `ceil(rows / block) x ceil(cols / block)`.
+    fn fp8_scales(&self, name: &str, rows: &Dim, cols: &Dim) -> Result<Scales, VoomError> {
+        let Quantization::Fp8 {
+            block_rows,
+            block_cols,
+            ..
+        } = self.quant
+        else {
+            return Err(self.err(
+                name,
+                "stored as F8_E4M3, but config.json has no 'quantization_config' of fp8 \
+                 with its block size"
+                    .into(),
+            ));
+        };
+        if self.quant.left_unconverted(name) {
+            return Err(self.err(
+                name,
+                "stored as F8_E4M3, but config.json's 'modules_to_not_convert' leaves it \
+                 unquantized"
+                    .into(),
+            ));
+        }
+        let scale_name = format!("{name}_scale_inv");
+        if !self.index.contains_key(scale_name.as_str()) {
+            return Err(self.err(
+                name,
+                format!("stored as F8_E4M3, but its block scales '{scale_name}' are missing"),
+            ));
+        }
+        let br = Dim {
+            len: rows.len.div_ceil(block_rows),
+            key: format!("{} / block {block_rows}, rounded up", rows.key),
+        };
+        let bc = Dim {
+            len: cols.len.div_ceil(block_cols),
+            key: format!("{} / block {block_cols}, rounded up", cols.key),
+        };
+        let (meta, _) = self.find_meta(&scale_name, &[br, bc])?;
+        if !matches!(meta.dtype, DType::F32 | DType::BF16) {
+            return Err(self.err(
+                &scale_name,
+                format!(
+                    "block scales of dtype {} (F32 or BF16 expected)",
+                    meta.dtype
+                ),
+            ));
+        }
+        Ok(Scales {
+            page: meta.id,
+            kind: ScaleKind::Fp8 {
+                dtype: meta.dtype,
+                block_rows,
+                block_cols,
+            },
+            first: 0,
+            row0: 0,
+        })
+    }
+
     /// A `[rows, cols]` table read by rows (an embedding, an output head): its one
     /// page, or the row parts it is stored in, which must tile it.
     pub fn table(&self, name: &str, rows: &Dim, cols: &Dim) -> Result<Table, VoomError> {
@@ -254,7 +367,16 @@ impl<'a> WeightFinder<'a> {
             .ok_or_else(|| self.err(name, "missing from the checkpoint".into()))?;
         let pages = self.source.pages();
         if ids.len() == 1 && pages[ids[0].0 as usize].rows.is_none() {
-            let m = self.matrix(name, rows, cols)?;
+            // Read by rows: only a plain dtype.
+            let (page, dtype) = self.find(name, &[rows.clone(), cols.clone()])?;
+            let m = Matrix {
+                page,
+                dtype,
+                scales: None,
+                first: 0,
+                rows: rows.len,
+                cols: cols.len,
+            };
             return Ok(Table {
                 parts: vec![TablePart {
                     page: m.page,
