@@ -129,6 +129,19 @@ impl Quantization {
         }
     }
 
+    /// Its name in messages: `FP8 e4m3 128x128`, `MXFP4`, `BF16`.
+    pub fn describe(&self) -> String {
+        match self {
+            Quantization::None => "unquantized".into(),
+            Quantization::Fp8 {
+                block_rows,
+                block_cols,
+                ..
+            } => format!("FP8 e4m3 {block_rows}x{block_cols}"),
+            Quantization::Mxfp4 { .. } => "MXFP4".into(),
+        }
+    }
+
     /// The modules left unquantized (`modules_to_not_convert`).
     pub fn not_convert(&self) -> &[String] {
         match self {

@@ -15,11 +15,15 @@ use vpaged::direct::ReadMode;
 use vpaged::store::{Store, StoreConfig, StoreSource};
 
 /// A copy (with its manifest) of a case of `tests/fixtures/tiny`, or of
-/// `tests/fixtures/tiny_hybrid` where the first has none of that name.
+/// `tests/fixtures/tiny_hybrid` or `tests/fixtures/tiny_fp8` where the first has
+/// none of that name.
 fn fixture_copy(case: &str) -> (tempfile::TempDir, PathBuf) {
     let tiny = common::fixtures().join(case);
+    let fp8 = common::fixtures().join("../tiny_fp8").join(case);
     let dir = if tiny.exists() {
         tiny
+    } else if fp8.exists() {
+        fp8
     } else {
         common::hybrid_fixtures().join(case)
     };
@@ -117,6 +121,9 @@ fn store_core_gives_the_embedded_bits_at_any_budget() {
         "qwen3_next_moe_legacy_config",
         "qwen3_5_text_dense",
         "qwen3_5_moe_vlm_form",
+        "qwen3_fp8_partial_blocks",
+        "qwen3_moe_fp8_fused_experts",
+        "deepseek_v3_fp8_mla",
     ] {
         let (_d, dir) = fixture_copy(case);
         let prompt: Vec<u32> = (0..21).map(|i| (i * 17 + 3) % 200).collect();
@@ -343,6 +350,7 @@ fn two_engines_through_the_daemon_give_the_embedded_bits() {
         "qwen3_moe_dense_layer",
         "deepseek_v3_mla_yarn",
         "qwen3_next_moe_legacy_config",
+        "qwen3_moe_fp8_bf16_scales_not_convert",
     ] {
         let (d, dir) = fixture_copy(case);
         let prompt: Vec<u32> = (0..19).map(|i| (i * 13 + 7) % 250).collect();
@@ -529,6 +537,7 @@ fn vpack_pages_give_the_raw_bits_at_any_budget() {
         "qwen3_qk_norm_eos_list",
         "olmoe_clip_qkv",
         "deepseek_v3_plain_q_legacy_yarn",
+        "qwen3_moe_fp8_bf16_scales_not_convert",
     ] {
         let (_d, dir) = fixture_copy(case);
         let prompt: Vec<u32> = (0..17).map(|i| (i * 11 + 5) % 200).collect();
@@ -573,6 +582,8 @@ fn a_pass_reads_only_the_experts_its_router_picks() {
         "olmoe_clip_qkv",
         "glm4_moe_partial_rotary_shared",
         "deepseek_v3_plain_q_legacy_yarn",
+        "qwen3_moe_fp8_fused_experts",
+        "deepseek_v3_fp8_mla",
     ] {
         let (_d, dir) = fixture_copy(case);
         let m = voom_formats::Manifest::load(&dir).unwrap().unwrap();

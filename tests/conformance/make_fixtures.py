@@ -984,6 +984,42 @@ def compare_models(a: torch.nn.Module, b: torch.nn.Module, prompts: list[dict]) 
     return diff
 
 
+def reference_records(spec: CaseSpec, model: torch.nn.Module, prompts: list[dict], eos_ids: list[int]) -> tuple[list[dict], float]:
+    """Each prompt's greedy run as reference.json records it, checked against one
+    uncached forward; and the largest cached-against-uncached logit difference."""
+    records = []
+    max_uncached = 0.0
+    for p in prompts:
+        g = greedy(model, p["prompt"])
+        first = last_prompt_logits(model, p["prompt"])
+        # The recorded first-step logits are generate()'s own (cached prefill) logits.
+        first_gen = g["logits"][0]
+        diff, agree = uncached_check(model, p["prompt"], g)
+        if not agree:
+            raise SystemExit(f"{spec.name}: cached and uncached greedy disagree")
+        max_uncached = max(max_uncached, diff, float((first - first_gen).abs().max()))
+        gen = g["generated"]
+        stopped = bool(gen) and gen[-1] in eos_ids
+        top2 = torch.topk(first_gen, 2)
+        records.append(
+            {
+                "prompt_length": p["length"],
+                "prompt_ids": p["prompt"],
+                "generated_ids": gen,
+                "stopped_on_eos": stopped,
+                "num_generated": len(gen),
+                "first_step_logits": f32_list(first_gen),
+                "first_step_top2": [int(top2.indices[0]), int(top2.indices[1])],
+                "step_margins": g["margins"],
+                "min_margin": min(g["margins"]),
+                "distinct_generated": len(set(gen)),
+                "reseeds": p["reseeds"],
+            }
+            | ({"min_router_gap": g["router_gap"]} if routers(model) else {})
+        )
+    return records, max_uncached
+
+
 def run_case(spec: CaseSpec, out: Path) -> dict:
     path = out / spec.name
     if path.exists():
@@ -1104,36 +1140,7 @@ def run_case(spec: CaseSpec, out: Path) -> dict:
             raise SystemExit(f"{spec.name}: clip_qkv has no effect: {per_len}")
         checks["clip_qkv_effect_max_abs_logit_diff_by_prompt_length"] = per_len
 
-    records = []
-    max_uncached = 0.0
-    for p in prompts:
-        g = greedy(model, p["prompt"])
-        first = last_prompt_logits(model, p["prompt"])
-        # The recorded first-step logits are generate()'s own (cached prefill) logits.
-        first_gen = g["logits"][0]
-        diff, agree = uncached_check(model, p["prompt"], g)
-        if not agree:
-            raise SystemExit(f"{spec.name}: cached and uncached greedy disagree")
-        max_uncached = max(max_uncached, diff, float((first - first_gen).abs().max()))
-        gen = g["generated"]
-        stopped = bool(gen) and gen[-1] in eos_ids
-        top2 = torch.topk(first_gen, 2)
-        records.append(
-            {
-                "prompt_length": p["length"],
-                "prompt_ids": p["prompt"],
-                "generated_ids": gen,
-                "stopped_on_eos": stopped,
-                "num_generated": len(gen),
-                "first_step_logits": f32_list(first_gen),
-                "first_step_top2": [int(top2.indices[0]), int(top2.indices[1])],
-                "step_margins": g["margins"],
-                "min_margin": min(g["margins"]),
-                "distinct_generated": len(set(gen)),
-                "reseeds": p["reseeds"],
-            }
-            | ({"min_router_gap": g["router_gap"]} if routers(model) else {})
-        )
+    records, max_uncached = reference_records(spec, model, prompts, eos_ids)
     checks["uncached_vs_generate_max_abs_logit_diff"] = max_uncached
 
     cfg = read_json(path / "config.json")

@@ -939,7 +939,8 @@ impl Engine {
             room,
             walk,
             seqs.iter().map(|s| s.tokens.len().div_ceil(chunk)).sum(),
-        );
+        )
+        .with_value_checks(model.value_checks());
         sweep.set_expert_prefetch(self.opts.expert_prefetch);
         sweep.set_expert_hold(self.opts.expert_hold_bytes);
         let pass = model.forward_batch(&sweep, seqs, chunk);

@@ -25,8 +25,10 @@ use crate::model::moe::{ExpertDims, Experts};
 use crate::model::plan::{self, PagePlan, PerToken, Stage};
 use crate::model::rope;
 use crate::model::sweep::{LayerLease, Sweep};
+use crate::model::values::ValueChecks;
 use crate::model::weights::{Dim, Table, Vector, WeightFinder};
 use crate::model::{Logits, Model, SeqPass};
+use crate::quantization::Quantization;
 use crate::VoomError;
 
 struct Layer {
@@ -183,6 +185,9 @@ pub struct Llama<B: Backend> {
     /// What rotary cos and sin are multiplied by (YaRN's attention factor).
     rope_factor: f32,
     plan: PagePlan,
+    /// The pages of stored values checked when first leased (shared with its
+    /// multi-token-prediction layer's model, loaded by the same finder).
+    checks: Arc<ValueChecks>,
     /// Its first multi-token-prediction layer as a model, or why it has none.
     mtp: Result<Box<Llama<B>>, String>,
 }
@@ -251,6 +256,18 @@ impl<B: Backend> Llama<B> {
     ) -> Result<Self, VoomError> {
         let config = Path::new(model).join("config.json");
         cfg.validate(&config)?;
+        if cfg.quant != Quantization::None && !backend.runs_quantized() {
+            return Err(VoomError::Weight {
+                model: model.to_string(),
+                tensor: "quantization_config".into(),
+                detail: format!(
+                    "the {} backend does not compute on {} weights yet (the CPU backend \
+                     does: --backend cpu)",
+                    backend.name(),
+                    cfg.quant.describe()
+                ),
+            });
+        }
         let f = WeightFinder::new(source, model).with_quant(cfg.quant.clone());
         let in_checkpoint = f.layer_count()?;
         // Multi-token-prediction layers follow the decoder's (DeepSeek-V3 stores its
@@ -302,7 +319,7 @@ impl<B: Backend> Llama<B> {
                 .map(Box::new)
                 .map_err(|e| e.to_string());
         }
-        Ok(Self::assemble(
+        let mut model = Self::assemble(
             cfg,
             source,
             backend,
@@ -310,7 +327,13 @@ impl<B: Backend> Llama<B> {
             layers,
             (final_norm, lm_head),
             mtp,
-        ))
+        );
+        let checks = Arc::new(f.take_value_checks());
+        if let Ok(m) = &mut model.mtp {
+            m.checks = Arc::clone(&checks);
+        }
+        model.checks = checks;
+        Ok(model)
     }
 
     /// The first extra layer (`num_layers`) as a model of its own: that decoder
@@ -432,6 +455,7 @@ impl<B: Backend> Llama<B> {
             inv_freq,
             rope_factor,
             plan,
+            checks: Arc::default(),
             mtp,
         }
     }
@@ -522,6 +546,10 @@ impl<B: Backend> Model for Llama<B> {
 
     fn plan(&self) -> &PagePlan {
         &self.plan
+    }
+
+    fn value_checks(&self) -> &ValueChecks {
+        &self.checks
     }
 
     fn backend_name(&self) -> String {

@@ -16,6 +16,7 @@ mod moe;
 pub mod plan;
 pub mod rope;
 pub mod sweep;
+pub mod values;
 pub mod weights;
 
 use vpaged::PageSource;
@@ -44,6 +45,9 @@ pub trait Model: Send + Sync {
 
     /// The pages each stage of a forward pass reads.
     fn plan(&self) -> &PagePlan;
+
+    /// The pages whose stored values are checked when a pass first leases them.
+    fn value_checks(&self) -> &values::ValueChecks;
 
     /// The backend it computes on ("cpu-avx2").
     fn backend_name(&self) -> String;

@@ -32,6 +32,7 @@ use std::time::{Duration, Instant};
 use vpaged::{PageId, PageSource};
 
 use super::plan::{slot_bytes, PagePlan, Stage};
+use super::values::ValueChecks;
 use super::weights::Leased;
 use crate::VoomError;
 
@@ -156,6 +157,8 @@ pub struct Sweep<'a> {
     expert_hold: Cell<usize>,
     /// Slot bytes of one position's routed experts, the largest of any layer.
     expert_batch: u64,
+    /// The pages whose stored values are checked when first leased.
+    checks: Option<&'a ValueChecks>,
 }
 
 impl<'a> Sweep<'a> {
@@ -203,6 +206,7 @@ impl<'a> Sweep<'a> {
             expert_prefetch: Cell::new(false),
             expert_hold: Cell::new(EXPERT_HOLD_BYTES),
             expert_batch: expert,
+            checks: None,
         }
     }
 
@@ -265,7 +269,20 @@ impl<'a> Sweep<'a> {
     }
 
     fn acquire(&self, ids: &[PageId]) -> Result<Leased, VoomError> {
-        acquire_timed(self.source, ids, &self.waited)
+        let leased = acquire_timed(self.source, ids, &self.waited)?;
+        if let Some(c) = self.checks {
+            c.check(self.source.pages(), leased.pages())?;
+        }
+        Ok(leased)
+    }
+
+    /// Checks the stored values of `checks`' pages as the sweep first leases them
+    /// ([`ValueChecks`]).
+    pub fn with_value_checks(self, checks: &'a ValueChecks) -> Self {
+        Sweep {
+            checks: Some(checks),
+            ..self
+        }
     }
 
     pub fn scope(&self) -> LeaseScope {

@@ -1,11 +1,13 @@
 //! Resolving an architecture's weights to pages, with their expected dtype and shape
 //! checked once at load time, and reading them in place at compute time.
 
+use std::cell::RefCell;
 use std::collections::{BTreeSet, HashMap};
 
 use voom_formats::DType;
 use vpaged::{PageId, PageLease, PageSource};
 
+use super::values::{ValueChecks, ValueKind};
 use crate::backend::view::{BlockScales, WeightFormat};
 use crate::backend::{TableView, VecView, WeightView};
 use crate::quantization::Quantization;
@@ -22,6 +24,8 @@ pub struct WeightFinder<'a> {
     trunk: &'static str,
     /// How config.json says quantized weights are stored.
     quant: Quantization,
+    /// The pages found whose stored values may be NaN (FP8 weights, their scales).
+    checks: RefCell<ValueChecks>,
 }
 
 impl<'a> WeightFinder<'a> {
@@ -48,7 +52,15 @@ impl<'a> WeightFinder<'a> {
             index,
             trunk,
             quant: Quantization::None,
+            checks: RefCell::new(ValueChecks::new(model)),
         }
+    }
+
+    /// The pages found so far whose values are checked when first leased
+    /// ([`ValueChecks`]); the finder keeps none after.
+    pub fn take_value_checks(&self) -> ValueChecks {
+        let model = self.model.clone();
+        self.checks.replace(ValueChecks::new(&model))
     }
 
     /// This finder, reading quantized weights as `quant` (config.json's) says.
@@ -207,7 +219,9 @@ impl<'a> WeightFinder<'a> {
         let (meta, stored) = self.find_meta(name, &[rows.clone(), cols.clone()])?;
         let (page, dtype) = (meta.id, meta.dtype);
         let scales = if dtype == DType::F8E4M3 {
-            Some(self.fp8_scales(&stored, rows, cols)?)
+            let s = self.fp8_scales(&stored, rows, cols)?;
+            self.record(page, &s);
+            Some(s)
         } else {
             self.check_dtype(&stored, dtype)?;
             None
@@ -223,7 +237,9 @@ impl<'a> WeightFinder<'a> {
     }
 
     /// A `[count, rows, cols]` tensor as `count` matrices of `[rows, cols]` (experts
-    /// stored fused in one tensor), each a view of the tensor's one page.
+    /// stored fused in one tensor), each a view of the page holding it; FP8 with its
+    /// `[count, ceil(rows / block), ceil(cols / block)]` block scales, stored (and
+    /// paged) the same way.
     pub fn stacked(
         &self,
         name: &str,
@@ -231,29 +247,77 @@ impl<'a> WeightFinder<'a> {
         rows: &Dim,
         cols: &Dim,
     ) -> Result<Vec<Matrix>, VoomError> {
-        let stored = self.stored(name);
-        let name = stored.as_ref();
+        let stored = self.stored(name).into_owned();
+        let (at, dtype) = self.stacked_pages(&stored, count, &[rows.clone(), cols.clone()])?;
+        let scales: Vec<Option<Scales>> = if dtype == DType::F8E4M3 {
+            let (block_rows, block_cols) = self.fp8_block(&stored)?;
+            let scale_name = self.fp8_scale_name(&stored)?;
+            let (br, bc) = fp8_scale_dims(rows, cols, block_rows, block_cols);
+            let nbr = br.len;
+            let (sat, sdtype) = self.stacked_pages(&scale_name, count, &[br, bc])?;
+            self.check_scale_dtype(&scale_name, sdtype)?;
+            let scales: Vec<Option<Scales>> = sat
+                .into_iter()
+                .map(|(page, i)| {
+                    Some(Scales {
+                        page,
+                        kind: ScaleKind::Fp8 {
+                            dtype: sdtype,
+                            block_rows,
+                            block_cols,
+                        },
+                        first: i * nbr,
+                        row0: 0,
+                    })
+                })
+                .collect();
+            for ((page, _), s) in at.iter().zip(&scales) {
+                self.record(*page, s.as_ref().expect("FP8 scales"));
+            }
+            scales
+        } else {
+            self.check_dtype(&stored, dtype)?;
+            vec![None; at.len()]
+        };
+        Ok(at
+            .into_iter()
+            .zip(scales)
+            .map(|((page, i), scales)| Matrix {
+                page,
+                dtype,
+                scales,
+                first: i * rows.len,
+                rows: rows.len,
+                cols: cols.len,
+            })
+            .collect())
+    }
+
+    /// Where each of the `count` slices of tensor `name` (`[count, tail..]`, its
+    /// stored name) lies: its page and its index in that page, with the tensor's dtype.
+    /// One whole page, or parts along the first dimension (a manifest pages each
+    /// expert on its own), each holding whole slices from 0 in order, of one dtype.
+    fn stacked_pages(
+        &self,
+        name: &str,
+        count: &Dim,
+        tail: &[Dim],
+    ) -> Result<(Vec<(PageId, usize)>, DType), VoomError> {
         let ids = self
             .index
             .get(name)
             .ok_or_else(|| self.err(name, "missing from the checkpoint".into()))?;
         let pages = self.source.pages();
         let first = &pages[ids[0].0 as usize];
+        let dims = |lead: Dim| {
+            std::iter::once(lead)
+                .chain(tail.iter().cloned())
+                .collect::<Vec<_>>()
+        };
         if ids.len() == 1 && first.rows.is_none() {
-            let (page, dtype) = self.find(name, &[count.clone(), rows.clone(), cols.clone()])?;
-            return Ok((0..count.len)
-                .map(|i| Matrix {
-                    page,
-                    dtype,
-                    scales: None,
-                    first: i * rows.len,
-                    rows: rows.len,
-                    cols: cols.len,
-                })
-                .collect());
+            let (meta, _) = self.find_meta(name, &dims(count.clone()))?;
+            return Ok(((0..count.len).map(|i| (meta.id, i)).collect(), meta.dtype));
         }
-        // In parts along the first dimension (a manifest pages each expert on its
-        // own): each part holds whole matrices, from 0 in order.
         let mut out = Vec::with_capacity(count.len);
         for &id in ids {
             let meta = &pages[id.0 as usize];
@@ -271,15 +335,8 @@ impl<'a> WeightFinder<'a> {
                 len: r.count as usize,
                 key: format!("{}..{} of {}", r.start, r.end(), count.key),
             };
-            self.check(name, meta, &[held, rows.clone(), cols.clone()])?;
-            out.extend((0..r.count as usize).map(|i| Matrix {
-                page: id,
-                dtype: meta.dtype,
-                scales: None,
-                first: i * rows.len,
-                rows: rows.len,
-                cols: cols.len,
-            }));
+            self.check_shape(name, meta, &dims(held))?;
+            out.extend((0..r.count as usize).map(|i| (id, i)));
         }
         if out.len() != count.len {
             return Err(self.err(
@@ -292,12 +349,23 @@ impl<'a> WeightFinder<'a> {
                 ),
             ));
         }
-        Ok(out)
+        Ok((out, first.dtype))
     }
 
-    /// The block scales of FP8 weight `name` (its stored name): the page
-    /// `{name}_scale_inv`, F32 or BF16, of `ceil(rows / block) x ceil(cols / block)`.
-    fn fp8_scales(&self, name: &str, rows: &Dim, cols: &Dim) -> Result<Scales, VoomError> {
+    /// Records quantized weight page `page` and its scales' for their values' check.
+    fn record(&self, page: PageId, s: &Scales) {
+        let mut c = self.checks.borrow_mut();
+        match s.kind {
+            ScaleKind::Fp8 { dtype, .. } => {
+                c.add(page, ValueKind::Fp8E4M3);
+                c.add(s.page, ValueKind::Scales(dtype));
+            }
+            ScaleKind::Mxfp4 => c.add(s.page, ValueKind::E8M0),
+        }
+    }
+
+    /// The FP8 block size config.json gives for weight `name` (stored as F8_E4M3).
+    fn fp8_block(&self, name: &str) -> Result<(usize, usize), VoomError> {
         let Quantization::Fp8 {
             block_rows,
             block_cols,
@@ -319,6 +387,11 @@ impl<'a> WeightFinder<'a> {
                     .into(),
             ));
         }
+        Ok((block_rows, block_cols))
+    }
+
+    /// The name of FP8 weight `name`'s block scales (`{name}_scale_inv`), present.
+    fn fp8_scale_name(&self, name: &str) -> Result<String, VoomError> {
         let scale_name = format!("{name}_scale_inv");
         if !self.index.contains_key(scale_name.as_str()) {
             return Err(self.err(
@@ -326,24 +399,27 @@ impl<'a> WeightFinder<'a> {
                 format!("stored as F8_E4M3, but its block scales '{scale_name}' are missing"),
             ));
         }
-        let br = Dim {
-            len: rows.len.div_ceil(block_rows),
-            key: format!("{} / block {block_rows}, rounded up", rows.key),
-        };
-        let bc = Dim {
-            len: cols.len.div_ceil(block_cols),
-            key: format!("{} / block {block_cols}, rounded up", cols.key),
-        };
-        let (meta, _) = self.find_meta(&scale_name, &[br, bc])?;
-        if !matches!(meta.dtype, DType::F32 | DType::BF16) {
-            return Err(self.err(
-                &scale_name,
-                format!(
-                    "block scales of dtype {} (F32 or BF16 expected)",
-                    meta.dtype
-                ),
-            ));
+        Ok(scale_name)
+    }
+
+    fn check_scale_dtype(&self, scale_name: &str, dtype: DType) -> Result<(), VoomError> {
+        if matches!(dtype, DType::F32 | DType::BF16) {
+            return Ok(());
         }
+        Err(self.err(
+            scale_name,
+            format!("block scales of dtype {dtype} (F32 or BF16 expected)"),
+        ))
+    }
+
+    /// The block scales of FP8 weight `name` (its stored name): the page
+    /// `{name}_scale_inv`, F32 or BF16, of `ceil(rows / block) x ceil(cols / block)`.
+    fn fp8_scales(&self, name: &str, rows: &Dim, cols: &Dim) -> Result<Scales, VoomError> {
+        let (block_rows, block_cols) = self.fp8_block(name)?;
+        let scale_name = self.fp8_scale_name(name)?;
+        let (br, bc) = fp8_scale_dims(rows, cols, block_rows, block_cols);
+        let (meta, _) = self.find_meta(&scale_name, &[br, bc])?;
+        self.check_scale_dtype(&scale_name, meta.dtype)?;
         Ok(Scales {
             page: meta.id,
             kind: ScaleKind::Fp8 {
@@ -555,6 +631,21 @@ impl Matrix {
     }
 }
 
+/// The shape of an FP8 weight's block scales: `ceil(rows / block_rows) x
+/// ceil(cols / block_cols)` (edge blocks partial).
+fn fp8_scale_dims(rows: &Dim, cols: &Dim, block_rows: usize, block_cols: usize) -> (Dim, Dim) {
+    (
+        Dim {
+            len: rows.len.div_ceil(block_rows),
+            key: format!("{} / block {block_rows}, rounded up", rows.key),
+        },
+        Dim {
+            len: cols.len.div_ceil(block_cols),
+            key: format!("{} / block {block_cols}, rounded up", cols.key),
+        },
+    )
+}
+
 /// A table read by rows, as the pages it is stored in (one, or its row parts).
 #[derive(Debug, Clone)]
 pub struct Table {
@@ -680,6 +771,11 @@ impl Leased {
 
     fn bytes(&self, id: PageId) -> &[u8] {
         self.lease(id).bytes()
+    }
+
+    /// Every page leased, with its bytes.
+    pub fn pages(&self) -> impl Iterator<Item = (PageId, &[u8])> {
+        self.leases.iter().map(|(&id, l)| (id, l.bytes()))
     }
 
     /// The parts of `t` this lease holds (a table leased part by part holds some).

@@ -349,6 +349,11 @@ impl Backend for MlxBackend {
         self.device == "cpu"
     }
 
+    /// Not yet: its products take plain BF16, F16 and F32 weights.
+    fn runs_quantized(&self) -> bool {
+        false
+    }
+
     /// Borrowed memory MLX copied instead of wrapping: on its CPU and CUDA builds
     /// every page (MLX 0.32 copies any external pointer there); on Metal, pages it
     /// cannot map as a buffer (not aligned to its 16 KiB pages).
