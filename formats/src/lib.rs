@@ -14,6 +14,8 @@
 //! - [`gguf`]: the GGUF container (llama.cpp), its metadata and the dequantization of
 //!   the tensor types vOOM imports.
 //! - [`dtype`]: element types and exact conversions.
+//! - [`stored_format`]: what a tensor's bytes are in a listing (plain, or a part of
+//!   an FP8 or MXFP4 weight).
 //! - [`vpack`]: the lossless byte-plane encoding of BF16/F16 pages (high plane zstd).
 //! - [`pack`]: packing a model store: every BF16/F16 page's vpack body written beside
 //!   the checkpoint, verified, and named in the manifest.
@@ -30,6 +32,7 @@ pub mod manifest;
 pub mod mapguard;
 pub mod pack;
 pub mod safetensors;
+pub mod stored_format;
 pub mod vpack;
 
 pub use checkpoint::Checkpoint;
@@ -37,3 +40,4 @@ pub use dtype::DType;
 pub use error::FormatError;
 pub use manifest::Manifest;
 pub use mapguard::{FileIdentity, GuardedMap};
+pub use stored_format::StoredFormat;

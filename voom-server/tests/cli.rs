@@ -479,6 +479,61 @@ fn two_engines_on_one_daemon_cost_one_copy_of_the_weights() {
 
 /// `voom plan`: the placement never exceeds the budget, a budget below the minimum is
 /// an error naming it, and the storage measurement reports what it read.
+/// `voom plan` of an FP8 checkpoint names its formats, and its bytes against its BF16
+/// form: the FP8 weights half theirs, the scales none.
+#[test]
+fn plan_shows_the_stored_formats_and_the_bf16_form() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures/tiny_fp8/qwen3_moe_fp8_bf16_scales_not_convert");
+    let o = voom()
+        .arg("plan")
+        .arg(&dir)
+        .args(["--memory-budget", "1GiB", "--context", "64", "--no-measure"])
+        .args(["--process-bytes", "8MiB", "--json"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let f = last_json(&o)["formats"].clone();
+    let each = f["each"].as_array().unwrap();
+    let of = |name: &str| {
+        each.iter()
+            .find(|e| e["format"] == name)
+            .map(|e| e["bytes"].as_u64().unwrap())
+    };
+    let (fp8, scales, bf16) = (
+        of("FP8 e4m3").unwrap(),
+        of("FP8 scales BF16").unwrap(),
+        of("BF16").unwrap(),
+    );
+    assert!(fp8 > 0 && scales > 0 && bf16 > 0, "{f}");
+    let others: u64 = each
+        .iter()
+        .map(|e| e["bytes"].as_u64().unwrap())
+        .sum::<u64>()
+        - fp8
+        - scales
+        - bf16;
+    assert_eq!(
+        f["stored_bytes"].as_u64().unwrap(),
+        fp8 + scales + bf16 + others
+    );
+    // F32 tensors (none here but possible) would be half their bytes as BF16.
+    assert_eq!(others, 0, "{f}");
+    assert_eq!(f["bf16_bytes"].as_u64().unwrap(), 2 * fp8 + bf16, "{f}");
+    let text = voom()
+        .arg("plan")
+        .arg(&dir)
+        .args(["--memory-budget", "1GiB", "--context", "64", "--no-measure"])
+        .args(["--process-bytes", "8MiB"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8(text.stdout).unwrap();
+    assert!(
+        text.contains("stored as:") && text.contains("FP8 e4m3") && text.contains("its BF16 form"),
+        "{text}"
+    );
+}
+
 #[test]
 fn plan_places_within_the_budget_and_refuses_below_the_minimum() {
     let dir = tiny("llama_sharded");
@@ -502,6 +557,10 @@ fn plan_places_within_the_budget_and_refuses_below_the_minimum() {
     let minimum = big["minimum_budget"].as_u64().unwrap();
     let weights = big["weight_bytes_per_token"].as_u64().unwrap();
     assert!(minimum > 0 && weights > 0);
+    // A BF16 checkpoint is its BF16 form.
+    let f = &big["formats"];
+    assert_eq!(f["each"][0]["format"], "BF16", "{f}");
+    assert_eq!(f["stored_bytes"], f["bf16_bytes"], "{f}");
 
     // At the minimum it runs, streaming; below it, an error naming the minimum.
     let o = plan(&minimum.to_string(), &[]);

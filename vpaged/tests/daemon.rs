@@ -226,6 +226,7 @@ fn vpagectl_reports_status_and_residency() {
     let names: Vec<&str> = rows.iter().map(|r| r["name"].as_str().unwrap()).collect();
     assert_eq!(names, ["a", "b", "c", "d"]);
     assert!(rows.iter().all(|r| r["group"] == "other"), "{pages}");
+    assert!(rows.iter().all(|r| r["format"] == r["dtype"]), "{pages}");
     assert_eq!(resident, [false, false, true, false]);
     assert_eq!(rows[2]["requests"], 1);
     // Text output too.
@@ -234,6 +235,54 @@ fn vpagectl_reports_status_and_residency() {
         text.contains("1 leases held") && text.contains("of 4.00 MiB used"),
         "{text}"
     );
+}
+
+/// `vpagectl pages` names each page's stored format: an FP8 checkpoint's weights
+/// and their block scales apart from its BF16 tensors.
+#[test]
+fn vpagectl_pages_shows_each_pages_format() {
+    let d = tempfile::tempdir().unwrap();
+    let src = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures/tiny_fp8/qwen3_fp8_partial_blocks");
+    let m = d.path().join("model");
+    std::fs::create_dir(&m).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(src.join(f), m.join(f)).unwrap();
+    }
+    let ckpt = Checkpoint::open(&m).unwrap();
+    Manifest::build(&ckpt, &mut |_, _| {})
+        .unwrap()
+        .save(&m)
+        .unwrap();
+    let daemon = start(d.path(), "4MiB");
+    let run = |json: bool| {
+        let o = Command::new(env!("CARGO_BIN_EXE_vpagectl"))
+            .arg("--socket")
+            .arg(&daemon.socket)
+            .args(["pages", m.to_str().unwrap()])
+            .args(json.then_some("--json"))
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8(o.stdout).unwrap()
+    };
+    let pages: serde_json::Value = serde_json::from_str(&run(true)).unwrap();
+    let format = |name: &str| {
+        pages["pages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["name"] == name)
+            .unwrap_or_else(|| panic!("no page {name}"))["format"]
+            .clone()
+    };
+    let q = "model.layers.0.self_attn.q_proj.weight";
+    assert_eq!(format(q), "FP8 e4m3");
+    assert_eq!(format(&format!("{q}_scale_inv")), "FP8 scales F32");
+    assert_eq!(format("model.layers.0.input_layernorm.weight"), "BF16");
+    let text = run(false);
+    let line = text.lines().find(|l| l.ends_with(q)).unwrap();
+    assert!(line.contains("FP8 e4m3"), "{text}");
 }
 
 #[test]

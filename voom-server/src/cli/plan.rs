@@ -128,6 +128,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
         )?)
     };
     let stages = stage_summary(plan.stages(), &p);
+    let formats = stored_formats(engine.source().pages());
     let fast = match &a.fast_tier {
         Some(d) => Some(fast_tier(
             d,
@@ -174,6 +175,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
                 "streamed_bytes_per_token": p.streamed_per_token,
                 "pinned_bytes_per_token": p.pinned_per_token,
                 "stages": stages,
+                "formats": formats.json(),
                 "storage": m.map(|m| json!({
                     "direct_bytes_per_sec": m.direct.map(|b| b.bytes_per_sec()),
                     "direct_error": m.direct_error,
@@ -221,6 +223,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
             human(p.expert_cache_bytes)
         )?;
     }
+    vpaged::outln!("  {}", formats.line())?;
     for s in &stages {
         vpaged::outln!(
             "    {:<12} {:>10}  pinned {:>10}  read per token {:>10} from storage",
@@ -285,6 +288,77 @@ pub fn run(a: PlanArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The model's pages by stored format, and the bytes of its BF16 form.
+struct Formats {
+    /// (format, pages, bytes as stored), the most bytes first.
+    each: Vec<(voom_formats::StoredFormat, usize, u64)>,
+    stored: u64,
+    bf16: u64,
+}
+
+/// The pages of `pages` by format ([`voom_formats::StoredFormat`]), and what they
+/// would take as BF16 (FP8 weights twice their bytes, MXFP4 four times, scales none,
+/// other floats at two bytes a value).
+fn stored_formats(pages: &[vpaged::PageMeta]) -> Formats {
+    use voom_formats::{DType, StoredFormat};
+    let names: std::collections::HashSet<&str> = pages.iter().map(|p| p.name.as_str()).collect();
+    let mut by: std::collections::HashMap<StoredFormat, (usize, u64)> = Default::default();
+    let mut bf16 = 0u64;
+    for p in pages {
+        let f = StoredFormat::of(&p.name, p.dtype, |n| names.contains(n));
+        let e = by.entry(f).or_default();
+        e.0 += 1;
+        e.1 += p.len;
+        bf16 += match f {
+            StoredFormat::Fp8E4M3 => 2 * p.len,
+            StoredFormat::Mxfp4Blocks => 4 * p.len,
+            StoredFormat::Fp8Scales(_) | StoredFormat::Mxfp4Scales => 0,
+            StoredFormat::Plain(d @ (DType::F32 | DType::F16 | DType::BF16)) => {
+                p.len / d.size() as u64 * 2
+            }
+            StoredFormat::Plain(_) => p.len,
+        };
+    }
+    let mut each: Vec<_> = by.into_iter().map(|(f, (n, b))| (f, n, b)).collect();
+    each.sort_by_key(|&(f, _, b)| (std::cmp::Reverse(b), f.to_string()));
+    Formats {
+        stored: each.iter().map(|e| e.2).sum(),
+        each,
+        bf16,
+    }
+}
+
+impl Formats {
+    fn json(&self) -> serde_json::Value {
+        json!({
+            "stored_bytes": self.stored,
+            "bf16_bytes": self.bf16,
+            "each": self.each.iter().map(|(f, n, b)| json!({
+                "format": f.to_string(), "pages": n, "bytes": b,
+            })).collect::<Vec<_>>(),
+        })
+    }
+
+    /// `stored as: 1.1 GiB FP8 e4m3 (96 pages), ...; 2.1 GiB as BF16`.
+    fn line(&self) -> String {
+        let each: Vec<String> = self
+            .each
+            .iter()
+            .map(|(f, n, b)| format!("{} {f} ({n} pages)", human(*b)))
+            .collect();
+        let ratio = if self.bf16 > 0 {
+            format!(
+                "; its BF16 form {} ({:.2}x)",
+                human(self.bf16),
+                self.stored as f64 / self.bf16 as f64
+            )
+        } else {
+            String::new()
+        };
+        format!("stored as: {}{ratio}", each.join(", "))
+    }
 }
 
 /// What a fast tier would hold and how fast it reads (`--fast-tier`).

@@ -526,13 +526,18 @@ fn pages(socket: Option<&Path>, dir: &Path, json: bool) -> Result<ExitCode> {
         .flatten()
         .map(|v| v.as_u64().unwrap_or(0))
         .collect();
+    let names: std::collections::HashSet<&str> =
+        manifest.pages.iter().map(|p| p.name.as_str()).collect();
     let rows: Vec<serde_json::Value> = manifest
         .pages
         .iter()
         .map(|p| {
+            let format = voom_formats::StoredFormat::of(&p.name, p.dtype, |n| names.contains(n));
             serde_json::json!({
                 "id": p.id,
                 "name": p.name,
+                "dtype": p.dtype.to_string(),
+                "format": format.to_string(),
                 "rows": p.rows.map(|r| [r.start, r.end()]),
                 "label": p.label(),
                 "group": p.group,
@@ -549,13 +554,14 @@ fn pages(socket: Option<&Path>, dir: &Path, json: bool) -> Result<ExitCode> {
         outln!("{}", serde_json::json!({ "model": canon, "pages": rows }))?;
     } else {
         outln!(
-            "{:>6} {:>8} {:>12} {:<9} {:<6} {:<14} name",
+            "{:>6} {:>8} {:>12} {:<9} {:<6} {:<14} {:<15} name",
             "id",
             "requests",
             "bytes",
             "resident",
             "vpack",
-            "group"
+            "group",
+            "format"
         )?;
         for (r, p) in rows.iter().zip(&manifest.pages) {
             let group = match p.group {
@@ -566,7 +572,7 @@ fn pages(socket: Option<&Path>, dir: &Path, json: bool) -> Result<ExitCode> {
                 PageGroup::Other => "other".to_string(),
             };
             outln!(
-                "{:>6} {:>8} {:>12} {:<9} {:<6} {:<14} {}",
+                "{:>6} {:>8} {:>12} {:<9} {:<6} {:<14} {:<15} {}",
                 // Numbers, not JSON values: a Value's Display ignores the width.
                 r["id"].as_u64().unwrap_or(0),
                 r["requests"].as_u64().unwrap_or(0),
@@ -578,6 +584,7 @@ fn pages(socket: Option<&Path>, dir: &Path, json: bool) -> Result<ExitCode> {
                 },
                 if r["vpack"].is_null() { "no" } else { "yes" },
                 group,
+                r["format"].as_str().unwrap_or(""),
                 r["label"].as_str().unwrap_or("")
             )?;
         }
