@@ -22,9 +22,12 @@ use voom_formats::dtype::DType;
 
 use common::{bits, fixtures};
 
-const CASES: [&str; 2] = [
+/// The last: the first's FP8 form (made by `tests/conformance/make_fp8_fixtures.py`),
+/// its prediction layer quantized too.
+const CASES: [&str; 3] = [
     "deepseek_v3_mla_yarn_mtp",
     "glm4_moe_partial_rotary_shared_mtp",
+    "deepseek_v3_mla_yarn_mtp_fp8",
 ];
 
 fn mtp_fixture(case: &str) -> PathBuf {

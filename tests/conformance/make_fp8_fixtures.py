@@ -31,6 +31,7 @@ made with torch 2.11 and transformers 5.17, the accelerator machine's).
 from __future__ import annotations
 
 import copy
+import json
 import math
 import shutil
 import sys
@@ -51,7 +52,8 @@ E4M3_MAX = 448.0
 
 @dataclass
 class Fp8Case:
-    spec: CaseSpec
+    # None: a case quantized from a fixture already made (the MTP one).
+    spec: CaseSpec | None
     block: tuple[int, int]
     # quantization_config.modules_to_not_convert: these modules stay BF16.
     not_convert: list[str] = field(default_factory=list)
@@ -70,6 +72,9 @@ def quantized_names(names: list[str], not_convert: list[str]) -> list[str]:
         if not n.startswith("model.layers.") or not (n.endswith(".weight") or fused):
             continue
         if "norm" in n or n.endswith("mlp.gate.weight") or n.endswith("shared_expert_gate.weight"):
+            continue
+        # A multi-token-prediction layer's own embedding and head stay BF16.
+        if n.endswith(("embed_tokens.weight", "shared_head.head.weight")):
             continue
         if any(in_module(n, m) for m in not_convert):
             continue
@@ -180,6 +185,51 @@ def case_list() -> list[Fp8Case]:
     ]
 
 
+def quantize_all(stored: dict, case: Fp8Case) -> tuple[list[str], dict, dict]:
+    """The names quantized, the tensors to store (FP8 weights with their scales,
+    the rest as they were) and every tensor's stored value in float32."""
+    names = quantized_names(sorted(stored), case.not_convert)
+    tensors = dict(stored)
+    f32 = {n: t.float() for n, t in stored.items()}
+    for n in names:
+        w = stored[n]
+        if w.dim() == 3:  # fused experts: each expert's matrix on its own blocks
+            qs = [quantize(w[e], case.block, case.bf16_scales) for e in range(w.shape[0])]
+            q = torch.stack([a for a, _ in qs])
+            s = torch.stack([b for _, b in qs])
+            deq = torch.stack([dequantize(a, b, case.block) for a, b in qs])
+        else:
+            q, s = quantize(w, case.block, case.bf16_scales)
+            deq = dequantize(q, s, case.block)
+        tensors[n], tensors[n + "_scale_inv"] = q, s
+        f32[n] = deq
+    return names, tensors, f32
+
+
+def quantization_config(case: Fp8Case) -> dict:
+    qc = {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": list(case.block),
+    }
+    if case.not_convert:
+        qc["modules_to_not_convert"] = case.not_convert
+    return qc
+
+
+def write_twin(twin: Path, cfg: dict, f32: dict, path: Path) -> None:
+    """The float32 twin of the checkpoint at `path` in `twin`: every tensor as its
+    stored value, no quantization_config."""
+    shutil.copy(path / "generation_config.json", twin / "generation_config.json")
+    plain = dict(cfg)
+    plain.pop("quantization_config", None)
+    make_fixtures.write_json_like_transformers(twin / "config.json", plain)
+    safetensors.torch.save_file(
+        {n: t.contiguous() for n, t in f32.items()}, twin / "model.safetensors", metadata={"format": "pt"}
+    )
+
+
 def run_case(case: Fp8Case, out: Path) -> dict:
     spec = case.spec
     path = out / spec.name
@@ -194,50 +244,21 @@ def run_case(case: Fp8Case, out: Path) -> dict:
     del model
 
     stored = make_fixtures.checkpoint_tensors(path)
-    names = quantized_names(sorted(stored), case.not_convert)
-    tensors, f32 = {}, {}
-    for n, t in stored.items():
-        f32[n] = t.float()
-        tensors[n] = t
-    for n in names:
-        w = stored[n]
-        if w.dim() == 3:  # fused experts: each expert's matrix on its own blocks
-            qs = [quantize(w[e], case.block, case.bf16_scales) for e in range(w.shape[0])]
-            q = torch.stack([a for a, _ in qs])
-            s = torch.stack([b for _, b in qs])
-            deq = torch.stack([dequantize(a, b, case.block) for a, b in qs])
-        else:
-            q, s = quantize(w, case.block, case.bf16_scales)
-            deq = dequantize(q, s, case.block)
-        tensors[n], tensors[n + "_scale_inv"] = q, s
-        f32[n] = deq
+    names, tensors, f32 = quantize_all(stored, case)
     for f in path.glob("*.safetensors"):
         f.unlink()
     safetensors.torch.save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
 
     cfg = make_fixtures.read_json(path / "config.json")
-    qc = {
-        "activation_scheme": "dynamic",
-        "fmt": "e4m3",
-        "quant_method": "fp8",
-        "weight_block_size": list(case.block),
-    }
-    if case.not_convert:
-        qc["modules_to_not_convert"] = case.not_convert
+    qc = quantization_config(case)
     cfg["quantization_config"] = qc
     make_fixtures.write_json_like_transformers(path / "config.json", cfg)
 
     # The float32 twin: the same files with every weight as stored (dequantized), no
     # quantization_config; transformers loads it as it loads any checkpoint.
     with tempfile.TemporaryDirectory() as tmp:
-        twin = Path(tmp)
-        for f in ("generation_config.json",):
-            shutil.copy(path / f, twin / f)
-        plain = dict(cfg)
-        plain.pop("quantization_config")
-        make_fixtures.write_json_like_transformers(twin / "config.json", plain)
-        safetensors.torch.save_file({n: t.contiguous() for n, t in f32.items()}, twin / "model.safetensors", metadata={"format": "pt"})
-        model = make_fixtures.load_f32(twin)
+        write_twin(Path(tmp), cfg, f32, path)
+        model = make_fixtures.load_f32(Path(tmp))
     state = model.state_dict()
     for n, v in f32.items():
         got = make_fixtures.stored_value_in_model(state, n)
@@ -306,6 +327,92 @@ def run_case(case: Fp8Case, out: Path) -> dict:
     }
 
 
+# The FP8 form of an MTP fixture (tests/fixtures/tiny_mtp): the decoder and its
+# multi-token-prediction layer quantized alike (eh_proj included, as DeepSeek-V3's
+# layer 61 is), the layer's own embedding and head BF16.
+MTP_BASE = "deepseek_v3_mla_yarn_mtp"
+MTP_CASE = Fp8Case(spec=None, block=(16, 16))
+
+
+def run_mtp_case(out: Path) -> dict:
+    """`MTP_BASE` in FP8 into `out`/`MTP_BASE`_fp8, with reference_mtp.json computed
+    as make_mtp_fixtures.py computes it, over the stored values."""
+    import make_mtp_fixtures as mm
+
+    src = out / MTP_BASE
+    name = f"{MTP_BASE}_fp8"
+    path = out / name
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    stored = make_fixtures.checkpoint_tensors(src)
+    names, tensors, f32 = quantize_all(stored, MTP_CASE)
+    safetensors.torch.save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    cfg = make_fixtures.read_json(src / "config.json")
+    cfg["quantization_config"] = quantization_config(MTP_CASE)
+    make_fixtures.write_json_like_transformers(path / "config.json", cfg)
+    shutil.copy(src / "generation_config.json", path / "generation_config.json")
+    n_layers = cfg["num_hidden_layers"]
+    if not any(n.startswith(f"model.layers.{n_layers}.") for n in names):
+        raise SystemExit(f"{name}: the prediction layer has no FP8 weight")
+    base = make_fixtures.read_json(src / "reference_mtp.json")
+    with tempfile.TemporaryDirectory() as tmp:
+        twin = Path(tmp)
+        write_twin(twin, cfg, f32, path)
+        decoder = make_fixtures.load_f32(twin)
+        cfg2 = transformers.AutoConfig.from_pretrained(twin)
+        cfg2.num_hidden_layers = n_layers + 1
+        full = make_fixtures.load_f32(twin, cfg2)
+    state = full.state_dict()
+    for n, v in f32.items():
+        got = make_fixtures.stored_value_in_model(state, n)
+        if got is not None and not torch.equal(got, v):
+            raise SystemExit(f"{name}: the reference model's {n} is not the stored value")
+    mtp = mm.Mtp(decoder, full, f32, n_layers)
+    sequences = []
+    for s in base["sequences"]:
+        p = s["prompt_ids"]
+        seq = list(p)
+        with torch.no_grad():
+            for _ in range(mm.NEW_TOKENS):
+                logits = decoder(torch.tensor([seq]), use_cache=False).logits[0, -1]
+                top = torch.topk(logits, 2)
+                if float(top.values[0] - top.values[1]) < make_fixtures.MIN_MARGIN:
+                    raise SystemExit(f"{name}: a near-tie in the decoder's greedy run of {p}")
+                seq.append(int(top.indices[0]))
+            h = decoder.model(torch.tensor([seq]), use_cache=False).last_hidden_state[0]
+        drafts = [mm.drafts_at(mtp, seq, h, n) for n in range(len(p) + 1, len(seq) + 1)]
+        sequences.append({"prompt_ids": p, "generated_ids": seq[len(p) :], "drafts": drafts})
+    margins = [m for s in sequences for d in s["drafts"] for m in d["margins"]]
+    gaps = [g for s in sequences for d in s["drafts"] for g in d["router_gaps"]]
+    ref = {
+        "schema_version": 1,
+        "case": name,
+        "base_case": MTP_BASE,
+        "mtp_layer": n_layers,
+        "draft_len": mm.DRAFT_LEN,
+        "min_margin_threshold": make_fixtures.MIN_MARGIN,
+        "min_router_gap_threshold": make_fixtures.MIN_ROUTER_GAP,
+        "near_ties": {
+            "margins_below": sum(m < make_fixtures.MIN_MARGIN for m in margins),
+            "router_gaps_below": sum(g < make_fixtures.MIN_ROUTER_GAP for g in gaps),
+            "drafted": len(margins),
+        },
+        "weights": "FP8 e4m3, block [16, 16], F32 scales; references over the stored values (f32)",
+        "checks": {"fp8_tensors": len(names)},
+        "generator": {
+            "script": "tests/conformance/make_fp8_fixtures.py",
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
+        "sequences": sequences,
+    }
+    with open(path / "reference_mtp.json", "w") as f:
+        json.dump(ref, f, indent=1)
+        f.write("\n")
+    return ref
+
+
 def main() -> None:
     import argparse
     import os
@@ -330,6 +437,8 @@ def main() -> None:
         "cases": results,
     }
     make_fixtures.write_json_like_transformers(args.out / "index.json", index)
+    mtp = run_mtp_case(args.out.parent / "tiny_mtp")
+    print(f"{mtp['case']:42} near ties {json.dumps(mtp['near_ties'])}")
     for r in results:
         print(f"{r['name']:42} {r['bytes'] / 1024:6.0f} KiB fp8 {r['fp8_tensors']:3d} rejected {r['rejected_prompts']:3d} margin {r['min_margin']:.3g}")
 
