@@ -293,6 +293,134 @@ impl<'a> WeightFinder<'a> {
             .collect())
     }
 
+    /// `count` matrices of `[rows, cols]` stored under `stem`: MXFP4 where the
+    /// checkpoint holds `{stem}_blocks` ([`WeightFinder::mxfp4_stacked`]), else the
+    /// tensor `stem` itself ([`WeightFinder::stacked`]).
+    pub fn stacked_any(
+        &self,
+        stem: &str,
+        count: &Dim,
+        rows: &Dim,
+        cols: &Dim,
+    ) -> Result<Vec<Matrix>, VoomError> {
+        if self.has(&format!("{stem}_blocks")) {
+            self.mxfp4_stacked(stem, count, rows, cols)
+        } else {
+            self.stacked(stem, count, rows, cols)
+        }
+    }
+
+    /// `count` MXFP4 matrices of `[rows, cols]` (gpt-oss's experts): `{stem}_blocks`
+    /// `[count, rows, cols / 32, 16]` of packed e2m1 pairs (low nibble first) and
+    /// `{stem}_scales` `[count, rows, cols / 32]` of e8m0 exponents, U8 both, each
+    /// one page or paged per matrix alike.
+    pub fn mxfp4_stacked(
+        &self,
+        stem: &str,
+        count: &Dim,
+        rows: &Dim,
+        cols: &Dim,
+    ) -> Result<Vec<Matrix>, VoomError> {
+        let stem = self.stored(stem).into_owned();
+        let blocks = format!("{stem}_blocks");
+        let scales = format!("{stem}_scales");
+        if !matches!(self.quant, Quantization::Mxfp4 { .. }) {
+            return Err(self.err(
+                &blocks,
+                "MXFP4 blocks, but config.json has no 'quantization_config' of mxfp4".into(),
+            ));
+        }
+        if self.quant.left_unconverted(&blocks) {
+            return Err(self.err(
+                &blocks,
+                "MXFP4 blocks, but config.json's 'modules_to_not_convert' leaves it \
+                 unquantized"
+                    .into(),
+            ));
+        }
+        if !cols.len.is_multiple_of(32) {
+            return Err(self.err(
+                &blocks,
+                format!(
+                    "{} is {}, which blocks of 32 do not divide (MXFP4 scales one exponent \
+                     per 32 values of a row)",
+                    cols.key, cols.len
+                ),
+            ));
+        }
+        if !self.index.contains_key(scales.as_str()) {
+            return Err(self.err(
+                &blocks,
+                format!("MXFP4 blocks, but their scales '{scales}' are missing"),
+            ));
+        }
+        let groups = Dim {
+            len: cols.len / 32,
+            key: format!("{} / 32", cols.key),
+        };
+        let (at, dtype) = self.stacked_pages(
+            &blocks,
+            count,
+            &[
+                rows.clone(),
+                groups.clone(),
+                Dim::of("16 bytes a block", 16),
+            ],
+        )?;
+        let (sat, sdtype) = self.stacked_pages(&scales, count, &[rows.clone(), groups])?;
+        for (name, d) in [(&blocks, dtype), (&scales, sdtype)] {
+            if d != DType::U8 {
+                return Err(self.err(name, format!("dtype {d}, but MXFP4 is stored as U8")));
+            }
+        }
+        let mut c = self.checks.borrow_mut();
+        Ok(at
+            .into_iter()
+            .zip(sat)
+            .map(|((page, i), (spage, si))| {
+                c.add(spage, ValueKind::E8M0);
+                Matrix {
+                    page,
+                    dtype,
+                    scales: Some(Scales {
+                        page: spage,
+                        kind: ScaleKind::Mxfp4,
+                        first: si * rows.len,
+                        row0: 0,
+                    }),
+                    first: i * rows.len,
+                    rows: rows.len,
+                    cols: cols.len,
+                }
+            })
+            .collect())
+    }
+
+    /// `count` rows of `[cols]` stored as one `[count, cols]` tensor (fused experts'
+    /// biases, `experts.gate_up_proj_bias`), each a one-row matrix of the page
+    /// holding it: a float dtype.
+    pub fn stacked_rows(
+        &self,
+        name: &str,
+        count: &Dim,
+        cols: &Dim,
+    ) -> Result<Vec<Matrix>, VoomError> {
+        let stored = self.stored(name).into_owned();
+        let (at, dtype) = self.stacked_pages(&stored, count, std::slice::from_ref(cols))?;
+        self.check_dtype(&stored, dtype)?;
+        Ok(at
+            .into_iter()
+            .map(|(page, i)| Matrix {
+                page,
+                dtype,
+                scales: None,
+                first: i,
+                rows: 1,
+                cols: cols.len,
+            })
+            .collect())
+    }
+
     /// Where each of the `count` slices of tensor `name` (`[count, tail..]`, its
     /// stored name) lies: its page and its index in that page, with the tensor's dtype.
     /// One whole page, or parts along the first dimension (a manifest pages each
@@ -850,5 +978,131 @@ impl Leased {
             bytes: self.bytes(v.page),
             plus_one: v.plus_one,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::view::{e8m0_to_f32, E2M1};
+    use std::collections::BTreeMap;
+    use vpaged::embedded::{EmbeddedStore, VerifyMode};
+
+    /// A store over one safetensors file of `tensors`.
+    fn store(tensors: &[(&str, DType, Vec<usize>, Vec<u8>)]) -> (tempfile::TempDir, EmbeddedStore) {
+        let d = tempfile::tempdir().unwrap();
+        let refs: Vec<(&str, DType, &[usize], &[u8])> = tensors
+            .iter()
+            .map(|(n, t, s, b)| (*n, *t, s.as_slice(), b.as_slice()))
+            .collect();
+        voom_formats::safetensors::write(
+            &d.path().join("model.safetensors"),
+            &refs,
+            &BTreeMap::new(),
+        )
+        .unwrap();
+        let s = EmbeddedStore::open(d.path(), VerifyMode::Off).unwrap();
+        (d, s)
+    }
+
+    const STEM: &str = "model.layers.0.mlp.experts.gate_up_proj";
+
+    fn mxfp4_tensors(
+        cols: usize,
+        scale: impl Fn(usize) -> u8,
+    ) -> Vec<(&'static str, DType, Vec<usize>, Vec<u8>)> {
+        let (e, r) = (2, 3);
+        let n = e * r * cols / 2;
+        let blocks: Vec<u8> = (0..n).map(|i| (i * 37 + 11) as u8).collect();
+        let scales: Vec<u8> = (0..e * r * cols / 32).map(scale).collect();
+        vec![
+            (
+                "model.layers.0.mlp.experts.gate_up_proj_blocks",
+                DType::U8,
+                vec![e, r, cols / 32, 16],
+                blocks,
+            ),
+            (
+                "model.layers.0.mlp.experts.gate_up_proj_scales",
+                DType::U8,
+                vec![e, r, cols / 32],
+                scales,
+            ),
+        ]
+    }
+
+    fn mxfp4() -> Quantization {
+        Quantization::Mxfp4 {
+            not_convert: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn mxfp4_experts_read_as_their_definition() {
+        let t = mxfp4_tensors(64, |i| 120 + (i % 9) as u8);
+        let (_d, s) = store(&t);
+        let f = WeightFinder::new(&s, "m").with_quant(mxfp4());
+        let (count, rows, cols) = (
+            Dim::of("experts", 2),
+            Dim::of("rows", 3),
+            Dim::of("cols", 64),
+        );
+        let ms = f.stacked_any(STEM, &count, &rows, &cols).unwrap();
+        assert_eq!(ms.len(), 2);
+        let pages: Vec<PageId> = ms.iter().flat_map(|m| m.pages()).collect();
+        let leased = Leased::acquire(&s, &pages).unwrap();
+        let (blocks, scales) = (&t[0].3, &t[1].3);
+        for (e, m) in ms.iter().enumerate() {
+            let v = leased.matrix(m);
+            v.check().unwrap();
+            for r in 0..3 {
+                for k in 0..64 {
+                    let i = (e * 3 + r) * 64 + k;
+                    let b = blocks[i / 2];
+                    let nib = if i % 2 == 0 { b & 0xf } else { b >> 4 };
+                    let want = E2M1[nib as usize] * e8m0_to_f32(scales[i / 32]);
+                    assert_eq!(
+                        v.get(r, k).to_bits(),
+                        want.to_bits(),
+                        "expert {e} [{r}, {k}]"
+                    );
+                }
+            }
+        }
+        // Its scales' values are checked when leased.
+        assert_eq!(f.take_value_checks().len(), 1);
+    }
+
+    #[test]
+    fn bad_mxfp4_tensors_are_named() {
+        let (count, rows) = (Dim::of("experts", 2), Dim::of("rows", 3));
+        let t = mxfp4_tensors(64, |_| 127);
+        let (_d, s) = store(&t);
+        let err = |f: &WeightFinder, cols: usize| {
+            f.stacked_any(STEM, &count, &rows, &Dim::of("cols", cols))
+                .err()
+                .unwrap()
+                .to_string()
+        };
+        let plain = WeightFinder::new(&s, "m");
+        assert!(err(&plain, 64).contains("quantization_config"));
+        let f = WeightFinder::new(&s, "m").with_quant(mxfp4());
+        // Blocks whose shape disagrees with config.json's.
+        let e = err(&f, 96);
+        assert!(e.contains("_blocks") && e.contains("cols"), "{e}");
+        let e = err(&f, 48);
+        assert!(e.contains("blocks of 32"), "{e}");
+        // Scales of the wrong shape; scales missing.
+        let mut t2 = mxfp4_tensors(64, |_| 127);
+        t2[1].2 = vec![2, 3, 1];
+        t2[1].3.truncate(6);
+        let (_d2, s2) = store(&t2);
+        let f2 = WeightFinder::new(&s2, "m").with_quant(mxfp4());
+        let e = err(&f2, 64);
+        assert!(e.contains("_scales") && e.contains("shape"), "{e}");
+        let (_d3, s3) = store(&t[..1]);
+        let f3 = WeightFinder::new(&s3, "m").with_quant(mxfp4());
+        let e = err(&f3, 64);
+        assert!(e.contains("_scales") && e.contains("missing"), "{e}");
     }
 }
