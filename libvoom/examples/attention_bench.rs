@@ -51,6 +51,7 @@ fn main() {
         kv_heads,
         head_dim: hd,
         window: None,
+        sinks: None,
     };
     let (qd, kvd) = (heads * hd, kv_heads * hd);
     let mut seed = 1u64;

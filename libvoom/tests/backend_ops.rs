@@ -311,6 +311,7 @@ fn attention_is_causal_softmax_attention_and_independent_of_how_positions_arrive
             kv_heads: 2,
             head_dim: 8,
             window,
+            sinks: None,
         };
         let (qd, kvd, n) = (32, 16, 6);
         let q = random(&mut rng, n * qd);
@@ -429,6 +430,7 @@ fn mismatched_shapes_are_errors_on_every_backend() {
             kv_heads: 2,
             head_dim: 1,
             window: None,
+            sinks: None,
         };
         let mut kv = KvCache::new(1, 2, 4);
         let (q, k) = (b.zeros(1, 3), b.zeros(1, 2));
@@ -711,6 +713,7 @@ fn multiply_adds_count_products_and_attention() {
                 kv_heads: 2,
                 head_dim: 4,
                 window,
+                sinks: None,
             };
             let mut kv = KvCache::with_page(1, 8, 5, 4);
             kv.append(0, &random(&mut rng, 16), &random(&mut rng, 16))

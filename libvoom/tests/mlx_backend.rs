@@ -308,6 +308,7 @@ fn attention_matches_the_cpu_and_a_querys_bits_stand_alone() {
             kv_heads: 2,
             head_dim: 8,
             window,
+            sinks: None,
         };
         let (qd, kvd, total) = (heads * 8, 16, pos0 + n);
         let (kc, vc, q) = (
@@ -507,6 +508,7 @@ fn llama_layer(
         kv_heads,
         head_dim: hd,
         window: None,
+        sinks: None,
     };
     let mut kv = KvCache::with_page(1, kv_heads * hd, n, 8);
     let mut h = b.upload(n, d, x).unwrap();

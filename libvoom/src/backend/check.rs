@@ -132,6 +132,17 @@ pub fn attention(
     dims("attention keys", k, n, shape.kv_heads * hd)?;
     dims("attention values", v, n, shape.kv_heads * hd)?;
     dims("attention output", out, n, shape.heads * hd)?;
+    if let Some(s) = &shape.sinks {
+        if s.len() != shape.heads {
+            return Err(KernelError::ActivationLen {
+                what: "attention sinks (one per head)",
+                n: 1,
+                per_token: shape.heads,
+                expected: shape.heads,
+                actual: s.len(),
+            });
+        }
+    }
     kv_layer("KV cache layer", kv, layer, shape.kv_heads * hd)
 }
 

@@ -78,13 +78,16 @@ pub struct LatentShape {
 }
 
 /// The shape of grouped-query attention in one layer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct AttentionShape {
     pub heads: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
     /// `Some(w)`: each query attends to the last `w` positions (its own included).
     pub window: Option<usize>,
+    /// Attention sinks (gpt-oss): one learned logit per head, in each row's softmax
+    /// beside the scores and dropped after it (its probability attends nothing).
+    pub sinks: Option<std::sync::Arc<[f32]>>,
 }
 
 /// The ops of a compute backend. Activations are `rows` positions of `cols` f32

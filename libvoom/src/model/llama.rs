@@ -1176,6 +1176,7 @@ impl<B: Backend> Llama<B> {
             kv_heads: cfg.num_kv_heads,
             head_dim: hd,
             window: cfg.sliding_window[li],
+            sinks: None,
         };
         match pieces {
             [(_, kv)] => b.attention(&s.q, &s.k, &s.v, kv, li, &shape, &mut s.att)?,

@@ -113,6 +113,8 @@ struct Row<'a> {
     q: &'a [f32],
     lo: usize,
     hi: usize,
+    /// The head's sink logit, where the layer has sinks.
+    sink: Option<f32>,
     out: &'a mut [f32],
 }
 
@@ -228,7 +230,11 @@ fn attend_rows(
     #[cfg(not(target_arch = "x86_64"))]
     score_blocks(None);
     for (i, r) in rows.iter_mut().enumerate() {
-        softmax::softmax(isa, &mut scores[i * width..i * width + (r.hi - r.lo)]);
+        softmax::softmax_sink(
+            isa,
+            &mut scores[i * width..i * width + (r.hi - r.lo)],
+            r.sink,
+        );
         r.out.fill(0.0);
     }
     // Values, a block at a time, each row's terms in increasing position.
@@ -301,6 +307,7 @@ pub(super) fn attend(
     let qd = heads * hd;
     let scale = (hd as f32).powf(-0.5);
     let window = shape.window;
+    let sinks = shape.sinks.as_deref();
     let out_ptr = SharedOut(out.as_mut_ptr());
     // A task takes the heads that share a KV head, so that each key and value it
     // streams serves all of them.
@@ -328,6 +335,7 @@ pub(super) fn attend(
                     q: &q[t * qd + head * hd..t * qd + (head + 1) * hd],
                     lo: window.map_or(0, |w| (pos + 1).saturating_sub(w)),
                     hi: pos + 1,
+                    sink: sinks.map(|s| s[head]),
                     out: dst,
                 }
             })
@@ -377,6 +385,7 @@ pub(super) fn attend_latent(
                     q: &q[t * qd + head * w..t * qd + (head + 1) * w],
                     lo: 0,
                     hi: pos0 + t + 1,
+                    sink: None,
                     out: dst,
                 }
             })
@@ -418,7 +427,7 @@ mod tests {
                 let mut s = vec![0f32; pos + 1 - lo];
                 let qv = &q[t * qd + head * hd..t * qd + (head + 1) * hd];
                 attention_scores_isa(isa, qv, &kc[base..], kvd, scale, &mut s);
-                softmax::softmax(isa, &mut s);
+                softmax::softmax_sink(isa, &mut s, shape.sinks.as_ref().map(|s| s[head]));
                 let dst = &mut out[t * qd + head * hd..t * qd + (head + 1) * hd];
                 weighted_sum_isa(isa, &s, &vc[base..], kvd, dst);
             }
@@ -446,12 +455,16 @@ mod tests {
             ] {
                 // Heads of 12 (a tail of four) and 40 (AVX-512 transposes keys sixteen
                 // dimensions at a time, then eight, then the tail).
-                for hd in [12, 40] {
+                // Without sinks and with (gpt-oss).
+                for (hd, with_sinks) in [(12, false), (40, false), (12, true), (40, true)] {
+                    let sinks: Option<std::sync::Arc<[f32]>> =
+                        with_sinks.then(|| (0..heads).map(|h| h as f32 * 0.7 - 1.5).collect());
                     let shape = AttentionShape {
                         heads,
                         kv_heads: 2,
                         head_dim: hd,
                         window,
+                        sinks,
                     };
                     let (qd, kvd) = (heads * hd, 2 * hd);
                     let total = pos0 + n;
@@ -478,7 +491,7 @@ mod tests {
                     assert_eq!(
                     bits(&out),
                     bits(&want),
-                    "{isa:?}, {heads} heads of {hd}, {threads} threads, pages of {page}, window {window:?}, {n} queries from {pos0}"
+                    "{isa:?}, {heads} heads of {hd}, {threads} threads, pages of {page}, window {window:?}, {n} queries from {pos0}, sinks {with_sinks}"
                 );
                 }
             }

@@ -28,6 +28,22 @@ pub fn softmax(isa: Isa, x: &mut [f32]) {
     divide(isa, x, s);
 }
 
+/// The softmax of `x` beside a sink logit (gpt-oss's attention sinks): `m` = the
+/// larger of `x`'s largest value and `sink`; `e[j]` as [`softmax`]'s; the sum is
+/// [`exp_sum`]'s plus `exp(sink - m)`, in f32; `x[j] = e[j] / s`. The sink's own
+/// probability is dropped. `None`: [`softmax`].
+pub fn softmax_sink(isa: Isa, x: &mut [f32], sink: Option<f32>) {
+    let Some(sink) = sink else {
+        return softmax(isa, x);
+    };
+    if x.is_empty() {
+        return;
+    }
+    let m = max(isa, x).max(sink);
+    let s = exp_sum(isa, x, m) + exp(sink - m);
+    divide(isa, x, s);
+}
+
 /// The largest value of `x`, NaNs ignored (`f32::max`'s fold: the same whatever
 /// the order, so a row's maximum may be taken piece by piece).
 pub fn max(isa: Isa, x: &[f32]) -> f32 {
@@ -161,6 +177,42 @@ mod avx2 {
 
 #[cfg(test)]
 mod tests {
+
+    /// A sink takes its share of each row's probability and no more: the f64
+    /// definition, to the exponential's rounding (its argument's error grows with
+    /// its size: some ulps at -40), on every instruction set.
+    #[test]
+    fn a_sink_is_one_more_logit_in_the_denominator() {
+        for isa in Isa::available() {
+            for sink in [-30.0f32, -1.0, 0.5, 3.0, 40.0] {
+                let x0: Vec<f32> = (0..37).map(|i| ((i * 7) % 11) as f32 * 0.3 - 1.0).collect();
+                let mut x = x0.clone();
+                softmax_sink(isa, &mut x, Some(sink));
+                let m = x0.iter().fold(f64::from(sink), |a, &b| a.max(f64::from(b)));
+                let denom: f64 = x0.iter().map(|&v| (f64::from(v) - m).exp()).sum::<f64>()
+                    + (f64::from(sink) - m).exp();
+                for (got, &v) in x.iter().zip(&x0) {
+                    let want = (f64::from(v) - m).exp() / denom;
+                    assert!(
+                        (f64::from(*got) - want).abs() <= 4e-6 * want.max(1e-30) + 1e-38,
+                        "{isa:?} sink {sink}: {got} vs {want}"
+                    );
+                }
+                let total: f32 = x.iter().sum();
+                if sink == 40.0 {
+                    // A dominant sink leaves the keys almost nothing.
+                    assert!(total < 1e-15, "{isa:?} sink {sink}: {total}");
+                }
+            }
+            // No sink: the plain softmax's bits.
+            let mut a: Vec<f32> = (0..19).map(|i| i as f32 * 0.1).collect();
+            let mut b = a.clone();
+            softmax(isa, &mut a);
+            softmax_sink(isa, &mut b, None);
+            assert_eq!(a, b);
+        }
+    }
+
     use super::*;
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;

@@ -606,6 +606,11 @@ impl Backend for MlxBackend {
         out: &mut MlxAct,
     ) -> Result<(), KernelError> {
         check::attention(shape, dims(q), dims(k), dims(v), dims(out), kv, layer)?;
+        if shape.sinks.is_some() {
+            return Err(KernelError::Backend(
+                "attention sinks (gpt-oss) are not implemented on MLX yet".into(),
+            ));
+        }
         let pos0 = kv.layer_len(layer);
         // The layer's graph so far, evaluated once for both.
         self.eval(&[k, v])?;
