@@ -19,10 +19,13 @@ use super::kv::KvCache;
 use super::{KernelError, TableView, VecView, WeightView};
 
 /// The activation of a gated MLP: `gate = act(gate) * up`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Activation {
     /// `x * sigmoid(x)` (SwiGLU: Llama, Mistral, Qwen).
     Silu,
+    /// gpt-oss's clamped SwiGLU: with `g = min(gate, limit)` and `u = clamp(up,
+    /// -limit, limit)`, `(u + 1) * g * sigmoid(alpha * g)` (alpha 1.702, limit 7).
+    ClampedSwiglu { alpha: f32, limit: f32 },
 }
 
 /// Rotary tables for consecutive positions: `cos[t * half + i]` and

@@ -25,6 +25,30 @@ pub fn silu_mul(isa: Isa, gate: &mut [f32], up: &[f32]) {
     }
 }
 
+/// gpt-oss's clamped SwiGLU ([`crate::backend::Activation::ClampedSwiglu`]), for
+/// each element in f32 as transformers computes it: `g = min(gate, limit)`, `u =
+/// clamp(up, -limit, limit)` (NaN kept), `y = g * alpha`, `s = 1 / (1 + exp(-y))`
+/// ([`exp`]), then `gate = (u + 1) * (g * s)`.
+pub fn clamped_swiglu(gate: &mut [f32], up: &[f32], alpha: f32, limit: f32) {
+    assert_eq!(
+        gate.len(),
+        up.len(),
+        "clamped_swiglu: gate and up differ in length"
+    );
+    for (x, &u) in gate.iter_mut().zip(up) {
+        let g = if *x > limit { limit } else { *x };
+        let u = if u > limit {
+            limit
+        } else if u < -limit {
+            -limit
+        } else {
+            u
+        };
+        let s = 1.0 / (1.0 + exp(-(g * alpha)));
+        *x = (u + 1.0) * (g * s);
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::super::exp::avx2::exp8;
@@ -56,6 +80,29 @@ mod avx2 {
 
 #[cfg(test)]
 mod tests {
+
+    /// The clamped SwiGLU: transformers' formula in f64 to f32 rounding, the clamps
+    /// where they bite (gate above the limit, up beyond it either way), NaN kept.
+    #[test]
+    fn clamped_swiglu_is_gpt_oss_gate() {
+        let (alpha, limit) = (1.702f32, 7.0f32);
+        let gates = [-9.0f32, -3.0, -0.5, 0.0, 0.25, 2.0, 6.9, 7.5, 20.0];
+        let ups = [-12.0f32, -7.5, -1.0, 0.0, 0.5, 3.0, 7.0, 9.0, 100.0];
+        let mut g = gates.to_vec();
+        super::clamped_swiglu(&mut g, &ups, alpha, limit);
+        for ((&got, &x), &u) in g.iter().zip(&gates).zip(&ups) {
+            let x = f64::from(x.min(limit));
+            let u = f64::from(u.clamp(-limit, limit));
+            let want = (u + 1.0) * x / (1.0 + (-x * f64::from(alpha)).exp());
+            assert!(
+                (f64::from(got) - want).abs() <= 1e-6 * want.abs().max(1e-6),
+                "{x}, {u}: {got} vs {want}"
+            );
+        }
+        let mut n = vec![f32::NAN, 1.0];
+        super::clamped_swiglu(&mut n, &[1.0, f32::NAN], alpha, limit);
+        assert!(n[0].is_nan() && n[1].is_nan());
+    }
     use super::*;
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;

@@ -347,6 +347,9 @@ impl Backend for CpuBackend {
         let (cols, src, isa) = (gate.cols(), up.as_slice(), self.isa);
         self.by_rows(gate.as_mut_slice(), cols, |r, dst| match act {
             Activation::Silu => activation::silu_mul(isa, dst, &src[r.start * cols..r.end * cols]),
+            Activation::ClampedSwiglu { alpha, limit } => {
+                activation::clamped_swiglu(dst, &src[r.start * cols..r.end * cols], alpha, limit)
+            }
         });
         Ok(())
     }

@@ -646,6 +646,9 @@ impl Backend for MlxBackend {
             Activation::Silu => self.unary(gate, |a, o, err, len| unsafe {
                 ffi::voom_mlx_silu_mul(a, u.ptr(), o, err, len)
             }),
+            Activation::ClampedSwiglu { .. } => Err(KernelError::Backend(
+                "the clamped SwiGLU (gpt-oss) is not implemented on MLX yet".into(),
+            )),
         }
     }
 
