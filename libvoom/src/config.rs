@@ -78,6 +78,12 @@ pub enum Arch {
     /// Qwen3.5-MoE's language model (`qwen3_5_moe_text`): [`Arch::Qwen35`] with
     /// qwen3_next's experts in every layer, always renormalised.
     Qwen35Moe,
+    /// gpt-oss: attention with a learned sink logit per head, q/k/v/o biases, layers
+    /// alternating sliding-window and full attention, YaRN rotary; routed experts
+    /// in every layer (router with a bias, top-k of its logits then a softmax over
+    /// those), each with biases, gate and up interleaved and the clamped SwiGLU
+    /// ([`ExpertGate::Clamped`]).
+    GptOss,
 }
 
 impl Arch {
@@ -95,6 +101,7 @@ impl Arch {
             Arch::Qwen3Next => "qwen3_next",
             Arch::Qwen35 => "qwen3_5_text",
             Arch::Qwen35Moe => "qwen3_5_moe_text",
+            Arch::GptOss => "gpt_oss",
         }
     }
 
@@ -194,6 +201,21 @@ pub struct Moe {
     /// is multiplied by the sigmoid of a per-position scalar (`shared_expert_gate`):
     /// qwen3_next, qwen3_5_moe.
     pub shared_gate: bool,
+    /// The router's logits have a bias (`router.bias`: gpt-oss).
+    pub router_bias: bool,
+    /// How each routed expert gates its up projection.
+    pub gate: ExpertGate,
+}
+
+/// A routed expert's gated MLP.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ExpertGate {
+    /// `down(silu(gate(x)) · up(x))`; fused, the gate's rows come first.
+    Silu,
+    /// gpt-oss: `gate_up_proj` interleaves gate rows (even) and up rows (odd), and
+    /// every projection has a bias; `down((up + 1) · gate · sigmoid(alpha · gate))`
+    /// with the gate clamped above at `limit` and up within `±limit`.
+    Clamped { alpha: f32, limit: f32 },
 }
 
 /// How a router scores and picks experts.
@@ -208,6 +230,9 @@ pub enum Scoring {
     /// weighted by their scores without the bias (deepseek_v3, glm4_moe:
     /// `noaux_tc`).
     SigmoidGroups { n_group: usize, topk_group: usize },
+    /// The `top_k` largest logits, weighted by a softmax over those alone
+    /// (gpt-oss).
+    TopKSoftmax,
 }
 
 /// Multi-head latent attention (DeepSeek-V2/V3): queries through an optional
@@ -305,6 +330,9 @@ pub struct ModelConfig {
     /// Layers after the decoder's that the checkpoint may hold and the forward pass
     /// does not run (multi-token prediction: `num_nextn_predict_layers`).
     pub extra_layers: usize,
+    /// Each attention head has a learned logit (`self_attn.sinks`) that joins its
+    /// softmax beside the scores and attends to nothing (gpt-oss).
+    pub attn_sinks: bool,
     /// Per layer: `Some(w)` when the layer attends only to the last `w` positions
     /// (the query's own included), `None` for full causal attention.
     pub sliding_window: Vec<Option<usize>>,
@@ -384,6 +412,7 @@ pub struct HfConfig {
     pub linear_num_key_heads: Option<usize>,
     pub linear_num_value_heads: Option<usize>,
     pub full_attention_interval: Option<usize>,
+    pub swiglu_limit: Option<f64>,
 }
 
 impl HfConfig {
@@ -455,6 +484,7 @@ impl HfConfig {
             linear_num_key_heads: f.count("linear_num_key_heads")?,
             linear_num_value_heads: f.count("linear_num_value_heads")?,
             full_attention_interval: f.count("full_attention_interval")?,
+            swiglu_limit: f.number("swiglu_limit")?,
             num_nextn_predict_layers: match f.count("num_nextn_predict_layers")? {
                 Some(n) => Some(n),
                 None => f.count("num_mtp_layers")?,
@@ -652,12 +682,13 @@ impl ModelConfig {
             "qwen3_next" => Arch::Qwen3Next,
             "qwen3_5_text" => Arch::Qwen35,
             "qwen3_5_moe_text" => Arch::Qwen35Moe,
+            "gpt_oss" => Arch::GptOss,
             other => {
                 return Err(err(format!(
                     "unsupported model_type '{other}' (supported: llama, mistral, qwen2, \
                      qwen3, qwen3_moe, olmoe, mixtral, glm4_moe, deepseek_v3, qwen3_next, \
-                     qwen3_5_text, qwen3_5_moe_text, and qwen3_5 and qwen3_5_moe's language \
-                     models)"
+                     qwen3_5_text, qwen3_5_moe_text, gpt_oss, and qwen3_5 and qwen3_5_moe's \
+                     language models)"
                 )))
             }
         };
@@ -693,6 +724,8 @@ impl ModelConfig {
         let head_dim = match (&mla, hf.head_dim) {
             (Some(m), _) => m.qk_nope_head_dim + m.qk_rope_head_dim,
             (None, Some(d)) => need(Some(d), "head_dim")?,
+            // transformers' default for gpt-oss (its hidden size is not heads × 64).
+            (None, None) if arch == Arch::GptOss => 64,
             (None, None) => {
                 if hidden_size % num_heads != 0 {
                     return Err(err(format!(
@@ -703,7 +736,11 @@ impl ModelConfig {
             }
         };
         let vocab_size = need(hf.vocab_size, "vocab_size")?;
-        let max_position_embeddings = need(hf.max_position_embeddings, "max_position_embeddings")?;
+        let max_position_embeddings = match (arch, hf.max_position_embeddings) {
+            // transformers' default for gpt-oss.
+            (Arch::GptOss, None) => 131072,
+            (_, given) => need(given, "max_position_embeddings")?,
+        };
         // Both are used in float32, as transformers does (validate checks what they
         // become there: 1e-50 is 0, 1e39 is infinite).
         let rms_norm_eps = hf.rms_norm_eps.unwrap_or(1e-6) as f32;
@@ -743,7 +780,20 @@ impl ModelConfig {
             }
             scaling = Some(p);
         }
-        let rope_theta = rope_theta.unwrap_or(10000.0) as f32;
+        // gpt-oss: transformers' defaults where the config gives none.
+        let gpt_oss_yarn;
+        if arch == Arch::GptOss && scaling.is_none() {
+            gpt_oss_yarn = serde_json::json!({
+                "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": false, "original_max_position_embeddings": 4096
+            });
+            scaling = Some(&gpt_oss_yarn);
+        }
+        let default_theta = match arch {
+            Arch::GptOss => 150000.0,
+            _ => 10000.0,
+        };
+        let rope_theta = rope_theta.unwrap_or(default_theta) as f32;
         let rope_scaling = match scaling {
             None => RopeScaling::Default,
             Some(s) => parse_rope_scaling(
@@ -800,7 +850,7 @@ impl ModelConfig {
 
         let default_tie = false;
         let tie_word_embeddings = hf.tie_word_embeddings.unwrap_or(default_tie);
-        let attention_bias = hf.attention_bias.unwrap_or(false);
+        let attention_bias = hf.attention_bias.unwrap_or(arch == Arch::GptOss);
         let (qkv_bias, o_bias) = match arch {
             // Qwen2 always has q/k/v bias and never an output bias.
             Arch::Qwen2 => (true, false),
@@ -815,7 +865,8 @@ impl ModelConfig {
             | Arch::DeepseekV3
             | Arch::Qwen3Next
             | Arch::Qwen35
-            | Arch::Qwen35Moe => (attention_bias, attention_bias),
+            | Arch::Qwen35Moe
+            | Arch::GptOss => (attention_bias, attention_bias),
         };
         let mlp_bias = match arch {
             Arch::Llama => hf.mlp_bias.unwrap_or(false),
@@ -861,6 +912,7 @@ impl ModelConfig {
             norm_offset: arch.is_hybrid(),
             attn_output_gate: arch.is_hybrid(),
             extra_layers,
+            attn_sinks: arch == Arch::GptOss,
             sliding_window: Vec::new(),
             bos_token_id: None,
             eos_token_ids: Vec::new(),
@@ -1410,7 +1462,7 @@ fn moe(
     intermediate_size: usize,
 ) -> Result<Option<Moe>, String> {
     match arch {
-        Arch::Qwen3Moe | Arch::Olmoe | Arch::Mixtral => {}
+        Arch::Qwen3Moe | Arch::Olmoe | Arch::Mixtral | Arch::GptOss => {}
         Arch::Glm4Moe | Arch::DeepseekV3 => return grouped_moe(hf, arch, num_layers).map(Some),
         Arch::Qwen3Next | Arch::Qwen35Moe => return gated_shared_moe(hf, arch, num_layers),
         Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen35 => return Ok(None),
@@ -1427,7 +1479,7 @@ fn moe(
         }
         (Some(n), _) | (None, Some(n)) => n,
         (None, None) => match arch {
-            Arch::Qwen3Moe => 128,
+            Arch::Qwen3Moe | Arch::GptOss => 128,
             Arch::Olmoe => 64,
             _ => 8,
         },
@@ -1435,6 +1487,7 @@ fn moe(
     within("num_experts", num_experts, 1, limits::EXPERTS)?;
     let top_k = hf.num_experts_per_tok.unwrap_or(match arch {
         Arch::Mixtral => 2,
+        Arch::GptOss => 4,
         _ => 8,
     });
     within("num_experts_per_tok", top_k, 1, num_experts)?;
@@ -1456,16 +1509,40 @@ fn moe(
         Arch::Qwen3Moe => sparse_layers(hf, num_layers)?,
         _ => vec![true; num_layers],
     };
+    let gpt_oss = arch == Arch::GptOss;
+    let gate = match gpt_oss {
+        // transformers: alpha 1.702 always; the limit is the released config's
+        // `swiglu_limit` (7.0, transformers' own constant).
+        true => {
+            let limit = hf.swiglu_limit.unwrap_or(7.0);
+            let l = limit as f32;
+            if !(l.is_finite() && l > 0.0) {
+                return Err(format!(
+                    "'swiglu_limit' {limit} must be positive and finite in float32"
+                ));
+            }
+            ExpertGate::Clamped {
+                alpha: 1.702,
+                limit: l,
+            }
+        }
+        false => ExpertGate::Silu,
+    };
     Ok(Some(Moe {
         num_experts,
         top_k,
         expert_intermediate_size,
-        norm_topk_prob,
+        norm_topk_prob: norm_topk_prob && !gpt_oss,
         sparse,
-        scoring: Scoring::Softmax,
+        scoring: match gpt_oss {
+            true => Scoring::TopKSoftmax,
+            false => Scoring::Softmax,
+        },
         routed_scaling_factor: 1.0,
         shared_intermediate_size: 0,
         shared_gate: false,
+        router_bias: gpt_oss,
+        gate,
     }))
 }
 
@@ -1562,6 +1639,8 @@ fn gated_shared_moe(hf: &HfConfig, arch: Arch, num_layers: usize) -> Result<Opti
         routed_scaling_factor: 1.0,
         shared_intermediate_size: shared,
         shared_gate: true,
+        router_bias: false,
+        gate: ExpertGate::Silu,
     }))
 }
 
@@ -1706,6 +1785,8 @@ fn grouped_moe(hf: &HfConfig, arch: Arch, num_layers: usize) -> Result<Moe, Stri
         routed_scaling_factor: scale,
         shared_intermediate_size,
         shared_gate: false,
+        router_bias: false,
+        gate: ExpertGate::Silu,
     })
 }
 
@@ -1715,6 +1796,8 @@ fn sliding_windows(
     num_layers: usize,
 ) -> Result<Vec<Option<usize>>, String> {
     let window = match &hf.sliding_window {
+        // transformers' default for gpt-oss (null there is no window).
+        None if arch == Arch::GptOss => Some(128),
         None | Some(Value::Null) => None,
         Some(v) => Some(as_count(v).filter(|&w| w > 0).ok_or_else(|| {
             format!(
@@ -1771,6 +1854,10 @@ fn sliding_windows(
             }
         }
         Arch::Llama => Ok(vec![None; num_layers]),
+        // transformers: layers 0, 2, 4, ... slide, the others attend to everything.
+        Arch::GptOss => Ok((0..num_layers)
+            .map(|i| if i % 2 == 0 { window } else { None })
+            .collect()),
     }
 }
 
@@ -2689,5 +2776,99 @@ mod tests {
             with("sliding_window", "131072")
         ))
         .unwrap();
+    }
+
+    /// gpt-oss-20b's released config, then the same without what transformers
+    /// fills in (head_dim, rope, window, layer types, biases, experts, limit).
+    #[test]
+    fn gpt_oss_config_gives_sinks_windows_yarn_and_clamped_experts() {
+        let types: Vec<&str> = (0..24)
+            .map(|i| match i % 2 {
+                0 => "\"sliding_attention\"",
+                _ => "\"full_attention\"",
+            })
+            .collect();
+        let released = format!(
+            r#"{{"architectures": ["GptOssForCausalLM"], "attention_bias": true,
+            "attention_dropout": 0.0, "eos_token_id": 200002, "experts_per_token": 4,
+            "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
+            "initial_context_length": 4096, "initializer_range": 0.02,
+            "intermediate_size": 2880, "layer_types": [{}],
+            "max_position_embeddings": 131072, "model_type": "gpt_oss",
+            "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24,
+            "num_key_value_heads": 8, "num_local_experts": 32, "output_router_logits": false,
+            "pad_token_id": 199999, "quantization_config": {{"modules_to_not_convert":
+            ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+            "lm_head"], "quant_method": "mxfp4"}}, "rms_norm_eps": 1e-05,
+            "rope_scaling": {{"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+            "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": false}},
+            "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128,
+            "swiglu_limit": 7.0, "tie_word_embeddings": false, "use_cache": true,
+            "vocab_size": 201088}}"#,
+            types.join(", ")
+        );
+        let c = parse(&released).unwrap();
+        assert_eq!(c.arch, Arch::GptOss);
+        assert!(c.attn_sinks && c.qkv_bias && c.o_bias);
+        assert_eq!((c.head_dim, c.num_heads, c.num_kv_heads), (64, 64, 8));
+        assert_eq!(c.rope_theta, 150000.0);
+        let yarn = RopeScaling::Yarn {
+            factor: 32.0,
+            original_max_position_embeddings: 4096,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            attention_factor: 0.1 * 32f64.ln() + 1.0,
+            mscale_all_dim: None,
+            truncate: false,
+        };
+        assert_eq!(c.rope_scaling, yarn);
+        let windows: Vec<Option<usize>> = (0..24).map(|i| (i % 2 == 0).then_some(128)).collect();
+        assert_eq!(c.sliding_window, windows);
+        let moe = c.moe.as_ref().unwrap();
+        assert_eq!(
+            (moe.num_experts, moe.top_k, moe.expert_intermediate_size),
+            (32, 4, 2880)
+        );
+        assert!(moe.router_bias && !moe.norm_topk_prob && moe.sparse.iter().all(|s| *s));
+        assert_eq!(moe.scoring, Scoring::TopKSoftmax);
+        assert_eq!(
+            moe.gate,
+            ExpertGate::Clamped {
+                alpha: 1.702,
+                limit: 7.0
+            }
+        );
+        assert!(
+            matches!(c.quant, Quantization::Mxfp4 { ref not_convert } if not_convert.len() == 4)
+        );
+
+        // transformers' defaults fill in what a bare config leaves out.
+        let bare = r#"{"model_type": "gpt_oss", "hidden_size": 2880, "intermediate_size": 2880,
+            "num_hidden_layers": 4, "num_attention_heads": 64, "num_key_value_heads": 8,
+            "vocab_size": 201088}"#;
+        let d = parse(bare).unwrap();
+        assert_eq!((d.head_dim, d.rope_theta), (64, 150000.0));
+        assert_eq!(d.rope_scaling, yarn);
+        assert_eq!(d.sliding_window, vec![Some(128), None, Some(128), None]);
+        assert!(d.attn_sinks && d.qkv_bias && d.o_bias);
+        let moe = d.moe.as_ref().unwrap();
+        assert_eq!((moe.num_experts, moe.top_k), (128, 4));
+        assert_eq!(
+            moe.gate,
+            ExpertGate::Clamped {
+                alpha: 1.702,
+                limit: 7.0
+            }
+        );
+        let limit = bare.replacen("\"vocab_size\"", "\"swiglu_limit\": 0, \"vocab_size\"", 1);
+        let e = parse(&limit).unwrap_err();
+        assert!(e.to_string().contains("'swiglu_limit' 0"), "{e}");
+        let no_bias = bare.replacen(
+            "\"vocab_size\"",
+            "\"attention_bias\": false, \"vocab_size\"",
+            1,
+        );
+        let n = parse(&no_bias).unwrap();
+        assert!(!n.qkv_bias && !n.o_bias);
     }
 }

@@ -33,7 +33,9 @@ use crate::model::sweep::LayerLease;
 use crate::model::weights::{Dim, Vector, WeightFinder};
 use crate::VoomError;
 
-/// How the input projections are stored ([`LinearProjections`]).
+/// How the input projections are stored ([`LinearProjections`]). One per layer, so
+/// the variants' sizes are left unequal rather than boxed.
+#[allow(clippy::large_enum_variant)]
 enum Inputs {
     Grouped {
         qkvz: Linear,

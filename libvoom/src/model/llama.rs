@@ -48,6 +48,8 @@ enum Attention {
         o: Linear,
         q_norm: Option<Vector>,
         k_norm: Option<Vector>,
+        /// One logit per head beside its scores (gpt-oss's `sinks`).
+        sinks: Option<Vector>,
     },
     /// Multi-head latent attention (deepseek_v3).
     Mla(MlaAttention),
@@ -56,6 +58,8 @@ enum Attention {
 }
 
 /// What follows attention in a layer.
+// One per layer: the variants' sizes are left unequal rather than boxed.
+#[allow(clippy::large_enum_variant)]
 enum Mlp {
     Dense {
         gate: Linear,
@@ -85,8 +89,16 @@ impl Layer {
                 o,
                 q_norm,
                 k_norm,
+                sinks,
             } => vec![
-                with(&[self.attn_norm.page], q, q_norm.as_ref()),
+                with(
+                    &[self.attn_norm.page]
+                        .into_iter()
+                        .chain(sinks.map(|s| s.page))
+                        .collect::<Vec<_>>(),
+                    q,
+                    q_norm.as_ref(),
+                ),
                 with(&[], k, k_norm.as_ref()),
                 with(&[], v, None),
                 with(&[], o, None),
@@ -521,6 +533,13 @@ impl Layer {
                     QkNorm::PerHead => Some(norm(&format!("{a}.k_norm.weight"), &d.head)?),
                     QkNorm::Whole => Some(norm(&format!("{a}.k_norm.weight"), &d.kv)?),
                 },
+                sinks: match cfg.attn_sinks {
+                    true => Some(f.vector(
+                        &format!("{a}.sinks"),
+                        &Dim::of("num_attention_heads", cfg.num_heads),
+                    )?),
+                    false => None,
+                },
             },
         };
         Ok(Layer {
@@ -647,9 +666,15 @@ impl<B: Backend> Model for Llama<B> {
         // input (gathered, then uploaded), gate, up and output; its picks and the
         // rows each expert computes (32 bytes a pick); beside one chunk's router
         // probabilities (five copies of them for sigmoid group routing).
+        // (gpt-oss's interleaved experts: their joint product, downloaded, and the
+        // gate and up split from it: 2 more.)
         let experts = cfg.moe.as_ref().map_or(0, |m| {
+            let widths = match m.gate {
+                crate::config::ExpertGate::Silu => 2,
+                crate::config::ExpertGate::Clamped { .. } => 4,
+            };
             tokens * 2 * h
-                + tokens * (3 * h + 2 * m.expert_intermediate_size)
+                + tokens * (3 * h + widths * m.expert_intermediate_size)
                 + tokens * 8 * m.top_k
                 + 5 * chunk * m.num_experts
         });
@@ -1114,6 +1139,7 @@ impl<B: Backend> Llama<B> {
             o,
             q_norm,
             k_norm,
+            sinks,
         } = &layer.attn
         else {
             unreachable!("grouped-query attention on a layer of it")
@@ -1125,8 +1151,10 @@ impl<B: Backend> Llama<B> {
         };
         // With an output gate: each head's gate, beside its query in q_proj's rows.
         let mut gate = None;
+        let sink_logits: Option<Arc<[f32]>>;
         {
             let w = lw.step(STEP_Q)?;
+            sink_logits = sinks.map(|s| w.vector(&s).to_vec().into());
             b.rms_norm(x, w.vector(&layer.attn_norm), eps, &mut s.xn)?;
             if cfg.attn_output_gate {
                 let (rows, qd) = b.shape(&s.q);
@@ -1176,7 +1204,7 @@ impl<B: Backend> Llama<B> {
             kv_heads: cfg.num_kv_heads,
             head_dim: hd,
             window: cfg.sliding_window[li],
-            sinks: None,
+            sinks: sink_logits,
         };
         match pieces {
             [(_, kv)] => b.attention(&s.q, &s.k, &s.v, kv, li, &shape, &mut s.att)?,

@@ -205,6 +205,7 @@ fn load_on<B: Backend + 'static>(
         | Arch::DeepseekV3
         | Arch::Qwen3Next
         | Arch::Qwen35
-        | Arch::Qwen35Moe => Ok(Box::new(llama::Llama::load(cfg, source, model, backend)?)),
+        | Arch::Qwen35Moe
+        | Arch::GptOss => Ok(Box::new(llama::Llama::load(cfg, source, model, backend)?)),
     }
 }

@@ -1,8 +1,8 @@
 //! Routed experts in place of a decoder layer's MLP, as transformers computes them:
 //! the router scores every expert ([`Scoring`]), picks `top_k`, and each position's
-//! output is its experts' SwiGLU outputs times their weights, added in ascending
-//! expert order (transformers' experts loop), plus the shared experts' output where
-//! the family has them.
+//! output is its experts' gated MLP outputs ([`ExpertGate`]) times their weights,
+//! added in ascending expert order (transformers' experts loop), plus the shared
+//! experts' output where the family has them.
 //!
 //! Paging: the router (and its correction bias) is one step of the layer's plan, the
 //! shared experts another; each routed expert is its own set of pages, leased only
@@ -11,46 +11,128 @@
 use vpaged::PageId;
 
 use crate::backend::{Activation, Backend};
-use crate::config::{ModelConfig, Moe, Scoring};
+use crate::config::{ExpertGate, ModelConfig, Moe, Scoring};
 use crate::model::sweep::{LayerLease, Sweep};
 use crate::model::weights::{Dim, Leased, Matrix, Vector, WeightFinder};
 use crate::VoomError;
 
-/// One SwiGLU expert (routed or shared).
+/// A projection of an expert: `x · wᵀ` of a matrix stored output-major (as
+/// `nn.Linear` stores its weight), or `x · w` of one stored input-major (gpt-oss's
+/// experts as transformers saves them unquantized).
+#[derive(Debug, Clone, Copy)]
+enum Proj {
+    Out(Matrix),
+    In(Matrix),
+}
+
+impl Proj {
+    fn outputs(&self) -> usize {
+        match self {
+            Proj::Out(m) => m.rows,
+            Proj::In(m) => m.cols,
+        }
+    }
+
+    fn matrix(&self) -> &Matrix {
+        match self {
+            Proj::Out(m) | Proj::In(m) => m,
+        }
+    }
+
+    fn apply<B: Backend>(
+        &self,
+        b: &B,
+        w: &Leased,
+        x: &B::Act,
+        out: &mut B::Act,
+    ) -> Result<(), VoomError> {
+        match self {
+            Proj::Out(m) => b.matmul(x, w.matrix(m), out)?,
+            Proj::In(m) => b.matmul_t(x, w.matrix(m), out)?,
+        }
+        Ok(())
+    }
+}
+
+/// An expert's gate and up projections.
+enum GateUp {
+    /// Two products (or two row ranges of one fused tensor).
+    Apart { gate: Matrix, up: Matrix },
+    /// gpt-oss: one product of `2 × intermediate` outputs, plus its bias, whose even
+    /// outputs are the gate's and odd ones the up projection's.
+    Interleaved { both: Proj, bias: Vector },
+}
+
+/// One gated expert (routed or shared).
 pub(super) struct Expert {
-    gate: Matrix,
-    up: Matrix,
-    down: Matrix,
+    gate_up: GateUp,
+    down: Proj,
+    down_bias: Option<Vector>,
 }
 
 impl Expert {
+    /// A SwiGLU expert of three matrices stored output-major.
+    fn swiglu(gate: Matrix, up: Matrix, down: Matrix) -> Self {
+        Expert {
+            gate_up: GateUp::Apart { gate, up },
+            down: Proj::Out(down),
+            down_bias: None,
+        }
+    }
+
     /// Its pages (one each, or the fused tensors all experts share), each once.
     fn pages(&self) -> Vec<PageId> {
-        let mut v: Vec<PageId> = [self.gate, self.up, self.down]
-            .iter()
-            .flat_map(|m| m.pages())
-            .collect();
+        let mut v: Vec<PageId> = match &self.gate_up {
+            GateUp::Apart { gate, up } => gate.pages().chain(up.pages()).collect(),
+            GateUp::Interleaved { both, bias } => {
+                both.matrix().pages().chain([bias.page]).collect()
+            }
+        };
+        v.extend(self.down.matrix().pages());
+        v.extend(self.down_bias.map(|b| b.page));
         // Gate and up as parts of one fused tensor share their pages.
         let mut seen = std::collections::HashSet::new();
         v.retain(|p| seen.insert(*p));
         v
     }
 
-    /// `down(silu(gate(x)) * up(x))` of the `rows` rows of `input`.
+    /// `down(act(gate(x)) * up(x))` of the `rows` rows of `input`, with the biases
+    /// where the expert has them.
     fn compute<B: Backend>(
         &self,
         b: &B,
         w: &Leased,
+        act: Activation,
         input: &B::Act,
         rows: usize,
     ) -> Result<Vec<f32>, VoomError> {
-        let mut g = b.zeros(rows, self.gate.rows);
-        let mut u = b.zeros(rows, self.up.rows);
-        b.matmul(input, w.matrix(&self.gate), &mut g)?;
-        b.matmul(input, w.matrix(&self.up), &mut u)?;
-        b.gated(Activation::Silu, &mut g, &u)?;
-        let mut y = b.zeros(rows, self.down.rows);
-        b.matmul(&g, w.matrix(&self.down), &mut y)?;
+        let g = match &self.gate_up {
+            GateUp::Apart { gate, up } => {
+                let mut g = b.zeros(rows, gate.rows);
+                let mut u = b.zeros(rows, up.rows);
+                b.matmul(input, w.matrix(gate), &mut g)?;
+                b.matmul(input, w.matrix(up), &mut u)?;
+                b.gated(act, &mut g, &u)?;
+                g
+            }
+            GateUp::Interleaved { both, bias } => {
+                let n = both.outputs();
+                let mut gu = b.zeros(rows, n);
+                both.apply(b, w, input, &mut gu)?;
+                b.add_bias(&mut gu, w.vector(bias))?;
+                let gu = b.download_owned(gu)?;
+                let (gate, up): (Vec<f32>, Vec<f32>) =
+                    gu.chunks_exact(2).map(|pair| (pair[0], pair[1])).unzip();
+                let mut g = b.upload(rows, n / 2, &gate)?;
+                b.gated(act, &mut g, &b.upload(rows, n / 2, &up)?)?;
+                g
+            }
+        };
+        let mut y = b.zeros(rows, self.down.outputs());
+        self.down.apply(b, w, &g, &mut y)?;
+        if let Some(bias) = &self.down_bias {
+            b.add_bias(&mut y, w.vector(bias))?;
+        }
         Ok(b.download_owned(y)?)
     }
 }
@@ -66,12 +148,14 @@ pub(super) struct ExpertDims {
 impl ExpertDims {
     pub fn of(cfg: &ModelConfig) -> Self {
         let m = cfg.moe.as_ref();
+        use crate::config::Arch;
         let inter_key = match cfg.arch {
-            crate::config::Arch::Olmoe | crate::config::Arch::Mixtral => "intermediate_size",
+            Arch::Olmoe | Arch::Mixtral | Arch::GptOss => "intermediate_size",
             _ => "moe_intermediate_size",
         };
         let experts_key = match cfg.arch {
-            crate::config::Arch::Glm4Moe | crate::config::Arch::DeepseekV3 => "n_routed_experts",
+            Arch::Glm4Moe | Arch::DeepseekV3 => "n_routed_experts",
+            Arch::GptOss => "num_local_experts",
             _ => "num_experts",
         };
         ExpertDims {
@@ -90,6 +174,8 @@ impl ExpertDims {
 pub(super) struct Experts {
     /// `[experts, hidden]`.
     router: Matrix,
+    /// Added to the router's logits (gpt-oss's `router.bias`).
+    router_bias: Option<Vector>,
     /// The router's `e_score_correction_bias` (sigmoid scoring), any float dtype
     /// (F32 in released DeepSeek-V3 and GLM-4.5 files, beside BF16 weights).
     bias: Option<Vector>,
@@ -98,6 +184,8 @@ pub(super) struct Experts {
     /// `[1, hidden]`: the shared expert's output is multiplied by the sigmoid of
     /// the normed input's product with it (qwen3_next's `shared_expert_gate`).
     shared_gate: Option<Matrix>,
+    /// The routed experts' activation.
+    act: Activation,
 }
 
 /// One chunk's routing in a layer of experts: its normed rows (the experts' input)
@@ -115,13 +203,16 @@ impl Experts {
     /// `experts.E.w1`/`w3`/`w2`) or fused (`mlp.experts.gate_up_proj` `[experts,
     /// 2 × intermediate, hidden]`, gate rows first, and `mlp.experts.down_proj`
     /// `[experts, hidden, intermediate]`, as transformers 5 can save them), and the
-    /// shared experts (`mlp.shared_experts.*`).
+    /// shared experts (`mlp.shared_experts.*`). gpt-oss's are [`Experts::load_gpt_oss`].
     pub fn load(
         f: &WeightFinder<'_>,
         moe: &Moe,
         d: &ExpertDims,
         p: &str,
     ) -> Result<Self, VoomError> {
+        if let ExpertGate::Clamped { alpha, limit } = moe.gate {
+            return Self::load_gpt_oss(f, d, &format!("{p}.mlp"), alpha, limit);
+        }
         let block = format!("{p}.block_sparse_moe");
         let m = if f.has(&format!("{block}.gate.weight")) {
             block
@@ -130,7 +221,7 @@ impl Experts {
         };
         let router = f.matrix(&format!("{m}.gate.weight"), &d.experts, &d.hidden)?;
         let bias = match moe.scoring {
-            Scoring::Softmax => None,
+            Scoring::Softmax | Scoring::TopKSoftmax => None,
             Scoring::SigmoidGroups { .. } => {
                 Some(f.vector(&format!("{m}.gate.e_score_correction_bias"), &d.experts)?)
             }
@@ -152,10 +243,8 @@ impl Experts {
             gate_up
                 .into_iter()
                 .zip(down)
-                .map(|(gu, down)| Expert {
-                    gate: gu.sub_rows(0, inter),
-                    up: gu.sub_rows(inter, inter),
-                    down,
+                .map(|(gu, down)| {
+                    Expert::swiglu(gu.sub_rows(0, inter), gu.sub_rows(inter, inter), down)
                 })
                 .collect()
         } else {
@@ -167,11 +256,11 @@ impl Experts {
             let w = |e: usize, proj: &str| format!("{m}.experts.{e}.{proj}.weight");
             (0..moe.num_experts)
                 .map(|e| {
-                    Ok(Expert {
-                        gate: f.matrix(&w(e, g), &d.inter, &d.hidden)?,
-                        up: f.matrix(&w(e, u), &d.inter, &d.hidden)?,
-                        down: f.matrix(&w(e, dn), &d.hidden, &d.inter)?,
-                    })
+                    Ok(Expert::swiglu(
+                        f.matrix(&w(e, g), &d.inter, &d.hidden)?,
+                        f.matrix(&w(e, u), &d.inter, &d.hidden)?,
+                        f.matrix(&w(e, dn), &d.hidden, &d.inter)?,
+                    ))
                 })
                 .collect::<Result<Vec<_>, VoomError>>()?
         };
@@ -189,20 +278,79 @@ impl Experts {
         };
         let shared = if moe.shared_intermediate_size > 0 {
             let s = |proj: &str| format!("{m}.{one}.{proj}.weight");
-            Some(Expert {
-                gate: f.matrix(&s("gate_proj"), &d.shared_inter, &d.hidden)?,
-                up: f.matrix(&s("up_proj"), &d.shared_inter, &d.hidden)?,
-                down: f.matrix(&s("down_proj"), &d.hidden, &d.shared_inter)?,
-            })
+            Some(Expert::swiglu(
+                f.matrix(&s("gate_proj"), &d.shared_inter, &d.hidden)?,
+                f.matrix(&s("up_proj"), &d.shared_inter, &d.hidden)?,
+                f.matrix(&s("down_proj"), &d.hidden, &d.shared_inter)?,
+            ))
         } else {
             None
         };
         Ok(Experts {
             router,
+            router_bias: None,
             bias,
             routed,
             shared,
             shared_gate,
+            act: Activation::Silu,
+        })
+    }
+
+    /// gpt-oss's experts under `m` (`model.layers.N.mlp`): the router
+    /// (`router.weight`, `router.bias`), and every expert's fused projections with
+    /// their biases, `experts.gate_up_proj` (gate and up outputs interleaved) and
+    /// `experts.down_proj`: MXFP4 as released (`{name}_blocks` and `_scales`,
+    /// output-major: `[experts, 2 × intermediate, hidden / 32, 16]`), or unquantized
+    /// as transformers saves them (input-major: `[experts, hidden, 2 ×
+    /// intermediate]` and `[experts, intermediate, hidden]`).
+    fn load_gpt_oss(
+        f: &WeightFinder<'_>,
+        d: &ExpertDims,
+        m: &str,
+        alpha: f32,
+        limit: f32,
+    ) -> Result<Self, VoomError> {
+        let both = Dim {
+            len: 2 * d.inter.len,
+            key: format!("2 × {}", d.inter.key),
+        };
+        let e = |name: &str| format!("{m}.experts.{name}");
+        let (gate_up, down): (Vec<Proj>, Vec<Proj>) = if f.has(&e("gate_up_proj_blocks")) {
+            let gu = f.mxfp4_stacked(&e("gate_up_proj"), &d.experts, &both, &d.hidden)?;
+            let dn = f.stacked_any(&e("down_proj"), &d.experts, &d.hidden, &d.inter)?;
+            (
+                gu.into_iter().map(Proj::Out).collect(),
+                dn.into_iter().map(Proj::Out).collect(),
+            )
+        } else {
+            let gu = f.stacked(&e("gate_up_proj"), &d.experts, &d.hidden, &both)?;
+            let dn = f.stacked(&e("down_proj"), &d.experts, &d.inter, &d.hidden)?;
+            (
+                gu.into_iter().map(Proj::In).collect(),
+                dn.into_iter().map(Proj::In).collect(),
+            )
+        };
+        let gu_bias = f.stacked_vectors(&e("gate_up_proj_bias"), &d.experts, &both)?;
+        let down_bias = f.stacked_vectors(&e("down_proj_bias"), &d.experts, &d.hidden)?;
+        let routed = gate_up
+            .into_iter()
+            .zip(gu_bias)
+            .zip(down.into_iter().zip(down_bias))
+            .map(|((both, bias), (down, down_bias))| Expert {
+                gate_up: GateUp::Interleaved { both, bias },
+                down,
+                down_bias: Some(down_bias),
+            })
+            .collect();
+        Ok(Experts {
+            router: f.matrix(&format!("{m}.router.weight"), &d.experts, &d.hidden)?,
+            router_bias: Some(f.vector(&format!("{m}.router.bias"), &d.experts)?),
+            bias: None,
+            routed,
+            shared: None,
+            shared_gate: None,
+            act: Activation::ClampedSwiglu { alpha, limit },
         })
     }
 
@@ -210,6 +358,7 @@ impl Experts {
     pub fn router_pages(&self) -> Vec<PageId> {
         self.router
             .pages()
+            .chain(self.router_bias.map(|b| b.page))
             .chain(self.bias.map(|b| b.page))
             .collect()
     }
@@ -241,10 +390,24 @@ impl Experts {
         let n = moe.num_experts;
         let mut logits = b.zeros(rows, n);
         b.matmul(xn, w.matrix(&self.router), &mut logits)?;
+        if let Some(bias) = &self.router_bias {
+            b.add_bias(&mut logits, w.vector(bias))?;
+        }
         let mut picks = match moe.scoring {
             Scoring::Softmax => {
                 b.softmax(&mut logits)?;
                 b.top_k(&logits, moe.top_k)?
+            }
+            Scoring::TopKSoftmax => {
+                let top = b.top_k(&logits, moe.top_k)?;
+                let values: Vec<f32> = top.iter().flatten().map(|p| p.1).collect();
+                let mut weights = b.upload(rows, moe.top_k, &values)?;
+                b.softmax(&mut weights)?;
+                let weights = b.download_owned(weights)?;
+                top.into_iter()
+                    .zip(weights.chunks_exact(moe.top_k))
+                    .map(|(row, ws)| row.into_iter().zip(ws).map(|((e, _), &w)| (e, w)).collect())
+                    .collect()
             }
             Scoring::SigmoidGroups {
                 n_group,
@@ -288,7 +451,7 @@ impl Experts {
             }
         };
         let eps = match moe.scoring {
-            Scoring::Softmax => 0.0,
+            Scoring::Softmax | Scoring::TopKSoftmax => 0.0,
             Scoring::SigmoidGroups { .. } => 1e-20,
         };
         for row in &mut picks {
@@ -383,7 +546,7 @@ impl Experts {
                 }
                 b.upload(rows.len(), h, &v)?
             };
-            let y = self.routed[e].compute(b, w, &input, rows.len())?;
+            let y = self.routed[e].compute(b, w, self.act, &input, rows.len())?;
             if any_order {
                 held[e] = Some(y);
             } else {
@@ -402,7 +565,7 @@ impl Experts {
             for (r, o) in routed.iter().zip(out.iter_mut()) {
                 let rows = r.picks.len();
                 let xn = b.upload(rows, h, &r.xn)?;
-                let y = shared.compute(b, &w, &xn, rows)?;
+                let y = shared.compute(b, &w, Activation::Silu, &xn, rows)?;
                 match &self.shared_gate {
                     // transformers: `sigmoid(shared_expert_gate(x)) * shared_expert(x)`.
                     Some(g) => {

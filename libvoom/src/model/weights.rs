@@ -396,27 +396,26 @@ impl<'a> WeightFinder<'a> {
             .collect())
     }
 
-    /// `count` rows of `[cols]` stored as one `[count, cols]` tensor (fused experts'
-    /// biases, `experts.gate_up_proj_bias`), each a one-row matrix of the page
-    /// holding it: a float dtype.
-    pub fn stacked_rows(
+    /// `count` vectors of `[len]` stored as one `[count, len]` tensor (fused experts'
+    /// biases, `experts.gate_up_proj_bias`), each a view of the page holding it: a
+    /// float dtype.
+    pub fn stacked_vectors(
         &self,
         name: &str,
         count: &Dim,
-        cols: &Dim,
-    ) -> Result<Vec<Matrix>, VoomError> {
+        len: &Dim,
+    ) -> Result<Vec<Vector>, VoomError> {
         let stored = self.stored(name).into_owned();
-        let (at, dtype) = self.stacked_pages(&stored, count, std::slice::from_ref(cols))?;
+        let (at, dtype) = self.stacked_pages(&stored, count, std::slice::from_ref(len))?;
         self.check_dtype(&stored, dtype)?;
         Ok(at
             .into_iter()
-            .map(|(page, i)| Matrix {
+            .map(|(page, i)| Vector {
                 page,
                 dtype,
-                scales: None,
-                first: i,
-                rows: 1,
-                cols: cols.len,
+                first: i * len.len,
+                len: len.len,
+                plus_one: false,
             })
             .collect())
     }
@@ -642,6 +641,7 @@ impl<'a> WeightFinder<'a> {
         Ok(Vector {
             page,
             dtype,
+            first: 0,
             len: len.len,
             plus_one: false,
         })
@@ -654,6 +654,7 @@ impl<'a> WeightFinder<'a> {
         Ok(Vector {
             page,
             dtype,
+            first: 0,
             len: dims.iter().map(|d| d.len).product(),
             plus_one: false,
         })
@@ -849,6 +850,8 @@ impl Table {
 pub struct Vector {
     pub page: PageId,
     pub dtype: DType,
+    /// Its first element in the page (0 but for a slice of a stacked tensor).
+    pub first: usize,
     pub len: usize,
     /// Its values read as `1 + w` ([`VecView::plus_one`]: a zero-centred norm's).
     pub plus_one: bool,
@@ -975,7 +978,7 @@ impl Leased {
     pub fn vector(&self, v: &Vector) -> VecView<'_> {
         VecView {
             dtype: v.dtype,
-            bytes: self.bytes(v.page),
+            bytes: part(self.bytes(v.page), v.dtype.size(), v.first, v.len),
             plus_one: v.plus_one,
         }
     }
