@@ -15,7 +15,7 @@ use libvoom::engine::{Engine, EngineOptions};
 use serde_json::Value;
 use voom_formats::{Checkpoint, DType};
 
-use common::{check_case, SameBits};
+use common::{check_case, open_err, run_err, SameBits};
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny_fp8")
@@ -211,57 +211,12 @@ fn widen(from: &Path, to: &Path) {
         .unwrap();
 }
 
-/// A copy of case `case` whose tensors `edit` may change (name, dtype, shape,
-/// bytes; `None` drops one) and whose config.json `cfg` may change.
 fn edited(
     case: &str,
     edit: impl Fn(&str, &mut DType, &mut Vec<usize>, &mut Vec<u8>) -> bool,
     cfg: impl Fn(&mut Value),
 ) -> tempfile::TempDir {
-    let from = fixtures().join(case);
-    let d = tempfile::tempdir().unwrap();
-    let mut c: Value =
-        serde_json::from_str(&std::fs::read_to_string(from.join("config.json")).unwrap()).unwrap();
-    cfg(&mut c);
-    std::fs::write(d.path().join("config.json"), c.to_string()).unwrap();
-    std::fs::copy(
-        from.join("generation_config.json"),
-        d.path().join("generation_config.json"),
-    )
-    .unwrap();
-    let ckpt = Checkpoint::open(&from).unwrap();
-    let mut owned = Vec::new();
-    for (name, loc) in ckpt.tensors() {
-        let (mut dt, mut shape) = (loc.info.dtype, loc.info.shape.clone());
-        let mut bytes = ckpt.tensor_bytes(name).unwrap().to_vec();
-        if edit(name, &mut dt, &mut shape, &mut bytes) {
-            owned.push((name.to_string(), dt, shape, bytes));
-        }
-    }
-    let refs: Vec<(&str, DType, &[usize], &[u8])> = owned
-        .iter()
-        .map(|(n, d, s, b)| (n.as_str(), *d, s.as_slice(), b.as_slice()))
-        .collect();
-    voom_formats::safetensors::write(&d.path().join("model.safetensors"), &refs, &BTreeMap::new())
-        .unwrap();
-    d
-}
-
-fn open_err(dir: &Path) -> String {
-    match Engine::open(dir, EngineOptions::default()) {
-        Ok(_) => panic!("{} opened", dir.display()),
-        Err(e) => e.to_string(),
-    }
-}
-
-/// The first error a generation over `dir` gives (it opens).
-fn run_err(dir: &Path) -> String {
-    let e = Engine::open(dir, EngineOptions::default()).unwrap();
-    let mut kv = e.new_kv();
-    match e.prefill(&mut kv, &[3, 4, 5]) {
-        Ok(_) => panic!("{} computed", dir.display()),
-        Err(e) => e.to_string(),
-    }
+    common::edited_copy(&fixtures().join(case), edit, cfg)
 }
 
 const CASE: &str = "qwen3_fp8_partial_blocks";

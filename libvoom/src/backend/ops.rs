@@ -120,6 +120,13 @@ pub trait Backend: Send + Sync {
         true
     }
 
+    /// Whether its attention takes sinks ([`AttentionShape::sinks`]) and its
+    /// activations the clamped SwiGLU ([`Activation::ClampedSwiglu`]): gpt-oss; a
+    /// model that needs them is refused at open where not.
+    fn runs_sinks_and_clamped_swiglu(&self) -> bool {
+        true
+    }
+
     /// Bytes of weight and KV pages copied so far instead of computed on in place
     /// (a device that cannot wrap host memory, an address not aligned for it); 0
     /// for the CPU, which reads every page where it lies.

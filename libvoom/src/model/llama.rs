@@ -280,6 +280,22 @@ impl<B: Backend> Llama<B> {
                 ),
             });
         }
+        let clamped = cfg
+            .moe
+            .as_ref()
+            .is_some_and(|m| matches!(m.gate, crate::config::ExpertGate::Clamped { .. }));
+        if (cfg.attn_sinks || clamped) && !backend.runs_sinks_and_clamped_swiglu() {
+            return Err(VoomError::Weight {
+                model: model.to_string(),
+                tensor: "config.json".into(),
+                detail: format!(
+                    "the {} backend does not compute {}'s attention sinks and clamped \
+                     SwiGLU yet (the CPU backend does: --backend cpu)",
+                    backend.name(),
+                    cfg.arch.name()
+                ),
+            });
+        }
         let f = WeightFinder::new(source, model).with_quant(cfg.quant.clone());
         let in_checkpoint = f.layer_count()?;
         // Multi-token-prediction layers follow the decoder's (DeepSeek-V3 stores its

@@ -195,10 +195,17 @@ impl<'a> WeightFinder<'a> {
                 .enumerate()
                 .find(|(_, (d, &n))| d.len != n)
             {
-                Some((i, (d, n))) if meta.shape.len() == dims.len() => format!(
-                    "dimension {i} is {n} in the checkpoint, but config.json's {} is {}",
-                    d.key, d.len
-                ),
+                Some((i, (d, n))) if meta.shape.len() == dims.len() => {
+                    // Config keys are quoted; other sizes are the format's own.
+                    let from = match d.key.starts_with('\'') {
+                        true => "config.json's ",
+                        false => "",
+                    };
+                    format!(
+                        "dimension {i} is {n} in the checkpoint, but {from}{} is {}",
+                        d.key, d.len
+                    )
+                }
                 _ => format!(
                     "{} dimensions in the checkpoint, {} from config.json",
                     meta.shape.len(),
@@ -364,7 +371,7 @@ impl<'a> WeightFinder<'a> {
             &[
                 rows.clone(),
                 groups.clone(),
-                Dim::of("16 bytes a block", 16),
+                Dim::format("MXFP4's bytes per block of 32", 16),
             ],
         )?;
         let (sat, sdtype) = self.stacked_pages(&scales, count, &[rows.clone(), groups])?;
@@ -676,6 +683,14 @@ impl Dim {
         Dim {
             len,
             key: format!("'{key}'"),
+        }
+    }
+
+    /// A dimension the storage format fixes (not config.json's).
+    pub fn format(what: &str, len: usize) -> Self {
+        Dim {
+            len,
+            key: what.to_string(),
         }
     }
 

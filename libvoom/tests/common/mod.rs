@@ -286,3 +286,61 @@ pub fn over_store_with(
     let e = libvoom::engine::Engine::with_source(dir, Arc::new(src), opts).unwrap();
     (store, e)
 }
+
+/// A copy of the checkpoint in `from` whose tensors `edit` may change (name, dtype,
+/// shape, bytes; returning false drops one) and whose config.json `cfg` may change.
+pub fn edited_copy(
+    from: &Path,
+    edit: impl Fn(&str, &mut voom_formats::DType, &mut Vec<usize>, &mut Vec<u8>) -> bool,
+    cfg: impl Fn(&mut Value),
+) -> tempfile::TempDir {
+    use voom_formats::{Checkpoint, DType};
+    let d = tempfile::tempdir().unwrap();
+    let mut c: Value =
+        serde_json::from_str(&std::fs::read_to_string(from.join("config.json")).unwrap()).unwrap();
+    cfg(&mut c);
+    std::fs::write(d.path().join("config.json"), c.to_string()).unwrap();
+    std::fs::copy(
+        from.join("generation_config.json"),
+        d.path().join("generation_config.json"),
+    )
+    .unwrap();
+    let ckpt = Checkpoint::open(from).unwrap();
+    let mut owned = Vec::new();
+    for (name, loc) in ckpt.tensors() {
+        let (mut dt, mut shape) = (loc.info.dtype, loc.info.shape.clone());
+        let mut bytes = ckpt.tensor_bytes(name).unwrap().to_vec();
+        if edit(name, &mut dt, &mut shape, &mut bytes) {
+            owned.push((name.to_string(), dt, shape, bytes));
+        }
+    }
+    let refs: Vec<(&str, DType, &[usize], &[u8])> = owned
+        .iter()
+        .map(|(n, d, s, b)| (n.as_str(), *d, s.as_slice(), b.as_slice()))
+        .collect();
+    voom_formats::safetensors::write(
+        &d.path().join("model.safetensors"),
+        &refs,
+        &std::collections::BTreeMap::new(),
+    )
+    .unwrap();
+    d
+}
+
+/// The error opening `dir` gives (it must not open).
+pub fn open_err(dir: &Path) -> String {
+    match libvoom::engine::Engine::open(dir, libvoom::engine::EngineOptions::default()) {
+        Ok(_) => panic!("{} opened", dir.display()),
+        Err(e) => e.to_string(),
+    }
+}
+
+/// The first error a prefill over `dir` gives (it opens).
+pub fn run_err(dir: &Path) -> String {
+    let e = libvoom::engine::Engine::open(dir, libvoom::engine::EngineOptions::default()).unwrap();
+    let mut kv = e.new_kv();
+    match e.prefill(&mut kv, &[3, 4, 5]) {
+        Ok(_) => panic!("{} computed", dir.display()),
+        Err(e) => e.to_string(),
+    }
+}

@@ -354,6 +354,11 @@ impl Backend for MlxBackend {
         false
     }
 
+    /// Not yet: gpt-oss's sinks and clamped SwiGLU are CPU kernels for now.
+    fn runs_sinks_and_clamped_swiglu(&self) -> bool {
+        false
+    }
+
     /// Borrowed memory MLX copied instead of wrapping: on its CPU and CUDA builds
     /// every page (MLX 0.32 copies any external pointer there); on Metal, pages it
     /// cannot map as a buffer (not aligned to its 16 KiB pages).
