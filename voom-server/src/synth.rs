@@ -280,6 +280,8 @@ pub fn bench_hybrid_model(gb: f64) -> Result<std::path::PathBuf> {
 struct Tensors {
     rng: Rng,
     list: Vec<(String, Vec<usize>, Vec<u8>)>,
+    /// Each tensor's dtype: BF16 unless pushed raw.
+    dtypes: Vec<DType>,
 }
 
 impl Tensors {
@@ -287,6 +289,7 @@ impl Tensors {
         Tensors {
             rng: Rng(seed | 1),
             list: Vec::new(),
+            dtypes: Vec::new(),
         }
     }
 
@@ -294,6 +297,38 @@ impl Tensors {
         let n = dims.iter().product();
         let bytes = random_bf16(&mut self.rng, n, scale, offset);
         self.list.push((name, dims, bytes));
+        self.dtypes.push(DType::BF16);
+    }
+
+    /// A tensor of `dtype` with the given bytes.
+    fn raw(&mut self, name: String, dims: Vec<usize>, dtype: DType, bytes: Vec<u8>) {
+        self.list.push((name, dims, bytes));
+        self.dtypes.push(dtype);
+    }
+
+    /// MXFP4 `{stem}_blocks` `[count, rows, cols / 32, 16]` (random e2m1 pairs) and
+    /// `{stem}_scales` `[count, rows, cols / 32]` (e8m0 exponents about 2^-7, so that
+    /// a value is about `sqrt(3 / cols)` for gpt-oss's widths).
+    fn mxfp4(&mut self, stem: &str, count: usize, rows: usize, cols: usize) {
+        let groups = cols / 32;
+        let blocks = (0..count * rows * groups * 16)
+            .map(|_| (self.rng.next() >> 56) as u8)
+            .collect();
+        let scales = (0..count * rows * groups)
+            .map(|_| 117 + (self.rng.next() >> 62) as u8)
+            .collect();
+        self.raw(
+            format!("{stem}_blocks"),
+            vec![count, rows, groups, 16],
+            DType::U8,
+            blocks,
+        );
+        self.raw(
+            format!("{stem}_scales"),
+            vec![count, rows, groups],
+            DType::U8,
+            scales,
+        );
     }
 
     /// An RMSNorm weight: about 1.
@@ -337,7 +372,8 @@ impl Tensors {
         let refs: Vec<(&str, DType, &[usize], &[u8])> = self
             .list
             .iter()
-            .map(|(n, s, b)| (n.as_str(), DType::BF16, s.as_slice(), b.as_slice()))
+            .zip(&self.dtypes)
+            .map(|((n, s, b), d)| (n.as_str(), *d, s.as_slice(), b.as_slice()))
             .collect();
         let mut meta = BTreeMap::new();
         meta.insert("format".to_string(), "pt".to_string());
@@ -403,6 +439,154 @@ pub fn write_qwen3_moe(dir: &Path, shape: SynthMoeShape, seed: u64) -> Result<()
         "voom_synthetic": {"seed": seed},
     });
     t.write(dir, &config)
+}
+
+/// Shape of a synthetic gpt-oss: gpt-oss-20b's widths (hidden 2880, 64 query heads
+/// and 8 KV heads of 64, 32 experts of 2880, 4 a token, MXFP4 experts), a smaller
+/// vocabulary, and as many layers as a size gives.
+#[derive(Debug, Clone, Copy)]
+pub struct SynthGptOssShape {
+    pub layers: usize,
+    pub vocab: usize,
+}
+
+impl SynthGptOssShape {
+    const HIDDEN: usize = 2880;
+    const HEADS: usize = 64;
+    const KV_HEADS: usize = 8;
+    const HEAD_DIM: usize = 64;
+    const EXPERTS: usize = 32;
+    const TOP_K: usize = 4;
+    const INTER: usize = 2880;
+
+    /// As many layers (at least 2: one sliding, one full) as make about `gb` GB as
+    /// stored (MXFP4 experts, the rest BF16).
+    pub fn of_size(gb: f64) -> SynthGptOssShape {
+        let mut s = SynthGptOssShape {
+            layers: 2,
+            vocab: 32000,
+        };
+        let fixed = 2 * 2 * s.vocab * Self::HIDDEN;
+        s.layers = ((gb * 1e9) as usize).saturating_sub(fixed) / s.layer_bytes();
+        s.layers = s.layers.max(2);
+        s
+    }
+
+    /// Bytes of one layer as stored.
+    fn layer_bytes(&self) -> usize {
+        let h = Self::HIDDEN;
+        let (q, kv) = (
+            Self::HEADS * Self::HEAD_DIM,
+            Self::KV_HEADS * Self::HEAD_DIM,
+        );
+        let attention = 2 * (2 * q * h + 2 * kv * h + q + 2 * kv + h + Self::HEADS);
+        let router = 2 * (Self::EXPERTS * h + Self::EXPERTS);
+        // 16 bytes and one scale byte per 32 values.
+        let mxfp4 = |rows: usize, cols: usize| rows * (cols / 32) * 17;
+        let experts = Self::EXPERTS
+            * (mxfp4(2 * Self::INTER, h) + mxfp4(h, Self::INTER) + 2 * (2 * Self::INTER + h));
+        attention + router + experts + 2 * 2 * h
+    }
+
+    /// Bytes as stored.
+    pub fn bytes(&self) -> usize {
+        self.layers * self.layer_bytes() + 2 * (2 * self.vocab * Self::HIDDEN + Self::HIDDEN)
+    }
+}
+
+/// The benchmarks' synthetic gpt-oss of about `gb` GB as stored under
+/// `$VOOM_HOME/bench` (named by its shape), written once and reused.
+pub fn bench_gpt_oss_model(gb: f64) -> Result<std::path::PathBuf> {
+    let shape = SynthGptOssShape::of_size(gb);
+    bench_dir(
+        &format!("gpt-oss-synthetic-{}l-mxfp4", shape.layers),
+        &format!(
+            "a synthetic gpt-oss ({} layers of 32 MXFP4 experts, {:.2} GB as stored)",
+            shape.layers,
+            shape.bytes() as f64 / 1e9
+        ),
+        |dir| write_gpt_oss(dir, shape, 0x5eed),
+    )
+}
+
+/// Writes `config.json` (gpt-oss-20b's, with `quantization_config` mxfp4) and
+/// `model.safetensors` of a random gpt-oss into `dir`: the experts MXFP4 as released
+/// (`{proj}_blocks` / `_scales`, outputs as rows), the rest BF16.
+pub fn write_gpt_oss(dir: &Path, shape: SynthGptOssShape, seed: u64) -> Result<()> {
+    type S = SynthGptOssShape;
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let h = S::HIDDEN;
+    let (q, kv) = (S::HEADS * S::HEAD_DIM, S::KV_HEADS * S::HEAD_DIM);
+    let mut t = Tensors::new(seed);
+    t.embedding(shape.vocab, h);
+    for i in 0..shape.layers {
+        let p = format!("model.layers.{i}");
+        t.attention(&p, h, q, kv);
+        for (name, n) in [("q_proj", q), ("k_proj", kv), ("v_proj", kv), ("o_proj", h)] {
+            t.push(format!("{p}.self_attn.{name}.bias"), vec![n], 0.02, 0.0);
+        }
+        t.push(format!("{p}.self_attn.sinks"), vec![S::HEADS], 1.0, 0.0);
+        t.linear(format!("{p}.mlp.router.weight"), S::EXPERTS, h);
+        t.push(format!("{p}.mlp.router.bias"), vec![S::EXPERTS], 0.1, 0.0);
+        let x = format!("{p}.mlp.experts");
+        t.mxfp4(&format!("{x}.gate_up_proj"), S::EXPERTS, 2 * S::INTER, h);
+        t.push(
+            format!("{x}.gate_up_proj_bias"),
+            vec![S::EXPERTS, 2 * S::INTER],
+            0.02,
+            0.0,
+        );
+        t.mxfp4(&format!("{x}.down_proj"), S::EXPERTS, h, S::INTER);
+        t.push(
+            format!("{x}.down_proj_bias"),
+            vec![S::EXPERTS, h],
+            0.02,
+            0.0,
+        );
+    }
+    t.head(shape.vocab, h);
+    let layer_types: Vec<&str> = (0..shape.layers)
+        .map(|i| match i % 2 {
+            0 => "sliding_attention",
+            _ => "full_attention",
+        })
+        .collect();
+    let config = serde_json::json!({
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "attention_bias": true,
+        "hidden_size": h,
+        "intermediate_size": S::INTER,
+        "num_local_experts": S::EXPERTS,
+        "num_experts_per_tok": S::TOP_K,
+        "num_hidden_layers": shape.layers,
+        "num_attention_heads": S::HEADS,
+        "num_key_value_heads": S::KV_HEADS,
+        "head_dim": S::HEAD_DIM,
+        "layer_types": layer_types,
+        "sliding_window": 128,
+        "vocab_size": shape.vocab,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 150000,
+        "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+            "beta_slow": 1.0, "truncate": false, "original_max_position_embeddings": 4096},
+        "swiglu_limit": 7.0,
+        "tie_word_embeddings": false,
+        "hidden_act": "silu",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router",
+            "model.embed_tokens", "lm_head"]},
+        "voom_synthetic": {"seed": seed},
+    });
+    t.write(dir, &config)?;
+    // A page manifest, as `voom import` writes: it pages the stacked experts one
+    // expert at a time, so a token reads the experts its router picks.
+    let ckpt = voom_formats::Checkpoint::open(dir)?;
+    voom_formats::Manifest::build(&ckpt, &mut |_, _| {})?.save(dir)?;
+    Ok(())
 }
 
 /// Writes `config.json` (the released form: `full_attention_interval`, top-level

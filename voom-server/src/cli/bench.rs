@@ -41,6 +41,10 @@ pub struct BenchArgs {
     /// gated attention layers 3:1, experts) in GB of BF16 (0: none).
     #[arg(long, default_value_t = 0.0)]
     pub synthetic_hybrid_gb: f64,
+    /// Size of a synthetic random-weights gpt-oss (gpt-oss-20b's widths, experts
+    /// MXFP4 as released) in GB as stored (0: none).
+    #[arg(long, default_value_t = 0.0)]
+    pub synthetic_gpt_oss_gb: f64,
     /// Backends to measure, comma-separated (`cpu`, `cpu-avx2`, `mlx`...): each
     /// runs the same prompts in the same runs, its ids compared with the first's.
     #[arg(long = "backend", default_value = "cpu", value_delimiter = ',', value_parser = common::parse_backend)]
@@ -135,6 +139,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     if a.synthetic_hybrid_gb > 0.0 {
         dirs.push(synth::bench_hybrid_model(a.synthetic_hybrid_gb)?);
+    }
+    if a.synthetic_gpt_oss_gb > 0.0 {
+        dirs.push(synth::bench_gpt_oss_model(a.synthetic_gpt_oss_gb)?);
     }
     let llama = match &a.llama_bench {
         Some(b) => {
