@@ -16,7 +16,7 @@ use libvoom::engine::{Engine, EngineOptions};
 use serde_json::Value;
 use voom_formats::DType;
 
-use common::{check_case, edited_copy, open_err, run_err, SameBits};
+use common::{check_case, edited_copy, open_err, run_err};
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny_gpt_oss")
@@ -97,43 +97,12 @@ fn single_threaded_and_chunked_prefill_match_transformers_too() {
     }
 }
 
-fn bits(x: &[f32]) -> Vec<u32> {
-    x.iter().map(|v| v.to_bits()).collect()
-}
-
 /// A position's logits bits do not depend on the thread count, the prefill chunk,
 /// the KV page size or the CPU instruction set.
 #[test]
 fn logits_bits_do_not_depend_on_chunking_threads_or_backend() {
     for case in cases() {
-        let dir = fixtures().join(&case);
-        let prompt = common::prompt_of(&dir, 3);
-        let mut seen = SameBits::default();
-        for backend in backends() {
-            for (threads, chunk, page) in [(1, 1, 1), (2, 3, 3), (3, 256, 128), (2, 7, 16)] {
-                let e = Engine::open(
-                    &dir,
-                    EngineOptions {
-                        threads,
-                        prefill_chunk: chunk,
-                        backend,
-                        kv_page_positions: page,
-                        ..Default::default()
-                    },
-                )
-                .unwrap();
-                let mut kv = e.new_kv();
-                let all = e.forward_all(&mut kv, &prompt).unwrap();
-                seen.check(
-                    backend,
-                    bits(&all),
-                    &format!(
-                        "{case}: threads {threads}, chunk {chunk}, KV pages {page}, {}",
-                        backend.name()
-                    ),
-                );
-            }
-        }
+        common::check_bits_across_runs(&fixtures().join(&case), 3, &backends());
     }
 }
 
@@ -220,26 +189,7 @@ fn check_case_at(dir: &Path, of: &Path) {
 #[test]
 fn gpt_oss_through_the_store_core_below_one_layer_gives_the_mapped_bits() {
     for case in cases() {
-        let (_d, dir) = common::copy_with_manifest(&fixtures().join(&case));
-        let prompt = common::prompt_of(&dir, 3);
-        let want = common::run_bits(
-            &Engine::open(&dir, EngineOptions::default()).unwrap(),
-            &prompt,
-            8,
-        );
-        let m = voom_formats::Manifest::load(&dir).unwrap().unwrap();
-        let largest = m.pages.iter().map(|p| p.len as usize).max().unwrap();
-        for budget in [
-            64 << 20,
-            (largest * 2).next_multiple_of(16 << 10) + (256 << 10),
-        ] {
-            let (_store, e) = common::over_store_with(&dir, budget, None, EngineOptions::default());
-            assert_eq!(
-                common::run_bits(&e, &prompt, 8),
-                want,
-                "{case}: budget {budget}"
-            );
-        }
+        common::check_store_below_one_layer(&fixtures().join(&case), 3);
     }
 }
 

@@ -344,3 +344,66 @@ pub fn run_err(dir: &Path) -> String {
         Err(e) => e.to_string(),
     }
 }
+
+/// The logits bits of every position of prompt `prompt_index` of the fixture in
+/// `dir` are the same whatever the thread count, prefill chunk, KV page size and
+/// CPU instruction set (`backends`; one family's bits each).
+pub fn check_bits_across_runs(
+    dir: &Path,
+    prompt_index: usize,
+    backends: &[libvoom::backend::BackendKind],
+) {
+    use libvoom::engine::{Engine, EngineOptions};
+    let case = dir.file_name().unwrap().to_string_lossy();
+    let prompt = prompt_of(dir, prompt_index);
+    let mut seen = SameBits::default();
+    for &backend in backends {
+        for (threads, chunk, page) in [(1, 1, 1), (2, 3, 3), (3, 256, 128), (2, 7, 16)] {
+            let e = Engine::open(
+                dir,
+                EngineOptions {
+                    threads,
+                    prefill_chunk: chunk,
+                    backend,
+                    kv_page_positions: page,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+            let mut kv = e.new_kv();
+            let all = e.forward_all(&mut kv, &prompt).unwrap();
+            seen.check(
+                backend,
+                all.iter().map(|v| v.to_bits()).collect(),
+                &format!(
+                    "{case}: threads {threads}, chunk {chunk}, KV pages {page}, {}",
+                    backend.name()
+                ),
+            );
+        }
+    }
+}
+
+/// A copy of the fixture `src` with a manifest, served by the store core at a
+/// budget below one layer (every page streamed) and at a roomy one, gives the
+/// mapped model's bits and ids for prompt `prompt_index`.
+pub fn check_store_below_one_layer(src: &Path, prompt_index: usize) {
+    use libvoom::engine::{Engine, EngineOptions};
+    let case = src.file_name().unwrap().to_string_lossy();
+    let (_d, dir) = copy_with_manifest(src);
+    let prompt = prompt_of(&dir, prompt_index);
+    let want = run_bits(
+        &Engine::open(&dir, EngineOptions::default()).unwrap(),
+        &prompt,
+        8,
+    );
+    let m = voom_formats::Manifest::load(&dir).unwrap().unwrap();
+    let largest = m.pages.iter().map(|p| p.len as usize).max().unwrap();
+    for budget in [
+        64 << 20,
+        (largest * 2).next_multiple_of(16 << 10) + (256 << 10),
+    ] {
+        let (_store, e) = over_store_with(&dir, budget, None, EngineOptions::default());
+        assert_eq!(run_bits(&e, &prompt, 8), want, "{case}: budget {budget}");
+    }
+}
