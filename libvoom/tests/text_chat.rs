@@ -75,3 +75,44 @@ fn smollm2_template_is_the_real_one() {
     let src = std::fs::read_to_string(chat_dir().join("smollm2.jinja")).unwrap();
     assert!(src.contains("You are a helpful AI assistant named SmolLM, trained by Hugging Face"));
 }
+
+/// gpt-oss's harmony template (tests/fixtures/tiny_harmony, OpenAI's template as
+/// published) renders as transformers renders it, tools as a TypeScript namespace,
+/// reasoning and tool calls in the history, `reasoning_effort`, `model_identity` and
+/// `builtin_tools` included; the ids are transformers' too. The date line is the
+/// one difference allowed: transformers' reference fixed it through `strftime_now`.
+#[test]
+fn harmony_template_renders_as_transformers_does() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny_harmony");
+    let tok = libvoom::text::Tokenizer::from_dir(&dir).unwrap();
+    let tpl = tok.chat_template().expect("chat_template.jinja");
+    let r: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+            .unwrap();
+    let date = r["date"].as_str().unwrap();
+    let mut n = 0;
+    for c in r["renders"].as_array().unwrap() {
+        let name = c["name"].as_str().unwrap();
+        let tools = c["tools"].as_array().map(Vec::as_slice);
+        let out = tpl
+            .render(
+                c["messages"].as_array().unwrap(),
+                tools,
+                true,
+                c["kwargs"].as_object(),
+            )
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let at = out.find("Current date: ").expect("a date line") + "Current date: ".len();
+        let out = format!("{}{date}{}", &out[..at], &out[at + date.len()..]);
+        assert_eq!(out, c["text"].as_str().unwrap(), "{name}");
+        let ids: Vec<u32> = c["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        assert_eq!(tok.encode(&out, false).unwrap(), ids, "{name}");
+        n += 1;
+    }
+    assert_eq!(n, 6);
+}
