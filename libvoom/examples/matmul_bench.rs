@@ -1,7 +1,12 @@
 //! Bench of the CPU matmul kernels against the machine's measured read bandwidth.
 //!
 //! `cargo run --release -p libvoom --example matmul_bench [-- --quick] [--shape RxC]
-//! [--no-prefill] [--tokens N] [--portable | --avx2]`
+//! [--no-prefill] [--tokens N] [--portable | --avx2] [--formats]`
+//!
+//! `--formats` measures the block-scaled formats as released (FP8 e4m3 with 128x128
+//! F32 scales, MXFP4 with e8m0 scales per 32) at gpt-oss-20b's expert shapes and
+//! DeepSeek-V3's, beside BF16 of the same shapes; GB/s count the bytes as stored
+//! (elements and scales).
 //!
 //! Decode (one token) is memory bound: it reports GB/s of weights streamed and the
 //! ratio to `read_bandwidth` measured in the same run on the same thread count.
@@ -14,6 +19,7 @@ use std::time::{Duration, Instant};
 use libvoom::backend::cpu::matmul::{matmul_isa, Isa, WeightView};
 use libvoom::backend::cpu::membw::ReadProbe;
 use libvoom::backend::cpu::threads::ThreadPool;
+use libvoom::backend::view::{BlockScales, WeightFormat};
 use voom_formats::DType;
 
 /// Total bytes of weight copies cycled through: 16x a 32 MiB L3.
@@ -78,16 +84,30 @@ fn main() {
         "\n{:>12} {:>5} {:>3} | {:>9} {:>7} {:>7} {:>6} | {:>13}",
         "shape", "dtype", "thr", "decode us", "GB/s", "bw GB/s", "of bw", "prefill GF/s"
     );
-    for &(rows, cols) in small.iter().chain(&large) {
+    let formats = args.iter().any(|a| a == "--formats");
+    // gpt-oss-20b's expert gate_up and down; DeepSeek-V3's expert gate and down.
+    let quant = [(5760, 2880), (2880, 2880), (2048, 7168), (7168, 2048)];
+    let shapes: Vec<(usize, usize)> = if formats {
+        quant.to_vec()
+    } else {
+        small.iter().chain(&large).copied().collect()
+    };
+    for (rows, cols) in shapes {
         if only.is_some_and(|s| s != (rows, cols)) {
             continue;
         }
-        let dtypes: &[DType] = if (rows, cols) == (2048, 8192) {
-            &[DType::BF16, DType::F16, DType::F32]
+        let kinds: &[Kind] = if formats {
+            &[Kind::Plain(DType::BF16), Kind::Fp8, Kind::Mxfp4]
+        } else if (rows, cols) == (2048, 8192) {
+            &[
+                Kind::Plain(DType::BF16),
+                Kind::Plain(DType::F16),
+                Kind::Plain(DType::F32),
+            ]
         } else {
-            &[DType::BF16]
+            &[Kind::Plain(DType::BF16)]
         };
-        for &dtype in dtypes {
+        for &dtype in kinds {
             let set = WeightSet::new(dtype, rows, cols);
             for pool in &pools {
                 let (us, gbs, bound) = decode(&set, pool, isa, &probe, reps);
@@ -99,7 +119,7 @@ fn main() {
                 println!(
                     "{:>12} {:>5} {:>3} | {:>9.1} {:>7.2} {:>7.2} {:>5.0}% | {:>13.1}",
                     format!("{rows}x{cols}"),
-                    dtype.as_str(),
+                    dtype.name(),
                     pool.threads(),
                     us,
                     gbs,
@@ -112,20 +132,52 @@ fn main() {
     }
 }
 
-/// Copies of one matrix, adjacent in one buffer, totalling at least `WORKING_SET`.
+/// How a bench matrix is stored.
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    Plain(DType),
+    /// FP8 e4m3, one F32 scale per 128x128 block (DeepSeek-V3, Qwen3-FP8).
+    Fp8,
+    /// MXFP4, one e8m0 scale per 32 elements of a row (gpt-oss).
+    Mxfp4,
+}
+
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Kind::Plain(d) => d.as_str(),
+            Kind::Fp8 => "FP8",
+            Kind::Mxfp4 => "MXFP4",
+        }
+    }
+
+    /// Bytes of a matrix's elements and of its scales.
+    fn bytes(self, rows: usize, cols: usize) -> (usize, usize) {
+        match self {
+            Kind::Plain(d) => (rows * cols * d.size(), 0),
+            Kind::Fp8 => (rows * cols, rows.div_ceil(128) * cols.div_ceil(128) * 4),
+            Kind::Mxfp4 => (rows * cols / 2, rows * cols / 32),
+        }
+    }
+}
+
+/// Copies of one matrix, adjacent in one buffer (their scales in another),
+/// totalling at least `WORKING_SET`.
 struct WeightSet {
-    dtype: DType,
+    kind: Kind,
     rows: usize,
     cols: usize,
     copies: usize,
     bytes: Vec<u8>,
+    scales: Vec<u8>,
 }
 
 impl WeightSet {
-    fn new(dtype: DType, rows: usize, cols: usize) -> WeightSet {
-        let one = rows * cols * dtype.size();
-        let copies = WORKING_SET.div_ceil(one).max(2);
+    fn new(kind: Kind, rows: usize, cols: usize) -> WeightSet {
+        let (one, one_scales) = kind.bytes(rows, cols);
+        let copies = WORKING_SET.div_ceil(one + one_scales).max(2);
         let mut bytes = vec![0u8; one * copies];
+        let mut scales = vec![0u8; one_scales * copies];
         // Finite values in [-1, 1): xorshift mantissa under a fixed exponent.
         let mut s = 0x9E37_79B9_7F4A_7C15u64;
         let mut next = || {
@@ -135,36 +187,73 @@ impl WeightSet {
             let v = f32::from_bits(0x3f80_0000 | (s as u32 >> 9)) - 1.5;
             v * 2.0
         };
-        match dtype {
-            DType::BF16 => {
+        match kind {
+            Kind::Plain(DType::BF16) => {
                 for c in bytes.chunks_exact_mut(2) {
                     c.copy_from_slice(&((next().to_bits() >> 16) as u16).to_le_bytes());
                 }
             }
-            DType::F16 => {
+            Kind::Plain(DType::F16) => {
                 for c in bytes.chunks_exact_mut(2) {
                     c.copy_from_slice(&half::f16::from_f32(next()).to_bits().to_le_bytes());
                 }
             }
-            _ => {
+            Kind::Plain(_) => {
                 for c in bytes.chunks_exact_mut(4) {
                     c.copy_from_slice(&next().to_le_bytes());
                 }
             }
+            Kind::Fp8 => {
+                // Any byte but the two NaNs; scales near 2^-8, as released.
+                for b in bytes.iter_mut() {
+                    let v = (next().to_bits() >> 8) as u8;
+                    *b = if v & 0x7f == 0x7f { 0x7e } else { v };
+                }
+                for c in scales.chunks_exact_mut(4) {
+                    c.copy_from_slice(&(next().abs() * 2e-3 + 1e-4).to_le_bytes());
+                }
+            }
+            Kind::Mxfp4 => {
+                for b in bytes.iter_mut() {
+                    *b = (next().to_bits() >> 8) as u8;
+                }
+                for b in scales.iter_mut() {
+                    *b = 118 + (next().to_bits() >> 8) as u8 % 8;
+                }
+            }
         }
         WeightSet {
-            dtype,
+            kind,
             rows,
             cols,
             copies,
             bytes,
+            scales,
         }
+    }
+
+    /// Bytes a product reads: elements and scales.
+    fn stored_bytes(&self) -> usize {
+        (self.bytes.len() + self.scales.len()) / self.copies
     }
 
     fn view(&self, i: usize) -> WeightView<'_> {
         let one = self.bytes.len() / self.copies;
-        WeightView::new(
-            self.dtype,
+        let one_s = self.scales.len() / self.copies;
+        let scales = &self.scales[i * one_s..(i + 1) * one_s];
+        let format = match self.kind {
+            Kind::Plain(d) => WeightFormat::Plain(d),
+            Kind::Fp8 => WeightFormat::Fp8(BlockScales {
+                dtype: DType::F32,
+                block_rows: 128,
+                block_cols: 128,
+                row0: 0,
+                bytes: scales,
+            }),
+            Kind::Mxfp4 => WeightFormat::Mxfp4 { scales },
+        };
+        WeightView::of(
+            format,
             self.rows,
             self.cols,
             &self.bytes[i * one..(i + 1) * one],
@@ -191,7 +280,7 @@ fn decode(
         .map(|i| (i % 7) as f32 * 0.25 - 0.75)
         .collect();
     let mut out = vec![0.0f32; set.rows];
-    let per_call_bytes = (set.bytes.len() / set.copies) as f64;
+    let per_call_bytes = set.stored_bytes() as f64;
     let (mut secs, mut bw) = (Vec::new(), Vec::new());
     for rep in 0..=reps {
         let b = probe.pass(pool.threads());

@@ -23,7 +23,8 @@
 //! inside the tile for each block of eight (every block lies in one scale block),
 //! never as a widened copy of the matrix; the order of the sums is the same. On
 //! AVX-512 they run the tiles at every token count (the packed path is for plain
-//! weights). The AVX2 path keeps one 8-lane register per
+//! weights), MXFP4 tiles of their own that look each block's weights up in a
+//! table of its scale (`matmul_mxfp4.rs`). The AVX2 path keeps one 8-lane register per
 //! output element; instruction-level parallelism comes from computing a tile of
 //! several rows and tokens at once, never from splitting one element's sum. The
 //! portable path emulates the same lanes with `f32::mul_add`, so it produces the same
@@ -1033,6 +1034,9 @@ mod portable {
 mod neon;
 
 #[cfg(target_arch = "x86_64")]
+#[path = "matmul_mxfp4.rs"]
+mod mxfp4;
+#[cfg(target_arch = "x86_64")]
 #[path = "matmul_packed.rs"]
 mod packed;
 #[cfg(target_arch = "x86_64")]
@@ -1604,6 +1608,10 @@ mod avx512 {
         if packs(DT, n) {
             // SAFETY: forwarded contract; this CPU has AVX-512 (the caller's).
             return unsafe { super::packed::rows::<DT>(x, n, w, rows, out) };
+        }
+        if DT == DT_MXFP4 {
+            // SAFETY: forwarded contract; the view is MXFP4 (DT).
+            return unsafe { super::mxfp4::rows(x, n, w, rows, out) };
         }
         tile_rows!(tile, wide_tile_shape, DT, x, n, w, rows, out)
     }
