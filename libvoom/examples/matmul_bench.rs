@@ -204,10 +204,17 @@ impl WeightSet {
                 }
             }
             Kind::Fp8 => {
-                // Any byte but the two NaNs; scales near 2^-8, as released.
+                // Bytes as a release's weights are (normals: the block's largest
+                // magnitudes near 448, the rest spread below; no subnormal, which
+                // a release's weights almost never are), no NaN; scales near
+                // 2^-8.
                 for b in bytes.iter_mut() {
                     let v = (next().to_bits() >> 8) as u8;
-                    *b = if v & 0x7f == 0x7f { 0x7e } else { v };
+                    let exponent = 1 + (v >> 3) % 15;
+                    *b = (v & 0x87) | (exponent << 3);
+                    if *b & 0x7f == 0x7f {
+                        *b = 0x7e;
+                    }
                 }
                 for c in scales.chunks_exact_mut(4) {
                     c.copy_from_slice(&(next().abs() * 2e-3 + 1e-4).to_le_bytes());

@@ -23,8 +23,9 @@
 //! inside the tile for each block of eight (every block lies in one scale block),
 //! never as a widened copy of the matrix; the order of the sums is the same. On
 //! AVX-512 they run the tiles at every token count (the packed path is for plain
-//! weights), MXFP4 tiles of their own that look each block's weights up in a
-//! table of its scale (`matmul_mxfp4.rs`). The AVX2 path keeps one 8-lane register per
+//! weights), FP8 and MXFP4 tiles of their own (`matmul_fp8.rs`: e4m3 bits placed in
+//! an f32 and one multiply by the scale; `matmul_mxfp4.rs`: each block's weights
+//! looked up in a table of its scale). The AVX2 path keeps one 8-lane register per
 //! output element; instruction-level parallelism comes from computing a tile of
 //! several rows and tokens at once, never from splitting one element's sum. The
 //! portable path emulates the same lanes with `f32::mul_add`, so it produces the same
@@ -1033,6 +1034,58 @@ mod portable {
 #[path = "matmul_neon.rs"]
 mod neon;
 
+/// The loop over tiles of the AVX-512 block-scaled kernels (`matmul_mxfp4.rs`,
+/// `matmul_fp8.rs`), whose tiles keep one 256-bit accumulator per element: six
+/// rows at one or two tokens (six independent multiply-add chains while the
+/// weights stream), four rows by four tokens beyond; `$tile::<R, T>(x, w, o0, t0,
+/// out)` computes one. Tokens outer, as [`tile_rows!`]. The shape changes no bits.
+#[cfg(target_arch = "x86_64")]
+macro_rules! narrow_tiles {
+    ($tile:ident, $x:ident, $n:ident, $w:ident, $rows:ident, $out:ident) => {{
+        let (tile_rows, tokens) = if $n <= 2 { (6, 2) } else { (4, 4) };
+        let mut t = 0;
+        while t < $n {
+            let tn = ($n - t).min(tokens);
+            let mut o = $rows.start;
+            while o < $rows.end {
+                let r = ($rows.end - o).min(tile_rows);
+                // SAFETY: o + r <= rows.end and t + tn <= n; the rest is the
+                // caller's contract.
+                unsafe {
+                    match (r, tn) {
+                        (6, 1) => $tile::<6, 1>($x, $w, o, t, $out),
+                        (6, 2) => $tile::<6, 2>($x, $w, o, t, $out),
+                        (5, 1) => $tile::<5, 1>($x, $w, o, t, $out),
+                        (5, 2) => $tile::<5, 2>($x, $w, o, t, $out),
+                        (4, 1) => $tile::<4, 1>($x, $w, o, t, $out),
+                        (4, 2) => $tile::<4, 2>($x, $w, o, t, $out),
+                        (4, 3) => $tile::<4, 3>($x, $w, o, t, $out),
+                        (4, 4) => $tile::<4, 4>($x, $w, o, t, $out),
+                        (3, 1) => $tile::<3, 1>($x, $w, o, t, $out),
+                        (3, 2) => $tile::<3, 2>($x, $w, o, t, $out),
+                        (3, 3) => $tile::<3, 3>($x, $w, o, t, $out),
+                        (3, 4) => $tile::<3, 4>($x, $w, o, t, $out),
+                        (2, 1) => $tile::<2, 1>($x, $w, o, t, $out),
+                        (2, 2) => $tile::<2, 2>($x, $w, o, t, $out),
+                        (2, 3) => $tile::<2, 3>($x, $w, o, t, $out),
+                        (2, 4) => $tile::<2, 4>($x, $w, o, t, $out),
+                        (1, 1) => $tile::<1, 1>($x, $w, o, t, $out),
+                        (1, 2) => $tile::<1, 2>($x, $w, o, t, $out),
+                        (1, 3) => $tile::<1, 3>($x, $w, o, t, $out),
+                        (1, 4) => $tile::<1, 4>($x, $w, o, t, $out),
+                        _ => unreachable!("tile shapes cover 1..=6 rows x 1..=4 tokens"),
+                    }
+                }
+                o += r;
+            }
+            t += tn;
+        }
+    }};
+}
+
+#[cfg(target_arch = "x86_64")]
+#[path = "matmul_fp8.rs"]
+mod fp8;
 #[cfg(target_arch = "x86_64")]
 #[path = "matmul_mxfp4.rs"]
 mod mxfp4;
@@ -1612,6 +1665,10 @@ mod avx512 {
         if DT == DT_MXFP4 {
             // SAFETY: forwarded contract; the view is MXFP4 (DT).
             return unsafe { super::mxfp4::rows(x, n, w, rows, out) };
+        }
+        if DT == DT_FP8 {
+            // SAFETY: forwarded contract; the view is FP8 (DT).
+            return unsafe { super::fp8::rows(x, n, w, rows, out) };
         }
         tile_rows!(tile, wide_tile_shape, DT, x, n, w, rows, out)
     }

@@ -158,32 +158,7 @@ pub(super) unsafe fn rows(
     rows: Range<usize>,
     out: *mut f32,
 ) {
-    let (tile_rows, tokens) = if n <= 2 { (6, 2) } else { (4, 4) };
-    let mut t = 0;
-    while t < n {
-        let tn = (n - t).min(tokens);
-        let mut o = rows.start;
-        while o < rows.end {
-            let r = (rows.end - o).min(tile_rows);
-            macro_rules! go {
-                ($($rr:literal, $tt:literal);*) => {
-                    match (r, tn) {
-                        $(($rr, $tt) => tile::<$rr, $tt>(x, w, o, t, out),)*
-                        _ => unreachable!("tile shapes cover 1..=6 rows x 1..=4 tokens"),
-                    }
-                };
-            }
-            // SAFETY: o + r <= rows.end and t + tn <= n; the rest is the caller's
-            // contract.
-            unsafe {
-                go!(6, 1; 6, 2; 5, 1; 5, 2; 4, 1; 4, 2; 4, 3; 4, 4;
-                    3, 1; 3, 2; 3, 3; 3, 4; 2, 1; 2, 2; 2, 3; 2, 4;
-                    1, 1; 1, 2; 1, 3; 1, 4)
-            }
-            o += r;
-        }
-        t += tn;
-    }
+    narrow_tiles!(tile, x, n, w, rows, out)
 }
 
 #[cfg(test)]
