@@ -14,7 +14,9 @@ imported, and these environment variables are set for the test modules:
 - VOOM_TEST_MODEL: the model id ("tiny-chat").
 
 Fixtures: `base_url` (the root, as above), `openai_base_url` (root + "/v1"), `model`,
-`server_log` (a function returning the server's stderr so far).
+`server_log` (a function returning the server's stderr so far), `harmony_base_url`
+(a second server on tests/fixtures/tiny_harmony, a random gpt-oss with the harmony
+chat format, model id "tiny-harmony").
 
 The binary: $VOOM_BIN, else ${CARGO_TARGET_DIR:-target}/debug/voom under the repo
 root (what `cargo build --profile test -p voom-server --bin voom` writes; scripts/test
@@ -51,7 +53,9 @@ def voom_bin() -> Path:
 class _Server:
     """A `voom serve` child process on a temporary models dir."""
 
-    def __init__(self, extra_args: list[str] | None = None) -> None:
+    def __init__(
+        self, extra_args: list[str] | None = None, fixture: Path = FIXTURE, model_id: str = MODEL_ID
+    ) -> None:
         binary = voom_bin()
         if not binary.is_file():
             raise pytest.UsageError(
@@ -59,7 +63,7 @@ class _Server:
                 "`cargo build --profile test -p voom-server --bin voom` or set VOOM_BIN"
             )
         self.tmp = tempfile.mkdtemp(prefix="voom-serve-test-")
-        shutil.copytree(FIXTURE, Path(self.tmp) / MODEL_ID)
+        shutil.copytree(fixture, Path(self.tmp) / model_id)
         env = {k: v for k, v in os.environ.items() if not k.startswith("VOOM_")}
         env["VOOM_LOG"] = "info"
         if "VOOM_HOME" in os.environ:
@@ -175,6 +179,18 @@ def start_server():
     yield start
     for s in started:
         s.stop()
+
+
+@pytest.fixture(scope="session")
+def harmony_base_url():
+    """The root URL of a second `voom serve` on tests/fixtures/tiny_harmony (model id
+    "tiny-harmony": a random gpt-oss with the harmony chat format), started on first
+    use and stopped at the end of the session."""
+    s = _Server(fixture=REPO / "tests" / "fixtures" / "tiny_harmony", model_id="tiny-harmony")
+    yield s.base_url
+    if s.proc.poll() is not None:
+        pytest.fail(f"the harmony voom serve exited with {s.proc.returncode}; stderr:\n{s.log()}")
+    s.stop()
 
 
 @pytest.fixture(autouse=True)

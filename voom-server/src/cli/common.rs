@@ -772,32 +772,93 @@ pub fn text_ids(engine: &Engine, text: &str) -> Result<Vec<u32>> {
     Ok(tok.encode(text, true)?)
 }
 
+/// What a generation answered: its text, and a reasoning model's reasoning apart
+/// (None for a model without a reasoning format, or a prompt not rendered through
+/// its chat template).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Reply {
+    pub text: String,
+    pub reasoning: Option<String>,
+}
+
+/// Whether `engine`'s chat template and tokenizer speak harmony (gpt-oss): its
+/// chat output is read as reasoning and answer.
+pub fn is_harmony(engine: &Engine) -> bool {
+    engine.tokenizer().is_some_and(|t| {
+        t.chat_template()
+            .is_some_and(|c| crate::serve::harmony::Harmony::detect(c.source(), t).is_some())
+    })
+}
+
 /// Generates, streaming text to stdout as it completes (when `stream`), and returns
-/// the generation and its full text. A write to stdout that fails stops generation
-/// and is the error (a closed pipe, `voom run ... | head -c 10`, ends the command
-/// quietly: see `vpaged::stdout::exit_code`). `on_token` runs as each id is sampled,
-/// before it is shown (the first call marks the end of prefill).
+/// the generation and its reply. With `harmony` (a chat prompt to a harmony model)
+/// the output is read as harmony (`serve::harmony`): the answer streams to stdout,
+/// the reasoning to stderr (dimmed on a terminal), apart. A write to stdout that
+/// fails stops generation and is the error (a closed pipe, `voom run ... | head -c
+/// 10`, ends the command quietly: see `vpaged::stdout::exit_code`). `on_token` runs
+/// as each id is sampled, before it is shown (the first call marks the end of
+/// prefill).
 pub fn generate_streaming(
     engine: &Engine,
     ids: &[u32],
     params: &GenerateParams,
     spec: &Speculation,
     stream: bool,
+    harmony: bool,
     on_token: &mut dyn FnMut(),
-) -> Result<(Generation, String)> {
+) -> Result<(Generation, Reply)> {
+    use crate::serve::harmony::{HarmonyParser, Piece};
+    use std::io::{IsTerminal, Write};
     let mut drafter = spec.drafter(engine)?;
-    let mut text = String::new();
-    let show = |piece: &str| -> std::io::Result<()> {
-        if stream {
-            vpaged::stdout::text(piece)?;
-            vpaged::stdout::flush()?;
+    let mut reply = Reply {
+        text: String::new(),
+        reasoning: harmony.then(String::new),
+    };
+    let dim = std::io::stderr().is_terminal();
+    // Whether reasoning was shown last (so the answer starts on a line of its own).
+    let mut thinking = false;
+    let mut show = |p: Piece, reply: &mut Reply| -> std::io::Result<()> {
+        match p {
+            Piece::Reasoning(t) => {
+                reply.reasoning.get_or_insert_with(String::new).push_str(&t);
+                if stream {
+                    let mut e = std::io::stderr().lock();
+                    if dim {
+                        write!(e, "\x1b[2m{t}\x1b[0m")?;
+                    } else {
+                        write!(e, "{t}")?;
+                    }
+                    e.flush()?;
+                    thinking = true;
+                }
+            }
+            // (No tools are offered here: a call is text as written.)
+            Piece::Content(t) | Piece::Call { raw: t, .. } => {
+                reply.text.push_str(&t);
+                if stream {
+                    if std::mem::take(&mut thinking) {
+                        eprintln!();
+                    }
+                    vpaged::stdout::text(&t)?;
+                    vpaged::stdout::flush()?;
+                }
+            }
         }
         Ok(())
     };
     let eos = engine.eos_ids().to_vec();
     let g = match engine.tokenizer() {
         Some(tok) => {
-            let mut dec = StreamDecoder::new(tok, true);
+            // Harmony's markers are special tokens: kept to be read.
+            let mut dec = StreamDecoder::new(tok, !harmony);
+            let mut parser = harmony.then(HarmonyParser::new);
+            let mut read = |piece: &str, reply: &mut Reply| -> std::io::Result<()> {
+                let pieces = match parser.as_mut() {
+                    Some(h) => h.push(piece),
+                    None => vec![Piece::Content(piece.to_string())],
+                };
+                pieces.into_iter().try_for_each(|p| show(p, reply))
+            };
             let mut err: Option<anyhow::Error> = None;
             let d = Decoding {
                 constraint: None,
@@ -808,11 +869,10 @@ pub fn generate_streaming(
                 if eos.contains(&id) && !params.ignore_eos {
                     return ControlFlow::Continue(());
                 }
-                let shown = dec.push(id).map_err(anyhow::Error::from).and_then(|piece| {
-                    show(&piece)?;
-                    text.push_str(&piece);
-                    Ok(())
-                });
+                let shown = dec
+                    .push(id)
+                    .map_err(anyhow::Error::from)
+                    .and_then(|piece| Ok(read(&piece, &mut reply)?));
                 match shown {
                     Ok(()) => ControlFlow::Continue(()),
                     Err(e) => {
@@ -825,8 +885,13 @@ pub fn generate_streaming(
                 return Err(e);
             }
             let rest = dec.finish()?;
-            show(&rest)?;
-            text.push_str(&rest);
+            read(&rest, &mut reply)?;
+            if let Some(mut h) = parser {
+                let ended = g.finish == libvoom::engine::FinishReason::Eos;
+                for p in h.finish(ended) {
+                    show(p, &mut reply)?;
+                }
+            }
             g
         }
         None => {
@@ -840,8 +905,14 @@ pub fn generate_streaming(
             })?
         }
     };
-    show("\n")?;
-    Ok((g, text))
+    if stream && thinking {
+        eprintln!();
+    }
+    if stream {
+        vpaged::stdout::text("\n")?;
+        vpaged::stdout::flush()?;
+    }
+    Ok((g, reply))
 }
 
 /// The `--json` result object.
@@ -849,8 +920,9 @@ pub fn result_json(
     engine: &Engine,
     prompt_ids: &[u32],
     g: &Generation,
-    text: &str,
+    reply: &Reply,
 ) -> serde_json::Value {
+    let text = &reply.text;
     let profile = OPENED_PROFILE
         .lock()
         .unwrap_or_else(|e| e.into_inner())
@@ -878,6 +950,8 @@ pub fn result_json(
         "prompt_ids": prompt_ids,
         "ids": g.ids,
         "text": text,
+        // A reasoning model's reasoning, apart from the text (null for others).
+        "reasoning": reply.reasoning,
         "finish_reason": g.finish.as_str(),
         "usage": {"prompt_tokens": g.prompt_tokens, "completion_tokens": g.ids.len()},
         "timing": {

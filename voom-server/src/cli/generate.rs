@@ -94,7 +94,10 @@ pub fn run(a: GenerateArgs) -> Result<()> {
             at_decode = device.as_ref().and_then(|d| d.read());
         }
     };
-    let (g, text) = common::generate_streaming(&engine, &ids, &params, &spec, !a.json, &mut mark)?;
+    // A chat to a harmony model (gpt-oss) is read as reasoning and answer.
+    let harmony = a.chat.is_some() && common::is_harmony(&engine);
+    let (g, reply) =
+        common::generate_streaming(&engine, &ids, &params, &spec, !a.json, harmony, &mut mark)?;
     // A long prompt's snapshot is written before the process ends.
     engine.flush_prefixes();
     if let (Some(path), Some(trace)) = (&a.expert_trace, engine.take_expert_trace()) {
@@ -107,7 +110,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
             .with_context(|| format!("--expert-trace: writing {}", path.display()))?;
     }
     if a.json {
-        let mut out = common::result_json(&engine, &ids, &g, &text);
+        let mut out = common::result_json(&engine, &ids, &g, &reply);
         let decode = device
             .as_ref()
             .and_then(|d| Some((d, d.read()?.since(&at_decode?))));

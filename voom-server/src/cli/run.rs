@@ -40,6 +40,8 @@ pub fn run(a: RunArgs) -> Result<()> {
     let has_template = engine
         .tokenizer()
         .is_some_and(|t| t.chat_template().is_some());
+    // A harmony model (gpt-oss): its reasoning is shown apart from its answer.
+    let harmony = has_template && common::is_harmony(&engine);
     if let Some(p) = &a.prompt {
         let ids = if has_template {
             messages.push(serde_json::json!({"role": "user", "content": p}));
@@ -47,11 +49,18 @@ pub fn run(a: RunArgs) -> Result<()> {
         } else {
             common::text_ids(&engine, p)?
         };
-        let (g, text) =
-            common::generate_streaming(&engine, &ids, &params, &spec, !a.json, &mut || {})?;
+        let (g, reply) = common::generate_streaming(
+            &engine,
+            &ids,
+            &params,
+            &spec,
+            !a.json,
+            harmony,
+            &mut || {},
+        )?;
         engine.flush_prefixes();
         if a.json {
-            vpaged::outln!("{}", common::result_json(&engine, &ids, &g, &text))?;
+            vpaged::outln!("{}", common::result_json(&engine, &ids, &g, &reply))?;
         }
         return Ok(());
     }
@@ -79,9 +88,10 @@ pub fn run(a: RunArgs) -> Result<()> {
         } else {
             common::text_ids(&engine, &line)?
         };
-        match common::generate_streaming(&engine, &ids, &params, &spec, true, &mut || {}) {
-            Ok((_, text)) => {
-                messages.push(serde_json::json!({"role": "assistant", "content": text}))
+        match common::generate_streaming(&engine, &ids, &params, &spec, true, harmony, &mut || {}) {
+            // (A template drops earlier turns' reasoning; gpt-oss's does.)
+            Ok((_, reply)) => {
+                messages.push(serde_json::json!({"role": "assistant", "content": reply.text}))
             }
             Err(e) => {
                 eprintln!("voom: error: {e:#}");

@@ -6,10 +6,22 @@
 //! blocks), `stop_sequences`, `temperature` (0..1), `top_p`, `top_k`, `stream`,
 //! `metadata` (checked, no effect), `tools` and `tool_choice`, `output_config.format`
 //! (JSON schema output), `service_tier` (one tier here: accepted), `cache_control`
-//! (caching hints: accepted, no effect on output). vOOM extension: `seed`.
-//! Refused with 400: images and documents (the models take text), extended thinking,
-//! `output_config.effort`, MCP servers, containers, context management, fast mode,
-//! and any field Anthropic's API does not define (as Anthropic does).
+//! (caching hints: accepted, no effect on output). vOOM extensions: `seed`, and a
+//! Lark grammar for the output (vLLM's `structured_outputs.grammar` or
+//! `guided_grammar`).
+//!
+//! Reasoning models (harmony: gpt-oss): `thinking` enabled (`budget_tokens` at least
+//! 1024 and below `max_tokens`, as Anthropic checks it; the budget does not bound the
+//! reasoning) or adaptive returns the reasoning as a `thinking` block (its
+//! `signature` the thinking's blake3), streamed as `thinking_delta` and
+//! `signature_delta`; disabled or absent leaves it out (the model reasons anyway).
+//! `output_config.effort` (low, medium, high) goes to the template as
+//! `reasoning_effort`. `thinking` blocks in the history become the assistant turn's
+//! `thinking` (`redacted_thinking` is dropped: nothing here can read it). A model
+//! without a reasoning format refuses `thinking` enabled and `output_config.effort`.
+//! Refused with 400: images and documents (the models take text), MCP servers,
+//! containers, context management, fast mode, a prefill on a harmony model, and any
+//! field Anthropic's API does not define (as Anthropic does).
 //!
 //! A last assistant message is a prefill: the answer continues its text (Anthropic's
 //! behaviour); the response holds only the continuation. Its text may not end with
@@ -34,7 +46,7 @@ use super::error::{ApiError, Dialect};
 use super::ids::new_id;
 use super::job::{Event, Finish, Outcome, Prepared};
 use super::prepare::{self, blocking, GenerateRequest, Prompt, Sampling};
-use super::request::{wrong, Body};
+use super::request::{user_grammar, wrong, Body};
 use super::stream;
 use super::tools::{ResponseFormat, ToolChoice, ToolRequest, ToolSpec};
 use super::App;
@@ -58,6 +70,8 @@ const KNOWN: &[&str] = &[
     "cache_control",
     "thinking",
     "seed",
+    "structured_outputs",
+    "guided_grammar",
 ];
 
 /// Fields Anthropic defines that change behaviour vOOM does not have: refused unless
@@ -93,6 +107,13 @@ pub struct MessagesRequest {
     pub stop: Vec<String>,
     pub tools: Option<ToolRequest>,
     pub format: Option<ResponseFormat>,
+    /// `thinking` enabled: the answer holds `thinking` blocks (a reasoning model's
+    /// reasoning; refused for a model without a reasoning format).
+    pub thinking: bool,
+    /// `output_config.effort`, for a reasoning model's template.
+    pub effort: Option<String>,
+    /// A Lark grammar for the output (vOOM extension: vLLM's `structured_outputs`).
+    pub grammar: Option<(String, &'static str)>,
 }
 
 /// Reads a Messages request body. Errors name the field at fault.
@@ -145,17 +166,9 @@ pub fn parse(b: &Body) -> Result<MessagesRequest, ApiError> {
         None | Some(Value::Object(_)) => {}
         Some(v) => return Err(wrong("cache_control", "an object", v)),
     }
-    match b.get("thinking") {
-        None => {}
-        Some(Value::Object(o)) if o.get("type") == Some(&json!("disabled")) => {}
-        Some(_) => {
-            return Err(ApiError::invalid(
-                "thinking",
-                "'thinking' is not supported: these models have no extended thinking (only {\"type\": \"disabled\"} is accepted)",
-            ))
-        }
-    }
-    let format = output_format(b)?;
+    let thinking = thinking(b, max_tokens)?;
+    let (format, effort) = output_format(b)?;
+    let grammar = user_grammar(b)?;
     let tools = tool_request(b)?;
     let mut messages = Vec::new();
     if let Some(s) = system(b)? {
@@ -188,26 +201,72 @@ pub fn parse(b: &Body) -> Result<MessagesRequest, ApiError> {
         stop,
         tools,
         format,
+        thinking,
+        effort,
+        grammar,
     })
 }
 
-/// `output_config`: `format` (JSON schema output) is honoured; `effort` is refused.
-fn output_format(b: &Body) -> Result<Option<ResponseFormat>, ApiError> {
+/// `thinking`: enabled (with `budget_tokens` of at least 1024 and below
+/// `max_tokens`, as Anthropic checks them) or adaptive: true; disabled or absent:
+/// false. Whether the model can think is known when the request is prepared.
+fn thinking(b: &Body, max_tokens: u64) -> Result<bool, ApiError> {
+    let o = match b.get("thinking") {
+        None | Some(Value::Null) => return Ok(false),
+        Some(Value::Object(o)) => o,
+        Some(v) => return Err(wrong("thinking", "an object", v)),
+    };
+    match o.get("type").and_then(Value::as_str) {
+        Some("disabled") => Ok(false),
+        Some("adaptive") => Ok(true),
+        Some("enabled") => match o.get("budget_tokens") {
+            Some(Value::Number(n)) => match n.as_u64() {
+                Some(t) if t < 1024 => Err(ApiError::invalid(
+                    "thinking.budget_tokens",
+                    "'thinking.budget_tokens' must be at least 1024",
+                )),
+                Some(t) if t >= max_tokens => Err(ApiError::invalid(
+                    "thinking.budget_tokens",
+                    format!("'thinking.budget_tokens' must be less than max_tokens ({max_tokens})"),
+                )),
+                Some(_) => Ok(true),
+                None => Err(wrong(
+                    "thinking.budget_tokens",
+                    "an integer",
+                    &Value::Number(n.clone()),
+                )),
+            },
+            Some(v) => Err(wrong("thinking.budget_tokens", "an integer", v)),
+            None => Err(ApiError::invalid(
+                "thinking.budget_tokens",
+                "'thinking.budget_tokens' is required when thinking is enabled",
+            )),
+        },
+        _ => Err(ApiError::invalid(
+            "thinking.type",
+            "'thinking.type' must be \"enabled\", \"adaptive\" or \"disabled\"",
+        )),
+    }
+}
+
+/// `output_config`: `format` (JSON schema output), and `effort` (a reasoning
+/// model's `reasoning_effort`; refused when prepared for a model without a
+/// reasoning format).
+fn output_format(b: &Body) -> Result<(Option<ResponseFormat>, Option<String>), ApiError> {
     let o = match b.get("output_config") {
-        None => return Ok(None),
+        None => return Ok((None, None)),
         Some(Value::Object(o)) => o,
         Some(v) => return Err(wrong("output_config", "an object", v)),
     };
+    let mut effort = None;
     for key in o.keys() {
         match key.as_str() {
             "format" => {}
-            "effort" if o[key].is_null() => {}
-            "effort" => {
-                return Err(ApiError::invalid(
-                    "output_config.effort",
-                    "'output_config.effort' is not supported: these models have no effort setting",
-                ))
-            }
+            "effort" => match &o[key] {
+                Value::Null => {}
+                Value::String(e) => effort = Some(e.clone()),
+                v => return Err(wrong("output_config.effort", "a string", v)),
+            },
             other => {
                 return Err(ApiError::invalid(
                     &format!("output_config.{other}"),
@@ -217,7 +276,7 @@ fn output_format(b: &Body) -> Result<Option<ResponseFormat>, ApiError> {
         }
     }
     let f = match o.get("format") {
-        None | Some(Value::Null) => return Ok(None),
+        None | Some(Value::Null) => return Ok((None, effort)),
         Some(Value::Object(f)) => f,
         Some(v) => return Err(wrong("output_config.format", "an object", v)),
     };
@@ -231,11 +290,14 @@ fn output_format(b: &Body) -> Result<Option<ResponseFormat>, ApiError> {
         }
     }
     match f.get("schema") {
-        Some(s @ Value::Object(_)) => Ok(Some(ResponseFormat::JsonSchema {
-            name: "output".into(),
-            schema: s.clone(),
-            strict: true,
-        })),
+        Some(s @ Value::Object(_)) => Ok((
+            Some(ResponseFormat::JsonSchema {
+                name: "output".into(),
+                schema: s.clone(),
+                strict: true,
+            }),
+            effort,
+        )),
         Some(v) => Err(wrong("output_config.format.schema", "an object", v)),
         None => Err(ApiError::invalid(
             "output_config.format.schema",
@@ -394,7 +456,9 @@ fn block_text(blk: &Value, at: &str) -> Result<String, ApiError> {
 fn unsupported_block(ty: &str, at: &str) -> ApiError {
     let why = match ty {
         "image" | "document" | "search_result" => "these models take text only".to_string(),
-        "thinking" | "redacted_thinking" => "these models have no extended thinking".to_string(),
+        "thinking" | "redacted_thinking" => {
+            "thinking blocks belong in assistant messages".to_string()
+        }
         _ => format!("content blocks of type '{ty}' are not supported here"),
     };
     ApiError::invalid(
@@ -467,13 +531,17 @@ fn convert_messages(b: &Body, out: &mut Vec<Value>) -> Result<Option<String>, Ap
                 user_blocks(blocks, &content_at, &tool_names, out)?
             }
             ("assistant", Some(Value::Array(blocks))) => {
-                let (text, calls) = assistant_blocks(blocks, &content_at, &mut tool_names)?;
-                if last && calls.is_empty() {
+                let (text, calls, thinking) =
+                    assistant_blocks(blocks, &content_at, &mut tool_names)?;
+                if last && calls.is_empty() && thinking.is_none() {
                     prefill = Some(text.unwrap_or_default());
                 } else {
                     let mut msg = Map::new();
                     msg.insert("role".into(), "assistant".into());
                     msg.insert("content".into(), text.map_or(Value::Null, Value::String));
+                    if let Some(t) = thinking {
+                        msg.insert("thinking".into(), t.into());
+                    }
                     if !calls.is_empty() {
                         msg.insert("tool_calls".into(), Value::Array(calls));
                     }
@@ -577,19 +645,38 @@ fn user_blocks(
     Ok(())
 }
 
-/// An assistant message's blocks: its text (None without text blocks) and its
-/// `tool_use` blocks as template `tool_calls`.
+/// An assistant message's text, calls and thinking.
+type AssistantBlocks = (Option<String>, Vec<Value>, Option<String>);
+
+/// An assistant message's blocks: its text (None without text blocks), its
+/// `tool_use` blocks as template `tool_calls`, and its thinking blocks' text.
 fn assistant_blocks(
     blocks: &[Value],
     at: &str,
     tool_names: &mut Map<String, Value>,
-) -> Result<(Option<String>, Vec<Value>), ApiError> {
+) -> Result<AssistantBlocks, ApiError> {
     let mut texts = Vec::new();
     let mut calls = Vec::new();
+    let mut thinking = Vec::new();
     for (j, blk) in blocks.iter().enumerate() {
         let here = format!("{at}[{j}]");
         match block_type(blk, &here)? {
             "text" => texts.push(block_text(blk, &here)?),
+            // Earlier thinking: the assistant message's `thinking`, which a
+            // reasoning model's template renders where it keeps it. The signature
+            // is not checked (nothing is kept to check it against).
+            "thinking" => match blk.get("thinking") {
+                Some(Value::String(t)) => thinking.push(t.clone()),
+                Some(v) => return Err(wrong(&format!("{here}.thinking"), "a string", v)),
+                None => {
+                    return Err(ApiError::invalid(
+                        &format!("{here}.thinking"),
+                        "a thinking block needs 'thinking'",
+                    ))
+                }
+            },
+            // Encrypted thinking of another provider: nothing here can read it.
+            "redacted_thinking" => {}
             "tool_use" => {
                 let field = |k: &str| match blk.get(k) {
                     Some(Value::String(s)) => Ok(s.clone()),
@@ -622,7 +709,8 @@ fn assistant_blocks(
         }
     }
     let text = (!texts.is_empty()).then(|| texts.join("\n"));
-    Ok((text, calls))
+    let thinking = (!thinking.is_empty()).then(|| thinking.join("\n"));
+    Ok((text, calls, thinking))
 }
 
 /// `stop_reason` and `stop_sequence` of an outcome. Output cut at the context's end
@@ -644,9 +732,22 @@ fn tool_use_id(call_id: &str) -> String {
     format!("toolu_{}", call_id.strip_prefix("call_").unwrap_or(call_id))
 }
 
-/// The content blocks of an outcome: its text (if any), then its tool calls.
-fn content(o: &Outcome) -> Vec<Value> {
+/// A thinking block's `signature`, which Anthropic's clients require and send back:
+/// here the thinking's blake3 digest (nothing is kept between requests, and the
+/// history's thinking is rendered as it arrives).
+fn signature(thinking: &str) -> String {
+    blake3::hash(thinking.as_bytes()).to_hex().to_string()
+}
+
+/// The content blocks of an outcome: its reasoning as a thinking block (with
+/// `thinking`: the request enabled thinking), its text (if any), then its tool calls.
+fn content(o: &Outcome, thinking: bool) -> Vec<Value> {
     let mut blocks = Vec::new();
+    if thinking && !o.reasoning.is_empty() {
+        blocks.push(json!({
+            "type": "thinking", "thinking": o.reasoning, "signature": signature(&o.reasoning),
+        }));
+    }
     if !o.text.is_empty() {
         blocks.push(json!({"type": "text", "text": o.text}));
     }
@@ -668,15 +769,20 @@ pub fn prepare_body(app: &App, bytes: &[u8]) -> Result<(Prepared, MessagesReques
         None => prepare::prepare(
             app,
             GenerateRequest {
-                model: &r.model,
-                prompt: Prompt::Chat {
-                    messages: &r.messages,
-                    tools: r.tools.as_ref(),
-                },
-                max_tokens: Some(r.max_tokens),
-                sampling: r.sampling,
                 stop: r.stop.clone(),
                 response_format: r.format.as_ref(),
+                reasoning_effort: r.effort.as_deref().map(|e| (e, "output_config.effort")),
+                wants_reasoning: r.thinking.then_some("thinking"),
+                grammar: r.grammar.as_ref().map(|(g, p)| (g.as_str(), *p)),
+                ..GenerateRequest::new(
+                    &r.model,
+                    Prompt::Chat {
+                        messages: &r.messages,
+                        tools: r.tools.as_ref(),
+                    },
+                    Some(r.max_tokens),
+                    r.sampling,
+                )
             },
         )?,
         Some(prefill) => {
@@ -684,12 +790,14 @@ pub fn prepare_body(app: &App, bytes: &[u8]) -> Result<(Prepared, MessagesReques
             prepare::prepare(
                 app,
                 GenerateRequest {
-                    model: &r.model,
-                    prompt: Prompt::Ids(&ids),
-                    max_tokens: Some(r.max_tokens),
-                    sampling: r.sampling,
                     stop: r.stop.clone(),
-                    response_format: None,
+                    grammar: r.grammar.as_ref().map(|(g, p)| (g.as_str(), *p)),
+                    ..GenerateRequest::new(
+                        &r.model,
+                        Prompt::Ids(&ids),
+                        Some(r.max_tokens),
+                        r.sampling,
+                    )
                 },
             )?
         }
@@ -709,18 +817,22 @@ async fn handle(app: Arc<App>, req: Request) -> Result<Response, ApiError> {
     let (prepared, r) = blocking(&app, move || prepare_body(&app2, &bytes)).await?;
     let meta = Arc::clone(&prepared.meta);
     let prompt_tokens = prepared.prompt_ids.len();
+    let harmony = prepared.harmony.is_some();
     let rx = prepare::start(&app, prepared)?;
     let id = new_id("msg_");
     let provenance = app.provenance_json(&meta);
     let mut resp = if r.stream {
-        let tools_active = r.tools.as_ref().is_some_and(ToolRequest::is_active);
+        // Blocks open with their first piece where the output may begin otherwise
+        // than with text (calls, a reasoning model's thinking).
+        let lazy = r.tools.as_ref().is_some_and(ToolRequest::is_active) || harmony;
         stream_response(
             rx,
             id,
             meta.id.clone(),
             prompt_tokens,
             r.max_tokens,
-            tools_active,
+            lazy,
+            r.thinking,
             provenance,
         )
     } else {
@@ -733,7 +845,7 @@ async fn handle(app: Arc<App>, req: Request) -> Result<Response, ApiError> {
             "type": "message",
             "role": "assistant",
             "model": meta.id,
-            "content": content(&o),
+            "content": content(&o, r.thinking),
             "stop_reason": reason,
             "stop_sequence": seq,
             "usage": {"input_tokens": o.prompt_tokens, "output_tokens": o.completion_tokens},
@@ -758,6 +870,14 @@ fn prefill_ids(
     let tpl = tok.chat_template_for(false).ok_or_else(|| {
         ApiError::invalid("messages", format!("model '{model}' has no chat template"))
     })?;
+    if super::harmony::Harmony::detect(tpl.source(), tok).is_some() {
+        return Err(ApiError::invalid(
+            "messages",
+            format!(
+                "model '{model}' writes harmony (gpt-oss): a final assistant message (prefill) is not continued; end the conversation with a user or tool turn"
+            ),
+        ));
+    }
     let mut text = tpl
         .render(messages, None, true, None)
         .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
@@ -778,13 +898,15 @@ fn event(name: &str, data: Value) -> SseEvent {
 /// `input_json_delta` fragments. Calls the model makes under `auto` are known at the
 /// end: each follows as a `tool_use` block with its input as one `input_json_delta`.
 /// A failure mid-stream is an `error` event.
+#[allow(clippy::too_many_arguments)]
 fn stream_response(
     rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
     id: String,
     model: String,
     input_tokens: usize,
     max_tokens: u64,
-    tools_active: bool,
+    lazy: bool,
+    thinking: bool,
     provenance: Value,
 ) -> Response {
     let start = event(
@@ -831,15 +953,61 @@ fn stream_response(
     let mut blocks = 0usize;
     let mut text_open = false;
     let mut tool_open = false;
-    if !tools_active {
+    // The open thinking block's text (its signature is sent when it closes).
+    let mut thinking_open: Option<String> = None;
+    let thinking_start = |index: usize| {
+        event(
+            "content_block_start",
+            json!({"type": "content_block_start", "index": index,
+                   "content_block": {"type": "thinking", "thinking": "", "signature": ""}}),
+        )
+    };
+    // Closes the open thinking block: its signature, then its stop.
+    let close_thinking = move |open: &mut Option<String>, index: usize, out: &mut Vec<SseEvent>| {
+        if let Some(t) = open.take() {
+            out.push(event(
+                "content_block_delta",
+                json!({"type": "content_block_delta", "index": index,
+                       "delta": {"type": "signature_delta", "signature": signature(&t)}}),
+            ));
+            out.push(block_stop(index));
+        }
+    };
+    if !lazy {
         prelude.push(text_start(0));
         blocks = 1;
         text_open = true;
     }
     prelude.push(ping);
     let sse = stream::sse(rx, prelude, move |ev| match ev {
+        // A reasoning model's thinking: a thinking block of thinking_delta pieces
+        // (left out unless the request enabled thinking).
+        Event::Reasoning(t) => {
+            let mut out = Vec::new();
+            if !thinking {
+                return (out, false);
+            }
+            if text_open || tool_open {
+                out.push(block_stop(blocks - 1));
+                text_open = false;
+                tool_open = false;
+            }
+            let open = thinking_open.get_or_insert_with(|| {
+                out.push(thinking_start(blocks));
+                blocks += 1;
+                String::new()
+            });
+            open.push_str(&t);
+            out.push(event(
+                "content_block_delta",
+                json!({"type": "content_block_delta", "index": blocks - 1,
+                       "delta": {"type": "thinking_delta", "thinking": t}}),
+            ));
+            (out, false)
+        }
         Event::Text(t) => {
             let mut out = Vec::new();
+            close_thinking(&mut thinking_open, blocks.wrapping_sub(1), &mut out);
             if tool_open {
                 out.push(block_stop(blocks - 1));
                 tool_open = false;
@@ -860,6 +1028,7 @@ fn stream_response(
         // input_json_delta fragments.
         Event::CallStart { id, name, .. } => {
             let mut out = Vec::new();
+            close_thinking(&mut thinking_open, blocks.wrapping_sub(1), &mut out);
             if text_open || tool_open {
                 out.push(block_stop(blocks - 1));
                 text_open = false;
@@ -872,6 +1041,7 @@ fn stream_response(
         Event::CallArgs { text, .. } => (vec![input_delta(blocks - 1, &text)], false),
         Event::Done(o) => {
             let mut out = Vec::new();
+            close_thinking(&mut thinking_open, blocks.wrapping_sub(1), &mut out);
             if text_open || tool_open {
                 out.push(block_stop(blocks - 1));
                 text_open = false;
@@ -1057,10 +1227,26 @@ mod tests {
         );
         assert_eq!(e.param.as_deref(), Some("messages[0].content[1].type"));
         assert!(e.message.contains("text only"), "{e}");
+        // Thinking is checked as Anthropic checks it here; whether the model can
+        // think is known when the request is prepared.
         let e = err(
             r#"{"model": "m", "max_tokens": 5, "thinking": {"type": "enabled", "budget_tokens": 1024}, "messages": [{"role": "user", "content": "x"}]}"#,
         );
-        assert_eq!(e.param.as_deref(), Some("thinking"));
+        assert_eq!(e.param.as_deref(), Some("thinking.budget_tokens"));
+        let e = err(
+            r#"{"model": "m", "max_tokens": 5000, "thinking": {"type": "enabled", "budget_tokens": 100}, "messages": [{"role": "user", "content": "x"}]}"#,
+        );
+        assert_eq!(e.param.as_deref(), Some("thinking.budget_tokens"));
+        let e = err(
+            r#"{"model": "m", "max_tokens": 5000, "thinking": {"type": "sometimes"}, "messages": [{"role": "user", "content": "x"}]}"#,
+        );
+        assert_eq!(e.param.as_deref(), Some("thinking.type"));
+        let r = parse_str(
+            r#"{"model": "m", "max_tokens": 5000, "thinking": {"type": "enabled", "budget_tokens": 1024}, "output_config": {"effort": "low"}, "messages": [{"role": "user", "content": "x"}]}"#,
+        )
+        .unwrap();
+        assert!(r.thinking);
+        assert_eq!(r.effort.as_deref(), Some("low"));
         assert!(parse_str(
             r#"{"model": "m", "max_tokens": 5, "thinking": {"type": "disabled"}, "messages": [{"role": "user", "content": "x"}]}"#
         )
@@ -1071,7 +1257,7 @@ mod tests {
                 r#"[{"type": "url", "url": "http://x", "name": "x"}]"#,
             ),
             ("container", r#""c""#),
-            ("output_config", r#"{"effort": "high"}"#),
+            ("output_config", r#"{"effort": 3}"#),
             ("service_tier", r#""priority""#),
         ] {
             let body = format!(
@@ -1211,6 +1397,7 @@ mod tests {
             prompt_tokens: 3,
             completion_tokens,
             text: "hi".into(),
+            reasoning: String::new(),
             tool_calls: vec![],
             streamed_calls: 0,
             queue_secs: 0.0,
@@ -1244,7 +1431,7 @@ mod tests {
         });
         assert_eq!(stop_reason(&o, 9).0, "tool_use");
         assert_eq!(
-            content(&o),
+            content(&o, false),
             vec![json!({"type": "tool_use", "id": "toolu_abc", "name": "f", "input": {"a": 1}})]
         );
     }

@@ -10,6 +10,7 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use super::catalog::ModelMeta;
 use super::error::ApiError;
+use super::harmony::HarmonyOutput;
 use super::tools::{ToolCall, ToolParser};
 
 /// The grammar of one request's output.
@@ -38,6 +39,9 @@ pub struct Prepared {
     /// What the text output is validated against (a JSON response format's schema,
     /// compiled).
     pub json_schema: Option<JsonValidator>,
+    /// The model writes harmony (gpt-oss): its output is read as reasoning, content
+    /// and calls ([`super::harmony`]); `tools` is None then.
+    pub harmony: Option<HarmonyOutput>,
 }
 
 /// One generation request, ready for the engine: the prompt is already tokens.
@@ -68,6 +72,9 @@ pub struct Outcome {
     pub completion_tokens: usize,
     /// Every piece sent, concatenated (the assistant text without tool calls).
     pub text: String,
+    /// The reasoning sent ([`Event::Reasoning`]), concatenated; empty for a model
+    /// without a reasoning format.
+    pub reasoning: String,
     /// The tool calls found in the output, in order.
     pub tool_calls: Vec<ToolCall>,
     /// How many calls were streamed as they were written ([`Event::CallStart`]);
@@ -101,6 +108,8 @@ impl Outcome {
 pub enum Event {
     /// More output text.
     Text(String),
+    /// More reasoning (a harmony model's analysis channel), apart from the text.
+    Reasoning(String),
     /// A forced tool call begins ([`super::tools::CallStreamer`]): calls are numbered from 0
     /// in output order; its id is the one the finished call keeps.
     CallStart {

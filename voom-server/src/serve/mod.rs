@@ -9,7 +9,9 @@
 //! resident engine and its FIFO queue) runs [`job::Job`]s and answers with
 //! [`job::Event`]s, which the dialects stream ([`stream`], SSE). Below them all:
 //! [`tools`] (tool calls and structured output: formats, grammars, parsing,
-//! streaming), [`stop`] (stop sequences), [`error`] (errors in each dialect),
+//! streaming), [`harmony`] (gpt-oss's format: detection, grammars, reading its
+//! output as reasoning, content and calls; also used by the CLI), [`stop`] (stop
+//! sequences), [`error`] (errors in each dialect),
 //! [`ids`], [`metrics`]; [`app`] is what handlers share.
 //!
 //! Connections: a request's headers and body must arrive within the receive deadline
@@ -22,6 +24,7 @@ pub mod anthropic;
 pub mod app;
 pub mod catalog;
 pub mod error;
+pub mod harmony;
 pub mod ids;
 pub mod job;
 pub mod metrics;

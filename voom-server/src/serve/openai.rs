@@ -7,6 +7,14 @@
 //! back as `message.tool_calls` (arguments as a JSON string, content null when the
 //! output is only calls) with finish_reason "tool_calls". Streaming with tools sends
 //! the text and the calls once generation has ended (the calls are known only then).
+//!
+//! A reasoning model (harmony: gpt-oss) returns its reasoning as
+//! `message.reasoning_content` (streamed as `delta.reasoning_content`), apart from
+//! `content`; `reasoning_effort` (low, medium, high) goes to its template, and a
+//! history's assistant `reasoning_content` (or `reasoning`, `thinking`) to the
+//! template as the turn's thinking. Other models refuse `reasoning_effort`. vOOM
+//! extension (vLLM's): a Lark grammar for the output, `structured_outputs.grammar`
+//! or `guided_grammar`, on both endpoints.
 
 use std::sync::Arc;
 
@@ -20,7 +28,7 @@ use super::error::{ApiError, Dialect};
 use super::ids::{new_id, now};
 use super::job::{Event, Finish, Outcome, Prepared};
 use super::prepare::{self, blocking, GenerateRequest, Prompt, Sampling};
-use super::request::{kind, text_parts, wrong, Body};
+use super::request::{kind, text_parts, user_grammar, wrong, Body};
 use super::stream;
 use super::tools::{
     empty_parameters, history_arguments, is_valid_tool_name, ResponseFormat, ToolCall, ToolChoice,
@@ -277,6 +285,9 @@ pub struct Common {
     pub max_tokens: Option<u64>,
     pub sampling: Sampling,
     pub stop: Vec<String>,
+    /// A Lark grammar for the output and the field it came from (vLLM's
+    /// `structured_outputs.grammar` / `guided_grammar`).
+    pub grammar: Option<(String, &'static str)>,
 }
 
 /// A chat completions request, parsed and checked (everything its handler reads
@@ -288,6 +299,8 @@ pub struct ChatRequest {
     pub tools: Option<ToolRequest>,
     /// Messages as chat templates take them.
     pub messages: Vec<Value>,
+    /// `reasoning_effort`, for a reasoning model's template.
+    pub reasoning_effort: Option<String>,
 }
 
 /// Reads a chat completions body. Errors name the field at fault.
@@ -296,11 +309,13 @@ pub fn parse_chat(b: &Body) -> Result<ChatRequest, ApiError> {
     let response_format = response_format(b)?;
     let tools = tool_request(b)?;
     let messages = chat_messages(b)?;
+    let reasoning_effort = b.str("reasoning_effort")?.map(str::to_string);
     Ok(ChatRequest {
         common,
         response_format,
         tools,
         messages,
+        reasoning_effort,
     })
 }
 
@@ -433,6 +448,7 @@ fn common(b: &Body) -> Result<Common, ApiError> {
         max_tokens: max_completion.or(max_tokens),
         sampling,
         stop: b.stop_list("stop", 4)?,
+        grammar: user_grammar(b)?,
     })
 }
 
@@ -520,6 +536,23 @@ fn chat_messages(b: &Body) -> Result<Vec<Value>, ApiError> {
                 msg.insert(key.into(), v.clone());
             }
         }
+        // An assistant turn's reasoning, as reasoning models' templates read it
+        // (`thinking`; the renderer aliases the three names).
+        for key in ["reasoning_content", "reasoning", "thinking"] {
+            match o.get(key) {
+                None | Some(Value::Null) => {}
+                Some(Value::String(r)) if role == "assistant" => {
+                    msg.insert(key.into(), r.clone().into());
+                }
+                Some(Value::String(_)) => {
+                    return Err(ApiError::invalid(
+                        &at(key),
+                        format!("only assistant messages carry reasoning ('{key}')"),
+                    ))
+                }
+                Some(v) => return Err(wrong(&at(key), "a string", v)),
+            }
+        }
         if let Some(calls) = o.get("tool_calls").filter(|v| !v.is_null()) {
             msg.insert(
                 "tool_calls".into(),
@@ -591,6 +624,10 @@ fn tool_calls_json(calls: &[ToolCall]) -> Value {
 /// The assistant message of a chat completion.
 fn message(o: &Outcome) -> Value {
     let mut m = json!({"role": "assistant", "content": o.text, "refusal": null});
+    if !o.reasoning.is_empty() {
+        // As vLLM and DeepSeek's API give a reasoning model's thinking.
+        m["reasoning_content"] = o.reasoning.clone().into();
+    }
     if !o.tool_calls.is_empty() {
         if o.text.is_empty() {
             m["content"] = Value::Null;
@@ -628,15 +665,22 @@ pub fn prepare_body(app: &App, ep: Endpoint, bytes: &[u8]) -> Result<(Prepared, 
             let p = prepare::prepare(
                 app,
                 GenerateRequest {
-                    model: &r.common.model,
-                    prompt: Prompt::Chat {
-                        messages: &r.messages,
-                        tools: r.tools.as_ref(),
-                    },
-                    max_tokens: r.common.max_tokens,
-                    sampling: r.common.sampling,
                     stop: r.common.stop.clone(),
                     response_format: r.response_format.as_ref(),
+                    reasoning_effort: r
+                        .reasoning_effort
+                        .as_deref()
+                        .map(|e| (e, "reasoning_effort")),
+                    grammar: r.common.grammar.as_ref().map(|(g, p)| (g.as_str(), *p)),
+                    ..GenerateRequest::new(
+                        &r.common.model,
+                        Prompt::Chat {
+                            messages: &r.messages,
+                            tools: r.tools.as_ref(),
+                        },
+                        r.common.max_tokens,
+                        r.common.sampling,
+                    )
                 },
             )?;
             Ok((p, r.common))
@@ -650,12 +694,15 @@ pub fn prepare_body(app: &App, ep: Endpoint, bytes: &[u8]) -> Result<(Prepared, 
             let p = prepare::prepare(
                 app,
                 GenerateRequest {
-                    model: &r.common.model,
-                    prompt,
-                    max_tokens: r.common.max_tokens.or(Some(16)),
-                    sampling: r.common.sampling,
                     stop: r.common.stop.clone(),
                     response_format: r.response_format.as_ref(),
+                    grammar: r.common.grammar.as_ref().map(|(g, p)| (g.as_str(), *p)),
+                    ..GenerateRequest::new(
+                        &r.common.model,
+                        prompt,
+                        r.common.max_tokens.or(Some(16)),
+                        r.common.sampling,
+                    )
                 },
             )?;
             Ok((p, r.common))
@@ -783,6 +830,16 @@ fn stream_response(
     let call_delta = |call: Value| json!([{"index": 0, "delta": {"tool_calls": [call]}, "logprobs": null, "finish_reason": null}]);
     let sse = stream::sse(rx, prelude, move |ev| match ev {
         Event::Text(t) => (vec![chunk2(delta(Some(&t), None), None)], false),
+        // Reasoning streams beside the content, as vLLM streams it.
+        Event::Reasoning(t) => {
+            let choices = match ep {
+                Endpoint::Chat => json!([{"index": 0, "delta": {"reasoning_content": t},
+                                          "logprobs": null, "finish_reason": null}]),
+                // (Completions render no template, so no reasoning is read.)
+                Endpoint::Completion => return (vec![], false),
+            };
+            (vec![chunk2(choices, None)], false)
+        }
         // A forced call as it is written: its id, type and name first, then argument
         // fragments by index (OpenAI's clients concatenate them).
         Event::CallStart { index, id, name } => {

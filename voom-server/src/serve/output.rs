@@ -12,11 +12,13 @@ use libvoom::text::{StreamDecoder, Tokenizer};
 use serde_json::Value;
 
 use super::error::ApiError;
+use super::harmony::{HarmonyParser, Piece};
 use super::ids::new_id;
 use super::job::{Event, Finish, Job, Outcome};
 use super::stop::StopScanner;
 use super::tools::{
-    adopt_streamed, is_number_overflow, text_after, CallGate, CallPiece, CallStreamer,
+    adopt_streamed, is_number_overflow, text_after, validated_call, CallGate, CallPiece,
+    CallStreamer, ToolCall,
 };
 
 /// How a request's output ended, for the worker.
@@ -39,6 +41,12 @@ pub struct Output<'t> {
     /// Forced calls stream as they are written (the grammar admits only valid ones).
     calls: Option<CallStreamer>,
     call_ids: Vec<String>,
+    /// A harmony model's output is read as reasoning, content and calls.
+    harmony: Option<HarmonyParser>,
+    reasoning: String,
+    /// Harmony calls taken, and why calls were left as text.
+    harmony_calls: Vec<ToolCall>,
+    harmony_rejected: Vec<String>,
     text: String,
     gone: bool,
     failure: Option<ApiError>,
@@ -62,11 +70,14 @@ impl<'t> Output<'t> {
         let calls = tools
             .filter(|t| t.forced)
             .map(|t| CallStreamer::new(t.format));
-        let keep_special = tools.is_some_and(|t| t.format.keep_special_tokens);
+        let harmony = job.request.harmony.as_ref().map(|_| HarmonyParser::new());
+        // Harmony's markers are special tokens: kept to be read.
+        let keep_special = harmony.is_some() || tools.is_some_and(|t| t.format.keep_special_tokens);
         // Stop sequences cut text. A forced call is no text (its grammar ends it), so
         // they do not apply there: a `stop` of "\n" or "Observation:", as agent loops
         // pass, would otherwise cut every call.
-        let forced = tools.is_some_and(|t| t.forced);
+        let forced = tools.is_some_and(|t| t.forced)
+            || job.request.harmony.as_ref().is_some_and(|h| h.forced);
         let out = StopScanner::new(if forced { &[] } else { &job.request.stop });
         Output {
             eos,
@@ -75,6 +86,10 @@ impl<'t> Output<'t> {
             gate,
             calls,
             call_ids: Vec::new(),
+            harmony,
+            reasoning: String::new(),
+            harmony_calls: Vec::new(),
+            harmony_rejected: Vec::new(),
             text: String::new(),
             gone: false,
             failure: None,
@@ -94,6 +109,10 @@ impl<'t> Output<'t> {
     fn send(&mut self, piece: &str) -> bool {
         if piece.is_empty() {
             return true;
+        }
+        if let Some(h) = self.harmony.as_mut() {
+            let pieces = h.push(piece);
+            return self.send_harmony(pieces);
         }
         self.text.push_str(piece);
         for p in self
@@ -122,6 +141,55 @@ impl<'t> Output<'t> {
             return !self.job.events.is_closed();
         }
         self.job.events.send(Event::Text(emit)).is_ok()
+    }
+
+    /// Sends what a harmony model's output holds: reasoning and content as they
+    /// come; a call when its message ends, if it is valid (else its message as
+    /// written is content). False when the client is gone.
+    fn send_harmony(&mut self, pieces: Vec<Piece>) -> bool {
+        for p in pieces {
+            let ev = match p {
+                Piece::Reasoning(t) => {
+                    self.reasoning.push_str(&t);
+                    Event::Reasoning(t)
+                }
+                Piece::Content(t) => {
+                    self.text.push_str(&t);
+                    Event::Text(t)
+                }
+                Piece::Call {
+                    name,
+                    arguments,
+                    raw,
+                } => {
+                    let tools = self
+                        .job
+                        .request
+                        .harmony
+                        .as_ref()
+                        .map_or(&[][..], |h| &h.tools[..]);
+                    let call = serde_json::from_str::<Value>(&arguments)
+                        .map_err(|e| format!("the arguments of '{name}' are not JSON ({e})"))
+                        .and_then(|args| validated_call(tools, &name, args));
+                    match call {
+                        Ok(mut c) => {
+                            c.arguments_text = Some(c.arguments.to_string());
+                            self.harmony_calls.push(c);
+                            continue;
+                        }
+                        Err(why) => {
+                            self.harmony_rejected.push(why);
+                            self.text.push_str(&raw);
+                            Event::Text(raw)
+                        }
+                    }
+                }
+            };
+            if self.job.events.send(ev).is_err() {
+                return false;
+            }
+        }
+        true
     }
 
     /// Takes a generated id: `Break` stops its generation (a stop sequence, a
@@ -182,7 +250,31 @@ impl<'t> Output<'t> {
                 }
             }
         };
-        let mut tool_calls = Vec::new();
+        if let Some(mut h) = self.harmony.take() {
+            let pieces = h.finish(finish == Finish::Eos);
+            if !self.send_harmony(pieces) {
+                return Ok(Ended::Gone);
+            }
+            let forced = self.job.request.harmony.as_ref().is_some_and(|h| h.forced);
+            if forced && finish == Finish::Eos && self.harmony_calls.is_empty() {
+                // The grammar admits only a well-formed call with valid arguments.
+                return Err(ApiError::internal(format!(
+                    "the forced tool call output did not parse ({}): {:?}",
+                    self.harmony_rejected.join("; "),
+                    self.text
+                )));
+            }
+            if !self.harmony_rejected.is_empty() {
+                tracing::debug!(
+                    "tool calls left as text: {}",
+                    self.harmony_rejected.join("; ")
+                );
+            }
+            if !self.harmony_calls.is_empty() && finish == Finish::Eos {
+                finish = Finish::ToolCalls;
+            }
+        }
+        let mut tool_calls = std::mem::take(&mut self.harmony_calls);
         let mut streamed_calls = 0;
         let mut text = std::mem::take(&mut self.text);
         if let Some(tp) = &self.job.request.tools {
@@ -271,6 +363,7 @@ impl<'t> Output<'t> {
             prompt_tokens: g.prompt_tokens,
             completion_tokens: g.ids.len(),
             text,
+            reasoning: std::mem::take(&mut self.reasoning),
             tool_calls,
             streamed_calls,
             queue_secs: self.queue_secs,

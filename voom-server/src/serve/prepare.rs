@@ -18,6 +18,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use super::app::App;
 use super::catalog::ModelMeta;
 use super::error::{ApiError, Kind};
+use super::harmony::{Harmony, HarmonyOutput};
 use super::job::{Event, Job, OutputGrammar, Prepared};
 use super::tools::{ResponseFormat, ToolFormat, ToolParser, ToolRequest};
 
@@ -57,6 +58,52 @@ pub struct GenerateRequest<'a> {
     pub sampling: Sampling,
     pub stop: Vec<String>,
     pub response_format: Option<&'a ResponseFormat>,
+    /// How hard a reasoning model thinks (`low`, `medium`, `high`), passed to the
+    /// chat template as `reasoning_effort`, with the request field it came from.
+    /// A model without a reasoning format refuses it (400 naming the field).
+    pub reasoning_effort: Option<(&'a str, &'static str)>,
+    /// The request asks for reasoning (Anthropic's `thinking` enabled): the field,
+    /// refused (400) for a model without a reasoning format.
+    pub wants_reasoning: Option<&'static str>,
+    /// A Lark grammar the output must follow (vLLM's `structured_outputs.grammar`,
+    /// `guided_grammar`), with the request field it came from; not combined with a
+    /// response format or forced tool calls.
+    pub grammar: Option<(&'a str, &'static str)>,
+}
+
+/// The reasoning efforts of gpt-oss (harmony's `Reasoning:` line).
+pub const REASONING_EFFORTS: [&str; 3] = ["low", "medium", "high"];
+
+impl<'a> GenerateRequest<'a> {
+    /// A request with nothing but its model, prompt, limit and sampling.
+    pub fn new(
+        model: &'a str,
+        prompt: Prompt<'a>,
+        max_tokens: Option<u64>,
+        sampling: Sampling,
+    ) -> Self {
+        GenerateRequest {
+            model,
+            prompt,
+            max_tokens,
+            sampling,
+            stop: Vec::new(),
+            response_format: None,
+            reasoning_effort: None,
+            wants_reasoning: None,
+            grammar: None,
+        }
+    }
+}
+
+/// Whether `model` writes a reasoning format (harmony): resolves the model, reads
+/// its tokenizer. For dialects whose answer's shape depends on it before preparing.
+pub fn harmony_of(app: &App, model: &str) -> Result<Option<Harmony>, ApiError> {
+    let meta = app.catalog.get(model)?;
+    let tok = meta.text_tokenizer()?;
+    Ok(tok
+        .chat_template()
+        .and_then(|t| Harmony::detect(t.source(), tok)))
 }
 
 /// Resolves the model, renders and tokenizes the prompt, checks it against the
@@ -76,11 +123,15 @@ pub fn prepare(app: &App, req: GenerateRequest<'_>) -> Result<Prepared, ApiError
         sampling,
         stop,
         response_format,
+        reasoning_effort,
+        wants_reasoning,
+        grammar: user_grammar,
     } = req;
     let meta = app.catalog.get(model)?;
     let tok = meta.text_tokenizer()?;
     let response_format = response_format.filter(|f| **f != ResponseFormat::Text);
     let mut tool_parser = None;
+    let mut harmony_out = None;
     let mut lark = None;
     let prompt_param = match prompt {
         Prompt::Chat { .. } => "messages",
@@ -97,7 +148,34 @@ pub fn prepare(app: &App, req: GenerateRequest<'_>) -> Result<Prepared, ApiError
                         format!("model '{model}' has no chat template: use /v1/completions"),
                     )
                 })?;
-            if let Some(req) = tools.filter(|t| t.is_active()) {
+            let harmony = Harmony::detect(tpl.source(), tok);
+            let mut template_tools = template_tools;
+            if let Some(h) = &harmony {
+                // gpt-oss's template writes every tool's description (`"// " +
+                // tool.description`), which fails on a tool without one.
+                for t in template_tools.iter_mut().flatten() {
+                    if let Some(f) = t["function"].as_object_mut() {
+                        f.entry("description").or_insert_with(|| "".into());
+                    }
+                }
+                let active = tools.filter(|t| t.is_active());
+                let answer = match response_format {
+                    Some(f) => f.lark_json_body("response_format")?,
+                    None => None,
+                };
+                match (active.and_then(ToolRequest::forced), active) {
+                    (Some(forced), _) => lark = Some(h.calls_grammar(&forced, None)?),
+                    (None, Some(req)) if answer.is_some() => {
+                        let all: Vec<_> = req.tools.iter().collect();
+                        lark = Some(h.calls_grammar(&all, answer.as_deref())?);
+                    }
+                    (None, _) => lark = answer.map(|a| h.answer_grammar(&a)),
+                }
+                harmony_out = Some(HarmonyOutput {
+                    tools: active.map(|t| t.tools.clone()).unwrap_or_default(),
+                    forced: active.is_some_and(|t| t.forced().is_some()),
+                });
+            } else if let Some(req) = tools.filter(|t| t.is_active()) {
                 let format = ToolFormat::detect(tpl.source());
                 let answer = match response_format {
                     Some(f) => f.lark_json_body("response_format")?,
@@ -116,10 +194,45 @@ pub fn prepare(app: &App, req: GenerateRequest<'_>) -> Result<Prepared, ApiError
                     forced: req.forced().is_some(),
                 });
             }
+            if let Some(param) = wants_reasoning.filter(|_| harmony.is_none()) {
+                return Err(no_reasoning(model, param));
+            }
+            let mut extra = serde_json::Map::new();
+            if let Some((effort, param)) = reasoning_effort {
+                if harmony.is_none() {
+                    return Err(no_reasoning(model, param));
+                }
+                if !REASONING_EFFORTS.contains(&effort) {
+                    return Err(ApiError::invalid(
+                        param,
+                        format!(
+                            "'{effort}' is not a reasoning effort of '{model}': low, medium or high"
+                        ),
+                    ));
+                }
+                extra.insert("reasoning_effort".into(), effort.into());
+            }
             let text = tpl
-                .render(messages, template_tools.as_deref(), true, None)
+                .render(
+                    messages,
+                    template_tools.as_deref(),
+                    true,
+                    (!extra.is_empty()).then_some(&extra),
+                )
                 .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
             encode_within(tok, &text, false, &meta, prompt_param)?
+        }
+        Prompt::Text(_) | Prompt::Ids(_)
+            if reasoning_effort.is_some() || wants_reasoning.is_some() =>
+        {
+            let param = reasoning_effort
+                .map(|(_, p)| p)
+                .or(wants_reasoning)
+                .unwrap_or("reasoning");
+            return Err(ApiError::invalid(
+                param,
+                "reasoning settings apply to chat messages, rendered through the model's template",
+            ));
         }
         Prompt::Text(t) => encode_within(tok, t, true, &meta, prompt_param)?,
         Prompt::Ids(ids) => {
@@ -140,7 +253,8 @@ pub fn prepare(app: &App, req: GenerateRequest<'_>) -> Result<Prepared, ApiError
         return Err(too_long(&meta, prompt_param, prompt_ids.len(), ""));
     }
     // The grammar: forced calls, calls or the answer, or the answer alone.
-    let forced_tools = tool_parser.as_ref().is_some_and(|t| t.forced);
+    let forced_tools = tool_parser.as_ref().is_some_and(|t| t.forced)
+        || harmony_out.as_ref().is_some_and(|h| h.forced);
     // A stop sequence matching inside a JSON answer would cut it (`{"`) and end it
     // as `stop`, which a client cannot tell from a complete answer: the two are not
     // combined (docs/server.md). Forced tool calls ignore stop sequences (they cut
@@ -151,6 +265,17 @@ pub fn prepare(app: &App, req: GenerateRequest<'_>) -> Result<Prepared, ApiError
             "stop sequences cannot be combined with a JSON response format: a stop \
              sequence inside the JSON would cut it short where it looks complete",
         ));
+    }
+    let mut user_param = None;
+    if let Some((g, param)) = user_grammar {
+        if forced_tools || response_format.is_some() {
+            return Err(ApiError::invalid(
+                param,
+                "a grammar cannot be combined with a JSON response format or a forced tool call (tool_choice required or named)",
+            ));
+        }
+        lark = Some(g.to_string());
+        user_param = Some(param);
     }
     let grammar = match (lark, response_format) {
         (Some(l), _) => Some(Grammar::lark(&l)),
@@ -170,7 +295,11 @@ pub fn prepare(app: &App, req: GenerateRequest<'_>) -> Result<Prepared, ApiError
             JsonValidator::new(&s).map_err(|e| ApiError::invalid("response_format", e.to_string()))
         })
         .transpose()?;
-    let param = if tool_parser.is_some() && response_format.is_none() {
+    let tools_active =
+        tool_parser.is_some() || harmony_out.as_ref().is_some_and(|h| !h.tools.is_empty());
+    let param = if let Some(p) = user_param {
+        p
+    } else if tools_active && response_format.is_none() {
         "tools"
     } else {
         "response_format"
@@ -216,7 +345,17 @@ pub fn prepare(app: &App, req: GenerateRequest<'_>) -> Result<Prepared, ApiError
         grammar,
         tools: tool_parser,
         json_schema,
+        harmony: harmony_out,
     })
+}
+
+fn no_reasoning(model: &str, param: &str) -> ApiError {
+    ApiError::invalid(
+        param,
+        format!(
+            "'{param}' is not supported: model '{model}' has no reasoning format (reasoning is read from harmony models, gpt-oss)"
+        ),
+    )
 }
 
 /// `text`'s token ids, if they fit the context of `meta`: a text whose length alone

@@ -187,6 +187,61 @@ pub fn text_parts(parts: &[Value], at: &str, kinds: &[&str]) -> Result<String, A
     Ok(texts.join("\n"))
 }
 
+/// A Lark grammar for the output, as vLLM takes it (a vOOM extension to the APIs):
+/// `structured_outputs: {"grammar": "..."}`, or the older `guided_grammar: "..."`;
+/// with the field it came from. vLLM's other forms (`structured_outputs.json`,
+/// `regex`, `choice`, `guided_json`, ...) are refused: `response_format` gives JSON.
+pub fn user_grammar(b: &Body) -> Result<Option<(String, &'static str)>, ApiError> {
+    for key in [
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_decoding_backend",
+    ] {
+        b.refuse(
+            key,
+            &[],
+            "of vLLM's guided decoding only 'guided_grammar' (or 'structured_outputs.grammar') is supported; use 'response_format' for JSON",
+        )?;
+    }
+    let from_so = match b.get("structured_outputs") {
+        None | Some(Value::Null) => None,
+        Some(Value::Object(o)) => {
+            if let Some(k) = o.keys().find(|k| *k != "grammar") {
+                return Err(ApiError::invalid(
+                    &format!("structured_outputs.{k}"),
+                    format!(
+                        "structured_outputs.{k} is not supported: only 'grammar' (a Lark grammar); use 'response_format' for JSON"
+                    ),
+                ));
+            }
+            match o.get("grammar") {
+                Some(Value::String(g)) => Some((g.clone(), "structured_outputs.grammar")),
+                Some(v) => return Err(wrong("structured_outputs.grammar", "a string", v)),
+                None => None,
+            }
+        }
+        Some(v) => return Err(wrong("structured_outputs", "an object", v)),
+    };
+    let guided = match b.get("guided_grammar") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(g)) => Some((g.clone(), "guided_grammar")),
+        Some(v) => return Err(wrong("guided_grammar", "a string", v)),
+    };
+    if from_so.is_some() && guided.is_some() {
+        return Err(ApiError::invalid(
+            "guided_grammar",
+            "give the grammar once: 'structured_outputs.grammar' or 'guided_grammar'",
+        ));
+    }
+    match from_so.or(guided) {
+        Some((g, param)) if g.trim().is_empty() => {
+            Err(ApiError::invalid(param, "the grammar is empty"))
+        }
+        other => Ok(other),
+    }
+}
+
 /// JSON type names for messages.
 pub fn kind(v: &Value) -> &'static str {
     match v {

@@ -8,14 +8,21 @@
 //! tools), `tool_choice`, `parallel_tool_calls`; accepted without effect on output:
 //! `metadata` (echoed), `user`, `safety_identifier`, `prompt_cache_key`,
 //! `prompt_cache_retention`, `service_tier` auto/default, `max_tool_calls` (there are
-//! no built-in tools), `stream_options`. vOOM extensions: `seed`, `top_k`.
+//! no built-in tools), `stream_options`. vOOM extensions: `seed`, `top_k`, and a Lark
+//! grammar for the output (vLLM's `structured_outputs.grammar`, `guided_grammar`).
+//!
+//! A reasoning model (harmony: gpt-oss) answers with a `reasoning` item before the
+//! message (its text as one `reasoning_text` part, no summary; streamed as
+//! `response.reasoning_text.delta`); `reasoning.effort` (low, medium, high) goes to
+//! its template (other models refuse it), and `reasoning` input items become the
+//! next assistant turn's thinking.
 //!
 //! The server is stateless, so everything that needs stored state is refused with
 //! 400: `previous_response_id`, `conversation`, `background: true`, `store: true`
 //! (OpenAI's default is true, but its SDK sends `store` only when set: a request
 //! that leaves it out is answered and not stored, and the response says `store:
 //! false`; one that asks explicitly for storage is refused, since nothing could
-//! retrieve it). Also refused: `include` with values, `reasoning` settings,
+//! retrieve it). Also refused: `include` with values, `reasoning.summary`,
 //! `truncation: auto`, `prompt` templates, `top_logprobs`, images, files, built-in
 //! tools, and any field the API does not define (as OpenAI does).
 
@@ -31,7 +38,7 @@ use super::error::{ApiError, Dialect};
 use super::ids::{new_id, now};
 use super::job::{Event, Finish, Outcome, Prepared};
 use super::prepare::{self, blocking, GenerateRequest, Prompt, Sampling};
-use super::request::{text_parts, wrong, Body};
+use super::request::{text_parts, user_grammar, wrong, Body};
 use super::stream;
 use super::tools::{
     empty_parameters, history_arguments, ResponseFormat, ToolChoice, ToolRequest, ToolSpec,
@@ -69,6 +76,8 @@ const KNOWN: &[&str] = &[
     "top_logprobs",
     "seed",
     "top_k",
+    "structured_outputs",
+    "guided_grammar",
 ];
 
 /// A Responses request, parsed and checked.
@@ -83,6 +92,10 @@ pub struct ResponsesRequest {
     pub sampling: Sampling,
     pub tools: Option<ToolRequest>,
     pub format: ResponseFormat,
+    /// `reasoning.effort`, for a reasoning model's template.
+    pub effort: Option<String>,
+    /// A Lark grammar for the output (vOOM extension: vLLM's `structured_outputs`).
+    pub grammar: Option<(String, &'static str)>,
     /// Echoed in the response object.
     pub echo: Echo,
 }
@@ -135,17 +148,34 @@ pub fn parse(b: &Body) -> Result<ResponsesRequest, ApiError> {
         &[0.into()],
         "log probabilities are not returned",
     )?;
-    if let Some(r) = b.get("reasoning") {
-        let neutral = r
-            .as_object()
-            .is_some_and(|o| o.values().all(Value::is_null));
-        if !neutral {
-            return Err(ApiError::invalid(
-                "reasoning",
-                "'reasoning' is not supported: these models have no reasoning settings",
-            ));
+    // `reasoning.effort` goes to a reasoning model's template (a model without a
+    // reasoning format refuses it when prepared); there are no summaries: the
+    // reasoning item carries the reasoning text itself.
+    let effort = match b.get("reasoning") {
+        None | Some(Value::Null) => None,
+        Some(Value::Object(o)) => {
+            for (k, v) in o {
+                match (k.as_str(), v) {
+                    (_, Value::Null) | ("effort", Value::String(_)) => {}
+                    ("effort", v) => return Err(wrong("reasoning.effort", "a string", v)),
+                    ("summary" | "generate_summary", _) => {
+                        return Err(ApiError::invalid(
+                            &format!("reasoning.{k}"),
+                            "reasoning summaries are not available: the reasoning item holds the reasoning text itself",
+                        ))
+                    }
+                    (k, _) => {
+                        return Err(ApiError::invalid(
+                            &format!("reasoning.{k}"),
+                            format!("Unknown parameter: 'reasoning.{k}'."),
+                        ))
+                    }
+                }
+            }
+            o.get("effort").and_then(Value::as_str).map(str::to_string)
         }
-    }
+        Some(v) => return Err(wrong("reasoning", "an object", v)),
+    };
     match b.get("service_tier") {
         None => {}
         Some(Value::String(s)) if s == "auto" || s == "default" => {}
@@ -211,6 +241,8 @@ pub fn parse(b: &Body) -> Result<ResponsesRequest, ApiError> {
         sampling,
         tools,
         format,
+        effort,
+        grammar: user_grammar(b)?,
         echo: Echo {
             tools: tools_echo,
             tool_choice: choice_echo,
@@ -476,7 +508,19 @@ fn input_messages(b: &Body, out: &mut Vec<Value>) -> Result<(), ApiError> {
                         ))
                     }
                 };
-                out.push(json!({"role": role, "content": content}));
+                // An assistant message after its reasoning is the same turn.
+                match out.last_mut() {
+                    Some(Value::Object(m))
+                        if role == "assistant"
+                            && m.get("role") == Some(&json!("assistant"))
+                            && m.contains_key("thinking")
+                            && !m.contains_key("content")
+                            && !m.contains_key("tool_calls") =>
+                    {
+                        m.insert("content".into(), content.into());
+                    }
+                    _ => out.push(json!({"role": role, "content": content})),
+                }
             }
             "function_call" => {
                 let call_id = str_field("call_id")?;
@@ -540,6 +584,23 @@ fn input_messages(b: &Body, out: &mut Vec<Value>) -> Result<(), ApiError> {
                 msg.insert("tool_call_id".into(), call_id.into());
                 out.push(Value::Object(msg));
             }
+            // Earlier reasoning: the next assistant turn's `thinking`, which a
+            // reasoning model's template renders where it keeps it.
+            "reasoning" => {
+                let parts = match o.get("content") {
+                    Some(Value::Array(p)) if !p.is_empty() => p.clone(),
+                    _ => match o.get("summary") {
+                        Some(Value::Array(p)) => p.clone(),
+                        _ => vec![],
+                    },
+                };
+                let thinking = text_parts(
+                    &parts,
+                    &format!("{at}.content"),
+                    &["reasoning_text", "summary_text"],
+                )?;
+                out.push(json!({"role": "assistant", "thinking": thinking}));
+            }
             "item_reference" => {
                 return Err(ApiError::invalid(
                     &format!("{at}.type"),
@@ -549,7 +610,7 @@ fn input_messages(b: &Body, out: &mut Vec<Value>) -> Result<(), ApiError> {
             other => {
                 return Err(ApiError::invalid(
                     &format!("{at}.type"),
-                    format!("input items of type '{other}' are not supported (message, function_call, function_call_output)"),
+                    format!("input items of type '{other}' are not supported (message, reasoning, function_call, function_call_output)"),
                 ))
             }
         }
@@ -705,6 +766,11 @@ impl OpenCall {
     }
 }
 
+/// The reasoning item's id: `rs_` and the message id's digits.
+fn reasoning_id(msg_id: &str) -> String {
+    format!("rs_{}", msg_id.strip_prefix("msg_").unwrap_or(msg_id))
+}
+
 /// A function call's item id: `fc_` and the call id's digits.
 fn item_id(call_id: &str) -> String {
     format!("fc_{}", call_id.strip_prefix("call_").unwrap_or(call_id))
@@ -721,10 +787,29 @@ fn function_call_item(call_id: &str, name: &str, status: &str, arguments: &str) 
     })
 }
 
-/// The output items of a finished request: the message (left out when the output is
-/// only calls), then one `function_call` per call.
+/// A reasoning model's reasoning as an output item: its text as one
+/// `reasoning_text` part (no summary).
+fn reasoning_item(id: &str, status: &str, text: Option<&str>) -> Value {
+    let content = match text {
+        Some(t) => json!([{"type": "reasoning_text", "text": t}]),
+        None => json!([]),
+    };
+    json!({"type": "reasoning", "id": id, "status": status, "summary": [],
+           "content": content, "encrypted_content": null})
+}
+
+/// The output items of a finished request: the reasoning (a reasoning model's, when
+/// it wrote some), the message (left out when the output is only calls), then one
+/// `function_call` per call.
 fn output_items(o: &Outcome, msg_id: &str) -> Vec<Value> {
     let mut items = Vec::new();
+    if !o.reasoning.is_empty() {
+        items.push(reasoning_item(
+            &reasoning_id(msg_id),
+            "completed",
+            Some(&o.reasoning),
+        ));
+    }
     if !o.text.is_empty() || o.tool_calls.is_empty() {
         items.push(message_item(msg_id, status(o), Some(&o.text)));
     }
@@ -748,15 +833,18 @@ pub fn prepare_body(app: &App, bytes: &[u8]) -> Result<(Prepared, ResponsesReque
     let p = prepare::prepare(
         app,
         GenerateRequest {
-            model: &r.model,
-            prompt: Prompt::Chat {
-                messages: &r.messages,
-                tools: r.tools.as_ref(),
-            },
-            max_tokens: r.max_output_tokens,
-            sampling: r.sampling,
-            stop: vec![],
             response_format: Some(&r.format),
+            reasoning_effort: r.effort.as_deref().map(|e| (e, "reasoning.effort")),
+            grammar: r.grammar.as_ref().map(|(g, p)| (g.as_str(), *p)),
+            ..GenerateRequest::new(
+                &r.model,
+                Prompt::Chat {
+                    messages: &r.messages,
+                    tools: r.tools.as_ref(),
+                },
+                r.max_output_tokens,
+                r.sampling,
+            )
         },
     )?;
     Ok((p, r))
@@ -773,6 +861,7 @@ async fn handle(app: Arc<App>, req: Request) -> Result<Response, ApiError> {
     let app2 = Arc::clone(&app);
     let (prepared, r) = blocking(&app, move || prepare_body(&app2, &bytes)).await?;
     let meta = Arc::clone(&prepared.meta);
+    let harmony = prepared.harmony.is_some();
     let rx = prepare::start(&app, prepared)?;
     let d = meta.sampling_defaults;
     let shape = Shape {
@@ -788,8 +877,10 @@ async fn handle(app: Arc<App>, req: Request) -> Result<Response, ApiError> {
     };
     let msg_id = new_id("msg_");
     let mut resp = if r.stream {
-        let tools_active = r.tools.as_ref().is_some_and(ToolRequest::is_active);
-        stream_response(rx, shape, msg_id, tools_active)
+        // The message opens with its first text where the output may begin with
+        // calls or reasoning.
+        let lazy = r.tools.as_ref().is_some_and(ToolRequest::is_active) || harmony;
+        stream_response(rx, shape, msg_id, lazy)
     } else {
         let o = stream::collect(rx).await?;
         Json(shape.object(status(&o), output_items(&o, &msg_id), Some(&o))).into_response()
@@ -882,10 +973,71 @@ fn stream_response(
     }
     // The streamed call whose item is open.
     let mut open_call: Option<OpenCall> = None;
+    // The reasoning item while it is open: its output index and text.
+    let mut reasoning: Option<(usize, String)> = None;
+    let rs_id = reasoning_id(&msg_id);
+    let close_reasoning = move |r: &mut Option<(usize, String)>,
+                                seq: &mut Seq,
+                                items: &mut [Value],
+                                id: &str|
+          -> Vec<SseEvent> {
+        let Some((index, text)) = r.take() else {
+            return vec![];
+        };
+        let item = reasoning_item(id, "completed", Some(&text));
+        items[index] = item.clone();
+        vec![
+            seq.event(
+                "response.reasoning_text.done",
+                json!({"item_id": id, "output_index": index, "content_index": 0, "text": text}),
+            ),
+            seq.event(
+                "response.content_part.done",
+                json!({"item_id": id, "output_index": index, "content_index": 0,
+                       "part": {"type": "reasoning_text", "text": text}}),
+            ),
+            seq.event(
+                "response.output_item.done",
+                json!({"output_index": index, "item": item}),
+            ),
+        ]
+    };
     let msg_id3 = msg_id.clone();
     let sse = stream::sse(rx, prelude, move |ev| match ev {
-        Event::CallStart { id, name, .. } => {
+        // A reasoning model's reasoning: a reasoning item (before the message),
+        // its text in `reasoning_text.delta` pieces.
+        Event::Reasoning(t) => {
             let mut out = Vec::new();
+            if reasoning.is_none() {
+                if msg_open {
+                    out.extend(close_message(&mut seq, &mut items, &text, "completed"));
+                    msg_open = false;
+                }
+                let index = items.len();
+                let item = reasoning_item(&rs_id, "in_progress", None);
+                items.push(item.clone());
+                out.push(seq.event(
+                    "response.output_item.added",
+                    json!({"output_index": index, "item": item}),
+                ));
+                out.push(seq.event(
+                    "response.content_part.added",
+                    json!({"item_id": rs_id, "output_index": index, "content_index": 0,
+                           "part": {"type": "reasoning_text", "text": ""}}),
+                ));
+                reasoning = Some((index, String::new()));
+            }
+            if let Some((index, so_far)) = reasoning.as_mut() {
+                so_far.push_str(&t);
+                out.push(seq.event(
+                    "response.reasoning_text.delta",
+                    json!({"item_id": rs_id, "output_index": *index, "content_index": 0, "delta": t}),
+                ));
+            }
+            (out, false)
+        }
+        Event::CallStart { id, name, .. } => {
+            let mut out = close_reasoning(&mut reasoning, &mut seq, &mut items, &rs_id);
             if msg_open {
                 out.extend(close_message(&mut seq, &mut items, &text, "completed"));
                 msg_open = false;
@@ -903,7 +1055,7 @@ fn stream_response(
             None => (vec![], false),
         },
         Event::Text(t) => {
-            let mut out = Vec::new();
+            let mut out = close_reasoning(&mut reasoning, &mut seq, &mut items, &rs_id);
             if let Some(c) = open_call.take() {
                 out.extend(c.done(&mut seq, &mut items, "completed"));
             }
@@ -920,7 +1072,7 @@ fn stream_response(
             (out, false)
         }
         Event::Done(o) => {
-            let mut out = Vec::new();
+            let mut out = close_reasoning(&mut reasoning, &mut seq, &mut items, &rs_id);
             let st = status(&o);
             if !msg_open && o.tool_calls.is_empty() && o.streamed_calls == 0 {
                 // No text and no calls: the answer is an empty message.
@@ -1032,7 +1184,8 @@ mod tests {
             (r#""store": true"#, "store"),
             (r#""background": true"#, "background"),
             (r#""include": ["reasoning.encrypted_content"]"#, "include"),
-            (r#""reasoning": {"effort": "high"}"#, "reasoning"),
+            (r#""reasoning": {"summary": "auto"}"#, "reasoning.summary"),
+            (r#""reasoning": {"effort": 3}"#, "reasoning.effort"),
             (r#""truncation": "auto""#, "truncation"),
             (r#""prompt": {"id": "pmpt_1"}"#, "prompt"),
             (r#""top_logprobs": 3"#, "top_logprobs"),
@@ -1053,6 +1206,17 @@ mod tests {
             r#"{"model": "m", "input": "x", "store": false, "background": false, "include": [], "truncation": "disabled", "reasoning": {"effort": null}, "metadata": {"k": "v"}, "user": "u"}"#
         )
         .is_ok());
+        // A reasoning effort is for the template (a model without a reasoning format
+        // refuses it when prepared); earlier reasoning is the next turn's thinking.
+        let r = parse_str(
+            r#"{"model": "m", "reasoning": {"effort": "high"}, "input": [{"role": "user", "content": "q"}, {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "hm"}]}, {"role": "assistant", "content": "a"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(r.effort.as_deref(), Some("high"));
+        assert_eq!(
+            r.messages[1],
+            json!({"role": "assistant", "thinking": "hm", "content": "a"})
+        );
         let e = err(
             r#"{"model": "m", "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}"#,
         );
@@ -1072,8 +1236,8 @@ mod tests {
                 "temperature",
             ),
             (
-                r#"{"model": "m", "input": [{"type": "reasoning", "summary": []}]}"#,
-                "input[0].type",
+                r#"{"model": "m", "input": [{"type": "reasoning", "content": [{"type": "x", "text": "t"}]}]}"#,
+                "input[0].content[0].type",
             ),
             (
                 r#"{"model": "m", "input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{oops"}]}"#,
@@ -1152,6 +1316,7 @@ mod tests {
             prompt_tokens: 3,
             completion_tokens: 4,
             text: "abcd".into(),
+            reasoning: String::new(),
             tool_calls: vec![],
             streamed_calls: 0,
             queue_secs: 0.0,

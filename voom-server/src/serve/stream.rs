@@ -15,7 +15,10 @@ use super::job::{Event, Outcome};
 pub async fn collect(mut rx: UnboundedReceiver<Event>) -> Result<Outcome, ApiError> {
     while let Some(e) = rx.recv().await {
         match e {
-            Event::Text(_) | Event::CallStart { .. } | Event::CallArgs { .. } => {}
+            Event::Text(_)
+            | Event::Reasoning(_)
+            | Event::CallStart { .. }
+            | Event::CallArgs { .. } => {}
             Event::Done(o) => return Ok(o),
             Event::Failed(e) => return Err(e),
         }

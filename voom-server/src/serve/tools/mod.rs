@@ -45,7 +45,7 @@ pub use format::ToolFormat;
 #[cfg(test)]
 use format::{HERMES, LLAMA3_JSON, MISTRAL};
 pub use gate::{text_after, CallGate};
-pub use parse::{is_number_overflow, ToolParser};
+pub use parse::{is_number_overflow, validated_call, ToolParser};
 pub use response_format::ResponseFormat;
 pub use spec::{
     empty_parameters, history_arguments, is_valid_tool_name, ToolCall, ToolChoice, ToolRequest,

@@ -166,10 +166,6 @@ impl ToolFormat {
             Some(Value::String(n)) => n,
             _ => return Err("a call without a string 'name'".into()),
         };
-        let tool = tools
-            .iter()
-            .find(|t| &t.name == name)
-            .ok_or_else(|| format!("a call to '{name}', which is not an offered tool"))?;
         let args = std::iter::once(self.args_key)
             .chain(self.alt_args_keys.iter().copied())
             .find_map(|k| o.get(k));
@@ -181,21 +177,31 @@ impl ToolFormat {
             })?,
             Some(a) => a.clone(),
         };
-        if !args.is_object() {
-            return Err(format!(
-                "the arguments of '{name}' must be a JSON object, not {}",
-                kind(&args)
-            ));
-        }
-        validate_json(&tool.parameters, &args)
-            .map_err(|e| format!("the arguments of '{name}' do not match its schema: {e}"))?;
-        Ok(ToolCall {
-            id: new_id("call_"),
-            name: name.clone(),
-            arguments: args,
-            arguments_text: None,
-        })
+        validated_call(tools, name, args)
     }
+}
+
+/// A call to `name` with `args`, if `name` is one of `tools` and `args` is an object
+/// valid against its schema; else why not.
+pub fn validated_call(tools: &[ToolSpec], name: &str, args: Value) -> Result<ToolCall, String> {
+    let tool = tools
+        .iter()
+        .find(|t| t.name == name)
+        .ok_or_else(|| format!("a call to '{name}', which is not an offered tool"))?;
+    if !args.is_object() {
+        return Err(format!(
+            "the arguments of '{name}' must be a JSON object, not {}",
+            kind(&args)
+        ));
+    }
+    validate_json(&tool.parameters, &args)
+        .map_err(|e| format!("the arguments of '{name}' do not match its schema: {e}"))?;
+    Ok(ToolCall {
+        id: new_id("call_"),
+        name: name.to_string(),
+        arguments: args,
+        arguments_text: None,
+    })
 }
 
 /// The first 200 characters of `s`, for messages.
