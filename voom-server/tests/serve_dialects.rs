@@ -280,8 +280,8 @@ fn messages_errors_have_anthropics_shape_before_any_model_work() {
             "messages[0].content[0].type",
         ),
         (
-            "thinking",
-            json!({"model": MODEL, "max_tokens": 5, "messages": user, "thinking": {"type": "enabled", "budget_tokens": 2000}}),
+            "thinking on a model without a reasoning format",
+            json!({"model": MODEL, "max_tokens": 5000, "messages": user, "thinking": {"type": "enabled", "budget_tokens": 2000}}),
             "thinking",
         ),
         (
@@ -564,9 +564,9 @@ fn responses_errors_are_openai_shaped_and_state_is_refused() {
             "background",
         ),
         (
-            "reasoning",
+            "a reasoning effort on a model without a reasoning format",
             json!({"model": MODEL, "input": "x", "reasoning": {"effort": "high"}}),
-            "reasoning",
+            "reasoning.effort",
         ),
         (
             "unknown parameter",
