@@ -428,6 +428,7 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
             "page_source": r["page_source"],
             "memory_plan": r["memory_budget"],
             "decode_tokens_per_sec": decode_tps,
+            "ids": r["ids"],
             "prefill_tokens_per_sec": r["timing"]["prefill_tokens_per_sec"],
             "decode_page_wait_share": r["timing"]["decode_page_wait_secs"].as_f64()
                 .zip(r["timing"]["decode_secs"].as_f64())
@@ -454,6 +455,9 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
             })),
         }));
     }
+    // Paging never changes arithmetic: every run's ids are the first run's, whatever
+    // its page source and ceiling (and the unconstrained run's, where one ran).
+    let ids_check = same_ids(&results);
     // Per round, then the median over rounds.
     let rate = |name: &str, round: usize| {
         results
@@ -566,6 +570,7 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
             "decode_bound_tokens_per_sec": decode_bound,
         })),
         "runs": results,
+        "same_ids_in_every_run": ids_check.as_ref().ok(),
         "rounds": a.repeat.max(1),
         "medians": medians,
         "cache_vs_mmap": vs_mmap("cache"),
@@ -575,9 +580,31 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
     });
     if a.json {
         vpaged::outln!("{report}")?;
-        return Ok(());
+    } else {
+        print_report(&report)?;
     }
-    print_report(&report)
+    // The figures are out; a run whose ids differ fails the bench.
+    ids_check.map(|_| ())
+}
+
+/// How many runs gave ids, all of them the same; an error naming the first run whose
+/// ids differ from the first run's (a paging bug, never a tolerance).
+fn same_ids(results: &[Value]) -> Result<usize> {
+    let runs: Vec<&Value> = results
+        .iter()
+        .filter(|r| r["ok"] == true && r["ids"].is_array())
+        .collect();
+    if let Some(first) = runs.first() {
+        for r in &runs[1..] {
+            if r["ids"] != first["ids"] {
+                bail!(
+                    "the {} run of round {} gave other ids than the {} run of round {}: {} against {}",
+                    r["config"], r["round"], first["config"], first["round"], r["ids"], first["ids"]
+                );
+            }
+        }
+    }
+    Ok(runs.len())
 }
 
 /// `voom generate` of `prompt` (ids) on `model`, decoding `tokens` past any eos with
@@ -925,6 +952,9 @@ fn print_report(r: &Value) -> Result<()> {
                 x("ratio_to_device_rate_bound", 2)
             )?;
         }
+    }
+    if let Some(n) = r["same_ids_in_every_run"].as_u64() {
+        vpaged::outln!("  ids: the same in all {n} runs")?;
     }
     for c in ["cache", "vpack"] {
         if let Some(v) = r[format!("{c}_vs_mmap")].as_f64() {
