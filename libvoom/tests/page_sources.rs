@@ -15,15 +15,18 @@ use vpaged::direct::ReadMode;
 use vpaged::store::{Store, StoreConfig, StoreSource};
 
 /// A copy (with its manifest) of a case of `tests/fixtures/tiny`, or of
-/// `tests/fixtures/tiny_hybrid` or `tests/fixtures/tiny_fp8` where the first has
+/// `tests/fixtures/tiny_hybrid`, `tiny_fp8` or `tiny_gpt_oss` where the first has
 /// none of that name.
 fn fixture_copy(case: &str) -> (tempfile::TempDir, PathBuf) {
     let tiny = common::fixtures().join(case);
     let fp8 = common::fixtures().join("../tiny_fp8").join(case);
+    let gpt_oss = common::fixtures().join("../tiny_gpt_oss").join(case);
     let dir = if tiny.exists() {
         tiny
     } else if fp8.exists() {
         fp8
+    } else if gpt_oss.exists() {
+        gpt_oss
     } else {
         common::hybrid_fixtures().join(case)
     };
@@ -124,6 +127,7 @@ fn store_core_gives_the_embedded_bits_at_any_budget() {
         "qwen3_fp8_partial_blocks",
         "qwen3_moe_fp8_fused_experts",
         "deepseek_v3_fp8_mla",
+        "gpt_oss_mxfp4",
     ] {
         let (_d, dir) = fixture_copy(case);
         let prompt: Vec<u32> = (0..21).map(|i| (i * 17 + 3) % 200).collect();
@@ -351,6 +355,7 @@ fn two_engines_through_the_daemon_give_the_embedded_bits() {
         "deepseek_v3_mla_yarn",
         "qwen3_next_moe_legacy_config",
         "qwen3_moe_fp8_bf16_scales_not_convert",
+        "gpt_oss_mxfp4",
     ] {
         let (d, dir) = fixture_copy(case);
         let prompt: Vec<u32> = (0..19).map(|i| (i * 13 + 7) % 250).collect();
@@ -538,6 +543,7 @@ fn vpack_pages_give_the_raw_bits_at_any_budget() {
         "olmoe_clip_qkv",
         "deepseek_v3_plain_q_legacy_yarn",
         "qwen3_moe_fp8_bf16_scales_not_convert",
+        "gpt_oss_mxfp4",
     ] {
         let (_d, dir) = fixture_copy(case);
         let prompt: Vec<u32> = (0..17).map(|i| (i * 11 + 5) % 200).collect();
