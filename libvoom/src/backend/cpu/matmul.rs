@@ -567,7 +567,7 @@ unsafe fn compute_rows(
                 DT_BF16 => avx2::rows::<DT_BF16>(x, n, w, rows, out.0),
                 DT_F16 => avx2::rows::<DT_F16>(x, n, w, rows, out.0),
                 DT_FP8 => avx2::rows::<DT_FP8>(x, n, w, rows, out.0),
-                DT_MXFP4 => avx2::rows::<DT_MXFP4>(x, n, w, rows, out.0),
+                DT_MXFP4 => mxfp4::rows_avx2(x, n, w, rows, out.0),
                 _ => avx2::rows::<DT_F32>(x, n, w, rows, out.0),
             }
         },
@@ -1041,8 +1041,12 @@ mod neon;
 /// out)` computes one. Tokens outer, as [`tile_rows!`]. The shape changes no bits.
 #[cfg(target_arch = "x86_64")]
 macro_rules! narrow_tiles {
-    ($tile:ident, $x:ident, $n:ident, $w:ident, $rows:ident, $out:ident) => {{
-        let (tile_rows, tokens) = if $n <= 2 { (6, 2) } else { (4, 4) };
+    ($tile:ident, $x:ident, $n:ident, $w:ident, $rows:ident, $out:ident) => {
+        narrow_tiles!($tile, (6, 2), (4, 4), $x, $n, $w, $rows, $out)
+    };
+    // Rows x tokens at one or two tokens, and beyond (at most 6 x 2 and 4 x 4).
+    ($tile:ident, $decode:expr, $prefill:expr, $x:ident, $n:ident, $w:ident, $rows:ident, $out:ident) => {{
+        let (tile_rows, tokens): (usize, usize) = if $n <= 2 { $decode } else { $prefill };
         let mut t = 0;
         while t < $n {
             let tn = ($n - t).min(tokens);
