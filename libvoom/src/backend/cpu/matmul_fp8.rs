@@ -12,8 +12,9 @@
 //!   value times 2^-8, exactly, normals and subnormals alike (the sign at bit 15,
 //!   the exponent and mantissa at bits 7..14 under F16's wider bias);
 //! - one conversion to f32 (exact; F16 subnormals become f32 normals, so no
-//!   arithmetic ever sees a subnormal input, which costs some CPUs a hundred
-//!   cycles);
+//!   multiply sees a subnormal input: placing e4m3 straight into f32 bits, which
+//!   makes its subnormals f32 subnormals, ran a third slower on this EPYC in
+//!   `matmul_bench --formats`, and such inputs cost some CPUs far more);
 //! - NaN bytes (`0x7f`, `0xff`) found by one compare into a mask;
 //! - one multiply by the block's scale times 2^8 (exact: a power of two), merged
 //!   with NaN where the mask says: `e4m3 × scale` rounded once, the value

@@ -65,88 +65,130 @@ const fn scaled_tables() -> ScaledTables {
     ScaledTables(t)
 }
 
-/// One tile: rows `o0..o0 + R` x tokens `t0..t0 + T`.
-///
-/// # Safety
-/// `w` is a checked MXFP4 view; rows `o0..o0 + R` are within `w.rows`, tokens
-/// `t0..t0 + T` within `x` (`cols` each); `out` holds `n x w.rows` and this thread
-/// owns the tile's elements; the CPU has what the AVX-512 tiles need.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw")]
-unsafe fn tile<const R: usize, const T: usize>(
-    x: &[f32],
-    w: &WeightView<'_>,
-    o0: usize,
-    t0: usize,
-    out: *mut f32,
-) {
-    let cols = w.cols;
-    let row_bytes = cols / 2;
-    let blocks = cols / 32;
-    let sm = ScaleMap::of(w);
-    let wp: [*const u8; R] = std::array::from_fn(|r| {
-        // SAFETY: row o0 + r < w.rows starts inside the checked bytes.
-        unsafe { w.bytes.as_ptr().add((o0 + r) * row_bytes) }
-    });
-    let sp: [*const u8; R] = std::array::from_fn(|r| sm.row(o0 + r));
-    // SAFETY: token t0 + t < n starts inside `x` (n * cols elements).
-    let xp: [*const f32; T] = std::array::from_fn(|t| unsafe { x.as_ptr().add((t0 + t) * cols) });
-    // Lane l of a block of eight takes nibble l of the block's four bytes.
-    let shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-    let tile_bytes = R * row_bytes;
-    let row_mode = tile_bytes > PREFETCH_AHEAD;
-    let mut acc = [[_mm256_setzero_ps(); T]; R];
-    for c in 0..blocks {
-        if c % 4 == 0 {
-            for (r, base) in wp.iter().enumerate() {
-                let at = if row_mode {
-                    base.wrapping_add(16 * c + PREFETCH_ROW)
-                } else {
-                    wp[0].wrapping_add(PREFETCH_AHEAD + 64 * r + R * 16 * c)
-                };
-                // A prefetch is a hint that never faults, whatever the address.
-                _mm_prefetch::<_MM_HINT_T0>(at.cast::<i8>());
-            }
-        }
-        // Each row's sixteen values of this block, in two halves.
-        let mut lo = [_mm256_setzero_ps(); R];
-        let mut hi = [_mm256_setzero_ps(); R];
-        for r in 0..R {
-            // SAFETY: block c < cols / 32 has one scale byte in the row's scales;
-            // every byte has a table of sixteen f32.
-            unsafe {
-                let table = SCALED.0[*sp[r].add(c) as usize].as_ptr();
-                lo[r] = _mm256_loadu_ps(table);
-                hi[r] = _mm256_loadu_ps(table.add(8));
-            }
-        }
-        for j in 0..4 {
-            let k = 32 * c + 8 * j;
-            let xv: [__m256; T] = std::array::from_fn(|t| {
-                // SAFETY: k + 8 <= cols.
-                unsafe { _mm256_loadu_ps(xp[t].add(k)) }
+/// A tile function: rows `o0..o0 + R` x tokens `t0..t0 + T`, one 256-bit
+/// accumulator per element. `|table| $row_table` is what a row keeps of its scale
+/// block's sixteen values (`table` points at them in [`SCALED`]); `|values, idx|
+/// $weights` the eight weights of a block from it and the lanes' shifted nibbles
+/// (nibble `l` in bits 0..3 of lane `l`, higher bits to ignore). The AVX-512 and AVX2
+/// tiles differ only there, so everything else, the order of arithmetic included, is
+/// one text (a macro, not a function taking closures: see `prefetched_blocks!`).
+macro_rules! mxfp4_tile {
+    (
+        $(#[$doc:meta])*
+        $name:ident, $features:literal,
+        |$table:ident| $row_table:expr,
+        |$values:ident, $idx:ident| $weights:expr
+    ) => {
+        $(#[$doc])*
+        ///
+        /// # Safety
+        /// `w` is a checked MXFP4 view; rows `o0..o0 + R` are within `w.rows`, tokens
+        /// `t0..t0 + T` within `x` (`cols` each); `out` holds `n x w.rows` and this
+        /// thread owns the tile's elements; the CPU has the target features.
+        #[inline]
+        #[target_feature(enable = $features)]
+        unsafe fn $name<const R: usize, const T: usize>(
+            x: &[f32],
+            w: &WeightView<'_>,
+            o0: usize,
+            t0: usize,
+            out: *mut f32,
+        ) {
+            let cols = w.cols;
+            let row_bytes = cols / 2;
+            let blocks = cols / 32;
+            let sm = ScaleMap::of(w);
+            let wp: [*const u8; R] = std::array::from_fn(|r| {
+                // SAFETY: row o0 + r < w.rows starts inside the checked bytes.
+                unsafe { w.bytes.as_ptr().add((o0 + r) * row_bytes) }
             });
-            for r in 0..R {
-                // SAFETY: the block's four bytes (elements k..k+8) are in the row.
-                let nibbles = unsafe {
-                    _mm256_set1_epi32(wp[r].add(16 * c + 4 * j).cast::<i32>().read_unaligned())
-                };
-                // Index bits 0..3 of each lane: bit 3 picks `hi`, the rest are ignored.
-                let idx = _mm256_srlv_epi32(nibbles, shifts);
-                let wv = _mm256_permutex2var_ps(lo[r], idx, hi[r]);
-                for t in 0..T {
-                    acc[r][t] = _mm256_fmadd_ps(wv, xv[t], acc[r][t]);
+            let sp: [*const u8; R] = std::array::from_fn(|r| sm.row(o0 + r));
+            let xp: [*const f32; T] = std::array::from_fn(|t| {
+                // SAFETY: token t0 + t < n starts inside `x` (n * cols elements).
+                unsafe { x.as_ptr().add((t0 + t) * cols) }
+            });
+            // Lane l of a block of eight takes nibble l of the block's four bytes.
+            let shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+            // Prefetch as the tiles' `prefetched_blocks!`: short rows along the
+            // tile's contiguous bytes, into the next tiles; long rows each its own
+            // stream.
+            let row_mode = R * row_bytes > PREFETCH_AHEAD;
+            let mut acc = [[_mm256_setzero_ps(); T]; R];
+            for c in 0..blocks {
+                if c % 4 == 0 {
+                    for (r, base) in wp.iter().enumerate() {
+                        let at = if row_mode {
+                            base.wrapping_add(16 * c + PREFETCH_ROW)
+                        } else {
+                            wp[0].wrapping_add(PREFETCH_AHEAD + 64 * r + R * 16 * c)
+                        };
+                        // A prefetch is a hint that never faults, whatever the address.
+                        _mm_prefetch::<_MM_HINT_T0>(at.cast::<i8>());
+                    }
+                }
+                let tables: [_; R] = std::array::from_fn(|r| {
+                    // SAFETY: block c < cols / 32 has one scale byte in the row's
+                    // scales; every byte has a table of sixteen f32.
+                    let $table = unsafe { SCALED.0[*sp[r].add(c) as usize].as_ptr() };
+                    // SAFETY: `table` points at sixteen f32.
+                    unsafe { $row_table }
+                });
+                for j in 0..4 {
+                    let k = 32 * c + 8 * j;
+                    let xv: [__m256; T] = std::array::from_fn(|t| {
+                        // SAFETY: k + 8 <= cols.
+                        unsafe { _mm256_loadu_ps(xp[t].add(k)) }
+                    });
+                    for r in 0..R {
+                        // SAFETY: the block's four bytes (elements k..k+8) are in the row.
+                        let nibbles = unsafe {
+                            _mm256_set1_epi32(
+                                wp[r].add(16 * c + 4 * j).cast::<i32>().read_unaligned(),
+                            )
+                        };
+                        let $idx = _mm256_srlv_epi32(nibbles, shifts);
+                        let $values = tables[r];
+                        let wv = $weights;
+                        for t in 0..T {
+                            acc[r][t] = _mm256_fmadd_ps(wv, xv[t], acc[r][t]);
+                        }
+                    }
+                }
+            }
+            for (r, acc) in acc.iter().enumerate() {
+                for (t, &a) in acc.iter().enumerate() {
+                    // SAFETY: (t0 + t, o0 + r) is within the output and owned by this
+                    // thread.
+                    unsafe { out.add((t0 + t) * w.rows + o0 + r).write(hsum(a)) };
                 }
             }
         }
-    }
-    for (r, acc) in acc.iter().enumerate() {
-        for (t, &a) in acc.iter().enumerate() {
-            // SAFETY: (t0 + t, o0 + r) is within the output and owned by this thread.
-            unsafe { out.add((t0 + t) * w.rows + o0 + r).write(hsum(a)) };
-        }
-    }
+    };
 }
+
+mxfp4_tile!(
+    /// The AVX-512 tile: a row keeps its sixteen values in two halves, and one
+    /// two-table permute (`vpermi2ps`: index bits 0..2 pick a lane, bit 3 the half)
+    /// gives a block's weights.
+    tile, "avx2,fma,f16c,avx512f,avx512vl,avx512bw",
+    |table| (_mm256_loadu_ps(table), _mm256_loadu_ps(table.add(8))),
+    |halves, idx| _mm256_permutex2var_ps(halves.0, idx, halves.1)
+);
+
+mxfp4_tile!(
+    /// The AVX2 tile (no two-table permute): each block's eight nibbles index the
+    /// row's eight magnitudes (`vpermps` reads bits 0..2 of each lane) and bit 3
+    /// sets the sign (`E2M1[8 + v]` is `−E2M1[v]`, and so is every entry of a scaled
+    /// table but for e 255's NaNs, which a checked page never has). The same
+    /// products, so the same bits.
+    tile_avx2, "avx2,fma,f16c",
+    |table| _mm256_loadu_ps(table),
+    |magnitudes, idx| {
+        let v = _mm256_permutevar8x32_ps(magnitudes, idx);
+        let sign = _mm256_and_si256(_mm256_slli_epi32::<28>(idx), _mm256_set1_epi32(i32::MIN));
+        _mm256_xor_ps(v, _mm256_castsi256_ps(sign))
+    }
+);
 
 /// Rows `rows` of `out = x · Wᵀ` for an MXFP4 `w`: tiles of six rows at one or two
 /// tokens (six independent multiply-add chains while the weights stream), four
@@ -164,88 +206,6 @@ pub(super) unsafe fn rows(
     out: *mut f32,
 ) {
     narrow_tiles!(tile, x, n, w, rows, out)
-}
-
-/// [`tile`] for AVX2 (no two-table permute, sixteen registers): each block's eight
-/// nibbles index the row's eight magnitudes (`vpermps` reads bits 0..2 of each lane)
-/// and bit 3 sets the sign (`E2M1[8 + v]` is `−E2M1[v]`, and so is every entry of
-/// a scaled table but for e 255's NaNs, which a checked page never has). The same
-/// products, so the same bits.
-///
-/// # Safety
-/// As [`tile`], on a CPU with AVX2, FMA and F16C.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile_avx2<const R: usize, const T: usize>(
-    x: &[f32],
-    w: &WeightView<'_>,
-    o0: usize,
-    t0: usize,
-    out: *mut f32,
-) {
-    let cols = w.cols;
-    let row_bytes = cols / 2;
-    let blocks = cols / 32;
-    let sm = ScaleMap::of(w);
-    let wp: [*const u8; R] = std::array::from_fn(|r| {
-        // SAFETY: row o0 + r < w.rows starts inside the checked bytes.
-        unsafe { w.bytes.as_ptr().add((o0 + r) * row_bytes) }
-    });
-    let sp: [*const u8; R] = std::array::from_fn(|r| sm.row(o0 + r));
-    // SAFETY: token t0 + t < n starts inside `x` (n * cols elements).
-    let xp: [*const f32; T] = std::array::from_fn(|t| unsafe { x.as_ptr().add((t0 + t) * cols) });
-    let shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-    let sign = _mm256_set1_epi32(i32::MIN);
-    let tile_bytes = R * row_bytes;
-    let row_mode = tile_bytes > PREFETCH_AHEAD;
-    let mut acc = [[_mm256_setzero_ps(); T]; R];
-    for c in 0..blocks {
-        if c % 4 == 0 {
-            for (r, base) in wp.iter().enumerate() {
-                let at = if row_mode {
-                    base.wrapping_add(16 * c + PREFETCH_ROW)
-                } else {
-                    wp[0].wrapping_add(PREFETCH_AHEAD + 64 * r + R * 16 * c)
-                };
-                // A prefetch is a hint that never faults, whatever the address.
-                _mm_prefetch::<_MM_HINT_T0>(at.cast::<i8>());
-            }
-        }
-        let mut mag = [_mm256_setzero_ps(); R];
-        for r in 0..R {
-            // SAFETY: block c < cols / 32 has one scale byte in the row's scales;
-            // every byte has a table of sixteen f32.
-            unsafe {
-                mag[r] = _mm256_loadu_ps(SCALED.0[*sp[r].add(c) as usize].as_ptr());
-            }
-        }
-        for j in 0..4 {
-            let k = 32 * c + 8 * j;
-            let xv: [__m256; T] = std::array::from_fn(|t| {
-                // SAFETY: k + 8 <= cols.
-                unsafe { _mm256_loadu_ps(xp[t].add(k)) }
-            });
-            for r in 0..R {
-                // SAFETY: the block's four bytes (elements k..k+8) are in the row.
-                let nibbles = unsafe {
-                    _mm256_set1_epi32(wp[r].add(16 * c + 4 * j).cast::<i32>().read_unaligned())
-                };
-                let idx = _mm256_srlv_epi32(nibbles, shifts);
-                let v = _mm256_permutevar8x32_ps(mag[r], idx);
-                let s = _mm256_and_si256(_mm256_slli_epi32::<28>(idx), sign);
-                let wv = _mm256_xor_ps(v, _mm256_castsi256_ps(s));
-                for t in 0..T {
-                    acc[r][t] = _mm256_fmadd_ps(wv, xv[t], acc[r][t]);
-                }
-            }
-        }
-    }
-    for (r, acc) in acc.iter().enumerate() {
-        for (t, &a) in acc.iter().enumerate() {
-            // SAFETY: (t0 + t, o0 + r) is within the output and owned by this thread.
-            unsafe { out.add((t0 + t) * w.rows + o0 + r).write(hsum(a)) };
-        }
-    }
 }
 
 /// [`rows`] for AVX2: four rows at one or two tokens, three by four beyond (the
