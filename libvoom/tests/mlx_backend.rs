@@ -10,6 +10,7 @@ mod common;
 use libvoom::backend::cpu::matmul::Isa;
 use libvoom::backend::cpu::CpuBackend;
 use libvoom::backend::mlx::{MlxAct, MlxBackend};
+use libvoom::backend::view::{BlockScales, WeightFormat};
 use libvoom::backend::{
     Activation, AttentionShape, Backend, BackendKind, KernelError, LatentShape, RopeShape,
     RopeTable, TableView, VecView, WeightView,
@@ -122,6 +123,123 @@ fn products_match_the_cpu_for_every_dtype_and_alignment() {
     );
 }
 
+/// MLX's and the CPU's products of `x` (`n` rows) with `w` (`t`: transposed) agree
+/// within float32 rounding of their sums: `1e-6` of the sum of the terms' sizes.
+fn products_agree(
+    what: &str,
+    m: &MlxBackend,
+    c: &CpuBackend,
+    x: &[f32],
+    n: usize,
+    w: WeightView<'_>,
+    t: bool,
+) {
+    let (got, want) = (product(m, x, n, w, t), product(c, x, n, w, t));
+    let (k, outs) = if t {
+        (w.rows, w.cols)
+    } else {
+        (w.cols, w.rows)
+    };
+    for i in 0..n {
+        for o in 0..outs {
+            let size: f32 = (0..k)
+                .map(|j| {
+                    let v = if t { w.get(j, o) } else { w.get(o, j) };
+                    (x[i * k + j] * v).abs()
+                })
+                .sum();
+            let (g, e) = (got[i * outs + o], want[i * outs + o]);
+            assert!(
+                (g - e).abs() <= 1e-6 * (1.0 + size),
+                "{what} [{i}, {o}]: MLX {g} vs CPU {e} (terms' sizes {size})"
+            );
+        }
+    }
+}
+
+/// FP8 e4m3 bytes (no NaN) with a scale per block, in F32 and BF16, blocks that do
+/// and do not divide the columns, the last block row partial, and views of some of
+/// the rows (their first row inside a block row, at an odd address): both products
+/// against the CPU's.
+#[test]
+fn fp8_products_match_the_cpu_for_every_block_layout() {
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    let (c, m) = (cpu(), mlx());
+    for (rows, cols, block_rows, block_cols, scale_dtype) in [
+        (37usize, 64usize, 16usize, 16usize, DType::F32),
+        (37, 70, 16, 8, DType::BF16),
+        (20, 128, 128, 128, DType::F32),
+    ] {
+        let mut bytes = vec![0u8; 1];
+        bytes.extend((0..rows * cols).map(|_| {
+            let b: u8 = rng.gen();
+            if b & 0x7f == 0x7f {
+                0x3c
+            } else {
+                b
+            }
+        }));
+        let (br, bc) = (rows.div_ceil(block_rows), cols.div_ceil(block_cols));
+        let sv: Vec<f32> = (0..br * bc).map(|_| rng.gen_range(0.001f32..0.5)).collect();
+        let scales: Vec<u8> = if scale_dtype == DType::F32 {
+            sv.iter().flat_map(|v| v.to_le_bytes()).collect()
+        } else {
+            bf16_bytes(&sv)
+        };
+        let format = WeightFormat::Fp8(BlockScales {
+            dtype: scale_dtype,
+            block_rows,
+            block_cols,
+            row0: 0,
+            bytes: &scales,
+        });
+        let w = WeightView::of(format, rows, cols, &bytes[1..]).unwrap();
+        for view in [w, w.slice_rows(5..rows - 2)] {
+            let what = format!(
+                "FP8 {rows}x{cols} blocks {block_rows}x{block_cols} {scale_dtype}, rows {}",
+                view.rows
+            );
+            let x = random(&mut rng, 3 * view.cols);
+            products_agree(&format!("{what} matmul"), &m, &c, &x, 3, view, false);
+            let xt = random(&mut rng, 3 * view.rows);
+            products_agree(&format!("{what} matmul_t"), &m, &c, &xt, 3, view, true);
+        }
+    }
+}
+
+/// MXFP4 pairs with their e8m0 scales (the subnormal 2^-127 among them), at an
+/// aligned and an odd address (copied to an aligned buffer, and counted), a view of
+/// some rows: both products against the CPU's.
+#[test]
+fn mxfp4_products_match_the_cpu() {
+    let mut rng = ChaCha8Rng::seed_from_u64(12);
+    let (c, m) = (cpu(), mlx());
+    let (rows, cols) = (37, 96);
+    let packed: Vec<u8> = (0..rows * cols / 2).map(|_| rng.gen()).collect();
+    let mut scales: Vec<u8> = (0..rows * cols / 32)
+        .map(|_| rng.gen_range(118..134))
+        .collect();
+    scales[0] = 0;
+    scales[4] = 1;
+    let mut odd = vec![0u8];
+    odd.extend(&packed);
+    let copied = m.copied_bytes();
+    for (at, bytes) in [("aligned", &packed[..]), ("odd", &odd[1..])] {
+        let w = WeightView::of(WeightFormat::Mxfp4 { scales: &scales }, rows, cols, bytes).unwrap();
+        for view in [w, w.slice_rows(3..rows - 1)] {
+            let what = format!("MXFP4 {at}, rows {}", view.rows);
+            let x = random(&mut rng, 4 * cols);
+            products_agree(&format!("{what} matmul"), &m, &c, &x, 4, view, false);
+            let xt = random(&mut rng, 4 * view.rows);
+            products_agree(&format!("{what} matmul_t"), &m, &c, &xt, 4, view, true);
+        }
+    }
+    assert!(
+        m.copied_bytes() - copied >= packed.len() as u64,
+        "the odd MXFP4 view was copied and counted"
+    );
+}
+
 /// A row's product has the same bits whether 1, 3 or 40 rows are computed together
 /// (MLX's CPU build; its GPU is not claimed batch invariant).
 #[test]
@@ -182,6 +300,17 @@ fn elementwise<B: Backend>(b: &B, x: &[f32], y: &[f32], rows: usize, cols: usize
     let mut s = up(x);
     b.gated(Activation::Silu, &mut s, &up(y)).unwrap();
     out.push(b.download_owned(s).unwrap());
+    let mut cs = up(x);
+    b.gated(
+        Activation::ClampedSwiglu {
+            alpha: 1.702,
+            limit: 1.25,
+        },
+        &mut cs,
+        &up(y),
+    )
+    .unwrap();
+    out.push(b.download_owned(cs).unwrap());
     let mut c = up(x);
     b.clamp(&mut c, 1.25).unwrap();
     out.push(b.download_owned(c).unwrap());
@@ -206,6 +335,7 @@ fn norms_activations_and_softmax_match_the_cpu() {
         "rms_norm_groups (zero-centred)",
         "add + bias",
         "silu gate",
+        "clamped SwiGLU gate (limit below the inputs' range)",
         "clamp",
         "softmax",
         "sigmoid",
@@ -291,24 +421,29 @@ fn attend<B: Backend>(
 }
 
 /// Grouped-query attention (groups of 1 and 3, a sliding window, pages of several
-/// sizes) matches the CPU's; and on MLX's CPU build a query's bits do not depend on
+/// sizes, attention sinks) matches the CPU's; and on MLX's CPU build a query's bits do not depend on
 /// the queries computed with it nor on the page size.
 #[test]
 fn attention_matches_the_cpu_and_a_querys_bits_stand_alone() {
     let mut rng = ChaCha8Rng::seed_from_u64(5);
     let m = mlx();
-    for (heads, window, pos0, n, page) in [
-        (2, None, 0, 9, 4),
-        (6, None, 5, 7, 3),
-        (6, Some(6), 10, 8, 5),
-        (6, Some(4), 0, 12, 128),
+    for (heads, window, pos0, n, page, with_sinks) in [
+        (2, None, 0, 9, 4, false),
+        (6, None, 5, 7, 3, false),
+        (6, Some(6), 10, 8, 5, false),
+        (6, Some(4), 0, 12, 128, false),
+        // gpt-oss: a sink logit per head, full and sliding-window layers.
+        (6, None, 5, 7, 3, true),
+        (6, Some(4), 10, 8, 5, true),
     ] {
+        let sinks: Option<Arc<[f32]>> =
+            with_sinks.then(|| (0..heads).map(|h| h as f32 * 0.9 - 2.0).collect());
         let shape = AttentionShape {
             heads,
             kv_heads: 2,
             head_dim: 8,
             window,
-            sinks: None,
+            sinks,
         };
         let (qd, kvd, total) = (heads * 8, 16, pos0 + n);
         let (kc, vc, q) = (

@@ -114,19 +114,6 @@ pub trait Backend: Send + Sync {
         true
     }
 
-    /// Whether its products take FP8 and MXFP4 weights ([`crate::backend::view::WeightFormat`]'s
-    /// quantized forms); a model stored so is refused at open where not.
-    fn runs_quantized(&self) -> bool {
-        true
-    }
-
-    /// Whether its attention takes sinks ([`AttentionShape::sinks`]) and its
-    /// activations the clamped SwiGLU ([`Activation::ClampedSwiglu`]): gpt-oss; a
-    /// model that needs them is refused at open where not.
-    fn runs_sinks_and_clamped_swiglu(&self) -> bool {
-        true
-    }
-
     /// Bytes of weight and KV pages copied so far instead of computed on in place
     /// (a device that cannot wrap host memory, an address not aligned for it); 0
     /// for the CPU, which reads every page where it lies.

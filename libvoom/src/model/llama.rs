@@ -28,7 +28,6 @@ use crate::model::sweep::{LayerLease, Sweep};
 use crate::model::values::ValueChecks;
 use crate::model::weights::{Dim, Table, Vector, WeightFinder};
 use crate::model::{Logits, Model, SeqPass};
-use crate::quantization::Quantization;
 use crate::VoomError;
 
 struct Layer {
@@ -268,34 +267,6 @@ impl<B: Backend> Llama<B> {
     ) -> Result<Self, VoomError> {
         let config = Path::new(model).join("config.json");
         cfg.validate(&config)?;
-        if cfg.quant != Quantization::None && !backend.runs_quantized() {
-            return Err(VoomError::Weight {
-                model: model.to_string(),
-                tensor: "quantization_config".into(),
-                detail: format!(
-                    "the {} backend does not compute on {} weights yet (the CPU backend \
-                     does: --backend cpu)",
-                    backend.name(),
-                    cfg.quant.describe()
-                ),
-            });
-        }
-        let clamped = cfg
-            .moe
-            .as_ref()
-            .is_some_and(|m| matches!(m.gate, crate::config::ExpertGate::Clamped { .. }));
-        if (cfg.attn_sinks || clamped) && !backend.runs_sinks_and_clamped_swiglu() {
-            return Err(VoomError::Weight {
-                model: model.to_string(),
-                tensor: "config.json".into(),
-                detail: format!(
-                    "the {} backend does not compute {}'s attention sinks and clamped \
-                     SwiGLU yet (the CPU backend does: --backend cpu)",
-                    backend.name(),
-                    cfg.arch.name()
-                ),
-            });
-        }
         let f = WeightFinder::new(source, model).with_quant(cfg.quant.clone());
         let in_checkpoint = f.layer_count()?;
         // Multi-token-prediction layers follow the decoder's (DeepSeek-V3 stores its

@@ -23,7 +23,11 @@
 //!
 //! # Arithmetic
 //! Float32 activations over BF16 (F16, F32) weights widened exactly to float32, as
-//! the reference computes; each op as transformers writes it (`shim.cpp` says how).
+//! the reference computes, and FP8 weights as their e4m3 values times their block's
+//! scale (exact in f32, one rounding: the CPU's specification); MXFP4 weights go to
+//! MLX's own `quantized_matmul` (mode `mxfp4`), which dequantizes inside its kernel
+//! (exactly) and accumulates in f32. Each op as transformers writes it (`shim.cpp`
+//! says how), attention sinks and gpt-oss's clamped SwiGLU included.
 //! The bits are MLX's, not the CPU backend's: the CPU and MLX backends agree on
 //! token ids, and each is batch invariant where [`MlxBackend::batch_invariant`]
 //! says so. Where an evaluation happens does not change a value.
@@ -184,10 +188,13 @@ impl MlxBackend {
         out: &mut MlxAct,
     ) -> Result<(), KernelError> {
         w.check()?;
-        let code = match w.format {
-            WeightFormat::Plain(DType::F32) => 0,
-            WeightFormat::Plain(DType::BF16) => 1,
-            WeightFormat::Plain(DType::F16) => 2,
+        let (format, align) = match w.format {
+            WeightFormat::Plain(DType::F32) => (0, 4),
+            WeightFormat::Plain(DType::BF16) => (1, 2),
+            WeightFormat::Plain(DType::F16) => (2, 2),
+            WeightFormat::Fp8(_) => (3, 1),
+            // Read as 32-bit words of eight elements.
+            WeightFormat::Mxfp4 { .. } => (4, 4),
             other => return Err(KernelError::UnsupportedDType(other.dtype())),
         };
         self.macs.fetch_add(
@@ -195,8 +202,36 @@ impl MlxBackend {
             Ordering::Relaxed,
         );
         let mut buf = Vec::new();
-        let p = self.aligned(w.bytes, w.dtype().size(), &mut buf);
+        let p = self.aligned(w.bytes, align, &mut buf);
         let (rows, cols) = (int("weight rows", w.rows)?, int("weight columns", w.cols)?);
+        let none = (std::ptr::null(), 0, 0, 0, 0, 0, 0);
+        let (scales, scale_dtype, scale_rows, scale_cols, block_rows, block_cols, row0) =
+            match w.format {
+                WeightFormat::Plain(_) => none,
+                WeightFormat::Fp8(s) => (
+                    s.bytes.as_ptr(),
+                    if s.dtype == DType::BF16 { 1 } else { 0 },
+                    int("scale rows", (s.row0 + w.rows).div_ceil(s.block_rows))?,
+                    int("scale columns", s.blocks_per_row(w.cols))?,
+                    int("block rows", s.block_rows)?,
+                    int("block columns", s.block_cols)?,
+                    int("first row", s.row0)?,
+                ),
+                WeightFormat::Mxfp4 { scales } => (scales.as_ptr(), 5, rows, cols / 32, 1, 32, 0),
+            };
+        let q = ffi::VoomWeight {
+            w: p.cast(),
+            format,
+            rows,
+            cols,
+            scales: scales.cast(),
+            scale_dtype,
+            scale_rows,
+            scale_cols,
+            block_rows,
+            block_cols,
+            row0,
+        };
         let a = self.input(x)?;
         // The page's lease, when `p` is its bytes in place (an aligned copy here is
         // the call's own, which MLX copies or the call evaluates).
@@ -209,18 +244,16 @@ impl MlxBackend {
             None => (std::ptr::null_mut(), None),
         };
         let (mut copied, mut evaluated) = (0u64, 0);
-        // SAFETY: `p` points at `rows × cols` elements of the dtype coded (checked
-        // by `w.check()`, or the aligned copy), alive until this call returns, and
-        // after it while the lease in `keep_ctx` lives (which the shim owns from
-        // here and releases once); with no lease, the shim evaluates before it
-        // returns if it did not copy them.
+        // SAFETY: `q.w` points at the `rows × cols` elements of the format coded,
+        // and `q.scales` at its scales (both checked by `w.check()`; the elements
+        // perhaps an aligned copy), alive until this call returns, and the
+        // elements after it while the lease in `keep_ctx` lives (which the shim
+        // owns from here and releases once; it copies the scales); with no lease,
+        // the shim evaluates before it returns if it did not copy them.
         let y = make(|o, err, len| unsafe {
             ffi::voom_mlx_matmul(
                 a.ptr(),
-                p.cast(),
-                code,
-                rows,
-                cols,
+                &q,
                 c_int::from(transposed),
                 keep_ctx,
                 keep_release,
@@ -249,9 +282,16 @@ impl MlxBackend {
         (heads, kv_heads, dk, dv): (usize, usize, usize, usize),
         (k_off, v_off): (usize, usize),
         (pos0, lo, window, scale): (usize, usize, usize, f32),
+        sinks: Option<&[f32]>,
         out: &mut MlxAct,
     ) -> Result<(), KernelError> {
         let n = q.rows;
+        if sinks.is_some_and(|s| s.len() != heads) {
+            return Err(KernelError::Backend(format!(
+                "{} attention sinks for {heads} heads",
+                sinks.map_or(0, <[f32]>::len)
+            )));
+        }
         let seen = (window > 0).then_some(window);
         self.macs.fetch_add(
             check::attention_terms(n, pos0, seen, heads, dk, dv),
@@ -293,7 +333,8 @@ impl MlxBackend {
             // SAFETY: each segment pointer points at `lens[i] × width` floats of a
             // page `view` holds alive until this call returns (checked above); the
             // shim evaluates its result before returning unless MLX copied them all,
-            // so keeps no pointer into them.
+            // so keeps no pointer into them; `sinks`, where given, holds `heads`
+            // floats (checked), which the shim copies.
             make(|o, err, len| unsafe {
                 ffi::voom_mlx_attention(
                     a.ptr(),
@@ -312,6 +353,7 @@ impl MlxBackend {
                     args[9],
                     args[10],
                     scale,
+                    sinks.map_or(std::ptr::null(), <[f32]>::as_ptr),
                     &mut copied,
                     &mut evaluated,
                     o,
@@ -349,16 +391,6 @@ impl Backend for MlxBackend {
         self.device == "cpu"
     }
 
-    /// Not yet: its products take plain BF16, F16 and F32 weights.
-    fn runs_quantized(&self) -> bool {
-        false
-    }
-
-    /// Not yet: gpt-oss's sinks and clamped SwiGLU are CPU kernels for now.
-    fn runs_sinks_and_clamped_swiglu(&self) -> bool {
-        false
-    }
-
     /// Borrowed memory MLX copied instead of wrapping: on its CPU and CUDA builds
     /// every page (MLX 0.32 copies any external pointer there); on Metal, pages it
     /// cannot map as a buffer (not aligned to its 16 KiB pages).
@@ -367,9 +399,10 @@ impl Backend for MlxBackend {
     }
 
     /// The page copied (at most 4 bytes an element) and widened to f32 (4 more),
-    /// both alive until the product is evaluated.
+    /// both alive until the product is evaluated; an FP8 weight's e4m3 bytes (1),
+    /// their f32 values (4) and the scaled values (4).
     fn weight_scratch_bytes(&self, elems: u64) -> u64 {
-        elems * 8
+        elems * 9
     }
 
     /// Evaluations that computed something (a download of values already computed
@@ -596,6 +629,7 @@ impl Backend for MlxBackend {
             (shape.heads, 1, w, shape.rank),
             (0, 0),
             (pos0, 0, 0, shape.scale),
+            None,
             out,
         )
     }
@@ -611,11 +645,6 @@ impl Backend for MlxBackend {
         out: &mut MlxAct,
     ) -> Result<(), KernelError> {
         check::attention(shape, dims(q), dims(k), dims(v), dims(out), kv, layer)?;
-        if shape.sinks.is_some() {
-            return Err(KernelError::Backend(
-                "attention sinks (gpt-oss) are not implemented on MLX yet".into(),
-            ));
-        }
         let pos0 = kv.layer_len(layer);
         // The layer's graph so far, evaluated once for both.
         self.eval(&[k, v])?;
@@ -630,6 +659,7 @@ impl Backend for MlxBackend {
             (shape.heads, shape.kv_heads, hd, hd),
             (0, 0),
             (pos0, lo, shape.window.unwrap_or(0), scale),
+            shape.sinks.as_deref(),
             out,
         )
     }
@@ -651,9 +681,12 @@ impl Backend for MlxBackend {
             Activation::Silu => self.unary(gate, |a, o, err, len| unsafe {
                 ffi::voom_mlx_silu_mul(a, u.ptr(), o, err, len)
             }),
-            Activation::ClampedSwiglu { .. } => Err(KernelError::Backend(
-                "the clamped SwiGLU (gpt-oss) is not implemented on MLX yet".into(),
-            )),
+            Activation::ClampedSwiglu { alpha, limit } => {
+                // SAFETY: two live arrays of one shape (checked).
+                self.unary(gate, |a, o, err, len| unsafe {
+                    ffi::voom_mlx_clamped_swiglu(a, u.ptr(), alpha, limit, o, err, len)
+                })
+            }
         }
     }
 

@@ -9,6 +9,25 @@ use std::sync::{Mutex, MutexGuard};
 
 use crate::backend::KernelError;
 
+/// A weight matrix for `voom_mlx_matmul` (`shim.cpp`'s `VoomWeight` says what each
+/// field means): `format` 0 F32, 1 BF16, 2 F16, 3 FP8 e4m3 block-scaled, 4 MXFP4;
+/// `scale_dtype` 0 F32, 1 BF16, 5 U8.
+#[repr(C)]
+#[derive(Debug)]
+pub struct VoomWeight {
+    pub w: *const c_void,
+    pub format: c_int,
+    pub rows: c_int,
+    pub cols: c_int,
+    pub scales: *const c_void,
+    pub scale_dtype: c_int,
+    pub scale_rows: c_int,
+    pub scale_cols: c_int,
+    pub block_rows: c_int,
+    pub block_cols: c_int,
+    pub row0: c_int,
+}
+
 extern "C" {
     pub fn voom_mlx_version() -> *const c_char;
     pub fn voom_mlx_device() -> *const c_char;
@@ -60,10 +79,7 @@ extern "C" {
     ) -> c_int;
     pub fn voom_mlx_matmul(
         x: *mut c_void,
-        w: *const c_void,
-        dtype: c_int,
-        rows: c_int,
-        cols: c_int,
+        w: *const VoomWeight,
         transposed: c_int,
         keep_ctx: *mut c_void,
         keep_release: Option<unsafe extern "C" fn(*mut c_void)>,
@@ -116,6 +132,15 @@ extern "C" {
         err: *mut c_char,
         errlen: c_int,
     ) -> c_int;
+    pub fn voom_mlx_clamped_swiglu(
+        g: *mut c_void,
+        u: *mut c_void,
+        alpha: f32,
+        limit: f32,
+        out: *mut *mut c_void,
+        err: *mut c_char,
+        errlen: c_int,
+    ) -> c_int;
     pub fn voom_mlx_clamp(
         x: *mut c_void,
         limit: f32,
@@ -152,6 +177,7 @@ extern "C" {
         lo: c_int,
         window: c_int,
         scale: f32,
+        sinks: *const f32,
         copied: *mut u64,
         evaluated: *mut c_int,
         out: *mut *mut c_void,

@@ -19,12 +19,35 @@
 #include <exception>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "mlx/mlx.h"
 
 namespace mx = mlx::core;
+
+// A weight matrix as the Rust side describes it (`ffi::VoomWeight`): `rows x cols`
+// elements at `w` in `format`: 0 float32, 1 bfloat16, 2 float16 (one element
+// each); 3 FP8 e4m3 (a byte each) with one scale per `block_rows x block_cols`
+// block, `scale_rows x scale_cols` of them (row-major, `scale_dtype` 0 float32 or
+// 1 bfloat16), the view's row 0 being row `row0` of the first block row; 4 MXFP4
+// (two e2m1 elements a byte, the low nibble first) with one e8m0 byte per 32
+// elements of a row (`scale_rows = rows`, `scale_cols = cols / 32`). The scales
+// are copied (at most 1/16 of the weight's bytes); the elements borrowed.
+struct VoomWeight {
+    const void* w;
+    int format;
+    int rows;
+    int cols;
+    const void* scales;
+    int scale_dtype;
+    int scale_rows;
+    int scale_cols;
+    int block_rows;
+    int block_cols;
+    int row0;
+};
 
 namespace {
 
@@ -130,6 +153,49 @@ mx::array widen(mx::array a) {
     return true;
 }();
 
+// A copy of `n` elements of `dtype` at `p`, any alignment, as float32 (`uint8`:
+// kept as bytes).
+mx::array copied_scales(const void* p, int rows, int cols, int dtype) {
+    size_t n = size_t(rows) * size_t(cols);
+    switch (dtype) {
+        case 0: {
+            std::vector<float> v(n);
+            std::memcpy(v.data(), p, n * sizeof(float));
+            return mx::array(v.data(), {rows, cols}, mx::float32);
+        }
+        case 1: {
+            std::vector<uint16_t> v(n);
+            std::memcpy(v.data(), p, n * sizeof(uint16_t));
+            mx::array bits(v.data(), {rows, cols}, mx::uint16);
+            return mx::astype(mx::view(bits, mx::bfloat16), mx::float32);
+        }
+        case 5:
+            return mx::array(static_cast<const uint8_t*>(p), {rows, cols}, mx::uint8);
+        default:
+            throw std::invalid_argument("unknown scale dtype code");
+    }
+}
+
+// An FP8 weight as float32: each e4m3 element (exact in float32) times its block's
+// scale, one rounding, as the CPU's specification (`WeightView::get`).
+mx::array fp8_weight(const VoomWeight& q, mx::array bytes) {
+    mx::array e = mx::from_fp8(bytes, mx::float32);
+    mx::array s = copied_scales(q.scales, q.scale_rows, q.scale_cols, q.scale_dtype);
+    // The scales of each row: block row (row0 + r) / block_rows.
+    std::vector<int32_t> ri(q.rows);
+    for (int r = 0; r < q.rows; r++) ri[r] = (q.row0 + r) / q.block_rows;
+    mx::array per_row = mx::take(s, mx::array(ri.data(), {q.rows}, mx::int32), 0);
+    if (q.cols % q.block_cols == 0) {
+        int nb = q.cols / q.block_cols;
+        mx::array y = mx::multiply(mx::reshape(e, {q.rows, nb, q.block_cols}),
+                                   mx::reshape(per_row, {q.rows, nb, 1}));
+        return mx::reshape(y, {q.rows, q.cols});
+    }
+    std::vector<int32_t> ci(q.cols);
+    for (int c = 0; c < q.cols; c++) ci[c] = c / q.block_cols;
+    return mx::multiply(e, mx::take(per_row, mx::array(ci.data(), {q.cols}, mx::int32), 1));
+}
+
 }  // namespace
 
 extern "C" {
@@ -207,15 +273,18 @@ int voom_mlx_stack(void* const* parts, int n, void** out, char* err, int errlen)
     });
 }
 
-// `x` times a weight matrix of `rows x cols` elements of `dtype` at `w` (borrowed,
-// kept alive by `keep_ctx` until `keep_release(keep_ctx)`, which runs exactly once,
-// failure or not; `keep_release` null: no keep-alive): `x · wᵀ` (`transposed == 0`:
-// x is n x cols), or `x · w` (`transposed != 0`: x is n x rows), the weight widened
-// to float32. Left in the lazy graph when the weight was copied or is kept alive;
-// evaluated before it returns when it is wrapped with nothing keeping it.
-int voom_mlx_matmul(void* x, const void* w, int dtype, int rows, int cols, int transposed,
-                    void* keep_ctx, void (*keep_release)(void*), uint64_t* copied,
-                    int* evaluated, void** out, char* err, int errlen) {
+// `x` times the weight `q` (elements borrowed, kept alive by `keep_ctx` until
+// `keep_release(keep_ctx)`, which runs exactly once, failure or not; `keep_release`
+// null: no keep-alive): `x · wᵀ` (`transposed == 0`: x is n x cols), or `x · w`
+// (`transposed != 0`: x is n x rows). Plain and FP8 weights are widened to float32
+// and multiplied by MLX's float32 product; MXFP4 by MLX's `quantized_matmul`
+// (mode "mxfp4", groups of 32), which dequantizes inside its kernel (e2m1 times
+// 2^(e - 127): exact) and accumulates in float32. Left in the lazy graph when the
+// weight was copied or is kept alive; evaluated before it returns when it is
+// wrapped with nothing keeping it.
+int voom_mlx_matmul(void* x, const VoomWeight* q, int transposed, void* keep_ctx,
+                    void (*keep_release)(void*), uint64_t* copied, int* evaluated, void** out,
+                    char* err, int errlen) {
     // Owned from here, whatever happens next.
     std::shared_ptr<Keep> keep;
     int rc = guard(err, errlen, [&] { keep = keep_of(keep_ctx, keep_release); });
@@ -223,9 +292,35 @@ int voom_mlx_matmul(void* x, const void* w, int dtype, int rows, int cols, int t
     return guard(err, errlen, [&] {
         if (evaluated) *evaluated = 0;
         bool wrapped = false;
-        mx::array wf =
-            widen(borrow(w, rows, cols, dtype_of(dtype), std::move(keep), copied, &wrapped));
-        mx::array y = transposed ? mx::matmul(arr(x), wf) : mx::matmul(arr(x), mx::transpose(wf));
+        mx::array y(0.0f);
+        switch (q->format) {
+            case 0:
+            case 1:
+            case 2:
+            case 3: {
+                mx::array wf =
+                    q->format == 3
+                        ? fp8_weight(*q, borrow(q->w, q->rows, q->cols, mx::uint8,
+                                                std::move(keep), copied, &wrapped))
+                        : widen(borrow(q->w, q->rows, q->cols, dtype_of(q->format),
+                                       std::move(keep), copied, &wrapped));
+                y = transposed ? mx::matmul(arr(x), wf) : mx::matmul(arr(x), mx::transpose(wf));
+                break;
+            }
+            case 4: {
+                if (q->cols % 32 != 0 || q->scale_rows != q->rows || q->scale_cols != q->cols / 32) {
+                    throw std::invalid_argument("MXFP4 scales do not match the weight's shape");
+                }
+                mx::array packed = borrow(q->w, q->rows, q->cols / 8, mx::uint32, std::move(keep),
+                                          copied, &wrapped);
+                mx::array s = copied_scales(q->scales, q->scale_rows, q->scale_cols, 5);
+                y = mx::quantized_matmul(arr(x), packed, s, std::nullopt, transposed == 0, 32, 4,
+                                         "mxfp4");
+                break;
+            }
+            default:
+                throw std::invalid_argument("unknown weight format code");
+        }
         if (wrapped && !keep_release) eval_counted({y}, evaluated);
         *out = own(std::move(y));
     });
@@ -301,6 +396,20 @@ int voom_mlx_silu_mul(void* g, void* u, void** out, char* err, int errlen) {
     });
 }
 
+// gpt-oss's clamped SwiGLU, as transformers computes it: `g = min(gate, limit)`,
+// `u = clip(up, -limit, limit)`, `(u + 1) * (g * (1 / (1 + exp(-(g * alpha)))))`.
+int voom_mlx_clamped_swiglu(void* g, void* u, float alpha, float limit, void** out, char* err,
+                            int errlen) {
+    return guard(err, errlen, [&] {
+        mx::array gc = mx::minimum(arr(g), mx::array(limit));
+        mx::array uc = mx::clip(arr(u), mx::array(-limit), mx::array(limit));
+        mx::array s = mx::divide(mx::array(1.0f),
+                                 mx::add(mx::array(1.0f),
+                                         mx::exp(mx::negative(mx::multiply(gc, mx::array(alpha))))));
+        *out = own(mx::multiply(mx::add(uc, mx::array(1.0f)), mx::multiply(gc, s)));
+    });
+}
+
 int voom_mlx_clamp(void* x, float limit, void** out, char* err, int errlen) {
     return guard(err, errlen, [&] {
         *out = own(mx::clip(arr(x), mx::array(-limit), mx::array(limit)));
@@ -334,14 +443,17 @@ int voom_mlx_sigmoid(void* x, void** out, char* err, int errlen) {
 // with `lo_t = pos0 + t + 1 - window` (`window <= 0`: from 0). Scores are the dot
 // product times `scale`; the softmax as `voom_mlx_softmax`, its sum a product with
 // ones (each row summed in increasing position, so positions masked off add exact
-// zeros after the last); the output is the probabilities times the values.
+// zeros after the last); with `sinks` (one logit per query head, gpt-oss), the
+// maximum is taken over the scores and the head's sink, and `exp(sink - max)` is
+// added to the sum after the scores' (the sink's probability attends nothing);
+// the output is the probabilities times the values.
 // The pages are the cache's, with no keep-alive: evaluated before it returns when
 // MLX wrapped any of them, left in the graph when it copied them all.
 int voom_mlx_attention(void* q, const float* const* k_seg, const float* const* v_seg,
                        const int* seg_len, int nseg, int width, int k_off, int v_off, int dk,
                        int dv, int heads, int kv_heads, int pos0, int lo, int window,
-                       float scale, uint64_t* copied, int* evaluated, void** out, char* err,
-                       int errlen) {
+                       float scale, const float* sinks, uint64_t* copied, int* evaluated,
+                       void** out, char* err, int errlen) {
     return guard(err, errlen, [&] {
         if (evaluated) *evaluated = 0;
         bool any_wrapped = false;
@@ -386,8 +498,16 @@ int voom_mlx_attention(void* q, const float* const* k_seg, const float* const* v
         }
         scores = mx::reshape(scores, {kv_heads, group, n, T});
         scores = mx::where(see, scores, mx::array(-std::numeric_limits<float>::infinity()));
-        mx::array e = mx::exp(mx::subtract(scores, mx::max(scores, -1, true)));
+        mx::array m = mx::max(scores, -1, true);
+        std::optional<mx::array> sink;
+        if (sinks) {
+            // Query head h = kv * group + g: its sink beside each of its rows' scores.
+            sink = mx::array(sinks, {kv_heads, group, 1, 1}, mx::float32);
+            m = mx::maximum(m, *sink);
+        }
+        mx::array e = mx::exp(mx::subtract(scores, m));
         mx::array sum = mx::matmul(e, mx::ones({T, 1}, mx::float32));
+        if (sink) sum = mx::add(sum, mx::exp(mx::subtract(*sink, m)));
         mx::array p = mx::reshape(mx::divide(e, sum), {kv_heads, group * n, T});
         mx::array o = mx::matmul(p, vals);  // [kv_heads, group * n, dv]
         o = mx::transpose(mx::reshape(o, {kv_heads, group, n, dv}), {2, 0, 1, 3});
