@@ -45,6 +45,12 @@ pub struct BenchArgs {
     /// MXFP4 as released) in GB as stored (0: none).
     #[arg(long, default_value_t = 0.0)]
     pub synthetic_gpt_oss_gb: f64,
+    /// Size of a synthetic random-weights DeepSeek-V3 (its widths: MLA, 256 experts
+    /// of which 8 a token, a shared expert, up to 3 dense first layers; FP8 e4m3
+    /// with 128x128 block scales as released) in GB as stored (0: none). A layer of
+    /// experts is 11.5 GB.
+    #[arg(long, default_value_t = 0.0)]
+    pub synthetic_deepseek_gb: f64,
     /// Backends to measure, comma-separated (`cpu`, `cpu-avx2`, `mlx`...): each
     /// runs the same prompts in the same runs, its ids compared with the first's.
     #[arg(long = "backend", default_value = "cpu", value_delimiter = ',', value_parser = common::parse_backend)]
@@ -142,6 +148,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     if a.synthetic_gpt_oss_gb > 0.0 {
         dirs.push(synth::bench_gpt_oss_model(a.synthetic_gpt_oss_gb)?);
+    }
+    if a.synthetic_deepseek_gb > 0.0 {
+        dirs.push(synth::bench_deepseek_fp8_model(a.synthetic_deepseek_gb)?);
     }
     let llama = match &a.llama_bench {
         Some(b) => {

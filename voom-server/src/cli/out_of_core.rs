@@ -60,6 +60,11 @@ pub struct OutOfCoreArgs {
     /// 3:1, 64 experts of which 8 a token, a gated shared expert) instead of a Llama.
     #[arg(long, conflicts_with = "moe")]
     pub hybrid: bool,
+    /// A synthetic DeepSeek-V3 as released in FP8 (MLA, 256 experts of which 8 a
+    /// token, a shared expert, dense first layers; `voom bench
+    /// --synthetic-deepseek-gb`) of at least four times the budget (`--model-gb`).
+    #[arg(long, conflicts_with_all = ["moe", "hybrid"])]
+    pub deepseek_fp8: bool,
     /// Tokens decoded per run.
     #[arg(long, default_value_t = 8)]
     pub decode_tokens: usize,
@@ -105,6 +110,9 @@ pub fn run(a: OutOfCoreArgs) -> Result<()> {
         None if a.hybrid => {
             synth::bench_hybrid_model(a.model_gb.unwrap_or((4.0 * a.budget as f64 / 1e9).max(4.0)))?
         }
+        None if a.deepseek_fp8 => synth::bench_deepseek_fp8_model(
+            a.model_gb.unwrap_or((4.0 * a.budget as f64 / 1e9).max(4.0)),
+        )?,
         None if a.moe => {
             synth::bench_moe_model(a.model_gb.unwrap_or((4.0 * a.budget as f64 / 1e9).max(4.0)))?
         }

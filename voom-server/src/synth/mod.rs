@@ -1,6 +1,10 @@
 //! Synthetic Llama-shaped checkpoints with random BF16 weights, for benchmarks of
 //! models larger than the real ones this machine has. Deterministic for a seed.
 
+mod deepseek_fp8;
+
+pub use deepseek_fp8::{bench_deepseek_fp8_model, write_deepseek_v3_fp8, SynthDeepseekShape};
+
 use std::collections::BTreeMap;
 use std::path::Path;
 
