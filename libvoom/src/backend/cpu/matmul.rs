@@ -447,10 +447,55 @@ fn split(
     }
 }
 
+/// Row `r`'s elements `cols` of a checked view, as f32: each exactly
+/// [`WeightView::get`]'s value (the same operands, one rounding where the format
+/// has one), by table lookups rather than the definition's arithmetic.
+///
+/// # Panics
+/// If `out.len() != cols.len()` or the row or columns lie outside the view.
+pub fn widen_row(w: &WeightView<'_>, r: usize, cols: Range<usize>, out: &mut [f32]) {
+    assert!(r < w.rows && cols.end <= w.cols && out.len() == cols.len());
+    let i0 = r * w.cols;
+    match w.format {
+        WeightFormat::Plain(DType::BF16) => {
+            let b = &w.bytes[2 * (i0 + cols.start)..2 * (i0 + cols.end)];
+            for (o, p) in out.iter_mut().zip(b.chunks_exact(2)) {
+                *o = f32::from_bits(u32::from(u16::from_le_bytes([p[0], p[1]])) << 16);
+            }
+        }
+        WeightFormat::Plain(d) => {
+            for (o, j) in out.iter_mut().zip(cols) {
+                *o = voom_formats::dtype::read_f32(d, w.bytes, i0 + j);
+            }
+        }
+        WeightFormat::Fp8(s) => {
+            let b = &w.bytes[i0 + cols.start..i0 + cols.end];
+            let mut scale = (usize::MAX, 0.0f32);
+            for ((o, &v), j) in out.iter_mut().zip(b).zip(cols) {
+                let blk = j / s.block_cols;
+                if scale.0 != blk {
+                    scale = (blk, s.get(w.cols, r, j));
+                }
+                *o = E4M3_F32[usize::from(v)] * scale.1;
+            }
+        }
+        WeightFormat::Mxfp4 { scales } => {
+            let per = w.cols / 32;
+            for (o, j) in out.iter_mut().zip(cols) {
+                let i = i0 + j;
+                let byte = w.bytes[i / 2];
+                let nib = if i % 2 == 0 { byte & 0xf } else { byte >> 4 };
+                *o = E2M1[usize::from(nib)] * e8m0_to_f32(scales[r * per + j / 32]);
+            }
+        }
+    }
+}
+
 /// `out[t][c] = Σ_r x[t][r] · w[r][c]` (the weight's rows contracted: `x` is
 /// `n × w.rows`, `out` `n × w.cols`): each element one fused multiply-add a term in
 /// increasing `r` from 0 ([`axpy`]'s bits), whatever the number of rows or threads.
-/// The weight is widened once, then blocks of columns are computed in parallel.
+/// Blocks of columns are computed in parallel, each widening the weight a row at a
+/// time.
 pub fn matmul_t_isa(
     isa: Isa,
     pool: &ThreadPool,
@@ -468,23 +513,24 @@ pub fn matmul_t_isa(
     if n == 0 || c == 0 {
         return Ok(());
     }
-    // Every format widens by its definition ([`WeightView::get`]), exactly.
-    let wide: Vec<f32> = (0..k)
-        .flat_map(|r| (0..c).map(move |j| w.get(r, j)))
-        .collect();
     let dst = SharedOut(out.as_mut_ptr());
     let job = |cols: Range<usize>| {
-        for t in 0..n {
-            // SAFETY: `out` holds n*c elements (checked above); this job writes only
-            // columns `cols` (within 0..c: pool chunks cover 0..c) of row t, jobs
-            // have disjoint column ranges, and `out` is exclusively borrowed for the
-            // whole call.
-            let o = unsafe {
-                std::slice::from_raw_parts_mut(dst.get().add(t * c + cols.start), cols.len())
-            };
-            for r in 0..k {
-                let row = &wide[r * c + cols.start..r * c + cols.end];
-                axpy_isa(isa, o, x[t * k + r], row);
+        // One row of the weight's columns `cols` at a time, widened by the format's
+        // definition ([`widen_row`]: [`WeightView::get`]'s values) and applied to
+        // every token: no f32 copy of the matrix, and each element still one fused
+        // multiply-add a term in increasing `r`.
+        let mut row = vec![0f32; cols.len()];
+        for r in 0..k {
+            widen_row(&w, r, cols.clone(), &mut row);
+            for t in 0..n {
+                // SAFETY: `out` holds n*c elements (checked above); this job writes
+                // only columns `cols` (within 0..c: pool chunks cover 0..c) of row t,
+                // jobs have disjoint column ranges, and `out` is exclusively borrowed
+                // for the whole call; no other slice of this row is alive.
+                let o = unsafe {
+                    std::slice::from_raw_parts_mut(dst.get().add(t * c + cols.start), cols.len())
+                };
+                axpy_isa(isa, o, x[t * k + r], &row);
             }
         }
     };

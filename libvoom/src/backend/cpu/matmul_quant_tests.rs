@@ -132,6 +132,46 @@ fn assert_paths(what: &str, w: WeightView<'_>, x: &[f32], n: usize, want: &[f32]
     }
 }
 
+/// The transposed product (`x · w`, the weight's rows contracted) on every path and
+/// thread count against its specification: each element one fused multiply-add a
+/// term in increasing row over [`WeightView::get`]'s values; and [`widen_row`], by
+/// which it reads the weight, gives `get`'s bits for every element.
+fn assert_t_paths(what: &str, w: WeightView<'_>, x: &[f32], n: usize) {
+    let (k, c) = (w.rows, w.cols);
+    let mut want = vec![0f32; n * c];
+    for t in 0..n {
+        for j in 0..c {
+            let mut acc = 0f32;
+            for r in 0..k {
+                acc = x[t * k + r].mul_add(w.get(r, j), acc);
+            }
+            want[t * c + j] = acc;
+        }
+    }
+    for r in 0..k {
+        let a = r % c;
+        let mut row = vec![0f32; c - a];
+        widen_row(&w, r, a..c, &mut row);
+        for (j, v) in (a..c).zip(&row) {
+            assert_eq!(v.to_bits(), w.get(r, j).to_bits(), "{what}: widened ({r}, {j})");
+        }
+    }
+    for isa in Isa::available() {
+        for threads in [1, 3] {
+            let pool = ThreadPool::new(threads).unwrap();
+            let mut out = vec![f32::NAN; n * c];
+            matmul_t_isa(isa, &pool, &x[..n * k], n, w, &mut out).unwrap();
+            for (i, (g, e)) in out.iter().zip(&want).enumerate() {
+                assert_eq!(
+                    g.to_bits(),
+                    e.to_bits(),
+                    "{what} transposed n={n} {isa:?} threads={threads} elem {i}: {g} vs {e}"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn the_e4m3_table_is_the_definition() {
     for b in 0..=255u8 {
@@ -201,6 +241,9 @@ fn fp8_products_have_the_bits_of_the_spec() {
                 }
             }
             assert_paths(&format!("{what} rows {a}..{b}"), sub, &x, 3, &want_sub);
+            let xt = random_x(&mut rng, 3 * rows);
+            assert_t_paths(&what, w, &xt, 3);
+            assert_t_paths(&format!("{what} rows {a}..{b}"), sub, &xt, 2);
         }
     }
 }
@@ -230,6 +273,9 @@ fn mxfp4_products_have_the_bits_of_the_spec() {
         let sub = w.slice_rows(rows / 3..rows);
         let want_sub = spec_matmul(&x, 2, &sub);
         assert_paths(&format!("mxfp4 {rows}x{cols} rows"), sub, &x, 2, &want_sub);
+        let xt = random_x(&mut rng, 3 * rows);
+        assert_t_paths(&format!("mxfp4 {rows}x{cols}"), w, &xt, 3);
+        assert_t_paths(&format!("mxfp4 {rows}x{cols} rows"), sub, &xt, 1);
     }
 }
 
