@@ -472,7 +472,9 @@ mod tests {
             spread > 0.01 && spread < 1e3,
             "logits of about unit size: {spread}"
         );
-        let m = voom_formats::Manifest::load(d.path()).unwrap().expect("a manifest");
+        let m = voom_formats::Manifest::load(d.path())
+            .unwrap()
+            .expect("a manifest");
         assert!(m.pages.len() > 3 * 16, "{} pages", m.pages.len());
     }
 

@@ -484,7 +484,11 @@ pub fn widen_row(w: &WeightView<'_>, r: usize, cols: Range<usize>, out: &mut [f3
             for (o, j) in out.iter_mut().zip(cols) {
                 let i = i0 + j;
                 let byte = w.bytes[i / 2];
-                let nib = if i % 2 == 0 { byte & 0xf } else { byte >> 4 };
+                let nib = if i.is_multiple_of(2) {
+                    byte & 0xf
+                } else {
+                    byte >> 4
+                };
                 *o = E2M1[usize::from(nib)] * e8m0_to_f32(scales[r * per + j / 32]);
             }
         }

@@ -153,7 +153,11 @@ fn assert_t_paths(what: &str, w: WeightView<'_>, x: &[f32], n: usize) {
         let mut row = vec![0f32; c - a];
         widen_row(&w, r, a..c, &mut row);
         for (j, v) in (a..c).zip(&row) {
-            assert_eq!(v.to_bits(), w.get(r, j).to_bits(), "{what}: widened ({r}, {j})");
+            assert_eq!(
+                v.to_bits(),
+                w.get(r, j).to_bits(),
+                "{what}: widened ({r}, {j})"
+            );
         }
     }
     for isa in Isa::available() {
