@@ -453,7 +453,7 @@ fn split(
 ///
 /// # Panics
 /// If `out.len() != cols.len()` or the row or columns lie outside the view.
-pub fn widen_row(w: &WeightView<'_>, r: usize, cols: Range<usize>, out: &mut [f32]) {
+pub fn widen_row(isa: Isa, w: &WeightView<'_>, r: usize, cols: Range<usize>, out: &mut [f32]) {
     assert!(r < w.rows && cols.end <= w.cols && out.len() == cols.len());
     let i0 = r * w.cols;
     match w.format {
@@ -469,14 +469,25 @@ pub fn widen_row(w: &WeightView<'_>, r: usize, cols: Range<usize>, out: &mut [f3
             }
         }
         WeightFormat::Fp8(s) => {
-            let b = &w.bytes[i0 + cols.start..i0 + cols.end];
-            let mut scale = (usize::MAX, 0.0f32);
-            for ((o, &v), j) in out.iter_mut().zip(b).zip(cols) {
-                let blk = j / s.block_cols;
-                if scale.0 != blk {
-                    scale = (blk, s.get(w.cols, r, j));
+            // A run of columns in one scale block at a time.
+            let mut j = cols.start;
+            while j < cols.end {
+                let end = ((j / s.block_cols + 1) * s.block_cols).min(cols.end);
+                let scale = s.get(w.cols, r, j);
+                let b = &w.bytes[i0 + j..i0 + end];
+                let o = &mut out[j - cols.start..end - cols.start];
+                #[allow(unused_mut)]
+                let mut done = 0;
+                #[cfg(target_arch = "x86_64")]
+                if isa == Isa::Avx512 {
+                    // SAFETY: `b` and `o` have one length; the AVX-512 kernels run
+                    // on this CPU (the caller's `isa` is supported).
+                    done = unsafe { fp8::widen_run(b, scale, o) };
                 }
-                *o = E4M3_F32[usize::from(v)] * scale.1;
+                for (o, &v) in o[done..].iter_mut().zip(&b[done..]) {
+                    *o = E4M3_F32[usize::from(v)] * scale;
+                }
+                j = end;
             }
         }
         WeightFormat::Mxfp4 { scales } => {
@@ -525,7 +536,7 @@ pub fn matmul_t_isa(
         // multiply-add a term in increasing `r`.
         let mut row = vec![0f32; cols.len()];
         for r in 0..k {
-            widen_row(&w, r, cols.clone(), &mut row);
+            widen_row(isa, &w, r, cols.clone(), &mut row);
             for t in 0..n {
                 // SAFETY: `out` holds n*c elements (checked above); this job writes
                 // only columns `cols` (within 0..c: pool chunks cover 0..c) of row t,

@@ -177,3 +177,39 @@ pub(super) unsafe fn rows(
 ) {
     narrow_tiles!(tile, x, n, w, rows, out)
 }
+
+/// `out[i] = e4m3(b[i]) × scale` for a run of elements sharing one scale, sixteen
+/// at a time as [`tile`] computes them (the F16 placement, one multiply by the
+/// scale times 2^8, NaN merged by mask: [`WeightView::get`]'s values); returns how
+/// many it did (a multiple of sixteen; the caller does the rest).
+///
+/// # Safety
+/// `out.len() == b.len()`; the CPU has what the AVX-512 tiles need.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw")]
+pub(super) unsafe fn widen_run(b: &[u8], scale: f32, out: &mut [f32]) -> usize {
+    let s8 = scale * TWO_POW_8;
+    let fused = s8.is_finite() || !scale.is_finite();
+    let sv = _mm512_set1_ps(if fused { s8 } else { scale });
+    let nan_bytes = _mm_set1_epi8(0x7f);
+    let n16 = b.len() - b.len() % 16;
+    let mut i = 0;
+    while i < n16 {
+        // SAFETY: i + 16 <= b.len() == out.len().
+        unsafe {
+            let v8 = _mm_loadu_si128(b.as_ptr().add(i).cast());
+            let h = _mm256_and_si256(
+                _mm256_slli_epi16::<7>(_mm256_cvtepi8_epi16(v8)),
+                _mm256_set1_epi16(0xbf80u16 as i16),
+            );
+            let is_nan = _mm_cmpeq_epi8_mask(_mm_and_si128(v8, nan_bytes), nan_bytes);
+            let mut v = _mm512_cvtph_ps(h);
+            if !fused {
+                v = _mm512_mul_ps(v, _mm512_set1_ps(TWO_POW_8));
+            }
+            let wv = _mm512_mask_mul_ps(_mm512_set1_ps(f32::NAN), !is_nan, v, sv);
+            _mm512_storeu_ps(out.as_mut_ptr().add(i), wv);
+        }
+        i += 16;
+    }
+    n16
+}

@@ -148,15 +148,15 @@ fn assert_t_paths(what: &str, w: WeightView<'_>, x: &[f32], n: usize) {
             want[t * c + j] = acc;
         }
     }
-    for r in 0..k {
+    for (r, isa) in (0..k).flat_map(|r| Isa::available().into_iter().map(move |i| (r, i))) {
         let a = r % c;
         let mut row = vec![0f32; c - a];
-        widen_row(&w, r, a..c, &mut row);
+        widen_row(isa, &w, r, a..c, &mut row);
         for (j, v) in (a..c).zip(&row) {
             assert_eq!(
                 v.to_bits(),
                 w.get(r, j).to_bits(),
-                "{what}: widened ({r}, {j})"
+                "{what}: widened ({r}, {j}) {isa:?}"
             );
         }
     }
