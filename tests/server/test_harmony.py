@@ -92,6 +92,78 @@ def test_reasoning_streams_apart(oai):
     assert (reasoning, content, finish) == (THINK, ANSWER, "stop")
 
 
+# Reasoning tokens (docs/server.md): the generated tokens of the analysis messages,
+# from a message's start (the output's start, its `<|start|>`) to its `<|end|>`
+# included; the answer's tokens are not among them. Greedy: the same tokens each time.
+GREEDY_GRAMMAR = {"temperature": 0, "extra_body": GRAMMAR}
+
+
+def chat_usage(oai, **kw):
+    r = oai.chat.completions.create(model=MODEL, messages=USER, **kw)
+    return r, r.usage
+
+
+def streamed_chat_usage(oai, **kw):
+    usage, reasoning, content = None, "", ""
+    for chunk in oai.chat.completions.create(
+        model=MODEL, messages=USER, stream=True, stream_options={"include_usage": True}, **kw
+    ):
+        if chunk.usage is not None:
+            assert usage is None and not chunk.choices
+            usage = chunk.usage
+        for c in chunk.choices:
+            reasoning += getattr(c.delta, "reasoning_content", None) or ""
+            content += c.delta.content or ""
+    assert usage is not None
+    return reasoning, content, usage
+
+
+def test_reasoning_tokens_in_chat_usage(oai):
+    r, u = chat_usage(oai, max_tokens=200, **GREEDY_GRAMMAR)
+    assert (r.choices[0].message.reasoning_content, r.choices[0].message.content) == (THINK, ANSWER)
+    n = u.completion_tokens_details.reasoning_tokens
+    # The header, "Let me think." and <|end|> at least; the answer's tokens are apart.
+    assert 3 <= n < u.completion_tokens
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    # Streamed, the last chunk's usage says the same.
+    reasoning, content, su = streamed_chat_usage(oai, max_tokens=200, **GREEDY_GRAMMAR)
+    assert (reasoning, content) == (THINK, ANSWER)
+    assert su.completion_tokens_details.reasoning_tokens == n
+    assert (su.prompt_tokens, su.completion_tokens) == (u.prompt_tokens, u.completion_tokens)
+    # Cut before the reasoning's <|end|>: every token is reasoning. Just after it
+    # (and the next message's <|start|>), the reasoning is all of it but one.
+    r, u = chat_usage(oai, max_tokens=n - 1, **GREEDY_GRAMMAR)
+    assert r.choices[0].finish_reason == "length"
+    assert r.choices[0].message.reasoning_content == THINK and not r.choices[0].message.content
+    assert u.completion_tokens_details.reasoning_tokens == u.completion_tokens == n - 1
+    r, u = chat_usage(oai, max_tokens=n + 1, **GREEDY_GRAMMAR)
+    assert (u.completion_tokens, u.completion_tokens_details.reasoning_tokens) == (n + 1, n)
+    reasoning, content, su = streamed_chat_usage(oai, max_tokens=n - 1, **GREEDY_GRAMMAR)
+    assert (reasoning, content) == (THINK, "")
+    assert su.completion_tokens_details.reasoning_tokens == su.completion_tokens == n - 1
+
+
+def test_reasoning_tokens_are_zero_without_reasoning(oai, client, model):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    _, u = chat_usage(
+        oai,
+        max_tokens=50,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    )
+    assert u.completion_tokens > 0 and u.completion_tokens_details.reasoning_tokens == 0
+    # A forced call: no analysis either.
+    _, u = chat_usage(oai, max_tokens=200, temperature=0, tools=[WEATHER], tool_choice="required")
+    assert u.completion_tokens > 0 and u.completion_tokens_details.reasoning_tokens == 0
+    _, _, su = streamed_chat_usage(oai, max_tokens=200, temperature=0, tools=[WEATHER], tool_choice="required")
+    assert su.completion_tokens_details.reasoning_tokens == 0
+    # A model without a reasoning format: present, 0.
+    r = client.chat.completions.create(model=model, messages=USER, max_tokens=5, temperature=0)
+    assert r.usage.completion_tokens == 5 and r.usage.completion_tokens_details.reasoning_tokens == 0
+    r = client.responses.create(model=model, input="Hi", max_output_tokens=5, temperature=0)
+    assert r.usage.output_tokens == 5 and r.usage.output_tokens_details.reasoning_tokens == 0
+
+
 def test_reasoning_effort_goes_to_the_template(oai):
     out = {}
     for effort in ("low", "high", None):
@@ -292,3 +364,21 @@ def test_responses_reasoning_streams(oai):
     assert [i.type for i in final.output] == ["reasoning", "message"]
     assert final.output[0].content[0].text == THINK
     assert final.output_text == ANSWER
+
+
+def test_responses_reasoning_tokens(oai):
+    kw = {"model": MODEL, "input": "Hi", "max_output_tokens": 200, "temperature": 0, "extra_body": GRAMMAR}
+    r = oai.responses.create(**kw)
+    assert [i.type for i in r.output] == ["reasoning", "message"]
+    n = r.usage.output_tokens_details.reasoning_tokens
+    assert 3 <= n < r.usage.output_tokens
+    final = None
+    for e in oai.responses.create(stream=True, **kw):
+        if e.type == "response.completed":
+            final = e.response
+    assert final.usage.output_tokens_details.reasoning_tokens == n
+    assert final.usage.output_tokens == r.usage.output_tokens
+    # The same request through chat completions (another prompt, the same grammar)
+    # counts its reasoning the same way.
+    _, u = chat_usage(oai, max_tokens=200, **GREEDY_GRAMMAR)
+    assert u.completion_tokens_details.reasoning_tokens > 0

@@ -1396,6 +1396,7 @@ mod tests {
             finish,
             prompt_tokens: 3,
             completion_tokens,
+            reasoning_tokens: 0,
             text: "hi".into(),
             reasoning: String::new(),
             tool_calls: vec![],

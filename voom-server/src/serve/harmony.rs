@@ -39,6 +39,18 @@
 //! had been written.
 //!
 //! Messages of one kind are joined as they are, without separators.
+//!
+//! Reasoning tokens: the parser also gives where its reasoning messages lie in the
+//! text it read ([`HarmonyParser::reasoning_spans`]): each from the start of its
+//! header (its `<|start|>`; the `<|channel|>` that begins it when the model wrote no
+//! `<|start|>`; the start of the output for the first message, the prompt having
+//! written `<|start|>assistant`) to the end of the marker that ends it (`<|end|>`, or
+//! `<|return|>` / `<|call|>` where the output holds them), or to the start of the next
+//! message's header when it begins without an end, or to the end of the output.
+//! [`TokenOffsets`] counts the generated tokens whose text begins in those spans: the
+//! usage's `reasoning_tokens`.
+
+use std::ops::Range;
 
 use libvoom::constrain::{Grammar, JsonWhitespace};
 use libvoom::text::Tokenizer;
@@ -216,6 +228,14 @@ pub struct HarmonyParser {
     state: State,
     /// Input not yet read: a tail that may be the start of a marker.
     pending: String,
+    /// Bytes of input read (`pending` not included).
+    read: usize,
+    /// Where the current (or last) header began, in bytes of input.
+    header_at: usize,
+    /// Where the reasoning message being read began (its header's start).
+    reasoning_from: Option<usize>,
+    /// The reasoning messages ended so far, in bytes of input, in order.
+    reasoning_spans: Vec<Range<usize>>,
 }
 
 impl Default for HarmonyParser {
@@ -231,6 +251,25 @@ impl HarmonyParser {
         HarmonyParser {
             state: State::Header { raw: String::new() },
             pending: String::new(),
+            read: 0,
+            header_at: 0,
+            reasoning_from: None,
+            reasoning_spans: Vec::new(),
+        }
+    }
+
+    /// Where the reasoning messages lie in the input read, in bytes, in order and
+    /// apart: each from the start of its header to the end of the marker that ends
+    /// it (see the module's doc). After [`Self::finish`], every one; before, those
+    /// that ended.
+    pub fn reasoning_spans(&self) -> &[Range<usize>] {
+        &self.reasoning_spans
+    }
+
+    /// The reasoning message being read, if any, ends at `at` (bytes of input).
+    fn end_reasoning(&mut self, at: usize) {
+        if let Some(from) = self.reasoning_from.take() {
+            self.reasoning_spans.push(from..at);
         }
     }
 
@@ -247,6 +286,8 @@ impl HarmonyParser {
     pub fn finish(&mut self, ended: bool) -> Vec<Piece> {
         let mut out = Vec::new();
         self.run(true, &mut out);
+        // Unfinished reasoning is reasoning to the end of the output.
+        self.end_reasoning(self.read);
         match std::mem::replace(&mut self.state, State::Between) {
             State::Header { raw } => content(&mut out, raw),
             State::Body {
@@ -261,16 +302,21 @@ impl HarmonyParser {
 
     fn run(&mut self, at_end: bool, out: &mut Vec<Piece>) {
         let input = std::mem::take(&mut self.pending);
+        // Where `input` begins, in bytes of all input.
+        let base = self.read;
         let mut rest = input.as_str();
         loop {
             let Some(i) = rest.find('<') else {
                 self.text(rest, out);
+                self.read = base + input.len();
                 return;
             };
             self.text(&rest[..i], out);
             let tail = &rest[i..];
+            let at = base + input.len() - tail.len();
+            self.read = at;
             if let Some(m) = MARKERS.iter().find(|m| tail.starts_with(**m)) {
-                self.marker(m, out);
+                self.marker(m, at, out);
                 rest = &tail[m.len()..];
             } else if !at_end && MARKERS.iter().any(|m| m.starts_with(tail)) {
                 // Maybe a marker: wait for more.
@@ -310,20 +356,28 @@ impl HarmonyParser {
         }
     }
 
-    fn marker(&mut self, m: &'static str, out: &mut Vec<Piece>) {
+    /// A marker `m`, which begins at byte `at` of the input.
+    fn marker(&mut self, m: &'static str, at: usize, out: &mut Vec<Piece>) {
         let state = std::mem::replace(&mut self.state, State::Between);
         self.state = match (state, m) {
             (State::Header { mut raw }, CHANNEL | CONSTRAIN) => {
                 raw.push_str(m);
                 State::Header { raw }
             }
-            (State::Header { raw }, MESSAGE) => State::Body {
-                kind: header_kind(&raw),
-                text: String::new(),
-            },
+            (State::Header { raw }, MESSAGE) => {
+                let kind = header_kind(&raw);
+                if kind == Kind::Reasoning {
+                    self.reasoning_from = Some(self.header_at);
+                }
+                State::Body {
+                    kind,
+                    text: String::new(),
+                }
+            }
             // A header that never reached its text: content as written.
             (State::Header { raw }, START) => {
                 content(out, raw);
+                self.header_at = at;
                 State::Header { raw: START.into() }
             }
             (State::Header { raw }, _) => {
@@ -331,10 +385,13 @@ impl HarmonyParser {
                 State::Between
             }
             (State::Body { kind, text }, END | RETURN | CALL) => {
+                self.end_reasoning(at + m.len());
                 end_message(kind, text, out);
                 State::Between
             }
             (State::Body { kind, text }, START | CHANNEL) => {
+                self.end_reasoning(at);
+                self.header_at = at;
                 end_message(kind, text, out);
                 State::Header {
                     raw: if m == START {
@@ -353,15 +410,59 @@ impl HarmonyParser {
                 }
                 State::Body { kind, text }
             }
-            (State::Between, START) => State::Header { raw: START.into() },
-            (State::Between, CHANNEL) => State::Header {
-                raw: CHANNEL.into(),
-            },
+            (State::Between, START) => {
+                self.header_at = at;
+                State::Header { raw: START.into() }
+            }
+            (State::Between, CHANNEL) => {
+                self.header_at = at;
+                State::Header {
+                    raw: CHANNEL.into(),
+                }
+            }
             (State::Between, _) => {
                 content(out, m.to_string());
                 State::Between
             }
         };
+    }
+}
+
+/// Where each generated token's text begins in the decoded output, to count the
+/// tokens of the reasoning ([`HarmonyParser::reasoning_spans`] of that output).
+#[derive(Debug, Clone, Default)]
+pub struct TokenOffsets {
+    /// Each token's start, in bytes of the decoded output.
+    starts: Vec<usize>,
+    /// Bytes decoded so far.
+    len: usize,
+}
+
+impl TokenOffsets {
+    /// A generated token whose decoded text is `piece`. A token that completes no
+    /// character (`piece` empty) begins where the next text does: in the character
+    /// its bytes are part of.
+    pub fn token(&mut self, piece: &str) {
+        self.starts.push(self.len);
+        self.len += piece.len();
+    }
+
+    /// Decoded text of no new token (what the decoder still held at the end).
+    pub fn text(&mut self, rest: &str) {
+        self.len += rest.len();
+    }
+
+    /// The tokens whose text begins inside one of `spans` (in order and apart, as
+    /// the parser gives them).
+    pub fn count_in(&self, spans: &[Range<usize>]) -> usize {
+        self.starts
+            .iter()
+            .filter(|&&s| {
+                // The last span that begins at or before s.
+                let i = spans.partition_point(|r| r.start <= s);
+                i > 0 && s < spans[i - 1].end
+            })
+            .count()
     }
 }
 
@@ -450,6 +551,11 @@ mod tests {
 
     /// The same, read in the pieces `cuts` makes.
     fn pieces(text: &str, cuts: &[usize], ended: bool) -> Vec<Piece> {
+        cut(text, cuts, ended).0
+    }
+
+    /// The pieces and the reasoning spans of `text` read in the pieces `cuts` makes.
+    fn cut(text: &str, cuts: &[usize], ended: bool) -> (Vec<Piece>, Vec<Range<usize>>) {
         let mut p = HarmonyParser::new();
         let mut out = Vec::new();
         let mut at = 0;
@@ -459,7 +565,54 @@ mod tests {
         }
         out.extend(p.push(&text[at..]));
         out.extend(p.finish(ended));
-        merge(out)
+        (merge(out), p.reasoning_spans().to_vec())
+    }
+
+    /// The spans are in order, apart and inside the text, and they hold the
+    /// reasoning: each read alone is reasoning only, and together they are all of it.
+    fn check_spans(text: &str, spans: &[Range<usize>], pieces: &[Piece], ended: bool) {
+        let mut end = 0;
+        for r in spans {
+            assert!(
+                end <= r.start && r.start < r.end && r.end <= text.len(),
+                "{text:?} {spans:?}"
+            );
+            end = r.end;
+        }
+        let mut alone = String::new();
+        for r in spans {
+            for p in whole(&text[r.clone()], ended) {
+                match p {
+                    Piece::Reasoning(t) => alone.push_str(&t),
+                    p => panic!("{text:?} {r:?}: {p:?} in a reasoning span"),
+                }
+            }
+        }
+        let all: String = pieces
+            .iter()
+            .filter_map(|p| match p {
+                Piece::Reasoning(t) => Some(t.as_str()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(alone, all, "{text:?} {spans:?}");
+    }
+
+    /// The reasoning tokens of an output given as its tokens' texts, read a token at
+    /// a time as the server reads them.
+    fn reasoning_tokens(tokens: &[&str], ended: bool) -> usize {
+        let mut p = HarmonyParser::new();
+        let mut offsets = TokenOffsets::default();
+        for t in tokens {
+            offsets.token(t);
+            p.push(t);
+        }
+        p.finish(ended);
+        let n = offsets.count_in(p.reasoning_spans());
+        // The same read in one piece.
+        let (_, spans) = cut(&tokens.concat(), &[], ended);
+        assert_eq!(offsets.count_in(&spans), n, "{tokens:?}");
+        n
     }
 
     fn r(s: &str) -> Piece {
@@ -639,7 +792,104 @@ mod tests {
                 assert_eq!(pieces(text, &[b], *ended), want, "{text:?} cut at {b}");
             }
             assert_eq!(pieces(text, &bounds, *ended), want, "{text:?} char by char");
+            // The reasoning spans too.
+            let (_, spans) = cut(text, &[], *ended);
+            check_spans(text, &spans, &want, *ended);
+            for &b in &bounds {
+                assert_eq!(cut(text, &[b], *ended).1, spans, "{text:?} cut at {b}");
+            }
+            assert_eq!(cut(text, &bounds, *ended).1, spans, "{text:?} char by char");
         }
+    }
+
+    #[test]
+    fn reasoning_tokens_are_the_analysis_messages_tokens() {
+        const ANSWER: [&str; 8] = [
+            START,
+            "assistant",
+            CHANNEL,
+            "final",
+            MESSAGE,
+            "Par",
+            "is",
+            ".",
+        ];
+        let with_answer = |reasoning: &[&'static str]| -> Vec<&'static str> {
+            reasoning.iter().chain(ANSWER.iter()).copied().collect()
+        };
+        // From the output's start (the prompt wrote `<|start|>assistant`) to the
+        // `<|end|>`, both included; the answer's tokens are not reasoning.
+        let think = [CHANNEL, "analysis", MESSAGE, "Think", ".", END];
+        assert_eq!(reasoning_tokens(&with_answer(&think), true), 6);
+        // The stop token, when the output holds it, is the answer's.
+        let mut t = with_answer(&think);
+        t.push(RETURN);
+        assert_eq!(reasoning_tokens(&t, true), 6);
+        // No reasoning: 0.
+        assert_eq!(reasoning_tokens(&ANSWER[2..], true), 0);
+        assert_eq!(reasoning_tokens(&["Hello", " <|", " world"], true), 0);
+        assert_eq!(reasoning_tokens(&[], true), 0);
+        // A second analysis message counts from its `<|start|>` to its `<|end|>`.
+        let twice = [
+            CHANNEL,
+            "analysis",
+            MESSAGE,
+            "a",
+            END,
+            START,
+            "assistant",
+            CHANNEL,
+            "analy",
+            "sis",
+            MESSAGE,
+            "b",
+            "c",
+            END,
+        ];
+        assert_eq!(reasoning_tokens(&with_answer(&twice), true), 5 + 9);
+        // Unfinished reasoning at the limit counts to the last token.
+        assert_eq!(
+            reasoning_tokens(&[CHANNEL, "analysis", MESSAGE, "Let", " me"], false),
+            5
+        );
+        // A header that never reaches `<|message|>` is not reasoning.
+        assert_eq!(reasoning_tokens(&[CHANNEL, "analysis"], false), 0);
+        // Without `<|end|>`, the reasoning ends where the next message begins.
+        assert_eq!(
+            reasoning_tokens(
+                &[CHANNEL, "analysis", MESSAGE, "a", CHANNEL, "final", MESSAGE, "b"],
+                true
+            ),
+            4
+        );
+        // Another channel, or a built-in tool's call on the analysis channel, is not
+        // reasoning; a call is not.
+        assert_eq!(
+            reasoning_tokens(&[CHANNEL, "commentary", MESSAGE, "Checking.", END], true),
+            0
+        );
+        assert_eq!(
+            reasoning_tokens(
+                &[CHANNEL, "analysis to=browser.search", MESSAGE, "{}", CALL],
+                true
+            ),
+            0
+        );
+        let call = [
+            START,
+            "assistant",
+            CHANNEL,
+            "commentary to=functions.f ",
+            CONSTRAIN,
+            "json",
+            MESSAGE,
+            "{}",
+        ];
+        let t: Vec<&str> = think.iter().chain(call.iter()).copied().collect();
+        assert_eq!(reasoning_tokens(&t, true), 6);
+        // A token that completes no character begins where its character does.
+        let split = [CHANNEL, "analysis", MESSAGE, "", "é", END];
+        assert_eq!(reasoning_tokens(&with_answer(&split), true), 6);
     }
 
     #[test]
@@ -681,6 +931,9 @@ mod tests {
                     .filter(|&i| text.is_char_boundary(i))
                     .collect();
                 assert_eq!(pieces(&text, &bounds, ended), want, "{text:?}");
+                let (_, spans) = cut(&text, &[], ended);
+                check_spans(&text, &spans, &want, ended);
+                assert_eq!(cut(&text, &bounds, ended).1, spans, "{text:?}");
             }
         }
     }

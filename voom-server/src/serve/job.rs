@@ -69,7 +69,12 @@ pub enum Finish {
 pub struct Outcome {
     pub finish: Finish,
     pub prompt_tokens: usize,
+    /// Total generated tokens, `reasoning_tokens` included.
     pub completion_tokens: usize,
+    /// Of `completion_tokens`, those of a harmony model's reasoning (analysis)
+    /// messages, their framing markers included ([`super::harmony`]: from a
+    /// message's start to its `<|end|>`); 0 for a model without a reasoning format.
+    pub reasoning_tokens: usize,
     /// Every piece sent, concatenated (the assistant text without tool calls).
     pub text: String,
     /// The reasoning sent ([`Event::Reasoning`]), concatenated; empty for a model

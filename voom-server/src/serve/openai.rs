@@ -642,6 +642,7 @@ fn usage(o: &Outcome) -> Value {
         "prompt_tokens": o.prompt_tokens,
         "completion_tokens": o.completion_tokens,
         "total_tokens": o.prompt_tokens + o.completion_tokens,
+        "completion_tokens_details": {"reasoning_tokens": o.reasoning_tokens},
     })
 }
 
@@ -882,4 +883,39 @@ fn stream_response(
         ),
     });
     sse.into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn usage_reports_reasoning_tokens_within_completion_tokens() {
+        let mut o = Outcome {
+            finish: Finish::Eos,
+            prompt_tokens: 3,
+            completion_tokens: 10,
+            reasoning_tokens: 0,
+            text: "hi".into(),
+            reasoning: String::new(),
+            tool_calls: vec![],
+            streamed_calls: 0,
+            queue_secs: 0.0,
+            prefill_secs: 0.0,
+            decode_secs: 0.0,
+            decode_passes: 0,
+            prefix_reused: 0,
+            speculation: None,
+        };
+        // Present, 0, without reasoning.
+        assert_eq!(
+            usage(&o)["completion_tokens_details"]["reasoning_tokens"],
+            0
+        );
+        o.reasoning_tokens = 6;
+        let u = usage(&o);
+        assert_eq!(u["completion_tokens"], 10);
+        assert_eq!(u["total_tokens"], 13);
+        assert_eq!(u["completion_tokens_details"]["reasoning_tokens"], 6);
+    }
 }

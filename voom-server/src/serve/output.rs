@@ -12,7 +12,7 @@ use libvoom::text::{StreamDecoder, Tokenizer};
 use serde_json::Value;
 
 use super::error::ApiError;
-use super::harmony::{HarmonyParser, Piece};
+use super::harmony::{HarmonyParser, Piece, TokenOffsets};
 use super::ids::new_id;
 use super::job::{Event, Finish, Job, Outcome};
 use super::stop::StopScanner;
@@ -43,6 +43,9 @@ pub struct Output<'t> {
     call_ids: Vec<String>,
     /// A harmony model's output is read as reasoning, content and calls.
     harmony: Option<HarmonyParser>,
+    /// Where each generated id's text begins (a harmony model's), to count the
+    /// reasoning's tokens.
+    offsets: TokenOffsets,
     reasoning: String,
     /// Harmony calls taken, and why calls were left as text.
     harmony_calls: Vec<ToolCall>,
@@ -87,6 +90,7 @@ impl<'t> Output<'t> {
             calls,
             call_ids: Vec::new(),
             harmony,
+            offsets: TokenOffsets::default(),
             reasoning: String::new(),
             harmony_calls: Vec::new(),
             harmony_rejected: Vec::new(),
@@ -205,6 +209,9 @@ impl<'t> Output<'t> {
                 return ControlFlow::Break(());
             }
         };
+        if self.harmony.is_some() {
+            self.offsets.token(&piece);
+        }
         let (emit, stopped) = self.out.push(&piece);
         if !self.send(&emit) {
             self.gone = true;
@@ -233,6 +240,7 @@ impl<'t> Output<'t> {
                     .dec
                     .finish()
                     .map_err(|e| ApiError::internal(format!("detokenizing: {e}")))?;
+                self.offsets.text(&rest);
                 let (emit, _) = self.out.push(&rest);
                 let tail = if self.out.stopped.is_some() {
                     emit
@@ -250,11 +258,15 @@ impl<'t> Output<'t> {
                 }
             }
         };
+        let mut reasoning_tokens = 0;
         if let Some(mut h) = self.harmony.take() {
             let pieces = h.finish(finish == Finish::Eos);
             if !self.send_harmony(pieces) {
                 return Ok(Ended::Gone);
             }
+            // The ids whose text begins in a reasoning message (the end-of-sequence
+            // id that stopped generation is no text: not counted).
+            reasoning_tokens = self.offsets.count_in(h.reasoning_spans()).min(g.ids.len());
             let forced = self.job.request.harmony.as_ref().is_some_and(|h| h.forced);
             if forced && finish == Finish::Eos && self.harmony_calls.is_empty() {
                 // The grammar admits only a well-formed call with valid arguments.
@@ -362,6 +374,7 @@ impl<'t> Output<'t> {
             finish,
             prompt_tokens: g.prompt_tokens,
             completion_tokens: g.ids.len(),
+            reasoning_tokens,
             text,
             reasoning: std::mem::take(&mut self.reasoning),
             tool_calls,

@@ -685,7 +685,7 @@ fn usage(o: &Outcome) -> Value {
         "input_tokens": o.prompt_tokens,
         "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
         "output_tokens": o.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": o.reasoning_tokens},
         "total_tokens": o.prompt_tokens + o.completion_tokens,
     })
 }
@@ -1315,6 +1315,7 @@ mod tests {
             finish: Finish::Length,
             prompt_tokens: 3,
             completion_tokens: 4,
+            reasoning_tokens: 0,
             text: "abcd".into(),
             reasoning: String::new(),
             tool_calls: vec![],
@@ -1344,6 +1345,11 @@ mod tests {
         assert_eq!(v["output"][0]["content"][0]["text"], "abcd");
         assert_eq!(v["output"][0]["status"], "incomplete");
         assert_eq!(v["usage"]["total_tokens"], 7);
+        assert_eq!(v["usage"]["output_tokens_details"]["reasoning_tokens"], 0);
+        o.reasoning_tokens = 3;
+        let v = shape.object(status(&o), output_items(&o, "msg_1"), Some(&o));
+        assert_eq!(v["usage"]["output_tokens"], 4);
+        assert_eq!(v["usage"]["output_tokens_details"]["reasoning_tokens"], 3);
         o.finish = Finish::ToolCalls;
         o.text.clear();
         o.tool_calls.push(ToolCall {
