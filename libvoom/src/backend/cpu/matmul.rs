@@ -478,6 +478,8 @@ pub fn widen_row(isa: Isa, w: &WeightView<'_>, r: usize, cols: Range<usize>, out
                 let o = &mut out[j - cols.start..end - cols.start];
                 #[allow(unused_mut)]
                 let mut done = 0;
+                #[cfg(not(target_arch = "x86_64"))]
+                let _ = isa;
                 #[cfg(target_arch = "x86_64")]
                 if isa == Isa::Avx512 {
                     // SAFETY: `b` and `o` have one length; the AVX-512 kernels run
