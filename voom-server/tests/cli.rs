@@ -1419,3 +1419,31 @@ fn an_interrupted_import_leaves_nothing_behind() {
     assert_eq!(entries(&models), vec!["m"]);
     assert_ne!(std::fs::read(model.join("config.json")).unwrap(), config);
 }
+
+/// `voom generate --json` of a chat to a harmony model (gpt-oss) gives its reasoning
+/// apart and counts its tokens in usage as the server does (the random fixture writes
+/// no analysis message: none); a model without a reasoning format has null reasoning
+/// and a count of 0.
+#[test]
+fn generate_json_counts_reasoning_tokens() {
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures");
+    for (model, harmony) in [("tiny_harmony", true), ("tiny_chat", false)] {
+        let o = voom()
+            .args(["generate", "--model"])
+            .arg(fixtures.join(model))
+            .args(["--chat", "Hi there", "--max-new-tokens", "12", "--json"])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{model}: {}", stderr(&o));
+        let j = last_json(&o);
+        let usage = &j["usage"];
+        assert_eq!(usage["completion_tokens"], 12, "{model}: {usage}");
+        assert_eq!(usage["reasoning_tokens"], 0, "{model}: {usage}");
+        assert_eq!(
+            j["reasoning"].is_string(),
+            harmony,
+            "{model}: {}",
+            j["reasoning"]
+        );
+    }
+}

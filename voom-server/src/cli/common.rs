@@ -779,6 +779,9 @@ pub fn text_ids(engine: &Engine, text: &str) -> Result<Vec<u32>> {
 pub struct Reply {
     pub text: String,
     pub reasoning: Option<String>,
+    /// Generated tokens of the reasoning, as the server counts them
+    /// (`serve::harmony::TokenOffsets`; 0 without reasoning).
+    pub reasoning_tokens: usize,
 }
 
 /// Whether `engine`'s chat template and tokenizer speak harmony (gpt-oss): its
@@ -807,13 +810,16 @@ pub fn generate_streaming(
     harmony: bool,
     on_token: &mut dyn FnMut(),
 ) -> Result<(Generation, Reply)> {
-    use crate::serve::harmony::{HarmonyParser, Piece};
+    use crate::serve::harmony::{HarmonyParser, Piece, TokenOffsets};
     use std::io::{IsTerminal, Write};
     let mut drafter = spec.drafter(engine)?;
     let mut reply = Reply {
         text: String::new(),
         reasoning: harmony.then(String::new),
+        reasoning_tokens: 0,
     };
+    // Where each shown token's text begins, for the reasoning's token count.
+    let mut offsets = TokenOffsets::default();
     let dim = std::io::stderr().is_terminal();
     // Whether reasoning was shown last (so the answer starts on a line of its own).
     let mut thinking = false;
@@ -869,10 +875,10 @@ pub fn generate_streaming(
                 if eos.contains(&id) && !params.ignore_eos {
                     return ControlFlow::Continue(());
                 }
-                let shown = dec
-                    .push(id)
-                    .map_err(anyhow::Error::from)
-                    .and_then(|piece| Ok(read(&piece, &mut reply)?));
+                let shown = dec.push(id).map_err(anyhow::Error::from).and_then(|piece| {
+                    offsets.token(&piece);
+                    Ok(read(&piece, &mut reply)?)
+                });
                 match shown {
                     Ok(()) => ControlFlow::Continue(()),
                     Err(e) => {
@@ -885,12 +891,14 @@ pub fn generate_streaming(
                 return Err(e);
             }
             let rest = dec.finish()?;
+            offsets.text(&rest);
             read(&rest, &mut reply)?;
             if let Some(mut h) = parser {
                 let ended = g.finish == libvoom::engine::FinishReason::Eos;
                 for p in h.finish(ended) {
                     show(p, &mut reply)?;
                 }
+                reply.reasoning_tokens = offsets.count_in(h.reasoning_spans());
             }
             g
         }
@@ -953,7 +961,8 @@ pub fn result_json(
         // A reasoning model's reasoning, apart from the text (null for others).
         "reasoning": reply.reasoning,
         "finish_reason": g.finish.as_str(),
-        "usage": {"prompt_tokens": g.prompt_tokens, "completion_tokens": g.ids.len()},
+        "usage": {"prompt_tokens": g.prompt_tokens, "completion_tokens": g.ids.len(),
+            "reasoning_tokens": reply.reasoning_tokens},
         "timing": {
             "prefill_secs": g.prefill_secs,
             "decode_secs": g.decode_secs,
