@@ -62,7 +62,8 @@ pub struct OutOfCoreArgs {
     pub hybrid: bool,
     /// A synthetic DeepSeek-V3 as released in FP8 (MLA, 256 experts of which 8 a
     /// token, a shared expert, dense first layers; `voom bench
-    /// --synthetic-deepseek-gb`) of at least four times the budget (`--model-gb`).
+    /// --synthetic-deepseek-gb`) of at least four times the budget (`--model-gb`),
+    /// and at least one layer of experts (11.5 GB) with a dense layer: 12.1 GB.
     #[arg(long, conflicts_with_all = ["moe", "hybrid"])]
     pub deepseek_fp8: bool,
     /// Tokens decoded per run.
