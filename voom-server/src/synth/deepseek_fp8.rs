@@ -2,17 +2,16 @@
 //! per 128x128 block (`weight_scale_inv`, `quantization_config` fp8), MLA attention,
 //! 256 routed experts of which 8 a token in groups, one shared expert, dense first
 //! layers; DeepSeek-V3's widths, a smaller vocabulary, and as many layers as a size
-//! gives. Written tensor by tensor (`safetensors::write_with`), so a checkpoint
-//! larger than memory never is in memory.
+//! gives. Written tensor by tensor (`synth::tensors`), so a checkpoint larger than
+//! memory never is in memory.
 
-use std::io::Write;
 use std::path::Path;
 
 use anyhow::{Context, Result};
-use voom_formats::dtype::f32_to_bf16;
 use voom_formats::DType;
 
-use super::{bench_dir, Rng};
+use super::bench_dir;
+use super::tensors::{Kind, Tensors};
 
 /// Shape of a synthetic DeepSeek-V3: `dense` dense layers first, then MoE layers,
 /// of DeepSeek-V3's widths ([`Widths::V3`]).
@@ -66,27 +65,6 @@ impl Widths {
     };
 }
 
-/// One tensor to write: its name, dtype, shape and how its bytes are drawn.
-struct Planned {
-    name: String,
-    dtype: DType,
-    shape: Vec<usize>,
-    kind: Kind,
-}
-
-#[derive(Clone, Copy)]
-enum Kind {
-    /// BF16 uniform in `offset ± scale`.
-    Bf16 { scale: f32, offset: f32 },
-    /// F32 uniform in `offset ± scale`.
-    F32 { scale: f32, offset: f32 },
-    /// e4m3 bytes of magnitude 0.25 to 3.75 (no NaN), either sign.
-    Fp8,
-    /// A `weight_scale_inv` for an FP8 weight of `cols` inputs: its values times
-    /// these keep the outputs about the inputs' size.
-    Fp8Scales { cols: usize },
-}
-
 impl SynthDeepseekShape {
     /// Up to three dense layers and at least one MoE layer, as many as make about
     /// `gb` GB as stored.
@@ -116,10 +94,9 @@ impl SynthDeepseekShape {
 
     /// Bytes of one layer as stored.
     fn layer_bytes(&self, dense: bool) -> usize {
-        plan_layer(&self.widths, 0, dense)
-            .iter()
-            .map(|t| t.shape.iter().product::<usize>() * t.dtype.size())
-            .sum()
+        let mut t = Tensors::default();
+        plan_layer(&mut t, &self.widths, 0, dense);
+        t.bytes()
     }
 
     /// Bytes as stored.
@@ -130,175 +107,72 @@ impl SynthDeepseekShape {
     }
 }
 
-fn bf16(name: String, shape: Vec<usize>, scale: f32, offset: f32) -> Planned {
-    Planned {
-        name,
-        dtype: DType::BF16,
-        shape,
-        kind: Kind::Bf16 { scale, offset },
-    }
-}
-
-/// An FP8 projection `[rows, cols]` and its block scales.
-fn fp8(out: &mut Vec<Planned>, block: usize, name: &str, rows: usize, cols: usize) {
-    out.push(Planned {
-        name: format!("{name}.weight"),
-        dtype: DType::F8E4M3,
-        shape: vec![rows, cols],
-        kind: Kind::Fp8,
-    });
-    out.push(Planned {
-        name: format!("{name}.weight_scale_inv"),
-        dtype: DType::F32,
-        shape: vec![rows.div_ceil(block), cols.div_ceil(block)],
-        kind: Kind::Fp8Scales { cols },
-    });
-}
-
-fn norm(name: String, n: usize) -> Planned {
-    bf16(name, vec![n], 0.1, 1.0)
-}
-
 /// Layer `i`'s tensors: norms, MLA attention, and a dense MLP or the router, the
 /// routed experts and the shared expert.
-fn plan_layer(w: &Widths, i: usize, dense: bool) -> Vec<Planned> {
+fn plan_layer(t: &mut Tensors, w: &Widths, i: usize, dense: bool) {
     let (h, b) = (w.hidden, w.block);
     let p = format!("model.layers.{i}");
-    let mut v = vec![
-        norm(format!("{p}.input_layernorm.weight"), h),
-        norm(format!("{p}.post_attention_layernorm.weight"), h),
-        norm(format!("{p}.self_attn.q_a_layernorm.weight"), w.q_lora),
-        norm(format!("{p}.self_attn.kv_a_layernorm.weight"), w.kv_lora),
-    ];
+    t.norm(format!("{p}.input_layernorm.weight"), h);
+    t.norm(format!("{p}.post_attention_layernorm.weight"), h);
+    t.norm(format!("{p}.self_attn.q_a_layernorm.weight"), w.q_lora);
+    t.norm(format!("{p}.self_attn.kv_a_layernorm.weight"), w.kv_lora);
     let a = format!("{p}.self_attn");
-    fp8(&mut v, b, &format!("{a}.q_a_proj"), w.q_lora, h);
-    fp8(
-        &mut v,
-        b,
+    t.fp8(&format!("{a}.q_a_proj"), b, w.q_lora, h);
+    t.fp8(
         &format!("{a}.q_b_proj"),
+        b,
         w.heads * (w.nope + w.rope),
         w.q_lora,
     );
-    fp8(
-        &mut v,
-        b,
-        &format!("{a}.kv_a_proj_with_mqa"),
-        w.kv_lora + w.rope,
-        h,
-    );
-    fp8(
-        &mut v,
-        b,
+    t.fp8(&format!("{a}.kv_a_proj_with_mqa"), b, w.kv_lora + w.rope, h);
+    t.fp8(
         &format!("{a}.kv_b_proj"),
+        b,
         w.heads * (w.nope + w.v_head),
         w.kv_lora,
     );
-    fp8(&mut v, b, &format!("{a}.o_proj"), h, w.heads * w.v_head);
+    t.fp8(&format!("{a}.o_proj"), b, h, w.heads * w.v_head);
     let m = format!("{p}.mlp");
-    let swiglu = |v: &mut Vec<Planned>, x: &str, inter: usize| {
-        fp8(v, b, &format!("{x}.gate_proj"), inter, h);
-        fp8(v, b, &format!("{x}.up_proj"), inter, h);
-        fp8(v, b, &format!("{x}.down_proj"), h, inter);
+    let swiglu = |t: &mut Tensors, x: &str, inter: usize| {
+        t.fp8(&format!("{x}.gate_proj"), b, inter, h);
+        t.fp8(&format!("{x}.up_proj"), b, inter, h);
+        t.fp8(&format!("{x}.down_proj"), b, h, inter);
     };
     if dense {
-        swiglu(&mut v, &m, w.inter);
-        return v;
+        swiglu(t, &m, w.inter);
+        return;
     }
-    v.push(bf16(
+    t.push(
         format!("{m}.gate.weight"),
         vec![w.experts, h],
         (3.0 / h as f32).sqrt(),
         0.0,
-    ));
-    v.push(Planned {
-        name: format!("{m}.gate.e_score_correction_bias"),
-        dtype: DType::F32,
-        shape: vec![w.experts],
-        kind: Kind::F32 {
+    );
+    t.add(
+        format!("{m}.gate.e_score_correction_bias"),
+        DType::F32,
+        vec![w.experts],
+        Kind::F32 {
             scale: 0.05,
             offset: 0.0,
         },
-    });
-    for e in 0..w.experts {
-        swiglu(&mut v, &format!("{m}.experts.{e}"), w.expert_inter);
-    }
-    swiglu(
-        &mut v,
-        &format!("{m}.shared_experts"),
-        w.shared * w.expert_inter,
     );
-    v
+    for e in 0..w.experts {
+        swiglu(t, &format!("{m}.experts.{e}"), w.expert_inter);
+    }
+    swiglu(t, &format!("{m}.shared_experts"), w.shared * w.expert_inter);
 }
 
 /// Every tensor of the checkpoint, in file order.
-fn plan(shape: SynthDeepseekShape) -> Vec<Planned> {
+fn plan(shape: SynthDeepseekShape) -> Tensors {
     let h = shape.widths.hidden;
-    let mut v = vec![bf16(
-        "model.embed_tokens.weight".into(),
-        vec![shape.vocab, h],
-        0.05,
-        0.0,
-    )];
+    let mut t = Tensors::default();
+    t.embedding(shape.vocab, h);
     for i in 0..shape.layers {
-        v.extend(plan_layer(&shape.widths, i, i < shape.dense));
+        plan_layer(&mut t, &shape.widths, i, i < shape.dense);
     }
-    v.push(norm("model.norm.weight".into(), h));
-    v.push(bf16(
-        "lm_head.weight".into(),
-        vec![shape.vocab, h],
-        (3.0 / h as f32).sqrt(),
-        0.0,
-    ));
-    v
-}
-
-/// Tensor `t`'s bytes, drawn from `rng`, written to `w` a piece at a time.
-fn fill(t: &Planned, rng: &mut Rng, w: &mut dyn Write) -> std::io::Result<()> {
-    let n: usize = t.shape.iter().product();
-    let mut buf = Vec::with_capacity(1 << 20);
-    let mut done = 0;
-    while done < n {
-        let k = (n - done).min(1 << 18);
-        buf.clear();
-        match t.kind {
-            Kind::Bf16 { scale, offset } => {
-                for _ in 0..k {
-                    let x = offset + rng.uniform(scale);
-                    buf.extend_from_slice(&f32_to_bf16(x).to_le_bytes());
-                }
-            }
-            Kind::F32 { scale, offset } => {
-                for _ in 0..k {
-                    buf.extend_from_slice(&(offset + rng.uniform(scale)).to_le_bytes());
-                }
-            }
-            Kind::Fp8 => {
-                let mut j = 0;
-                while j < k {
-                    let r = rng.next().to_le_bytes();
-                    for &b in r.iter().take(k - j) {
-                        // Sign and mantissa drawn, the exponent field 5 to 8: 2^-2
-                        // to 2^1 times 1 to 1.875 (never 0x7f/0xff, NaN).
-                        let e = 5 + ((b >> 3) & 3);
-                        buf.push((b & 0x87) | (e << 3));
-                    }
-                    j += 8;
-                }
-            }
-            Kind::Fp8Scales { cols } => {
-                // Mean |e4m3| above is about 1.3; a product of `cols` terms keeps
-                // its size with weights of about sqrt(3 / cols).
-                let base = (3.0 / cols as f32).sqrt() / 1.3;
-                for _ in 0..k {
-                    let s = base * (1.0 + rng.uniform(0.25));
-                    buf.extend_from_slice(&s.to_le_bytes());
-                }
-            }
-        }
-        w.write_all(&buf)?;
-        done += k;
-    }
-    Ok(())
+    t.head(shape.vocab, h);
+    t
 }
 
 /// The benchmarks' synthetic FP8 DeepSeek-V3 of about `gb` GB as stored under
@@ -325,20 +199,6 @@ pub fn bench_deepseek_fp8_model(gb: f64) -> Result<std::path::PathBuf> {
 /// manifest as `voom import` writes (one page per expert and projection).
 pub fn write_deepseek_v3_fp8(dir: &Path, shape: SynthDeepseekShape, seed: u64) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let tensors = plan(shape);
-    let specs: Vec<(&str, DType, &[usize])> = tensors
-        .iter()
-        .map(|t| (t.name.as_str(), t.dtype, t.shape.as_slice()))
-        .collect();
-    let mut meta = std::collections::BTreeMap::new();
-    meta.insert("format".to_string(), "pt".to_string());
-    let mut rng = Rng(seed | 1);
-    voom_formats::safetensors::write_with(
-        &dir.join("model.safetensors"),
-        &specs,
-        &meta,
-        &mut |i, w| fill(&tensors[i], &mut rng, w),
-    )?;
     let w = &shape.widths;
     let mut config = serde_json::json!({
         "architectures": ["DeepseekV3ForCausalLM"],
@@ -388,10 +248,7 @@ pub fn write_deepseek_v3_fp8(dir: &Path, shape: SynthDeepseekShape, seed: u64) -
     if let (Some(c), serde_json::Value::Object(r)) = (config.as_object_mut(), rest) {
         c.extend(r);
     }
-    std::fs::write(
-        dir.join("config.json"),
-        serde_json::to_string_pretty(&config)?,
-    )?;
+    plan(shape).write(dir, seed, &config)?;
     let ckpt = voom_formats::Checkpoint::open(dir)?;
     voom_formats::Manifest::build(&ckpt, &mut |_, _| {})?.save(dir)?;
     Ok(())
@@ -405,11 +262,7 @@ mod tests {
     fn sizes_count_what_is_written() {
         let s = SynthDeepseekShape::of_size(14.5);
         assert_eq!((s.dense, s.layers), (3, 4), "{s:?}");
-        let planned: usize = plan(s)
-            .iter()
-            .map(|t| t.shape.iter().product::<usize>() * t.dtype.size())
-            .sum();
-        assert_eq!(planned, s.bytes());
+        assert_eq!(plan(s).bytes(), s.bytes());
         assert!(
             (13.5e9..14.5e9).contains(&(s.bytes() as f64)),
             "{}",
@@ -476,21 +329,5 @@ mod tests {
             .unwrap()
             .expect("a manifest");
         assert!(m.pages.len() > 3 * 16, "{} pages", m.pages.len());
-    }
-
-    #[test]
-    fn fp8_bytes_are_never_nan_and_fill_their_length() {
-        let t = Planned {
-            name: "w".into(),
-            dtype: DType::F8E4M3,
-            shape: vec![3, 333],
-            kind: Kind::Fp8,
-        };
-        let mut out = Vec::new();
-        fill(&t, &mut Rng(7), &mut out).unwrap();
-        assert_eq!(out.len(), 999);
-        assert!(out.iter().all(|b| b & 0x7f != 0x7f));
-        let e: std::collections::BTreeSet<u8> = out.iter().map(|b| (b >> 3) & 0xf).collect();
-        assert_eq!(e.into_iter().collect::<Vec<_>>(), [5, 6, 7, 8]);
     }
 }

@@ -2,14 +2,18 @@
 //! models larger than the real ones this machine has. Deterministic for a seed.
 
 mod deepseek_fp8;
+mod tensors;
 
-pub use deepseek_fp8::{bench_deepseek_fp8_model, write_deepseek_v3_fp8, SynthDeepseekShape};
+pub use deepseek_fp8::{
+    bench_deepseek_fp8_model, write_deepseek_v3_fp8, SynthDeepseekShape, Widths,
+};
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
 use anyhow::{Context, Result};
-use voom_formats::dtype::f32_to_bf16;
+
+use tensors::Tensors;
 use voom_formats::DType;
 
 /// Shape of a synthetic model.
@@ -77,14 +81,6 @@ pub fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
         out.extend_from_slice(&rng.next().to_le_bytes());
     }
     out.truncate(n);
-    out
-}
-
-fn random_bf16(rng: &mut Rng, n: usize, scale: f32, offset: f32) -> Vec<u8> {
-    let mut out = Vec::with_capacity(n * 2);
-    for _ in 0..n {
-        out.extend_from_slice(&f32_to_bf16(offset + rng.uniform(scale)).to_le_bytes());
-    }
     out
 }
 
@@ -279,117 +275,6 @@ pub fn bench_hybrid_model(gb: f64) -> Result<std::path::PathBuf> {
     )
 }
 
-/// The tensors of a synthetic checkpoint, drawn in order from one generator (so a
-/// seed gives the same bytes), then written with its config.
-struct Tensors {
-    rng: Rng,
-    list: Vec<(String, Vec<usize>, Vec<u8>)>,
-    /// Each tensor's dtype: BF16 unless pushed raw.
-    dtypes: Vec<DType>,
-}
-
-impl Tensors {
-    fn new(seed: u64) -> Self {
-        Tensors {
-            rng: Rng(seed | 1),
-            list: Vec::new(),
-            dtypes: Vec::new(),
-        }
-    }
-
-    fn push(&mut self, name: String, dims: Vec<usize>, scale: f32, offset: f32) {
-        let n = dims.iter().product();
-        let bytes = random_bf16(&mut self.rng, n, scale, offset);
-        self.list.push((name, dims, bytes));
-        self.dtypes.push(DType::BF16);
-    }
-
-    /// A tensor of `dtype` with the given bytes.
-    fn raw(&mut self, name: String, dims: Vec<usize>, dtype: DType, bytes: Vec<u8>) {
-        self.list.push((name, dims, bytes));
-        self.dtypes.push(dtype);
-    }
-
-    /// MXFP4 `{stem}_blocks` `[count, rows, cols / 32, 16]` (random e2m1 pairs) and
-    /// `{stem}_scales` `[count, rows, cols / 32]` (e8m0 exponents about 2^-7, so that
-    /// a value is about `sqrt(3 / cols)` for gpt-oss's widths).
-    fn mxfp4(&mut self, stem: &str, count: usize, rows: usize, cols: usize) {
-        let groups = cols / 32;
-        let blocks = (0..count * rows * groups * 16)
-            .map(|_| (self.rng.next() >> 56) as u8)
-            .collect();
-        let scales = (0..count * rows * groups)
-            .map(|_| 117 + (self.rng.next() >> 62) as u8)
-            .collect();
-        self.raw(
-            format!("{stem}_blocks"),
-            vec![count, rows, groups, 16],
-            DType::U8,
-            blocks,
-        );
-        self.raw(
-            format!("{stem}_scales"),
-            vec![count, rows, groups],
-            DType::U8,
-            scales,
-        );
-    }
-
-    /// An RMSNorm weight: about 1.
-    fn norm(&mut self, name: String, n: usize) {
-        self.push(name, vec![n], 0.1, 1.0);
-    }
-
-    /// A `[rows, cols]` projection, scaled so that outputs keep the inputs' size.
-    fn linear(&mut self, name: String, rows: usize, cols: usize) {
-        self.push(name, vec![rows, cols], (3.0 / cols as f32).sqrt(), 0.0);
-    }
-
-    /// A token embedding of small rows.
-    fn embedding(&mut self, vocab: usize, hidden: usize) {
-        self.push(
-            "model.embed_tokens.weight".into(),
-            vec![vocab, hidden],
-            0.05,
-            0.0,
-        );
-    }
-
-    /// Layer `p`'s two norms and its q, k, v and o projections, in that order.
-    fn attention(&mut self, p: &str, hidden: usize, q: usize, kv: usize) {
-        self.norm(format!("{p}.input_layernorm.weight"), hidden);
-        self.norm(format!("{p}.post_attention_layernorm.weight"), hidden);
-        self.linear(format!("{p}.self_attn.q_proj.weight"), q, hidden);
-        self.linear(format!("{p}.self_attn.k_proj.weight"), kv, hidden);
-        self.linear(format!("{p}.self_attn.v_proj.weight"), kv, hidden);
-        self.linear(format!("{p}.self_attn.o_proj.weight"), hidden, q);
-    }
-
-    /// The final norm and an untied LM head.
-    fn head(&mut self, vocab: usize, hidden: usize) {
-        self.norm("model.norm.weight".into(), hidden);
-        self.linear("lm_head.weight".into(), vocab, hidden);
-    }
-
-    /// Writes `model.safetensors` (BF16) and `config.json` into `dir`.
-    fn write(self, dir: &Path, config: &serde_json::Value) -> Result<()> {
-        let refs: Vec<(&str, DType, &[usize], &[u8])> = self
-            .list
-            .iter()
-            .zip(&self.dtypes)
-            .map(|((n, s, b), d)| (n.as_str(), *d, s.as_slice(), b.as_slice()))
-            .collect();
-        let mut meta = BTreeMap::new();
-        meta.insert("format".to_string(), "pt".to_string());
-        voom_formats::safetensors::write(&dir.join("model.safetensors"), &refs, &meta)?;
-        std::fs::write(
-            dir.join("config.json"),
-            serde_json::to_string_pretty(config)?,
-        )?;
-        Ok(())
-    }
-}
-
 /// Writes `config.json` and `model.safetensors` of a random Qwen3-MoE into `dir`,
 /// one tensor per expert and projection (as transformers saves them).
 pub fn write_qwen3_moe(dir: &Path, shape: SynthMoeShape, seed: u64) -> Result<()> {
@@ -400,7 +285,7 @@ pub fn write_qwen3_moe(dir: &Path, shape: SynthMoeShape, seed: u64) -> Result<()
         shape.kv_heads * hd,
         shape.expert_intermediate,
     );
-    let mut t = Tensors::new(seed);
+    let mut t = Tensors::default();
     t.embedding(shape.vocab, h);
     for i in 0..shape.layers {
         let p = format!("model.layers.{i}");
@@ -442,7 +327,7 @@ pub fn write_qwen3_moe(dir: &Path, shape: SynthMoeShape, seed: u64) -> Result<()
         "dtype": "bfloat16",
         "voom_synthetic": {"seed": seed},
     });
-    t.write(dir, &config)
+    t.write(dir, seed, &config)
 }
 
 /// Shape of a synthetic gpt-oss: gpt-oss-20b's widths (hidden 2880, 64 query heads
@@ -521,7 +406,7 @@ pub fn write_gpt_oss(dir: &Path, shape: SynthGptOssShape, seed: u64) -> Result<(
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let h = S::HIDDEN;
     let (q, kv) = (S::HEADS * S::HEAD_DIM, S::KV_HEADS * S::HEAD_DIM);
-    let mut t = Tensors::new(seed);
+    let mut t = Tensors::default();
     t.embedding(shape.vocab, h);
     for i in 0..shape.layers {
         let p = format!("model.layers.{i}");
@@ -585,7 +470,7 @@ pub fn write_gpt_oss(dir: &Path, shape: SynthGptOssShape, seed: u64) -> Result<(
             "model.embed_tokens", "lm_head"]},
         "voom_synthetic": {"seed": seed},
     });
-    t.write(dir, &config)?;
+    t.write(dir, seed, &config)?;
     // A page manifest, as `voom import` writes: it pages the stacked experts one
     // expert at a time, so a token reads the experts its router picks.
     let ckpt = voom_formats::Checkpoint::open(dir)?;
@@ -605,7 +490,7 @@ pub fn write_qwen3_next(dir: &Path, shape: SynthHybridShape, seed: u64) -> Resul
         S::VALUE_HEADS * S::LINEAR_HEAD,
     );
     let (q, kv) = (S::HEADS * S::HEAD_DIM, S::KV_HEADS * S::HEAD_DIM);
-    let mut t = Tensors::new(seed);
+    let mut t = Tensors::default();
     t.embedding(shape.vocab, h);
     for i in 0..shape.layers {
         let p = format!("model.layers.{i}");
@@ -688,7 +573,7 @@ pub fn write_qwen3_next(dir: &Path, shape: SynthHybridShape, seed: u64) -> Resul
         "dtype": "bfloat16",
         "voom_synthetic": {"seed": seed},
     });
-    t.write(dir, &config)
+    t.write(dir, seed, &config)
 }
 
 /// Writes `config.json` and `model.safetensors` of a random Llama into `dir`.
@@ -696,7 +581,7 @@ pub fn write_llama(dir: &Path, shape: SynthShape, seed: u64) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let (h, inter) = (shape.hidden, shape.intermediate);
     let kvd = shape.kv_heads * (h / shape.heads);
-    let mut t = Tensors::new(seed);
+    let mut t = Tensors::default();
     t.embedding(shape.vocab, h);
     for i in 0..shape.layers {
         let p = format!("model.layers.{i}");
@@ -725,7 +610,7 @@ pub fn write_llama(dir: &Path, shape: SynthShape, seed: u64) -> Result<()> {
         "dtype": "bfloat16",
         "voom_synthetic": {"seed": seed},
     });
-    t.write(dir, &config)
+    t.write(dir, seed, &config)
 }
 
 /// A draft model for speculative decoding made from `src` itself: its first `layers`
