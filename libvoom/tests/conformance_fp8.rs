@@ -35,14 +35,9 @@ fn cases() -> Vec<String> {
     cases
 }
 
-/// Every backend this machine has: each CPU instruction set, and MLX where built.
-fn backends() -> Vec<BackendKind> {
-    BackendKind::available()
-}
-
 #[test]
 fn greedy_ids_match_transformers_on_every_fp8_case() {
-    for backend in backends() {
+    for backend in BackendKind::available() {
         for case in cases() {
             check_case(
                 &fixtures().join(&case),
@@ -78,7 +73,7 @@ fn bits(x: &[f32]) -> Vec<u32> {
 #[test]
 fn logits_bits_do_not_depend_on_chunking_threads_or_backend() {
     for case in cases() {
-        common::check_bits_across_runs(&fixtures().join(&case), 2, &backends());
+        common::check_bits_across_runs(&fixtures().join(&case), 2, &BackendKind::available());
     }
 }
 

@@ -1392,22 +1392,7 @@ mod tests {
     }
 
     fn outcome(finish: Finish, completion_tokens: usize) -> Outcome {
-        Outcome {
-            finish,
-            prompt_tokens: 3,
-            completion_tokens,
-            reasoning_tokens: 0,
-            text: "hi".into(),
-            reasoning: String::new(),
-            tool_calls: vec![],
-            streamed_calls: 0,
-            queue_secs: 0.0,
-            prefill_secs: 0.0,
-            decode_secs: 0.0,
-            decode_passes: 0,
-            prefix_reused: 0,
-            speculation: None,
-        }
+        Outcome::for_test(finish, completion_tokens, "hi")
     }
 
     #[test]

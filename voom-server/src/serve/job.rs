@@ -97,6 +97,28 @@ pub struct Outcome {
 }
 
 impl Outcome {
+    /// A request that ran with `finish` after `completion_tokens` of text `text`,
+    /// from a prompt of 3 tokens, nothing else (for the dialects' tests).
+    #[cfg(test)]
+    pub fn for_test(finish: Finish, completion_tokens: usize, text: &str) -> Outcome {
+        Outcome {
+            finish,
+            prompt_tokens: 3,
+            completion_tokens,
+            reasoning_tokens: 0,
+            text: text.into(),
+            reasoning: String::new(),
+            tool_calls: vec![],
+            streamed_calls: 0,
+            queue_secs: 0.0,
+            prefill_secs: 0.0,
+            decode_secs: 0.0,
+            decode_passes: 0,
+            prefix_reused: 0,
+            speculation: None,
+        }
+    }
+
     /// Where the request's time went, as every dialect reports it in its `voom` object.
     pub fn timings(&self) -> Value {
         serde_json::json!({

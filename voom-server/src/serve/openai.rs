@@ -891,22 +891,7 @@ mod tests {
 
     #[test]
     fn usage_reports_reasoning_tokens_within_completion_tokens() {
-        let mut o = Outcome {
-            finish: Finish::Eos,
-            prompt_tokens: 3,
-            completion_tokens: 10,
-            reasoning_tokens: 0,
-            text: "hi".into(),
-            reasoning: String::new(),
-            tool_calls: vec![],
-            streamed_calls: 0,
-            queue_secs: 0.0,
-            prefill_secs: 0.0,
-            decode_secs: 0.0,
-            decode_passes: 0,
-            prefix_reused: 0,
-            speculation: None,
-        };
+        let mut o = Outcome::for_test(Finish::Eos, 10, "hi");
         // Present, 0, without reasoning.
         assert_eq!(
             usage(&o)["completion_tokens_details"]["reasoning_tokens"],

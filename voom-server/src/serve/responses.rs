@@ -1311,22 +1311,7 @@ mod tests {
             },
             provenance: json!({"profile": "exact"}),
         };
-        let mut o = Outcome {
-            finish: Finish::Length,
-            prompt_tokens: 3,
-            completion_tokens: 4,
-            reasoning_tokens: 0,
-            text: "abcd".into(),
-            reasoning: String::new(),
-            tool_calls: vec![],
-            streamed_calls: 0,
-            queue_secs: 0.0,
-            prefill_secs: 0.0,
-            decode_secs: 0.0,
-            decode_passes: 0,
-            prefix_reused: 0,
-            speculation: None,
-        };
+        let mut o = Outcome::for_test(Finish::Length, 4, "abcd");
         let v = shape.object(status(&o), output_items(&o, "msg_1"), Some(&o));
         for key in [
             "id",
