@@ -112,11 +112,9 @@ pub fn dequantize_into(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<()
                 let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
                 let (lo, hi) = y.split_at_mut(16);
                 for j in 0..16 {
-                    let q = b[6 + j];
-                    let h0 = ((qh >> j) << 4) & 0x10;
-                    let h1 = (qh >> (j + 12)) & 0x10;
-                    lo[j] = (((q & 0x0f) as u32 | h0) as i32 - 16) as f32 * d;
-                    hi[j] = (((q >> 4) as u32 | h1) as i32 - 16) as f32 * d;
+                    let (q0, q1) = q5_pair(qh, b[6 + j], j);
+                    lo[j] = (q0 as i32 - 16) as f32 * d;
+                    hi[j] = (q1 as i32 - 16) as f32 * d;
                 }
             }
         }
@@ -129,11 +127,9 @@ pub fn dequantize_into(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<()
                 let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
                 let (lo, hi) = y.split_at_mut(16);
                 for j in 0..16 {
-                    let q = b[8 + j];
-                    let h0 = ((qh >> j) << 4) & 0x10;
-                    let h1 = (qh >> (j + 12)) & 0x10;
-                    lo[j] = ((q & 0x0f) as u32 | h0) as f32 * d + m;
-                    hi[j] = ((q >> 4) as u32 | h1) as f32 * d + m;
+                    let (q0, q1) = q5_pair(qh, b[8 + j], j);
+                    lo[j] = q0 as f32 * d + m;
+                    hi[j] = q1 as f32 * d + m;
                 }
             }
         }
@@ -207,10 +203,8 @@ pub fn dequantize_into(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<()
                     .zip(b[16..144].chunks_exact(32))
                     .enumerate()
                 {
-                    let (sc, m) = scale_min_k4(2 * j, scales);
-                    let (d1, m1) = (d * sc as f32, min * m as f32);
-                    let (sc, m) = scale_min_k4(2 * j + 1, scales);
-                    let (d2, m2) = (d * sc as f32, min * m as f32);
+                    let (d1, m1) = k_group(d, min, scales, 2 * j);
+                    let (d2, m2) = k_group(d, min, scales, 2 * j + 1);
                     let (lo, hi) = y.split_at_mut(32);
                     for l in 0..32 {
                         lo[l] = d1 * (q[l] & 0x0f) as f32 - m1;
@@ -235,10 +229,8 @@ pub fn dequantize_into(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<()
                     .enumerate()
                 {
                     let (u1, u2) = (1u8 << (2 * j), 2u8 << (2 * j));
-                    let (sc, m) = scale_min_k4(2 * j, scales);
-                    let (d1, m1) = (d * sc as f32, min * m as f32);
-                    let (sc, m) = scale_min_k4(2 * j + 1, scales);
-                    let (d2, m2) = (d * sc as f32, min * m as f32);
+                    let (d1, m1) = k_group(d, min, scales, 2 * j);
+                    let (d2, m2) = k_group(d, min, scales, 2 * j + 1);
                     let (lo, hi) = y.split_at_mut(32);
                     for l in 0..32 {
                         let h1 = if qh[l] & u1 != 0 { 16 } else { 0 };
@@ -398,6 +390,22 @@ fn q3_k_scale(scales: &[u8; 12], is: usize) -> u8 {
     };
     let high = (scales[8 + is % 4] >> (2 * (is / 4))) & 3;
     low | (high << 4)
+}
+
+/// Q5_0's and Q5_1's five-bit values of elements `j` and `16 + j` (`j < 16`): the
+/// low and high nibbles of `q` (`qs[j]`) with bits `j` and `16 + j` of `qh` as their
+/// fifth bits.
+fn q5_pair(qh: u32, q: u8, j: usize) -> (u32, u32) {
+    let h0 = ((qh >> j) << 4) & 0x10;
+    let h1 = (qh >> (j + 12)) & 0x10;
+    ((q & 0x0f) as u32 | h0, (q >> 4) as u32 | h1)
+}
+
+/// Q4_K's and Q5_K's group `g`: its scale `d*sc` and its min `dmin*mn`, each an
+/// exact f32 product, as ggml computes them before the group's elements.
+fn k_group(d: f32, dmin: f32, scales: &[u8; 12], g: usize) -> (f32, f32) {
+    let (sc, mn) = scale_min_k4(g, scales);
+    (d * sc as f32, dmin * mn as f32)
 }
 
 fn check(ty: GgmlType, bytes: &[u8], n_elements: usize) -> Result<(), DequantError> {
