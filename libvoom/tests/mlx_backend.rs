@@ -828,3 +828,32 @@ fn an_engine_pass_evaluates_once_per_layer() {
         "{evals} evaluations over {passes} passes of {layers} layers"
     );
 }
+
+/// ggml's block formats (lossy GGUF weights) run on the CPU backend only: MLX
+/// refuses them with an error that names the format, for both products.
+#[test]
+fn ggml_blocks_are_refused_by_name() {
+    let m = mlx();
+    let bytes = vec![0u8; 2 * 34];
+    let w = WeightView::of(
+        WeightFormat::Ggml(voom_formats::gguf::GgmlType::Q8_0),
+        2,
+        32,
+        &bytes,
+    )
+    .unwrap();
+    for t in [false, true] {
+        let k = if t { 2 } else { 32 };
+        let x = m.upload(1, k, &vec![1.0; k]).unwrap();
+        let mut out = m.zeros(1, if t { 32 } else { 2 });
+        let r = if t {
+            m.matmul_t(&x, w, &mut out)
+        } else {
+            m.matmul(&x, w, &mut out)
+        };
+        match r {
+            Err(KernelError::UnsupportedFormat(f)) => assert!(f.contains("Q8_0"), "{f}"),
+            other => panic!("transposed={t}: {other:?}"),
+        }
+    }
+}

@@ -408,8 +408,9 @@ fn k_group(d: f32, dmin: f32, scales: &[u8; 12], g: usize) -> (f32, f32) {
     (d * sc as f32, dmin * mn as f32)
 }
 
-fn check(ty: GgmlType, bytes: &[u8], n_elements: usize) -> Result<(), DequantError> {
-    if !matches!(
+/// Whether [`dequantize`] handles `ty` (the types of the module doc).
+pub fn dequantizes(ty: GgmlType) -> bool {
+    matches!(
         ty,
         GgmlType::F32
             | GgmlType::F16
@@ -427,7 +428,11 @@ fn check(ty: GgmlType, bytes: &[u8], n_elements: usize) -> Result<(), DequantErr
             | GgmlType::IQ4_NL
             | GgmlType::IQ4_XS
             | GgmlType::MXFP4
-    ) {
+    )
+}
+
+fn check(ty: GgmlType, bytes: &[u8], n_elements: usize) -> Result<(), DequantError> {
+    if !dequantizes(ty) {
         return Err(DequantError::Unsupported(ty));
     }
     let (block, block_bytes) = ty.block();

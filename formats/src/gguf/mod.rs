@@ -17,7 +17,7 @@ mod dequant;
 mod reader;
 mod writer;
 
-pub use dequant::{dequantize, dequantize_into, DequantError};
+pub use dequant::{dequantize, dequantize_into, dequantizes, DequantError};
 pub use reader::{GgufArray, GgufFile, GgufTensorInfo, GgufValue, GgufValueType};
 pub use writer::GgufWriter;
 

@@ -44,6 +44,17 @@ pub enum KernelError {
         block_cols: usize,
         row0: usize,
     },
+    /// A weight format this backend does not compute on (a ggml type with no
+    /// dequantization, or a format a backend refuses).
+    #[error("weight format {0} is not supported by this backend's kernels")]
+    UnsupportedFormat(String),
+    /// A ggml-block weight whose rows are not whole blocks.
+    #[error("a {format} weight of {cols} columns is not whole blocks of {block}")]
+    PartialBlock {
+        cols: usize,
+        format: String,
+        block: usize,
+    },
     /// The activation or output slice does not match `n` and the weight shape.
     #[error("{what} has {actual} elements, expected {expected} ({n} tokens x {per_token})")]
     ActivationLen {

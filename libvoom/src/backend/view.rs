@@ -5,6 +5,7 @@
 use std::ops::Range;
 
 use voom_formats::dtype::read_f32;
+use voom_formats::gguf::{dequantize_into, dequantizes, GgmlType};
 use voom_formats::DType;
 use vpaged::PageLease;
 
@@ -27,6 +28,11 @@ pub enum WeightFormat<'a> {
     /// as its e2m1 value times 2^(scale - 127), exactly (gpt-oss's `*_blocks` with
     /// `*_scales`).
     Mxfp4 { scales: &'a [u8] },
+    /// A ggml block format (GGUF's Q4_K, Q8_0, ...), blocks as ggml stores them:
+    /// each row is `cols / block` whole blocks of the type, scales inside. An
+    /// element reads as ggml's reference dequantization computes it
+    /// ([`voom_formats::gguf::dequantize`], bit for bit); lossy models only.
+    Ggml(GgmlType),
 }
 
 impl WeightFormat<'_> {
@@ -36,11 +42,12 @@ impl WeightFormat<'_> {
         match self {
             WeightFormat::Plain(d) => *d,
             WeightFormat::Fp8(_) => DType::F8E4M3,
-            WeightFormat::Mxfp4 { .. } => DType::U8,
+            WeightFormat::Mxfp4 { .. } | WeightFormat::Ggml(_) => DType::U8,
         }
     }
 
-    /// Bytes of a `rows x cols` weight's own elements (not its scales), `None` on
+    /// Bytes of a `rows x cols` weight's own elements (not its scales; a ggml
+    /// type's rows of whole blocks, the last one counted whole), `None` on
     /// overflow.
     pub fn bytes_for(&self, rows: usize, cols: usize) -> Option<usize> {
         let n = rows.checked_mul(cols)?;
@@ -48,6 +55,10 @@ impl WeightFormat<'_> {
             WeightFormat::Plain(d) => n.checked_mul(d.size()),
             WeightFormat::Fp8(_) => Some(n),
             WeightFormat::Mxfp4 { .. } => Some(n / 2),
+            WeightFormat::Ggml(t) => {
+                let (block, bytes) = ggml_block(*t);
+                rows.checked_mul(cols.div_ceil(block).checked_mul(bytes)?)
+            }
         }
     }
 
@@ -57,8 +68,18 @@ impl WeightFormat<'_> {
             WeightFormat::Plain(d) => d.to_string(),
             WeightFormat::Fp8(s) => format!("FP8 e4m3 {}x{}", s.block_rows, s.block_cols),
             WeightFormat::Mxfp4 { .. } => "MXFP4".into(),
+            WeightFormat::Ggml(t) => format!("ggml {}", t.name()),
         }
     }
+}
+
+/// Elements in the largest ggml block (the k-quants' 256).
+pub const GGML_MAX_BLOCK: usize = 256;
+
+/// `(elements, bytes)` of a block of ggml type `t`, as `usize`.
+pub fn ggml_block(t: GgmlType) -> (usize, usize) {
+    let (n, b) = t.block();
+    (n as usize, b as usize)
 }
 
 /// The scales of an FP8 weight: one per block of `block_rows x block_cols`, stored
@@ -198,6 +219,42 @@ impl<'a> WeightView<'a> {
                 let nib = if i.is_multiple_of(2) { b & 0xf } else { b >> 4 };
                 E2M1[nib as usize] * e8m0_to_f32(scales[i / 32])
             }
+            WeightFormat::Ggml(t) => {
+                let (block, bytes) = ggml_block(t);
+                let row = self.format.bytes_for(1, self.cols).expect("a checked view");
+                let at = r * row + k / block * bytes;
+                let mut v = [0f32; GGML_MAX_BLOCK];
+                dequantize_into(t, &self.bytes[at..at + bytes], &mut v[..block])
+                    .expect("a checked view's type dequantizes");
+                v[k % block]
+            }
+        }
+    }
+
+    /// Row `r` widened to f32 in `out` (`cols` floats), each element exactly
+    /// [`WeightView::get`]'s value.
+    ///
+    /// # Panics
+    /// If `r >= rows`, `out` is not `cols` long, or the view does not pass
+    /// [`WeightView::check`].
+    pub fn read_row(&self, r: usize, out: &mut [f32]) {
+        assert!(r < self.rows && out.len() == self.cols);
+        match self.format {
+            WeightFormat::Ggml(t) => {
+                let row = self.format.bytes_for(1, self.cols).expect("a checked view");
+                dequantize_into(t, &self.bytes[r * row..(r + 1) * row], out)
+                    .expect("a checked view's type dequantizes");
+            }
+            WeightFormat::Plain(d) => {
+                for (k, o) in out.iter_mut().enumerate() {
+                    *o = read_f32(d, self.bytes, r * self.cols + k);
+                }
+            }
+            _ => {
+                for (k, o) in out.iter_mut().enumerate() {
+                    *o = self.get(r, k);
+                }
+            }
         }
     }
 
@@ -264,6 +321,19 @@ impl<'a> WeightView<'a> {
                     return Err(scales(n, s.bytes.len()));
                 }
             }
+            WeightFormat::Ggml(t) => {
+                if !dequantizes(t) {
+                    return Err(KernelError::UnsupportedFormat(self.format.describe()));
+                }
+                let (block, _) = ggml_block(t);
+                if !self.cols.is_multiple_of(block) {
+                    return Err(KernelError::PartialBlock {
+                        cols: self.cols,
+                        format: self.format.describe(),
+                        block,
+                    });
+                }
+            }
             WeightFormat::Mxfp4 { scales: sc } => {
                 if !self.cols.is_multiple_of(32) {
                     return Err(KernelError::BlockShape {
@@ -318,6 +388,7 @@ impl<'a> WeightView<'a> {
                     scales: &scales[range.start * per..range.end * per],
                 }
             }
+            WeightFormat::Ggml(t) => WeightFormat::Ggml(t),
         };
         WeightView {
             format,
@@ -391,20 +462,23 @@ impl<'a> TableView<'a> {
     pub fn gather(&self, ids: &[u32], out: &mut [f32]) {
         let c = self.cols;
         for (&id, dst) in ids.iter().zip(out.chunks_exact_mut(c.max(1))) {
-            if let Some(row) = self.row(id as usize) {
-                for (j, v) in dst.iter_mut().enumerate() {
-                    *v = row.get(j);
-                }
+            if let Some((first, w)) = self.part(id as usize) {
+                w.read_row(id as usize - first, dst);
             }
         }
     }
 
-    /// Row `r` from the part holding it, `None` when no part given holds it.
-    pub fn row(&self, r: usize) -> Option<VecView<'a>> {
+    /// The part holding row `r`, `None` when no part given holds it.
+    fn part(&self, r: usize) -> Option<(usize, &WeightView<'a>)> {
         self.parts
             .iter()
             .find(|(first, w)| (*first..first + w.rows).contains(&r))
-            .map(|(first, w)| w.row(r - first))
+            .map(|(first, w)| (*first, w))
+    }
+
+    /// Row `r` from the part holding it, `None` when no part given holds it.
+    pub fn row(&self, r: usize) -> Option<VecView<'a>> {
+        self.part(r).map(|(first, w)| w.row(r - first))
     }
 }
 

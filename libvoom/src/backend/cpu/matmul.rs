@@ -58,6 +58,9 @@ const DT_F32: u8 = 2;
 const DT_FP8: u8 = 3;
 /// MXFP4 with e8m0 scales ([`WeightFormat::Mxfp4`]).
 const DT_MXFP4: u8 = 4;
+/// A ggml block format ([`WeightFormat::Ggml`]): groups of rows widened by ggml's
+/// dequantization, then the F32 kernels (`matmul_ggml.rs`).
+const DT_GGML: u8 = 5;
 
 /// Bytes per element of dtype code `DT`.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
@@ -105,6 +108,7 @@ fn dtype_code(f: &WeightFormat<'_>) -> Result<u8, KernelError> {
         }
         WeightFormat::Fp8(_) => DT_FP8,
         WeightFormat::Mxfp4 { .. } => DT_MXFP4,
+        WeightFormat::Ggml(_) => DT_GGML,
     })
 }
 
@@ -170,14 +174,6 @@ impl ScaleMap {
     /// The map of a checked view.
     fn of(w: &WeightView<'_>) -> ScaleMap {
         match w.format {
-            WeightFormat::Plain(_) => ScaleMap {
-                base: std::ptr::null(),
-                block_rows: 1,
-                row0: 0,
-                stride: 0,
-                shift: 0,
-                bf16: false,
-            },
             WeightFormat::Fp8(s) => ScaleMap {
                 base: s.bytes.as_ptr(),
                 block_rows: s.block_rows,
@@ -192,6 +188,15 @@ impl ScaleMap {
                 row0: 0,
                 stride: w.cols / 32,
                 shift: 5,
+                bf16: false,
+            },
+            // Never read: ggml blocks carry their scales and run widened as F32.
+            WeightFormat::Plain(_) | WeightFormat::Ggml(_) => ScaleMap {
+                base: std::ptr::null(),
+                block_rows: 1,
+                row0: 0,
+                stride: 0,
+                shift: 0,
                 bf16: false,
             },
         }
@@ -505,6 +510,7 @@ pub fn widen_row(isa: Isa, w: &WeightView<'_>, r: usize, cols: Range<usize>, out
                 *o = E2M1[usize::from(nib)] * e8m0_to_f32(scales[r * per + j / 32]);
             }
         }
+        WeightFormat::Ggml(ty) => ggml::widen(w, ty, r, cols, out),
     }
 }
 
@@ -611,6 +617,10 @@ unsafe fn compute_rows(
     rows: Range<usize>,
     out: SharedOut,
 ) {
+    if dt == DT_GGML {
+        // SAFETY: forwarded contract; the view is of a ggml type (its code).
+        return unsafe { ggml::rows(isa, x, n, w, rows, out.0) };
+    }
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: forwarded contract; the caller checked the CPU features.
@@ -1153,6 +1163,8 @@ macro_rules! narrow_tiles {
 #[cfg(target_arch = "x86_64")]
 #[path = "matmul_fp8.rs"]
 mod fp8;
+#[path = "matmul_ggml.rs"]
+mod ggml;
 #[cfg(target_arch = "x86_64")]
 #[path = "matmul_mxfp4.rs"]
 mod mxfp4;

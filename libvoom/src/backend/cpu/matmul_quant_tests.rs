@@ -1,7 +1,7 @@
-//! Products over block-scaled weights (FP8 e4m3 with block scales, MXFP4) on every
-//! instruction set, against the scalar specification: each element `Σ_k x·w` in
-//! the module doc's order with `w` = [`WeightView::get`] (the format's definition,
-//! written apart from the kernels' conversions).
+//! Products over block-scaled weights (FP8 e4m3 with block scales, MXFP4, ggml's
+//! block formats) on every instruction set, against the scalar specification: each
+//! element `Σ_k x·w` in the module doc's order with `w` = [`WeightView::get`] (the
+//! format's definition, written apart from the kernels' conversions).
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -75,7 +75,7 @@ fn unscaled(w: &WeightView<'_>, o: usize, k: usize) -> f32 {
             let b = w.bytes[i / 2];
             E2M1[usize::from(if i.is_multiple_of(2) { b & 0xf } else { b >> 4 })]
         }
-        WeightFormat::Plain(_) => 1.0,
+        WeightFormat::Plain(_) | WeightFormat::Ggml(_) => 1.0,
     };
     if v == 0.0 {
         1.0
@@ -435,5 +435,187 @@ fn bad_scales_are_typed_errors() {
     assert!(matches!(
         matmul(&pool, &[0.0; 64], 1, bad, &mut [0.0; 4]),
         Err(KernelError::ScalesLen { .. })
+    ));
+}
+
+/// Blocks of ggml's own quantization, each type's (tests/fixtures/gguf/
+/// dequant_blocks.json, whose values `voom_formats` matches bit for bit), those
+/// whose values are all finite.
+fn ggml_fixture_blocks() -> Vec<(voom_formats::gguf::GgmlType, Vec<u8>)> {
+    use voom_formats::gguf::GgmlType;
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tests/fixtures/gguf/dequant_blocks.json"
+    );
+    let doc: serde_json::Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+    let mut out = Vec::new();
+    for case in doc["cases"].as_array().unwrap() {
+        let name = case["type"].as_str().unwrap();
+        let ty = (0..64)
+            .filter_map(GgmlType::from_id)
+            .find(|t| t.name() == name)
+            .unwrap();
+        let finite = case["f32_bits"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|b| f32::from_bits(b.as_u64().unwrap() as u32).is_finite());
+        let hex = case["bytes_hex"].as_str().unwrap();
+        let bytes = (0..hex.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
+            .collect();
+        if finite {
+            out.push((ty, bytes));
+        }
+    }
+    out
+}
+
+/// The module doc's order over a matrix's values given dense (`dense[o*cols + k]`).
+fn spec_dense(x: &[f32], n: usize, dense: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let k8 = cols / 8 * 8;
+    let mut out = vec![0.0; n * rows];
+    for t in 0..n {
+        let xr = &x[t * cols..(t + 1) * cols];
+        for o in 0..rows {
+            let wr = &dense[o * cols..(o + 1) * cols];
+            let mut acc = [0.0f32; 8];
+            for k in 0..k8 {
+                acc[k % 8] = wr[k].mul_add(xr[k], acc[k % 8]);
+            }
+            let h: Vec<f32> = (0..4).map(|l| acc[l] + acc[l + 4]).collect();
+            let mut s = (h[0] + h[2]) + (h[1] + h[3]);
+            for k in k8..cols {
+                s = wr[k].mul_add(xr[k], s);
+            }
+            out[t * rows + o] = s;
+        }
+    }
+    out
+}
+
+/// Every ggml block format vOOM runs: rows assembled from ggml's own blocks of the
+/// type (and, so that every bit pattern meets the kernels, random bytes under a
+/// finite scale), one to several blocks a row, decode and prefill token counts (the
+/// packed path's too): every element has the spec's bits ([`WeightView::get`]'s
+/// values, the module doc's order) on every path and thread count; views of some
+/// rows, the transposed product and [`widen_row`] likewise; and `read_row` gives
+/// `get`'s bits.
+#[test]
+fn ggml_products_have_the_bits_of_the_spec() {
+    use crate::backend::view::ggml_block;
+    let mut rng = ChaCha8Rng::seed_from_u64(39);
+    let blocks = ggml_fixture_blocks();
+    let mut types: Vec<_> = blocks.iter().map(|(t, _)| *t).collect();
+    types.dedup();
+    assert!(types.len() >= 13, "fixture types: {types:?}");
+    let (mut compared, mut cases) = (0, 0);
+    for ty in types {
+        let (block, bytes) = ggml_block(ty);
+        let own: Vec<&Vec<u8>> = blocks
+            .iter()
+            .filter(|(t, _)| *t == ty)
+            .map(|(_, b)| b)
+            .collect();
+        let shapes: &[(usize, usize)] = if block == 32 {
+            &[(1, 32), (5, 64), (13, 96), (33, 320)]
+        } else {
+            &[(1, 256), (7, 512), (19, 768)]
+        };
+        for &(rows, cols) in shapes {
+            let mut wb = Vec::new();
+            for _ in 0..rows * cols / block {
+                if rng.gen_range(0..4) == 0 {
+                    // Random bytes with every f16 field of the header made finite: the
+                    // first two bytes (d) of the 32-element types, the last four (d,
+                    // dmin) of the k-quants but Q6_K/Q3_K (d last) and IQ4_XS (d first).
+                    let mut b: Vec<u8> = (0..bytes).map(|_| rng.gen()).collect();
+                    for i in 0..bytes / 2 {
+                        let h = half::f16::from_bits(u16::from_le_bytes([b[2 * i], b[2 * i + 1]]));
+                        if !h.is_finite() {
+                            b[2 * i + 1] &= 0x3f;
+                        }
+                    }
+                    wb.extend_from_slice(&b);
+                } else {
+                    wb.extend_from_slice(own[rng.gen_range(0..own.len())]);
+                }
+            }
+            let w = WeightView::of(WeightFormat::Ggml(ty), rows, cols, &wb).unwrap();
+            let mut dense = vec![0f32; rows * cols];
+            for (o, row) in dense.chunks_exact_mut(cols).enumerate() {
+                w.read_row(o, row);
+                for (k, v) in row.iter().enumerate().step_by(7) {
+                    assert_eq!(
+                        v.to_bits(),
+                        w.get(o, k).to_bits(),
+                        "{ty} read_row ({o}, {k})"
+                    );
+                }
+            }
+            cases += 1;
+            if dense.iter().any(|v| !v.is_finite()) {
+                // A random block's nibbles can still overflow a product; keep the
+                // comparison to finite sums.
+                continue;
+            }
+            let x = random_x(&mut rng, 50 * cols);
+            let want = spec_dense(&x, 50, &dense, rows, cols);
+            let what = format!("{ty} {rows}x{cols}");
+            for n in [1, 2, 3, 5, 9, 50] {
+                assert_paths(&what, w, &x, n, &want);
+            }
+            let (a, b) = (rows / 3, rows);
+            let sub = w.slice_rows(a..b);
+            sub.check().unwrap();
+            let want_sub = spec_dense(&x, 3, &dense[a * cols..], b - a, cols);
+            assert_paths(&format!("{what} rows {a}..{b}"), sub, &x, 3, &want_sub);
+            let xt = random_x(&mut rng, 2 * rows);
+            assert_t_paths(&what, w, &xt, 2);
+            compared += 1;
+        }
+    }
+    assert!(
+        compared * 4 >= cases * 3,
+        "only {compared} of {cases} shapes finite"
+    );
+}
+
+/// ggml-block views that do not fit their shape, or of a type with no
+/// dequantization, are typed errors.
+#[test]
+fn bad_ggml_views_are_typed_errors() {
+    use voom_formats::gguf::GgmlType;
+    let ok = WeightView::of(WeightFormat::Ggml(GgmlType::Q4_K), 2, 512, &[0u8; 4 * 144]);
+    assert!(ok.is_ok());
+    assert!(matches!(
+        WeightView::of(
+            WeightFormat::Ggml(GgmlType::Q4_K),
+            2,
+            512,
+            &[0u8; 4 * 144 - 1]
+        ),
+        Err(KernelError::WeightLen { .. })
+    ));
+    assert!(matches!(
+        WeightView::of(WeightFormat::Ggml(GgmlType::Q8_0), 1, 48, &[0u8; 68]),
+        Err(KernelError::PartialBlock { .. })
+    ));
+    assert!(matches!(
+        WeightView::of(WeightFormat::Ggml(GgmlType::IQ2_XXS), 1, 256, &[0u8; 66]),
+        Err(KernelError::UnsupportedFormat(_))
+    ));
+    let pool = ThreadPool::single();
+    let bad = WeightView {
+        format: WeightFormat::Ggml(GgmlType::Q8_0),
+        rows: 2,
+        cols: 32,
+        bytes: &[0u8; 34],
+        lease: None,
+    };
+    assert!(matches!(
+        matmul(&pool, &[0.0; 32], 1, bad, &mut [0.0; 2]),
+        Err(KernelError::WeightLen { .. })
     ));
 }

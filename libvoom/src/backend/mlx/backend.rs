@@ -195,6 +195,13 @@ impl MlxBackend {
             WeightFormat::Fp8(_) => (3, 1),
             // Read as 32-bit words of eight elements.
             WeightFormat::Mxfp4 { .. } => (4, 4),
+            // ggml's block formats run on the CPU backend only.
+            WeightFormat::Ggml(_) => {
+                return Err(KernelError::UnsupportedFormat(format!(
+                    "{} (on MLX; run it with --backend cpu)",
+                    w.format.describe()
+                )))
+            }
             other => return Err(KernelError::UnsupportedDType(other.dtype())),
         };
         self.macs.fetch_add(
@@ -207,7 +214,7 @@ impl MlxBackend {
         let none = (std::ptr::null(), 0, 0, 0, 0, 0, 0);
         let (scales, scale_dtype, scale_rows, scale_cols, block_rows, block_cols, row0) =
             match w.format {
-                WeightFormat::Plain(_) => none,
+                WeightFormat::Plain(_) | WeightFormat::Ggml(_) => none,
                 WeightFormat::Fp8(s) => (
                     s.bytes.as_ptr(),
                     if s.dtype == DType::BF16 { 1 } else { 0 },
