@@ -5,8 +5,15 @@
 //! times its block's scale (rounded once to f32), an MXFP4 weight its e2m1 value
 //! times a power of two. Activations are never quantized. Only what a release vOOM
 //! knows uses is accepted; anything else is an error naming the key and value.
+//!
+//! Lossy mode (`docs/lossy.md`): `quant_method: "gguf"` is a model whose weights are
+//! ggml's block formats as a GGUF stored them (`voom import FILE.gguf`), each listed
+//! with its type; such a model is lossy, and only a `lossy-` model id names one.
+
+use std::collections::BTreeMap;
 
 use serde_json::Value;
+use voom_formats::gguf::{dequantizes, GgmlType};
 
 /// How the checkpoint's quantized weights are stored.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -25,6 +32,14 @@ pub enum Quantization {
     /// `quant_method: "mxfp4"`: the experts as `*_blocks` (packed e2m1 pairs) with
     /// `*_scales` (e8m0, one per 32) (gpt-oss).
     Mxfp4 { not_convert: Vec<String> },
+    /// `quant_method: "gguf"` (lossy): `tensor_types` maps each quantized tensor's
+    /// name to its ggml type (`"Q4_K"`), the tensor stored as U8 rows of whole
+    /// blocks, `[rows, row bytes]` (`[count, rows, row bytes]` for fused experts);
+    /// `scheme` names the mix (`q4_k_m`, the GGUF's file type), for labels.
+    Gguf {
+        scheme: String,
+        types: BTreeMap<String, GgmlType>,
+    },
 }
 
 impl Quantization {
@@ -121,6 +136,28 @@ impl Quantization {
                 })
             }
             Some("mxfp4") => Ok(Quantization::Mxfp4 { not_convert }),
+            Some("gguf") => {
+                let scheme = text("scheme")?
+                    .ok_or("'quantization_config' of gguf has no 'scheme'")?
+                    .to_string();
+                let Some(Value::Object(map)) = obj.get("tensor_types") else {
+                    return Err("'quantization_config' of gguf has no 'tensor_types' object".into());
+                };
+                let mut types = BTreeMap::new();
+                for (name, v) in map {
+                    let t = v.as_str().and_then(ggml_type_named).ok_or_else(|| {
+                        format!("'quantization_config.tensor_types.{name}' is {v}, not a ggml type")
+                    })?;
+                    if !dequantizes(t) {
+                        return Err(format!(
+                            "'quantization_config.tensor_types.{name}' is {t}, which vOOM does \
+                             not run (see docs/lossy.md for the types it does)"
+                        ));
+                    }
+                    types.insert(name.clone(), t);
+                }
+                Ok(Quantization::Gguf { scheme, types })
+            }
             Some(other) => Err(format!(
                 "'quantization_config.quant_method' is '{other}' (exact mode runs 'fp8' with \
                  block scales and 'mxfp4'; lossy formats are for lossy- models)"
@@ -139,13 +176,35 @@ impl Quantization {
                 ..
             } => format!("FP8 e4m3 {block_rows}x{block_cols}"),
             Quantization::Mxfp4 { .. } => "MXFP4".into(),
+            Quantization::Gguf { scheme, .. } => format!("GGUF {scheme} (lossy)"),
+        }
+    }
+
+    /// Whether the weights are not the published ones (lossy mode).
+    pub fn is_lossy(&self) -> bool {
+        matches!(self, Quantization::Gguf { .. })
+    }
+
+    /// The scheme a lossy model's labels name (`q4_k_m`), `None` for an exact one.
+    pub fn scheme(&self) -> Option<&str> {
+        match self {
+            Quantization::Gguf { scheme, .. } => Some(scheme),
+            _ => None,
+        }
+    }
+
+    /// The ggml type tensor `name` (its stored name) is kept in, if it is one.
+    pub fn ggml_type(&self, name: &str) -> Option<GgmlType> {
+        match self {
+            Quantization::Gguf { types, .. } => types.get(name).copied(),
+            _ => None,
         }
     }
 
     /// The modules left unquantized (`modules_to_not_convert`).
     pub fn not_convert(&self) -> &[String] {
         match self {
-            Quantization::None => &[],
+            Quantization::None | Quantization::Gguf { .. } => &[],
             Quantization::Fp8 { not_convert, .. } | Quantization::Mxfp4 { not_convert } => {
                 not_convert
             }
@@ -166,6 +225,13 @@ impl Quantization {
                     .any(|w| w.iter().zip(&pat).all(|(s, p)| *p == "*" || p == s))
         })
     }
+}
+
+/// The ggml type named `name` as ggml names it (`"Q4_K"`).
+pub fn ggml_type_named(name: &str) -> Option<GgmlType> {
+    (0..64)
+        .filter_map(GgmlType::from_id)
+        .find(|t| t.name() == name)
 }
 
 #[cfg(test)]
@@ -204,6 +270,44 @@ mod tests {
         assert!(!oss.left_unconverted("model.layers.0.mlp.experts.down_proj_blocks"));
         assert!(!oss.left_unconverted("model.layers.0.self_attention.x"));
         assert_eq!(Quantization::from_config(None).unwrap(), Quantization::None);
+    }
+
+    #[test]
+    fn gguf_tensor_types_read_and_bad_ones_are_named() {
+        let g = q(json!({"quant_method": "gguf", "scheme": "q4_k_m",
+            "tensor_types": {"model.layers.0.mlp.down_proj.weight": "Q6_K",
+                             "model.layers.0.mlp.up_proj.weight": "Q4_K"}}))
+        .unwrap();
+        assert!(g.is_lossy());
+        assert_eq!(g.scheme(), Some("q4_k_m"));
+        assert_eq!(
+            g.ggml_type("model.layers.0.mlp.down_proj.weight"),
+            Some(GgmlType::Q6_K)
+        );
+        assert_eq!(g.ggml_type("model.norm.weight"), None);
+        assert_eq!(g.describe(), "GGUF q4_k_m (lossy)");
+        assert!(!Quantization::None.is_lossy());
+        for (v, needle) in [
+            (
+                json!({"quant_method": "gguf", "tensor_types": {}}),
+                "no 'scheme'",
+            ),
+            (
+                json!({"quant_method": "gguf", "scheme": "x"}),
+                "'tensor_types'",
+            ),
+            (
+                json!({"quant_method": "gguf", "scheme": "x", "tensor_types": {"a": "Q9_K"}}),
+                "tensor_types.a' is \"Q9_K\"",
+            ),
+            (
+                json!({"quant_method": "gguf", "scheme": "x", "tensor_types": {"a": "IQ2_XXS"}}),
+                "IQ2_XXS, which vOOM does not run",
+            ),
+        ] {
+            let e = q(v).unwrap_err();
+            assert!(e.contains(needle), "{e}");
+        }
     }
 
     #[test]

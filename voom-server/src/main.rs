@@ -26,7 +26,7 @@ enum Command {
     Generate(cli::generate::GenerateArgs),
     /// Put a known model into the local store (no model hub needed).
     Pull(cli::pull::PullArgs),
-    /// Import a GGUF file into the local store as a Hugging Face checkpoint (BF16).
+    /// Import a GGUF file into the local store, its tensors as stored (quantized: a lossy- model).
     Import(cli::pull::ImportArgs),
     /// List the models in the local store.
     List(cli::list::ListArgs),

@@ -67,3 +67,38 @@ pub fn list_models() -> Result<Vec<String>> {
     out.sort();
     Ok(out)
 }
+
+/// The prefix of every lossy model's id (`docs/lossy.md`): an id without it never
+/// names weights that are not the published ones.
+pub const LOSSY_PREFIX: &str = "lossy-";
+
+/// The lossy scheme of the model in `dir` (`q4_k_m`: config.json's
+/// `quantization_config` of gguf), `None` for exact weights or an unreadable
+/// config (which opening the model reports).
+pub fn lossy_scheme(dir: &Path) -> Option<String> {
+    let text = voom_formats::file::read_limited(
+        &dir.join("config.json"),
+        voom_formats::file::SIDE_FILE_MAX_BYTES,
+    )
+    .ok()?;
+    let v: serde_json::Value = serde_json::from_slice(&text).ok()?;
+    let q = libvoom::quantization::Quantization::from_config(v.get("quantization_config")).ok()?;
+    q.scheme().map(str::to_string)
+}
+
+/// Checks that the model `id` names in `dir` is labelled as what it is: a lossy
+/// model's id begins with [`LOSSY_PREFIX`]. Returns its scheme (`None`: exact).
+pub fn check_lossy_id(id: &str, dir: &Path) -> Result<Option<String>> {
+    let scheme = lossy_scheme(dir);
+    if let Some(s) = &scheme {
+        if !id.starts_with(LOSSY_PREFIX) {
+            bail!(
+                "model '{id}' holds lossy weights ({s}), but its id does not begin with \
+                 '{LOSSY_PREFIX}': an exact id never names lossy weights (rename {} to \
+                 {LOSSY_PREFIX}{id})",
+                dir.display()
+            );
+        }
+    }
+    Ok(scheme)
+}

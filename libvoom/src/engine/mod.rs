@@ -573,6 +573,12 @@ impl Engine {
         self.model.batch_invariant() && !self.opts.distrust_batch_invariance
     }
 
+    /// The lossy scheme of the model's weights (`q4_k_m`: a quantized GGUF kept as
+    /// stored, `docs/lossy.md`); `None` for weights as published (exact).
+    pub fn lossy_scheme(&self) -> Option<&str> {
+        self.config().quant.scheme()
+    }
+
     /// What the engine turned off to keep the ids exact on this backend (`None`:
     /// nothing).
     pub fn exactness_note(&self) -> Option<String> {

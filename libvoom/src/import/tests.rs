@@ -370,8 +370,11 @@ fn unsupported_inputs_are_clear_errors() {
     assert!(matches!(e, ImportError::Unsupported { .. }), "{e}");
     assert!(e.to_string().contains("architecture 'falcon'"), "{e}");
 
-    let (e, _) = import_err(&tiny_llama("llama-bpe", "llama").writer);
-    assert!(e.to_string().contains("pre-tokenizer 'llama-bpe'"), "{e}");
+    let (e, _) = import_err(&tiny_llama("deepseek-llm", "llama").writer);
+    assert!(
+        e.to_string().contains("pre-tokenizer 'deepseek-llm'"),
+        "{e}"
+    );
 
     let mut tiny = tiny_llama("smollm", "llama");
     tiny.writer

@@ -76,6 +76,28 @@ pub(super) fn byte_alphabet() -> [char; 256] {
     table
 }
 
+/// Qwen2's (and Qwen3's) pre-tokenizer regex: each digit alone.
+const QWEN2_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// Llama 3's pre-tokenizer regex: digits in runs of up to three.
+const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// `Split(regex, Isolated)` then `ByteLevel(use_regex = false)`.
+fn split_then_bytes(regex: &str) -> Result<PreTokenizerWrapper, ImportError> {
+    use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+    use tokenizers::SplitDelimiterBehavior;
+    let split = Split::new(
+        SplitPattern::Regex(regex.to_string()),
+        SplitDelimiterBehavior::Isolated,
+        false,
+    )
+    .expect("the pre-tokenizer regex compiles");
+    Ok(PreTokenizerWrapper::Sequence(Sequence::new(vec![
+        PreTokenizerWrapper::Split(split),
+        PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, false, false)),
+    ])))
+}
+
 /// The pre-tokenizer equivalent to llama.cpp's splitting for `pre`.
 fn pre_tokenizer(path: &Path, pre: &str) -> Result<PreTokenizerWrapper, ImportError> {
     // GPT-2's regex, which `ByteLevel(use_regex = true)` applies.
@@ -89,9 +111,17 @@ fn pre_tokenizer(path: &Path, pre: &str) -> Result<PreTokenizerWrapper, ImportEr
         ]))),
         // llama.cpp spells GPT-2's pre-tokenizer "gpt-2".
         "gpt-2" | "gpt2" => Ok(byte_level()),
+        // The published tokenizer.json files: a Split on the model's regex (isolated
+        // matches), then the byte-level mapping without GPT-2's regex. The regexes
+        // are tokenizer.json's, which llama.cpp's `llama-vocab.cpp` quotes (its own
+        // spell the case-insensitive contractions out, the same matches).
+        "qwen2" => split_then_bytes(QWEN2_REGEX),
+        "llama-bpe" => split_then_bytes(LLAMA3_REGEX),
         other => Err(ImportError::Unsupported {
             path: path.to_path_buf(),
-            what: format!("tokenizer pre-tokenizer '{other}' (supported: smollm, gpt-2)"),
+            what: format!(
+                "tokenizer pre-tokenizer '{other}' (supported: smollm, gpt-2, qwen2, llama-bpe)"
+            ),
         }),
     }
 }
@@ -277,6 +307,35 @@ pub(super) fn build(g: &GgufFile, context_length: u64) -> Result<Built, ImportEr
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The pieces `pre` splits `text` into, in the byte alphabet.
+    fn pieces(pre: &str, text: &str) -> Vec<String> {
+        use tokenizers::{OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer};
+        let p = pre_tokenizer(Path::new("x.gguf"), pre).unwrap();
+        let mut s = PreTokenizedString::from(text);
+        p.pre_tokenize(&mut s).unwrap();
+        s.get_splits(OffsetReferential::Original, OffsetType::Byte)
+            .into_iter()
+            .map(|(t, _, _)| t.to_string())
+            .collect()
+    }
+
+    /// Qwen2's and Llama 3's regexes as their tokenizer.json files split: digits
+    /// alone or in threes, contractions in any case, a space before a word kept
+    /// with it, runs of newlines apart, trailing spaces before a word left alone.
+    #[test]
+    fn qwen2_and_llama3_split_as_their_tokenizers() {
+        let text = "Hello WORLD'S 12345\n\n  x!";
+        assert_eq!(
+            pieces("qwen2", text),
+            ["Hello", "ĠWORLD", "'S", "Ġ", "1", "2", "3", "4", "5", "ĊĊ", "Ġ", "Ġx", "!"]
+        );
+        assert_eq!(
+            pieces("llama-bpe", text),
+            ["Hello", "ĠWORLD", "'S", "Ġ", "123", "45", "ĊĊ", "Ġ", "Ġx", "!"]
+        );
+        assert!(pre_tokenizer(Path::new("x.gguf"), "deepseek-llm").is_err());
+    }
 
     #[test]
     fn byte_alphabet_is_gpt2s() {

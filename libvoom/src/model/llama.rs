@@ -400,12 +400,12 @@ impl<B: Backend> Llama<B> {
         // touched, that row; where it loads pages whole, the part holding it (all of a
         // table stored whole). Spread over the parts: each is read by a share of tokens.
         let n = embed.parts.len() as u64;
-        let row = (embed.cols * embed.dtype.size()) as u64;
+        let row = embed.row_bytes() as u64;
         let head: Vec<(PageId, Option<PerToken>)> = embed
             .parts
             .iter()
             .map(|p| {
-                let bytes = (p.rows * embed.cols * embed.dtype.size()) as u64;
+                let bytes = (p.rows * embed.row_bytes()) as u64;
                 let per = PerToken {
                     partial: row.div_ceil(n),
                     whole: bytes.div_ceil(n),

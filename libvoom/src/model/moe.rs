@@ -202,7 +202,8 @@ impl Experts {
     /// tensor per expert and projection (`mlp.experts.E.gate_proj`, mixtral's
     /// `experts.E.w1`/`w3`/`w2`) or fused (`mlp.experts.gate_up_proj` `[experts,
     /// 2 × intermediate, hidden]`, gate rows first, and `mlp.experts.down_proj`
-    /// `[experts, hidden, intermediate]`, as transformers 5 can save them), and the
+    /// `[experts, hidden, intermediate]`, as transformers 5 can save them) or
+    /// stacked apart (`mlp.experts.gate_proj`, `up_proj`, `down_proj`), and the
     /// shared experts (`mlp.shared_experts.*`). gpt-oss's are [`Experts::load_gpt_oss`].
     pub fn load(
         f: &WeightFinder<'_>,
@@ -246,6 +247,18 @@ impl Experts {
                 .map(|(gu, down)| {
                     Expert::swiglu(gu.sub_rows(0, inter), gu.sub_rows(inter, inter), down)
                 })
+                .collect()
+        } else if f.has(&format!("{m}.experts.gate_proj")) {
+            // Stacked apart, `[experts, rows, cols]` each (a GGUF's `ffn_*_exps`, as
+            // `voom import` keeps them).
+            let e = |proj: &str| format!("{m}.experts.{proj}");
+            let gate = f.stacked(&e("gate_proj"), &d.experts, &d.inter, &d.hidden)?;
+            let up = f.stacked(&e("up_proj"), &d.experts, &d.inter, &d.hidden)?;
+            let down = f.stacked(&e("down_proj"), &d.experts, &d.hidden, &d.inter)?;
+            gate.into_iter()
+                .zip(up)
+                .zip(down)
+                .map(|((g, u), dn)| Expert::swiglu(g, u, dn))
                 .collect()
         } else {
             let (g, u, dn) = if m.ends_with("block_sparse_moe") {

@@ -4,11 +4,12 @@
 use std::cell::RefCell;
 use std::collections::{BTreeSet, HashMap};
 
+use voom_formats::gguf::GgmlType;
 use voom_formats::DType;
 use vpaged::{PageId, PageLease, PageSource};
 
 use super::values::{ValueChecks, ValueKind};
-use crate::backend::view::{BlockScales, WeightFormat};
+use crate::backend::view::{ggml_block, BlockScales, WeightFormat};
 use crate::backend::{TableView, VecView, WeightView};
 use crate::quantization::Quantization;
 use crate::VoomError;
@@ -174,12 +175,6 @@ impl<'a> WeightFinder<'a> {
         ))
     }
 
-    /// Checks a page's dtype and shape against `dims` (config.json's).
-    fn check(&self, name: &str, meta: &vpaged::PageMeta, dims: &[Dim]) -> Result<(), VoomError> {
-        self.check_dtype(name, meta.dtype)?;
-        self.check_shape(name, meta, dims)
-    }
-
     /// Checks a page's shape against `dims` (config.json's).
     fn check_shape(
         &self,
@@ -220,9 +215,80 @@ impl<'a> WeightFinder<'a> {
         Ok(())
     }
 
+    /// Where config.json's `quantization_config` (of gguf) keeps tensor `stored` in
+    /// a ggml block type: the type and the dimension that stands for `cols` in the
+    /// stored shape, the bytes of a row of whole blocks. `None` for any other tensor.
+    fn ggml_cols(&self, stored: &str, cols: &Dim) -> Result<Option<(GgmlType, Dim)>, VoomError> {
+        let Some(t) = self.quant.ggml_type(stored) else {
+            let page = self.index.get(stored).and_then(|ids| ids.first());
+            let u8_page =
+                page.is_some_and(|id| self.source.pages()[id.0 as usize].dtype == DType::U8);
+            if u8_page && self.quant.is_lossy() {
+                return Err(self.err(
+                    stored,
+                    "stored as U8 (ggml blocks?), but config.json's \
+                     'quantization_config.tensor_types' does not list its type"
+                        .into(),
+                ));
+            }
+            return Ok(None);
+        };
+        let (block, bytes) = ggml_block(t);
+        if !cols.len.is_multiple_of(block) {
+            return Err(self.err(
+                stored,
+                format!(
+                    "{} is {}, which {t} blocks of {block} do not divide",
+                    cols.key, cols.len
+                ),
+            ));
+        }
+        let n = cols.len / block;
+        let dim = Dim::format(
+            &format!(
+                "{n} {t} blocks of {bytes} bytes for {} {}",
+                cols.key, cols.len
+            ),
+            n * bytes,
+        );
+        Ok(Some((t, dim)))
+    }
+
+    /// Checks a stored dtype: U8 for a ggml-block tensor, else one the kernels
+    /// compute on.
+    fn check_stored(
+        &self,
+        name: &str,
+        dtype: DType,
+        ggml: Option<GgmlType>,
+    ) -> Result<(), VoomError> {
+        match ggml {
+            Some(t) if dtype != DType::U8 => Err(self.err(
+                name,
+                format!("dtype {dtype}, but config.json says {t} blocks, stored as U8"),
+            )),
+            Some(_) => Ok(()),
+            None => self.check_dtype(name, dtype),
+        }
+    }
+
     /// A `[rows, cols]` matrix: BF16, F16 or F32, or FP8 with its block scales
-    /// (`{name}_scale_inv`) where config.json's `quantization_config` says so.
+    /// (`{name}_scale_inv`) where config.json's `quantization_config` says so, or
+    /// (lossy) ggml blocks where its gguf `tensor_types` names the tensor.
     pub fn matrix(&self, name: &str, rows: &Dim, cols: &Dim) -> Result<Matrix, VoomError> {
+        if let Some((t, bytes)) = self.ggml_cols(&self.stored(name), cols)? {
+            let (meta, stored) = self.find_meta(name, &[rows.clone(), bytes])?;
+            self.check_stored(&stored, meta.dtype, Some(t))?;
+            return Ok(Matrix {
+                page: meta.id,
+                dtype: meta.dtype,
+                scales: None,
+                ggml: Some(t),
+                first: 0,
+                rows: rows.len,
+                cols: cols.len,
+            });
+        }
         let (meta, stored) = self.find_meta(name, &[rows.clone(), cols.clone()])?;
         let (page, dtype) = (meta.id, meta.dtype);
         let scales = if dtype == DType::F8E4M3 {
@@ -237,6 +303,7 @@ impl<'a> WeightFinder<'a> {
             page,
             dtype,
             scales,
+            ggml: None,
             first: 0,
             rows: rows.len,
             cols: cols.len,
@@ -255,6 +322,22 @@ impl<'a> WeightFinder<'a> {
         cols: &Dim,
     ) -> Result<Vec<Matrix>, VoomError> {
         let stored = self.stored(name).into_owned();
+        if let Some((t, bytes)) = self.ggml_cols(&stored, cols)? {
+            let (at, dtype) = self.stacked_pages(&stored, count, &[rows.clone(), bytes])?;
+            self.check_stored(&stored, dtype, Some(t))?;
+            return Ok(at
+                .into_iter()
+                .map(|(page, i)| Matrix {
+                    page,
+                    dtype,
+                    scales: None,
+                    ggml: Some(t),
+                    first: i * rows.len,
+                    rows: rows.len,
+                    cols: cols.len,
+                })
+                .collect());
+        }
         let (at, dtype) = self.stacked_pages(&stored, count, &[rows.clone(), cols.clone()])?;
         let scales: Vec<Option<Scales>> = if dtype == DType::F8E4M3 {
             let (block_rows, block_cols) = self.fp8_block(&stored)?;
@@ -293,6 +376,7 @@ impl<'a> WeightFinder<'a> {
                 page,
                 dtype,
                 scales,
+                ggml: None,
                 first: i * rows.len,
                 rows: rows.len,
                 cols: cols.len,
@@ -389,6 +473,7 @@ impl<'a> WeightFinder<'a> {
                 Matrix {
                     page,
                     dtype,
+                    ggml: None,
                     scales: Some(Scales {
                         page: spage,
                         kind: ScaleKind::Mxfp4,
@@ -576,26 +661,24 @@ impl<'a> WeightFinder<'a> {
             .get(name)
             .ok_or_else(|| self.err(name, "missing from the checkpoint".into()))?;
         let pages = self.source.pages();
+        // Read by rows: a plain dtype, or (lossy) ggml blocks.
+        let (ggml, stored_cols) = match self.ggml_cols(name, cols)? {
+            Some((t, bytes)) => (Some(t), bytes),
+            None => (None, cols.clone()),
+        };
         if ids.len() == 1 && pages[ids[0].0 as usize].rows.is_none() {
-            // Read by rows: only a plain dtype.
-            let (page, dtype) = self.find(name, &[rows.clone(), cols.clone()])?;
-            let m = Matrix {
-                page,
-                dtype,
-                scales: None,
-                first: 0,
-                rows: rows.len,
-                cols: cols.len,
-            };
+            let (meta, _) = self.find_meta(name, &[rows.clone(), stored_cols])?;
+            self.check_stored(name, meta.dtype, ggml)?;
             return Ok(Table {
                 parts: vec![TablePart {
-                    page: m.page,
+                    page: meta.id,
                     first: 0,
-                    rows: m.rows,
+                    rows: rows.len,
                 }],
-                dtype: m.dtype,
-                rows: m.rows,
-                cols: m.cols,
+                dtype: meta.dtype,
+                ggml,
+                rows: rows.len,
+                cols: cols.len,
             });
         }
         let mut parts = Vec::with_capacity(ids.len());
@@ -617,7 +700,8 @@ impl<'a> WeightFinder<'a> {
                 len: r.count as usize,
                 key: format!("rows {}..{} of {}", r.start, r.end(), rows.key),
             };
-            self.check(name, meta, &[count, cols.clone()])?;
+            self.check_stored(name, meta.dtype, ggml)?;
+            self.check_shape(name, meta, &[count, stored_cols.clone()])?;
             parts.push(TablePart {
                 page: id,
                 first: next,
@@ -637,6 +721,7 @@ impl<'a> WeightFinder<'a> {
         Ok(Table {
             parts,
             dtype,
+            ggml,
             rows: rows.len,
             cols: cols.len,
         })
@@ -709,9 +794,12 @@ impl Dim {
 #[derive(Debug, Clone, Copy)]
 pub struct Matrix {
     pub page: PageId,
-    /// The dtype of the weight's own bytes (`F8E4M3`, `U8` for MXFP4's pairs).
+    /// The dtype of the weight's own bytes (`F8E4M3`, `U8` for MXFP4's pairs and
+    /// ggml's blocks).
     pub dtype: DType,
     pub scales: Option<Scales>,
+    /// Lossy: the ggml block type the rows are stored in (no scales of their own).
+    pub ggml: Option<GgmlType>,
     pub first: usize,
     pub rows: usize,
     pub cols: usize,
@@ -795,6 +883,8 @@ fn fp8_scale_dims(rows: &Dim, cols: &Dim, block_rows: usize, block_cols: usize) 
 pub struct Table {
     pub parts: Vec<TablePart>,
     pub dtype: DType,
+    /// Lossy: the ggml block type the rows are stored in (`dtype` is then U8).
+    pub ggml: Option<GgmlType>,
     pub rows: usize,
     pub cols: usize,
 }
@@ -808,6 +898,19 @@ pub struct TablePart {
 }
 
 impl Table {
+    /// The weight format of its rows.
+    pub fn format(&self) -> WeightFormat<'static> {
+        match self.ggml {
+            Some(t) => WeightFormat::Ggml(t),
+            None => WeightFormat::Plain(self.dtype),
+        }
+    }
+
+    /// Bytes of one row as stored.
+    pub fn row_bytes(&self) -> usize {
+        self.format().bytes_for(1, self.cols).unwrap_or(usize::MAX)
+    }
+
     /// The part holding row `r`, if any.
     pub fn part_of(&self, r: usize) -> Option<&TablePart> {
         let i = self.parts.partition_point(|p| p.first + p.rows <= r);
@@ -839,7 +942,7 @@ impl Table {
                 .iter()
                 .find(|p| p.page == id)
                 .expect("a page of the table");
-            let n = super::plan::slot_bytes((p.rows * self.cols * self.dtype.size()) as u64);
+            let n = super::plan::slot_bytes((p.rows * self.row_bytes()) as u64);
             match out.last_mut() {
                 Some(last) if held + n <= bound => last.push(id),
                 _ => {
@@ -937,7 +1040,7 @@ impl Leased {
                     Some((
                         p.first,
                         WeightView {
-                            format: WeightFormat::Plain(t.dtype),
+                            format: t.format(),
                             rows: p.rows,
                             cols: t.cols,
                             bytes: lease.bytes(),
@@ -954,9 +1057,10 @@ impl Leased {
         let page = lease.bytes();
         // A page shorter than its shape (a source's fault) keeps its bytes whole, for
         // the kernels' length check to report rather than a panic here; so do scales.
-        let format = match m.scales {
-            None => WeightFormat::Plain(m.dtype),
-            Some(s) => {
+        let format = match (m.ggml, m.scales) {
+            (Some(t), _) => WeightFormat::Ggml(t),
+            (None, None) => WeightFormat::Plain(m.dtype),
+            (None, Some(s)) => {
                 let held = self.bytes(s.page);
                 match s.kind {
                     ScaleKind::Fp8 {

@@ -419,6 +419,7 @@ pub fn resolve_model(model: &str, pull_missing: bool) -> Result<PathBuf> {
     }
     let dir = store::model_path(model)?;
     if store::is_model_dir(&dir) {
+        store::check_lossy_id(model, &dir)?;
         return Ok(dir);
     }
     if pull_missing && crate::registry::find(model).is_some() {
@@ -940,7 +941,10 @@ pub fn result_json(
         "model": engine.name(),
         "profile": profile.as_ref().map(|p| p.name.as_str()),
         "profile_digest": profile.as_ref().map(|p| p.digest.as_str()),
-        "exact": true,
+        // Lossy weights (a quantized GGUF kept as stored) are never exact; the
+        // scheme names them.
+        "exact": engine.lossy_scheme().is_none(),
+        "scheme": engine.lossy_scheme(),
         // The backend that computed it, and what was turned off to keep its ids
         // exact (a backend not shown batch invariant: no prefix reuse, speculation
         // or batching).

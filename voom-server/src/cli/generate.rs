@@ -135,6 +135,9 @@ pub fn run(a: GenerateArgs) -> Result<()> {
                 g.ids.len().saturating_sub(1)
             )
         });
+        if let Some(s) = engine.lossy_scheme() {
+            eprintln!("[lossy: {s} weights, not the published ones]");
+        }
         if let Some(note) = &g.exactness_note {
             eprintln!("[{note}]");
         }

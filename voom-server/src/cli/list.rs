@@ -19,15 +19,29 @@ pub fn run(a: ListArgs) -> Result<()> {
             .iter()
             .map(|m| serde_json::json!({"name": m.name, "description": m.description}))
             .collect();
+        // Each model's exactness: a lossy one names its scheme.
+        let dir = store::models_dir()?;
+        let details: Vec<_> = models
+            .iter()
+            .map(|m| {
+                let scheme = store::lossy_scheme(&dir.join(m));
+                serde_json::json!({"name": m, "exact": scheme.is_none(), "scheme": scheme})
+            })
+            .collect();
         vpaged::outln!(
             "{}",
-            serde_json::json!({"store": store::models_dir()?, "models": models, "pullable": known})
+            serde_json::json!({"store": dir, "models": models, "details": details,
+                "pullable": known})
         )?;
         return Ok(());
     }
     vpaged::outln!("models in {}:", store::models_dir()?.display())?;
+    let dir = store::models_dir()?;
     for m in &models {
-        vpaged::outln!("  {m}")?;
+        match store::lossy_scheme(&dir.join(m)) {
+            Some(s) => vpaged::outln!("  {m:<40} lossy ({s})")?,
+            None => vpaged::outln!("  {m:<40} exact")?,
+        }
     }
     if models.is_empty() {
         vpaged::outln!("  (none)")?;

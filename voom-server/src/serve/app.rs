@@ -158,6 +158,18 @@ impl App {
         if let Ok(v) = HeaderValue::from_str(&self.backend) {
             h.insert("x-voom-backend", v);
         }
+        let exact = self.profile.exact && meta.scheme.is_none();
+        h.insert(
+            "x-voom-exact",
+            HeaderValue::from_static(if exact { "true" } else { "false" }),
+        );
+        if let Some(v) = meta
+            .scheme
+            .as_deref()
+            .and_then(|s| HeaderValue::from_str(s).ok())
+        {
+            h.insert("x-voom-scheme", v);
+        }
     }
 
     /// The `voom` object added to response bodies.
@@ -166,7 +178,9 @@ impl App {
             "checkpoint": meta.checkpoint(),
             "profile": self.profile.name,
             "profile_digest": self.profile.digest,
-            "exact": self.profile.exact,
+            // Lossy weights are never exact, whatever the profile.
+            "exact": self.profile.exact && meta.scheme.is_none(),
+            "scheme": meta.scheme,
             "backend": self.backend,
             "exactness_note": self.exactness_note,
         })

@@ -26,6 +26,8 @@ pub struct ModelMeta {
     pub created: u64,
     /// Sampling used for fields a request leaves out.
     pub sampling_defaults: SamplingDefaults,
+    /// The lossy scheme of its weights (`q4_k_m`), `None` for exact weights.
+    pub scheme: Option<String>,
 }
 
 /// Defaults for sampling fields a request leaves out, field by field: the profile's
@@ -162,6 +164,7 @@ impl Catalog {
     fn read(&self, id: &str, dir: &Path) -> Result<ModelMeta, ApiError> {
         let bad = |e: &dyn std::fmt::Display| ApiError::model_unavailable(id, e);
         let cfg = ModelConfig::from_dir(dir).map_err(|e| bad(&e))?;
+        let scheme = crate::store::check_lossy_id(id, dir).map_err(|e| bad(&e))?;
         // The same limit the engine gets (cli::common::open_engine).
         let max_context = self.settings.max_context_for(&cfg).map_err(|e| bad(&e))?;
         let tokenizer = if dir.join("tokenizer.json").is_file() {
@@ -198,6 +201,7 @@ impl Catalog {
             checkpoint_digest: digest,
             created,
             sampling_defaults: SamplingDefaults::resolve(&self.settings.sampling, dir),
+            scheme,
         })
     }
 }

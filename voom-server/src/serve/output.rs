@@ -359,9 +359,11 @@ impl<'t> Output<'t> {
                 }
             }
         }
+        let meta = &self.job.request.meta;
         tracing::info!(
-            "generated: model {} prompt {} tokens, completion {} tokens ({:?}); queue {:.3}s prefill {:.3}s decode {:.3}s ({:.1} tok/s)",
-            self.job.request.meta.id,
+            "generated: model {}{} prompt {} tokens, completion {} tokens ({:?}); queue {:.3}s prefill {:.3}s decode {:.3}s ({:.1} tok/s)",
+            meta.id,
+            meta.scheme.as_ref().map_or(String::new(), |s| format!(" (lossy: {s})")),
             g.prompt_tokens,
             g.ids.len(),
             finish,

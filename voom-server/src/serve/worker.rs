@@ -398,8 +398,11 @@ impl WorkerState {
             let e = crate::cli::common::open_engine(&meta.dir, &self.engine_args)
                 .map_err(|e| ApiError::model_unavailable(&meta.id, &e))?;
             tracing::info!(
-                "loaded model {} in {:.2}s ({})",
+                "loaded model {}{} in {:.2}s ({})",
                 meta.id,
+                meta.scheme
+                    .as_ref()
+                    .map_or(String::new(), |s| format!(" (LOSSY: {s} weights)")),
                 t.elapsed().as_secs_f64(),
                 e.source().describe()
             );

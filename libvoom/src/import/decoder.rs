@@ -1,18 +1,94 @@
-//! The `llama` architecture: hyperparameters, `config.json`, and tensors renamed to
-//! Hugging Face names with llama.cpp's Q/K row permutation undone.
+//! llama.cpp's decoder-only architectures vOOM imports (`llama`, `qwen2`, `qwen3`,
+//! `qwen3moe`): hyperparameters (`{arch}.*` keys), `config.json`, and tensors renamed
+//! to Hugging Face names, with llama.cpp's Q/K row permutation undone where its
+//! converter applies one (`llama` only: the others rotate halves, as transformers
+//! does).
 
 use std::path::PathBuf;
 
 use serde_json::json;
 use voom_formats::dtype::f32_to_bf16;
-use voom_formats::gguf::{GgufFile, GgufTensorInfo};
+use voom_formats::gguf::{GgmlType, GgufFile, GgufTensorInfo};
+use voom_formats::DType;
 
 use super::tokenizer::SpecialIds;
 use super::ImportError;
 
-/// Hyperparameters of a llama GGUF (`llama.*` keys).
+/// A GGUF architecture the importer converts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Arch {
+    Llama,
+    Qwen2,
+    Qwen3,
+    Qwen3Moe,
+}
+
+impl Arch {
+    /// The architecture of `general.architecture`, `None` for one not imported.
+    pub fn of(name: &str) -> Option<Arch> {
+        Some(match name {
+            "llama" => Arch::Llama,
+            "qwen2" => Arch::Qwen2,
+            "qwen3" => Arch::Qwen3,
+            "qwen3moe" => Arch::Qwen3Moe,
+            _ => return None,
+        })
+    }
+
+    /// The names `general.architecture` has for the importable ones.
+    pub const NAMES: &'static str = "llama, qwen2, qwen3, qwen3moe";
+
+    /// Its name in GGUF keys (`qwen3moe.block_count`).
+    fn key(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Qwen2 => "qwen2",
+            Arch::Qwen3 => "qwen3",
+            Arch::Qwen3Moe => "qwen3moe",
+        }
+    }
+
+    /// config.json's `model_type` and `architectures`.
+    fn hf(self) -> (&'static str, &'static str) {
+        match self {
+            Arch::Llama => ("llama", "LlamaForCausalLM"),
+            Arch::Qwen2 => ("qwen2", "Qwen2ForCausalLM"),
+            Arch::Qwen3 => ("qwen3", "Qwen3ForCausalLM"),
+            Arch::Qwen3Moe => ("qwen3_moe", "Qwen3MoeForCausalLM"),
+        }
+    }
+
+    /// Whether llama.cpp's converter permuted Q/K rows (`LlamaModel.permute`).
+    fn permutes(self) -> bool {
+        self == Arch::Llama
+    }
+
+    /// Per-head RMSNorm of q and k (`attn_q_norm`, `attn_k_norm`).
+    fn qk_norm(self) -> bool {
+        matches!(self, Arch::Qwen3 | Arch::Qwen3Moe)
+    }
+
+    /// Biases on q, k and v (`attn_q.bias`, ...).
+    fn qkv_bias(self) -> bool {
+        self == Arch::Qwen2
+    }
+}
+
+/// The routed experts of a mixture-of-experts GGUF.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct Experts {
+    /// `{arch}.expert_count`.
+    pub count: u64,
+    /// `{arch}.expert_used_count`.
+    pub used: u64,
+    /// `{arch}.expert_feed_forward_length`.
+    pub ff: u64,
+}
+
+/// Hyperparameters of a GGUF (`{arch}.*` keys).
 #[derive(Debug, Clone, PartialEq)]
 pub(super) struct Params {
+    pub arch: Arch,
     pub n_layer: u64,
     pub n_embd: u64,
     pub n_ff: u64,
@@ -25,14 +101,17 @@ pub(super) struct Params {
     pub vocab_size: u64,
     /// No `output.weight`: the LM head is the embedding.
     pub tied: bool,
+    /// Routed experts in every layer (qwen3moe).
+    pub experts: Option<Experts>,
 }
 
 impl Params {
-    pub fn from_gguf(g: &GgufFile) -> Result<Params, ImportError> {
+    pub fn from_gguf(g: &GgufFile, arch: Arch) -> Result<Params, ImportError> {
         let path = g.path().to_path_buf();
+        let a = arch.key();
+        let k = |key: &str| format!("{a}.{key}");
         let req = |key: &str| -> Result<u64, ImportError> {
-            Ok(g.get_u64(&format!("llama.{key}"))?
-                .ok_or_else(|| g.missing_key(&format!("llama.{key}")))?)
+            Ok(g.get_u64(&k(key))?.ok_or_else(|| g.missing_key(&k(key)))?)
         };
         let unsupported = |what: String| ImportError::Unsupported {
             path: path.clone(),
@@ -40,11 +119,28 @@ impl Params {
         };
         let n_layer = req("block_count")?;
         let n_embd = req("embedding_length")?;
-        let n_ff = req("feed_forward_length")?;
+        let experts = if g.get_u64(&k("expert_count"))?.unwrap_or(0) > 0 {
+            if arch != Arch::Qwen3Moe {
+                return Err(unsupported(format!("mixture-of-experts {a}")));
+            }
+            Some(Experts {
+                count: req("expert_count")?,
+                used: req("expert_used_count")?,
+                ff: req("expert_feed_forward_length")?,
+            })
+        } else if arch == Arch::Qwen3Moe {
+            return Err(g.missing_key(&k("expert_count")).into());
+        } else {
+            None
+        };
+        // A mixture of experts has no dense MLP: its experts' size stands in.
+        let n_ff = match (&experts, g.get_u64(&k("feed_forward_length"))?) {
+            (_, Some(ff)) => ff,
+            (Some(e), None) => e.ff,
+            (None, None) => req("feed_forward_length")?,
+        };
         let n_head = req("attention.head_count")?;
-        let n_head_kv = g
-            .get_u64("llama.attention.head_count_kv")?
-            .unwrap_or(n_head);
+        let n_head_kv = g.get_u64(&k("attention.head_count_kv"))?.unwrap_or(n_head);
         let context_length = req("context_length")?;
         if n_head == 0 || n_head_kv == 0 || n_head % n_head_kv != 0 {
             return Err(ImportError::Inconsistent {
@@ -52,7 +148,7 @@ impl Params {
                 detail: format!("{n_head} attention heads cannot share {n_head_kv} KV heads"),
             });
         }
-        let head_dim = match g.get_u64("llama.attention.key_length")? {
+        let head_dim = match g.get_u64(&k("attention.key_length"))? {
             Some(k) => k,
             None if n_embd % n_head == 0 => n_embd / n_head,
             None => {
@@ -64,7 +160,7 @@ impl Params {
                 })
             }
         };
-        let vocab_size = match g.get_u64("llama.vocab_size")? {
+        let vocab_size = match g.get_u64(&k("vocab_size"))? {
             Some(v) => v,
             None => g
                 .get_str_array("tokenizer.ggml.tokens")?
@@ -74,21 +170,34 @@ impl Params {
         // Sizes are bounded so that products of two of them fit u64, and the layer
         // count by the tensors present, before anything is computed or allocated from
         // them.
+        let e = experts.as_ref();
         for (key, x) in [
             ("embedding_length", n_embd),
             ("feed_forward_length", n_ff),
             ("attention.head_count", n_head),
             ("attention.key_length", head_dim),
             ("vocab_size", vocab_size),
+            ("expert_count", e.map_or(1, |e| e.count)),
+            ("expert_used_count", e.map_or(1, |e| e.used)),
+            ("expert_feed_forward_length", e.map_or(1, |e| e.ff)),
         ] {
             if x == 0 || x > u64::from(u32::MAX) {
                 return Err(ImportError::Inconsistent {
                     path,
-                    detail: format!("llama.{key} = {x} is out of range"),
+                    detail: format!("{a}.{key} = {x} is out of range"),
                 });
             }
         }
-        if let Some(v) = g.get_u64("llama.attention.value_length")? {
+        if let Some(e) = e.filter(|e| e.used > e.count) {
+            return Err(ImportError::Inconsistent {
+                path,
+                detail: format!(
+                    "{a}.expert_used_count = {} is more than {a}.expert_count = {}",
+                    e.used, e.count
+                ),
+            });
+        }
+        if let Some(v) = g.get_u64(&k("attention.value_length"))? {
             if v != head_dim {
                 return Err(unsupported(format!(
                     "value head size {v} different from key head size {head_dim}"
@@ -101,28 +210,25 @@ impl Params {
                 detail: format!("head size {head_dim} is not a positive even number"),
             });
         }
-        if let Some(rot) = g.get_u64("llama.rope.dimension_count")? {
+        if let Some(rot) = g.get_u64(&k("rope.dimension_count"))? {
             if rot != head_dim {
                 return Err(unsupported(format!(
                     "partial rotary embedding ({rot} of {head_dim} dims)"
                 )));
             }
         }
-        for key in ["llama.rope.scaling.type", "llama.rope.scaling.factor"] {
-            match g.metadata(key) {
+        for key in [k("rope.scaling.type"), k("rope.scaling.factor")] {
+            match g.metadata(&key) {
                 None => {}
                 Some(v) if v.as_str() == Some("none") => {}
                 Some(v) => return Err(unsupported(format!("rope scaling ({key} = {v:?})"))),
             }
         }
-        if g.get_u64("llama.expert_count")?.unwrap_or(0) > 0 {
-            return Err(unsupported("mixture-of-experts llama".into()));
-        }
         let rms_norm_eps = g
-            .get_f32("llama.attention.layer_norm_rms_epsilon")?
-            .ok_or_else(|| g.missing_key("llama.attention.layer_norm_rms_epsilon"))?;
+            .get_f32(&k("attention.layer_norm_rms_epsilon"))?
+            .ok_or_else(|| g.missing_key(&k("attention.layer_norm_rms_epsilon")))?;
         // llama.cpp's default when the key is absent.
-        let rope_theta = g.get_f32("llama.rope.freq_base")?.unwrap_or(10000.0);
+        let rope_theta = g.get_f32(&k("rope.freq_base"))?.unwrap_or(10000.0);
         for (key, x) in [
             ("attention.layer_norm_rms_epsilon", rms_norm_eps),
             ("rope.freq_base", rope_theta),
@@ -130,20 +236,23 @@ impl Params {
             if !(x.is_finite() && x > 0.0) {
                 return Err(ImportError::Inconsistent {
                     path,
-                    detail: format!("llama.{key} is {x}, not a positive number"),
+                    detail: format!("{a}.{key} is {x}, not a positive number"),
                 });
             }
         }
         let n_tensors = g.tensors().len() as u64;
-        if n_layer == 0 || n_layer > n_tensors / 9 {
+        let per_layer = layer_tensors(arch, experts.is_some()).len() as u64;
+        if n_layer == 0 || n_layer > n_tensors / per_layer {
             return Err(ImportError::Inconsistent {
                 path,
                 detail: format!(
-                    "llama.block_count = {n_layer} but the file has {n_tensors} tensors (9 per layer)"
+                    "{a}.block_count = {n_layer} but the file has {n_tensors} tensors \
+                     ({per_layer} per layer)"
                 ),
             });
         }
         Ok(Params {
+            arch,
             n_layer,
             n_embd,
             n_ff,
@@ -155,14 +264,16 @@ impl Params {
             context_length,
             vocab_size,
             tied: g.tensor("output.weight").is_none(),
+            experts,
         })
     }
 
-    /// `config.json` of `LlamaForCausalLM`.
+    /// `config.json` of the architecture's `*ForCausalLM`.
     pub fn config_json(&self, ids: &SpecialIds) -> serde_json::Value {
-        json!({
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+        let (model_type, architecture) = self.arch.hf();
+        let mut c = json!({
+            "architectures": [architecture],
+            "model_type": model_type,
             "attention_bias": false,
             "attention_dropout": 0.0,
             "bos_token_id": ids.bos,
@@ -185,7 +296,22 @@ impl Params {
             "dtype": "bfloat16",
             "use_cache": true,
             "vocab_size": self.vocab_size,
-        })
+        });
+        if self.arch != Arch::Llama {
+            c["use_sliding_window"] = false.into();
+            c["sliding_window"] = serde_json::Value::Null;
+        }
+        if let Some(e) = &self.experts {
+            // llama.cpp's qwen3moe: every layer's experts, softmax then the top
+            // `expert_used_count`, their weights normalised.
+            c["num_experts"] = e.count.into();
+            c["num_experts_per_tok"] = e.used.into();
+            c["moe_intermediate_size"] = e.ff.into();
+            c["norm_topk_prob"] = true.into();
+            c["decoder_sparse_step"] = 1.into();
+            c["mlp_only_layers"] = json!([]);
+        }
+        c
     }
 }
 
@@ -205,7 +331,37 @@ enum Rope {
     Heads(u64),
 }
 
-/// The Hugging Face name and expected torch shape of a llama GGUF tensor.
+/// The tensors of one layer of `arch` (a mixture of experts' where `moe`), by the
+/// GGUF name after `blk.N.`.
+fn layer_tensors(arch: Arch, moe: bool) -> Vec<&'static str> {
+    let mut t = vec![
+        "attn_norm.weight",
+        "ffn_norm.weight",
+        "attn_q.weight",
+        "attn_k.weight",
+        "attn_v.weight",
+        "attn_output.weight",
+    ];
+    if moe {
+        t.extend([
+            "ffn_gate_inp.weight",
+            "ffn_gate_exps.weight",
+            "ffn_up_exps.weight",
+            "ffn_down_exps.weight",
+        ]);
+    } else {
+        t.extend(["ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"]);
+    }
+    if arch.qkv_bias() {
+        t.extend(["attn_q.bias", "attn_k.bias", "attn_v.bias"]);
+    }
+    if arch.qk_norm() {
+        t.extend(["attn_q_norm.weight", "attn_k_norm.weight"]);
+    }
+    t
+}
+
+/// The Hugging Face name and expected torch shape of a GGUF tensor.
 fn hf_name(p: &Params, name: &str) -> Option<(String, Vec<u64>, Rope)> {
     let (e, ff, v) = (p.n_embd, p.n_ff, p.vocab_size);
     let q_rows = p.n_head * p.head_dim;
@@ -225,33 +381,46 @@ fn hf_name(p: &Params, name: &str) -> Option<(String, Vec<u64>, Rope)> {
         .parse()
         .ok()
         .filter(|n: &u64| n.to_string() == layer)?;
-    if n >= p.n_layer {
+    if n >= p.n_layer || !layer_tensors(p.arch, p.experts.is_some()).contains(&tail) {
         return None;
     }
+    let heads = |h| {
+        if p.arch.permutes() {
+            Rope::Heads(h)
+        } else {
+            Rope::None
+        }
+    };
+    let (ne, eff) = p.experts.as_ref().map_or((0, 0), |x| (x.count, x.ff));
     let (hf, shape, rope) = match tail {
         "attn_norm.weight" => ("input_layernorm.weight", vec![e], Rope::None),
         "ffn_norm.weight" => ("post_attention_layernorm.weight", vec![e], Rope::None),
-        "attn_q.weight" => (
-            "self_attn.q_proj.weight",
-            vec![q_rows, e],
-            Rope::Heads(p.n_head),
-        ),
+        "attn_q.weight" => ("self_attn.q_proj.weight", vec![q_rows, e], heads(p.n_head)),
         "attn_k.weight" => (
             "self_attn.k_proj.weight",
             vec![kv_rows, e],
-            Rope::Heads(p.n_head_kv),
+            heads(p.n_head_kv),
         ),
         "attn_v.weight" => ("self_attn.v_proj.weight", vec![kv_rows, e], Rope::None),
         "attn_output.weight" => ("self_attn.o_proj.weight", vec![e, q_rows], Rope::None),
+        "attn_q.bias" => ("self_attn.q_proj.bias", vec![q_rows], Rope::None),
+        "attn_k.bias" => ("self_attn.k_proj.bias", vec![kv_rows], Rope::None),
+        "attn_v.bias" => ("self_attn.v_proj.bias", vec![kv_rows], Rope::None),
+        "attn_q_norm.weight" => ("self_attn.q_norm.weight", vec![p.head_dim], Rope::None),
+        "attn_k_norm.weight" => ("self_attn.k_norm.weight", vec![p.head_dim], Rope::None),
         "ffn_gate.weight" => ("mlp.gate_proj.weight", vec![ff, e], Rope::None),
         "ffn_up.weight" => ("mlp.up_proj.weight", vec![ff, e], Rope::None),
         "ffn_down.weight" => ("mlp.down_proj.weight", vec![e, ff], Rope::None),
+        "ffn_gate_inp.weight" => ("mlp.gate.weight", vec![ne, e], Rope::None),
+        "ffn_gate_exps.weight" => ("mlp.experts.gate_proj", vec![ne, eff, e], Rope::None),
+        "ffn_up_exps.weight" => ("mlp.experts.up_proj", vec![ne, eff, e], Rope::None),
+        "ffn_down_exps.weight" => ("mlp.experts.down_proj", vec![ne, e, eff], Rope::None),
         _ => return None,
     };
     Some((format!("model.layers.{n}.{hf}"), shape, rope))
 }
 
-/// Every tensor a llama model of these parameters must have, by GGUF name.
+/// Every tensor a model of these parameters must have, by GGUF name.
 fn expected_names(p: &Params) -> Vec<String> {
     let mut names = vec![
         "token_embd.weight".to_string(),
@@ -261,18 +430,8 @@ fn expected_names(p: &Params) -> Vec<String> {
         names.push("output.weight".into());
     }
     for i in 0..p.n_layer {
-        for t in [
-            "attn_norm",
-            "ffn_norm",
-            "attn_q",
-            "attn_k",
-            "attn_v",
-            "attn_output",
-            "ffn_gate",
-            "ffn_up",
-            "ffn_down",
-        ] {
-            names.push(format!("blk.{i}.{t}.weight"));
+        for t in layer_tensors(p.arch, p.experts.is_some()) {
+            names.push(format!("blk.{i}.{t}"));
         }
     }
     names
@@ -282,10 +441,11 @@ fn expected_names(p: &Params) -> Vec<String> {
 ///
 /// llama.cpp stores row `h*2*half + j*2 + i` what Hugging Face has at row
 /// `h*2*half + i*half + j` (`i` in 0..2, `j` in 0..half, `half = rows/heads/2`): it
-/// interleaves the two rotary halves of each head. `rows` is `heads * 2 * half`.
-fn unpermute_rows(w: &[f32], rows: usize, cols: usize, heads: usize) -> Vec<f32> {
+/// interleaves the two rotary halves of each head. `rows` is `heads * 2 * half`;
+/// a row is `cols` elements of any kind (f32 values, or a row's bytes of blocks).
+fn unpermute_rows<T: Copy + Default>(w: &[T], rows: usize, cols: usize, heads: usize) -> Vec<T> {
     let half = rows / heads / 2;
-    let mut out = vec![0f32; w.len()];
+    let mut out = vec![T::default(); w.len()];
     for h in 0..heads {
         for i in 0..2 {
             for j in 0..half {
@@ -306,6 +466,52 @@ pub(super) struct Planned<'a> {
     pub name: String,
     pub shape: Vec<usize>,
     rope: Rope,
+}
+
+impl Planned<'_> {
+    /// How the tensor is written when kept as stored: its dtype and shape in the
+    /// safetensors file, and its ggml block type when it is one (`U8` rows of whole
+    /// blocks, `[rows, row bytes]`). F32, F16 and BF16 keep their dtype and shape.
+    pub fn as_stored(
+        &self,
+        path: &std::path::Path,
+    ) -> Result<(DType, Vec<usize>, Option<GgmlType>), ImportError> {
+        let t = self.info.ggml_type();
+        let plain = match t {
+            GgmlType::F32 => Some(DType::F32),
+            GgmlType::F16 => Some(DType::F16),
+            GgmlType::BF16 => Some(DType::BF16),
+            _ => None,
+        };
+        if let Some(d) = plain {
+            return Ok((d, self.shape.clone(), None));
+        }
+        if !voom_formats::gguf::dequantizes(t) {
+            return Err(ImportError::Unsupported {
+                path: path.to_path_buf(),
+                what: format!(
+                    "tensor '{}' of ggml type {t} (vOOM runs F32, F16, BF16, Q4_0, Q4_1, \
+                     Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ4_NL, IQ4_XS and MXFP4)",
+                    self.info.name()
+                ),
+            });
+        }
+        let (&cols, lead) = self.shape.split_last().expect("a planned tensor has dims");
+        if lead.is_empty() {
+            return Err(ImportError::Unsupported {
+                path: path.to_path_buf(),
+                what: format!(
+                    "tensor '{}': a vector of {t} blocks (vOOM keeps vectors in a float dtype)",
+                    self.info.name()
+                ),
+            });
+        }
+        let (block, bytes) = t.block();
+        let row = cols / block as usize * bytes as usize;
+        let mut shape = lead.to_vec();
+        shape.push(row);
+        Ok((DType::U8, shape, Some(t)))
+    }
 }
 
 /// Checks every tensor against the parameters and lists them in output order (sorted
@@ -329,7 +535,7 @@ pub(super) fn plan_tensors<'a>(
         let Some((hf, shape, rope)) = hf_name(p, t.name()) else {
             return Err(ImportError::Unsupported {
                 path,
-                what: format!("tensor '{}' in a llama model", t.name()),
+                what: format!("tensor '{}' in a {} model", t.name(), p.arch.key()),
             });
         };
         if t.torch_shape() != shape {
@@ -368,8 +574,13 @@ pub(super) struct ConvertedTensor {
     pub rounded_elements: u64,
 }
 
-/// Dequantizes one planned tensor, un-permutes Q/K rows, and rounds to BF16.
-pub(super) fn convert_one(g: &GgufFile, t: &Planned<'_>) -> Result<ConvertedTensor, ImportError> {
+/// Dequantizes one planned tensor, un-permutes Q/K rows, and rounds to BF16 (or
+/// keeps the f32 values, `f32`).
+pub(super) fn convert_one(
+    g: &GgufFile,
+    t: &Planned<'_>,
+    f32: bool,
+) -> Result<ConvertedTensor, ImportError> {
     let mut values = g.dequantize_tensor(t.info)?;
     if let Rope::Heads(heads) = t.rope {
         let heads = usize::try_from(heads).map_err(|_| ImportError::Inconsistent {
@@ -378,6 +589,13 @@ pub(super) fn convert_one(g: &GgufFile, t: &Planned<'_>) -> Result<ConvertedTens
         })?;
         // Shape checked by the plan: rows = heads * head_dim with head_dim even.
         values = unpermute_rows(&values, t.shape[0], t.shape[1], heads);
+    }
+    if f32 {
+        return Ok(ConvertedTensor {
+            data: values.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            parameters: values.len() as u64,
+            rounded_elements: 0,
+        });
     }
     let mut data = Vec::with_capacity(values.len() * 2);
     let mut rounded = 0u64;
@@ -393,6 +611,22 @@ pub(super) fn convert_one(g: &GgufFile, t: &Planned<'_>) -> Result<ConvertedTens
         parameters: values.len() as u64,
         rounded_elements: rounded,
     })
+}
+
+/// One planned tensor's bytes as the GGUF stores them, Q/K rows un-permuted (whole
+/// rows of blocks move; nothing is dequantized): what [`Planned::as_stored`]
+/// describes.
+pub(super) fn copy_one(g: &GgufFile, t: &Planned<'_>) -> Result<Vec<u8>, ImportError> {
+    let bytes = g.tensor_bytes(t.info)?;
+    let Rope::Heads(heads) = t.rope else {
+        return Ok(bytes.to_vec());
+    };
+    let heads = usize::try_from(heads).map_err(|_| ImportError::Inconsistent {
+        path: g.path().to_path_buf(),
+        detail: format!("tensor '{}' has too many heads", t.info.name()),
+    })?;
+    let rows = t.shape[0];
+    Ok(unpermute_rows(bytes, rows, bytes.len() / rows, heads))
 }
 
 /// Hugging Face names of the tensors a GGUF with these parameters converts to, for
@@ -447,6 +681,8 @@ mod tests {
     #[test]
     fn layer_numbers_are_canonical_and_in_range() {
         let p = Params {
+            arch: Arch::Llama,
+            experts: None,
             n_layer: 2,
             n_embd: 8,
             n_ff: 16,
