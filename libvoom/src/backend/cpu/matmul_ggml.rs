@@ -11,6 +11,9 @@
 //! and every sum is in the one order, so the bits do not depend on the instruction
 //! set, the thread count, the group or the number of tokens (batch invariant).
 //!
+//! On AVX-512 the rows of the common types are widened sixteen elements an
+//! instruction (`ggml_widen.rs`: the same values, bit for bit).
+//!
 //! The buffer is never a widened copy of the matrix: at most [`GROUP_ROWS`] rows
 //! and, at one token, [`DECODE_GROUP_BYTES`] (a first-level cache's worth, so the
 //! widened values are read back from it), else [`GROUP_BYTES`].
@@ -18,6 +21,10 @@
 use super::*;
 use crate::backend::view::{ggml_block, GGML_MAX_BLOCK};
 use voom_formats::gguf::{dequantize_into, GgmlType};
+
+#[cfg(target_arch = "x86_64")]
+#[path = "ggml_widen.rs"]
+mod widen;
 
 /// Rows a group holds at most (the AVX-512 packed path's panel height, so many
 /// tokens run packed over whole panels).
@@ -66,8 +73,14 @@ pub(super) unsafe fn rows(
         let r = (rows.end - o).min(g);
         for (i, dst) in buf[..r * cols].chunks_exact_mut(cols.max(1)).enumerate() {
             let at = (o + i) * row_bytes;
-            dequantize_into(ty, &w.bytes[at..at + row_bytes], dst)
-                .expect("a checked view's type dequantizes");
+            let src = &w.bytes[at..at + row_bytes];
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `isa` is supported (the caller's), and Avx512 means AVX-512 F,
+            // BW and VL; `src` is the row's whole blocks, `dst` its elements.
+            if isa == Isa::Avx512 && unsafe { widen::widen(ty, src, dst) } {
+                continue;
+            }
+            dequantize_into(ty, src, dst).expect("a checked view's type dequantizes");
         }
         // SAFETY: `buf` holds r*cols initialised f32s, any bytes of which are valid
         // u8s; the slice borrows `buf` for as long as the view lives.
@@ -122,4 +135,39 @@ pub(super) fn widen(
         out[j - cols.start..end - cols.start].copy_from_slice(&v[j - b * block..end - b * block]);
         j = end;
     }
+}
+
+#[cfg(test)]
+/// Blocks of ggml's own quantization, each type's (tests/fixtures/gguf/
+/// dequant_blocks.json, whose values `voom_formats` matches bit for bit), those
+/// whose values are all finite.
+pub(super) fn fixture_blocks() -> Vec<(voom_formats::gguf::GgmlType, Vec<u8>)> {
+    use voom_formats::gguf::GgmlType;
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tests/fixtures/gguf/dequant_blocks.json"
+    );
+    let doc: serde_json::Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+    let mut out = Vec::new();
+    for case in doc["cases"].as_array().unwrap() {
+        let name = case["type"].as_str().unwrap();
+        let ty = (0..64)
+            .filter_map(GgmlType::from_id)
+            .find(|t| t.name() == name)
+            .unwrap();
+        let finite = case["f32_bits"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|b| f32::from_bits(b.as_u64().unwrap() as u32).is_finite());
+        let hex = case["bytes_hex"].as_str().unwrap();
+        let bytes = (0..hex.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
+            .collect();
+        if finite {
+            out.push((ty, bytes));
+        }
+    }
+    out
 }

@@ -438,40 +438,6 @@ fn bad_scales_are_typed_errors() {
     ));
 }
 
-/// Blocks of ggml's own quantization, each type's (tests/fixtures/gguf/
-/// dequant_blocks.json, whose values `voom_formats` matches bit for bit), those
-/// whose values are all finite.
-fn ggml_fixture_blocks() -> Vec<(voom_formats::gguf::GgmlType, Vec<u8>)> {
-    use voom_formats::gguf::GgmlType;
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../tests/fixtures/gguf/dequant_blocks.json"
-    );
-    let doc: serde_json::Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
-    let mut out = Vec::new();
-    for case in doc["cases"].as_array().unwrap() {
-        let name = case["type"].as_str().unwrap();
-        let ty = (0..64)
-            .filter_map(GgmlType::from_id)
-            .find(|t| t.name() == name)
-            .unwrap();
-        let finite = case["f32_bits"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .all(|b| f32::from_bits(b.as_u64().unwrap() as u32).is_finite());
-        let hex = case["bytes_hex"].as_str().unwrap();
-        let bytes = (0..hex.len())
-            .step_by(2)
-            .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
-            .collect();
-        if finite {
-            out.push((ty, bytes));
-        }
-    }
-    out
-}
-
 /// The module doc's order over a matrix's values given dense (`dense[o*cols + k]`).
 fn spec_dense(x: &[f32], n: usize, dense: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     let k8 = cols / 8 * 8;
@@ -506,7 +472,7 @@ fn spec_dense(x: &[f32], n: usize, dense: &[f32], rows: usize, cols: usize) -> V
 fn ggml_products_have_the_bits_of_the_spec() {
     use crate::backend::view::ggml_block;
     let mut rng = ChaCha8Rng::seed_from_u64(39);
-    let blocks = ggml_fixture_blocks();
+    let blocks = super::ggml::fixture_blocks();
     let mut types: Vec<_> = blocks.iter().map(|(t, _)| *t).collect();
     types.dedup();
     assert!(types.len() >= 13, "fixture types: {types:?}");
