@@ -2,7 +2,7 @@
 //!
 //! One-shot commands compose the engine (libvoom) with the embedded page store:
 //! `voom run MODEL [PROMPT]`, `voom generate`, `voom pull`, `voom import`, `voom list`,
-//! `voom profiles`, `voom plan`, and `voom serve`, the HTTP server.
+//! `voom profiles`, `voom plan`, `voom perplexity`, and `voom serve`, the HTTP server.
 
 use clap::{Parser, Subcommand};
 use voom_server::{cli, serve};
@@ -34,6 +34,8 @@ enum Command {
     Plan(cli::plan::PlanArgs),
     /// Measure prefill and decode speed against the memory-bandwidth bound.
     Bench(cli::bench::BenchArgs),
+    /// The perplexity of a text as llama-perplexity computes it; KL divergence from an exact model.
+    Perplexity(cli::perplexity::PerplexityArgs),
     /// Serve the models over OpenAI- and Anthropic-compatible HTTP APIs.
     Serve(serve::ServeArgs),
     /// List the runtime profiles, or show how one resolves.
@@ -67,6 +69,7 @@ fn main() -> std::process::ExitCode {
         Command::List(a) => cli::list::run(a),
         Command::Plan(a) => cli::plan::run(a),
         Command::Bench(a) => cli::bench::run(a),
+        Command::Perplexity(a) => cli::perplexity::run(a),
         Command::Serve(a) => serve::run(a),
         Command::Profiles(a) => cli::profiles::run(a),
     };

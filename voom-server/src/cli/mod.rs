@@ -8,6 +8,7 @@ pub mod list;
 pub mod llama_cpp;
 pub mod long_context_bench;
 pub mod out_of_core;
+pub mod perplexity;
 pub mod plan;
 pub mod prefix_bench;
 pub mod profiles;
