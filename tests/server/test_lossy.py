@@ -136,8 +136,21 @@ def test_cli_labels_the_lossy_model(lossy_home: Path) -> None:
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["exact"] is False and out["scheme"] == "q8_0", out
     assert len(out["ids"]) == 4
-    # The same weights under an exact-looking id are refused, not run.
+    # `voom generate --model FILE.gguf` imports the file once, then reuses it.
     import shutil
+
+    gguf_path = str(lossy_home / "Other.Q8_0.gguf")
+    shutil.copy(lossy_home / "Tiny.Q8_0.gguf", gguf_path)
+    runs = [
+        voom(lossy_home, "generate", "--model", gguf_path, "--prompt", "Hello", "--max-new-tokens", "4", "--json")
+        for _ in range(2)
+    ]
+    for r in runs:
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout.strip().splitlines()[-1])["ids"] == out["ids"]
+    assert "importing" in runs[0].stderr and "importing" not in runs[1].stderr, runs[1].stderr
+    assert (lossy_home / "models" / "lossy-other.q8_0").is_dir()
+    # The same weights under an exact-looking id are refused, not run.
 
     shutil.copytree(lossy_home / "models" / MODEL, lossy_home / "models" / "tiny-renamed")
     r = voom(lossy_home, "generate", "--model", "tiny-renamed", "--prompt", "Hi", "--max-new-tokens", "1")

@@ -404,10 +404,17 @@ impl Speculation {
     }
 }
 
-/// Resolves MODEL: an existing directory, or a name in the local store (pulled first
-/// when it is a known model that is missing and `pull_missing` is set).
+/// Resolves MODEL: an existing directory, a GGUF file (imported into the store the
+/// first time: [`crate::cli::pull::model_of_gguf`]), or a name in the local store
+/// (pulled first when it is a known model that is missing and `pull_missing` is set).
 pub fn resolve_model(model: &str, pull_missing: bool) -> Result<PathBuf> {
     let p = Path::new(model);
+    if p.is_file()
+        && p.extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+    {
+        return crate::cli::pull::model_of_gguf(p);
+    }
     if p.is_dir() {
         if !store::is_model_dir(p) {
             bail!("{} is a directory but has no config.json", p.display());

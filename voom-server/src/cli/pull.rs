@@ -120,9 +120,63 @@ pub fn import(a: ImportArgs) -> Result<()> {
             out.display()
         );
     }
+    let stamp = import_stamp(&a.file)?;
     import_into(&a.file, &out, how)?;
+    if how == WeightsAs::Stored {
+        // `voom run FILE.gguf` of the same file reuses this import.
+        std::fs::write(out.join(IMPORT_MARKER), stamp.to_string())
+            .with_context(|| format!("writing {}", out.join(IMPORT_MARKER).display()))?;
+    }
     vpaged::outln!("{}", out.display())?;
     Ok(())
+}
+
+/// The store model of the GGUF file `file`, for `voom run FILE.gguf` (and every
+/// command that takes a model): imported as `voom import FILE.gguf` would (its
+/// blocks kept, under its default name) the first time, and again when the file
+/// changes (its length or modification time differ from the import's record).
+pub fn model_of_gguf(file: &Path) -> Result<PathBuf> {
+    let lossy = is_quantized(file).with_context(|| format!("importing {}", file.display()))?;
+    let name = import_name(file, None, lossy)?;
+    let out = store::model_path(&name)?;
+    let stamp = import_stamp(file)?;
+    let recorded = voom_formats::file::read_limited(&out.join(IMPORT_MARKER), 1 << 16)
+        .ok()
+        .and_then(|t| serde_json::from_slice::<serde_json::Value>(&t).ok());
+    if store::is_model_dir(&out) && recorded.as_ref() == Some(&stamp) {
+        return Ok(out);
+    }
+    if store::is_model_dir(&out) && recorded.is_none() {
+        bail!(
+            "{} holds a model not imported from {} (remove it, or import the file under \
+             another name with `voom import`)",
+            out.display(),
+            file.display()
+        );
+    }
+    eprintln!("voom: importing {} as {name}", file.display());
+    import_into(file, &out, WeightsAs::Stored)?;
+    std::fs::write(out.join(IMPORT_MARKER), stamp.to_string())
+        .with_context(|| format!("writing {}", out.join(IMPORT_MARKER).display()))?;
+    Ok(out)
+}
+
+/// Written into a model imported from a GGUF: which file, as it was.
+const IMPORT_MARKER: &str = "voom-import.json";
+
+/// What [`IMPORT_MARKER`] records of `file`: its path, length and modification time.
+fn import_stamp(file: &Path) -> Result<serde_json::Value> {
+    let meta = std::fs::metadata(file).with_context(|| format!("reading {}", file.display()))?;
+    Ok(serde_json::json!({
+        "gguf": std::fs::canonicalize(file)?,
+        "len": meta.len(),
+        "modified_ns": meta
+            .modified()
+            .ok()
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .map(|d| d.as_nanos() as u64),
+        "import_format": IMPORT_FORMAT,
+    }))
 }
 
 /// Imports a GGUF into `out` (replacing it) and writes the page manifest. The new
