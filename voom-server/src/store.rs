@@ -89,7 +89,11 @@ pub fn lossy_scheme(dir: &Path) -> Option<String> {
 /// Checks that the model `id` names in `dir` is labelled as what it is: a lossy
 /// model's id begins with [`LOSSY_PREFIX`]. Returns its scheme (`None`: exact).
 pub fn check_lossy_id(id: &str, dir: &Path) -> Result<Option<String>> {
-    let scheme = lossy_scheme(dir);
+    check_lossy_name(id, lossy_scheme(dir), dir)
+}
+
+/// [`check_lossy_id`] with the model's scheme already read (its config parsed).
+pub fn check_lossy_name(id: &str, scheme: Option<String>, dir: &Path) -> Result<Option<String>> {
     if let Some(s) = &scheme {
         if !id.starts_with(LOSSY_PREFIX) {
             bail!(

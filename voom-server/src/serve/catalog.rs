@@ -164,7 +164,9 @@ impl Catalog {
     fn read(&self, id: &str, dir: &Path) -> Result<ModelMeta, ApiError> {
         let bad = |e: &dyn std::fmt::Display| ApiError::model_unavailable(id, e);
         let cfg = ModelConfig::from_dir(dir).map_err(|e| bad(&e))?;
-        let scheme = crate::store::check_lossy_id(id, dir).map_err(|e| bad(&e))?;
+        let scheme =
+            crate::store::check_lossy_name(id, cfg.quant.scheme().map(str::to_string), dir)
+                .map_err(|e| bad(&e))?;
         // The same limit the engine gets (cli::common::open_engine).
         let max_context = self.settings.max_context_for(&cfg).map_err(|e| bad(&e))?;
         let tokenizer = if dir.join("tokenizer.json").is_file() {
